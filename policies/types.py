@@ -1,0 +1,135 @@
+"""The contract between the proxy (or the simulator) and a routing policy.
+
+A policy sees only these values: what the request is (`Features`) and what the fleet looks like
+now (`Snapshot`). It reads no clock, does no I/O and keeps no globals, so the very same object
+is unit-tested on hand-built snapshots, swept on the twin's virtual clock, and served.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Mapping, Protocol
+
+PoolName = Literal["spec", "base"]
+POOLS: tuple[PoolName, PoolName] = ("spec", "base")
+RequestClass = Literal["latency", "batch"]
+
+
+@dataclass(frozen=True, slots=True)
+class Features:
+    """What the router knows about one request before sending it."""
+
+    prompt_tokens: int
+    """Estimated prompt length (policies.features.count_prompt_tokens; the twin counts alike)."""
+    max_tokens: int | None = None
+    """The client's cap on output tokens, if it set one."""
+    stream: bool = True
+    request_class: RequestClass = "latency"
+    ignore_eos: bool = False
+    """True when the request will run to max_tokens (SGLang's ignore_eos)."""
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceState:
+    """One backend server as the router sees it now."""
+
+    url: str
+    running: float
+    """Requests decoding: last polled value adjusted by the proxy's own dispatches since."""
+    waiting: float
+    """Requests queued behind the running batch (same adjustment)."""
+    max_running: int
+    """The server's max_running_requests cap (48 by default on an SGLang EAGLE-3 server)."""
+    healthy: bool = True
+    age_s: float = 0.0
+    """Seconds since this instance's load was last read from the server."""
+
+    @property
+    def load(self) -> float:
+        return self.running + self.waiting
+
+    @property
+    def free_slots(self) -> float:
+        return self.max_running - self.load
+
+
+@dataclass(frozen=True, slots=True)
+class PoolState:
+    """One pool (`spec` or `base`) of instances."""
+
+    name: PoolName
+    instances: tuple[InstanceState, ...]
+    speculative: bool = False
+    num_draft_tokens: int = 0
+    """k: tokens drafted per verify step on a speculative pool (speculative_num_steps, topk=1)."""
+    alpha: float | None = None
+    """Per-token acceptance probability estimated from the pool's accept length; None if unknown."""
+    stale: bool = False
+    """True when the freshest load reading is older than the configured staleness bound."""
+
+    @property
+    def healthy_instances(self) -> tuple[InstanceState, ...]:
+        return tuple(i for i in self.instances if i.healthy)
+
+    @property
+    def available(self) -> bool:
+        return bool(self.healthy_instances)
+
+    def least_loaded(self) -> InstanceState | None:
+        """The instance a new request would join (fewest requests relative to its cap)."""
+        healthy = self.healthy_instances
+        if not healthy:
+            return None
+        return min(healthy, key=lambda i: (i.load / max(i.max_running, 1), i.load))
+
+    @property
+    def running(self) -> float:
+        return sum(i.running for i in self.healthy_instances)
+
+    @property
+    def waiting(self) -> float:
+        return sum(i.waiting for i in self.healthy_instances)
+
+    @property
+    def capacity(self) -> int:
+        return sum(i.max_running for i in self.healthy_instances)
+
+    @property
+    def age_s(self) -> float:
+        healthy = self.healthy_instances
+        return min((i.age_s for i in healthy), default=float("inf"))
+
+
+class StepCost(Protocol):
+    """Milliseconds one engine step takes; implemented by policies.costmodel."""
+
+    def decode_step_ms(self, pool: PoolName, batch: int, tokens_per_seq: int) -> float: ...
+
+    def prefill_ms(self, pool: PoolName, tokens: int) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The fleet at the moment of a decision."""
+
+    pools: Mapping[str, PoolState]
+    cost: StepCost | None = None
+    """Step-cost model (learned online, seeded from a profile); None means a policy must not need it."""
+
+    def pool(self, name: PoolName) -> PoolState | None:
+        return self.pools.get(name)
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    pool: PoolName
+    reason: str
+    """A short, stable token saying why, e.g. "spec-sooner", "spec-full", "stale", "static"."""
+    scores: Mapping[str, float] = field(default_factory=dict)
+    """What the policy weighed, e.g. predicted seconds to completion per pool."""
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, features: Features, snapshot: Snapshot) -> Decision: ...
