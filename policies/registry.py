@@ -42,4 +42,7 @@ def create(name: str, params: Mapping[str, Any] | None = None) -> Policy:
 
 def _load_builtin() -> None:
     # Importing the modules runs their @register decorators; kept lazy to avoid import cycles.
+    import policies.goodput  # noqa: F401
+    import policies.roundrobin  # noqa: F401
     import policies.static  # noqa: F401
+    import policies.threshold  # noqa: F401

@@ -1,0 +1,142 @@
+"""Acceptance: accept length <-> alpha, and a half-life-smoothed estimate from evidence.
+
+Accept length (tau) is what servers report: tokens committed per request per verify step, the
+bonus token included. The cost model wants alpha, the per-token acceptance probability of the
+i.i.d. model, tau = (1 - alpha^(k+1)) / (1 - alpha) for k chain-drafted tokens.
+
+Nothing here reads a clock: every call takes `now` (seconds, any monotonic origin), so the same
+estimator runs in the proxy (wall clock) and on the twin's virtual clock.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def accept_length(alpha: float, k: int) -> float:
+    """tau(alpha, k): expected tokens per verify step with k drafted tokens."""
+    if k <= 0:
+        return 1.0
+    alpha = min(max(alpha, 0.0), 1.0)
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def alpha_from_accept_length(tau: float, k: int) -> float:
+    """Invert tau(alpha, k) by bisection; tau is clamped to its range [1, k + 1]."""
+    if k <= 0:
+        return 0.0
+    if tau <= 1.0:
+        return 0.0
+    if tau >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    # tau is strictly increasing in alpha; 50 halvings are far below any useful precision.
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if accept_length(mid, k) < tau:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+@dataclass(slots=True)
+class SmoothedMean:
+    """A mean of weighted evidence whose weight halves every `half_life_s` seconds.
+
+    Evidence is weighted by how many verify steps it covers, so a 500-step counter window counts
+    for more than one short request, and old evidence fades at the configured half-life.
+    """
+
+    half_life_s: float
+    _mean: float | None = None
+    _weight: float = 0.0
+    _at: float | None = None
+
+    def _decay(self, now: float) -> float:
+        if self._at is None:
+            return 0.0
+        dt = max(now - self._at, 0.0)
+        if self.half_life_s <= 0:
+            return 0.0
+        return self._weight * math.pow(0.5, dt / self.half_life_s)
+
+    def observe(self, now: float, value: float, weight: float = 1.0) -> None:
+        if weight <= 0 or not math.isfinite(value):
+            return
+        kept = self._decay(now)
+        prior = self._mean if self._mean is not None else value
+        self._weight = kept + weight
+        self._mean = (prior * kept + value * weight) / self._weight
+        self._at = now if self._at is None else max(now, self._at)
+
+    def value(self) -> float | None:
+        return self._mean
+
+    def weight(self, now: float) -> float:
+        """Evidence left after decay: near 0 means the estimate rests on old data."""
+        return self._decay(now)
+
+
+@dataclass(slots=True)
+class CounterDelta:
+    """Increments of two monotonic counters between polls: tokens generated and verify calls.
+
+    Their ratio is SGLang's windowed accept length, rate(sglang:generation_tokens_total) /
+    rate(sglang:spec_verify_calls_total), over the poll interval. A counter that goes backwards
+    (a server restart) restarts the differencing instead of producing a negative rate.
+    """
+
+    _last: tuple[float, float] | None = None
+
+    def add(self, tokens_total: float, verify_total: float) -> tuple[float, float] | None:
+        """(tokens, verify steps) since the previous sample, or None on the first or a reset."""
+        last, self._last = self._last, (tokens_total, verify_total)
+        if last is None or tokens_total < last[0] or verify_total < last[1]:
+            return None
+        return tokens_total - last[0], verify_total - last[1]
+
+
+class AcceptanceEstimator:
+    """One speculative pool's accept length: counter deltas and per-request evidence, smoothed.
+
+    Sources, strongest first: the server's token/verify counters (each poll adds the steps since
+    the last one), the proxy's own streams (tokens per verify step of each finished request), and
+    the server's own accept-length gauge when nothing else exists (a weak prior: weight 1).
+    """
+
+    def __init__(self, num_draft_tokens: int, half_life_s: float = 2.0, prior_accept_length: float | None = None):
+        self.k = num_draft_tokens
+        self._mean = SmoothedMean(half_life_s)
+        if prior_accept_length is not None:
+            self._mean.observe(0.0, prior_accept_length, 1e-6)
+
+    def observe_counters(self, now: float, d_tokens: float, d_verify: float) -> None:
+        """Counter increments since the previous poll (already differenced, reset-safe)."""
+        if d_verify > 0 and d_tokens > 0:
+            self._mean.observe(now, d_tokens / d_verify, d_verify)
+
+    def observe_request(self, now: float, completion_tokens: int, verify_steps: int) -> None:
+        """One finished request: its tokens and verify steps (from spec details or chunk count)."""
+        if verify_steps > 0 and completion_tokens > 0:
+            # The first token comes from prefill, not a verify step (SGLang's per-request figure
+            # is biased up by it); drop it when there is more than one.
+            tokens = completion_tokens - 1 if completion_tokens > verify_steps else completion_tokens
+            self._mean.observe(now, tokens / verify_steps, verify_steps)
+
+    def observe_gauge(self, now: float, accept_length: float) -> None:
+        if accept_length >= 1.0:
+            self._mean.observe(now, accept_length, 1.0)
+
+    def accept_length(self) -> float | None:
+        return self._mean.value()
+
+    def alpha(self) -> float | None:
+        tau = self._mean.value()
+        return None if tau is None else alpha_from_accept_length(tau, self.k)
+
+    def evidence(self, now: float) -> float:
+        return self._mean.weight(now)

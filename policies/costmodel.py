@@ -1,0 +1,227 @@
+"""The step-cost model: how long one engine step takes per pool and batch size, learned online.
+
+A seed curve (from the profile SPECROUTE_PROFILE names, else a generic dense-model prior) gives
+the shape; observed step times (inter-token latency of the streams, one chunk per engine step)
+correct it per pool and batch-size bucket. A policy only reads this object (the `StepCost`
+protocol); the proxy and the simulator feed it.
+
+A spec step drafts k tokens and verifies k+1: step(B, T=k+1) = k * draft(B) + target(B, k+1).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from policies.types import PoolName
+
+
+class Seed(Protocol):
+    """Step times before anything was observed (a profile, or the generic prior)."""
+
+    def target_ms(self, batch: int, tokens_per_seq: int) -> float: ...
+
+    def draft_ms(self, batch: int) -> float: ...
+
+    def prefill_ms(self, tokens: int) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AffineSeed:
+    """target = c0 + c_tok * B * T; draft = d0 + d_tok * B; prefill = p_tok * tokens.
+
+    The defaults are a rough H200 / 8B dense fit (../shared/calibration): 6 ms fixed, 0.04 ms
+    per batched token. Only a prior: observations correct it within a few dozen steps.
+    """
+
+    c0: float = 6.0
+    c_tok: float = 0.04
+    d0: float = 0.23
+    d_tok: float = 0.0015
+    p_tok: float = 0.03
+
+    def target_ms(self, batch: int, tokens_per_seq: int) -> float:
+        return self.c0 + self.c_tok * batch * tokens_per_seq
+
+    def draft_ms(self, batch: int) -> float:
+        return self.d0 + self.d_tok * batch
+
+    def prefill_ms(self, tokens: int) -> float:
+        return self.c0 + self.p_tok * tokens
+
+
+@dataclass(frozen=True, slots=True)
+class TableSeed:
+    """Step times measured at a grid of batch sizes (the calibration CSV shape), interpolated.
+
+    `target[T]` maps tokens-per-sequence to sorted (batch, ms) points; `draft` likewise. Between
+    points the time is linear in B; beyond the last point it extends the last slope.
+    """
+
+    target: dict[int, tuple[tuple[int, float], ...]]
+    draft: tuple[tuple[int, float], ...]
+    prefill_ms_per_token: float = 0.03
+    prefill_fixed_ms: float = 6.0
+
+    def target_ms(self, batch: int, tokens_per_seq: int) -> float:
+        widths = sorted(self.target)
+        if tokens_per_seq in self.target:
+            return _interpolate(self.target[tokens_per_seq], batch)
+        # Between measured widths, interpolate linearly in T.
+        lo = max((w for w in widths if w < tokens_per_seq), default=widths[0])
+        hi = min((w for w in widths if w > tokens_per_seq), default=widths[-1])
+        a, b = _interpolate(self.target[lo], batch), _interpolate(self.target[hi], batch)
+        if hi == lo:
+            return a * tokens_per_seq / lo if tokens_per_seq > hi else a
+        return a + (b - a) * (tokens_per_seq - lo) / (hi - lo)
+
+    def draft_ms(self, batch: int) -> float:
+        return _interpolate(self.draft, batch) if self.draft else 0.0
+
+    def prefill_ms(self, tokens: int) -> float:
+        return self.prefill_fixed_ms + self.prefill_ms_per_token * tokens
+
+
+def _interpolate(points: tuple[tuple[int, float], ...], x: float) -> float:
+    xs = [p[0] for p in points]
+    i = bisect.bisect_left(xs, x)
+    if i < len(points) and xs[i] == x:
+        return points[i][1]
+    if i == 0:
+        (x0, y0), (x1, y1) = points[0], points[min(1, len(points) - 1)]
+    elif i >= len(points):
+        (x0, y0), (x1, y1) = points[max(len(points) - 2, 0)], points[-1]
+    else:
+        (x0, y0), (x1, y1) = points[i - 1], points[i]
+    if x1 == x0:
+        return y0
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
+# Batch sizes at which corrections are learned; an observation updates its nearest bucket.
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+@dataclass(slots=True)
+class _Bucket:
+    ratio: float = 1.0
+    weight: float = 0.0
+
+
+@dataclass(slots=True)
+class _PoolModel:
+    tokens_per_seq: int
+    buckets: dict[int, _Bucket] = field(default_factory=dict)
+
+
+class StepCostModel:
+    """Seed curve x learned correction, per pool and batch-size bucket.
+
+    Each bucket keeps a running mean of observed/seed step-time ratios; the running mean forgets
+    (its weight is capped at `memory` observations) so a changed server is followed. Between
+    learned buckets the correction is interpolated in log-batch; past them the nearest one holds.
+    `prior_weight` observations' worth of trust stays with the seed.
+    """
+
+    def __init__(
+        self,
+        seed: Seed | None = None,
+        num_draft_tokens: int = 3,
+        memory: float = 200.0,
+        prior_weight: float = 2.0,
+    ):
+        self.seed: Seed = seed or AffineSeed()
+        self.memory = memory
+        self.prior_weight = prior_weight
+        self._pools: dict[str, _PoolModel] = {
+            "spec": _PoolModel(tokens_per_seq=num_draft_tokens + 1),
+            "base": _PoolModel(tokens_per_seq=1),
+        }
+
+    def set_draft_tokens(self, pool: PoolName, num_draft_tokens: int) -> None:
+        """What /server_info said: the verify width changes the seed curve (learning restarts)."""
+        width = num_draft_tokens + 1 if num_draft_tokens > 0 else 1
+        if self._pools[pool].tokens_per_seq != width:
+            self._pools[pool] = _PoolModel(tokens_per_seq=width)
+
+    def tokens_per_seq(self, pool: PoolName) -> int:
+        return self._pools[pool].tokens_per_seq
+
+    def seed_step_ms(self, batch: float, tokens_per_seq: int) -> float:
+        b = max(int(round(batch)), 1)
+        step = self.seed.target_ms(b, tokens_per_seq)
+        if tokens_per_seq > 1:
+            step += (tokens_per_seq - 1) * self.seed.draft_ms(b)
+        return step
+
+    def observe(self, pool: PoolName, batch: float, step_ms: float, weight: float = 1.0) -> None:
+        """One observed engine step (or a mean of `weight` steps) at this batch size."""
+        if batch < 1 or step_ms <= 0 or not math.isfinite(step_ms) or weight <= 0:
+            return
+        model = self._pools[pool]
+        ratio = step_ms / self.seed_step_ms(batch, model.tokens_per_seq)
+        bucket = model.buckets.setdefault(_nearest_bucket(batch), _Bucket())
+        bucket.weight = min(bucket.weight + weight, self.memory)
+        bucket.ratio += (ratio - bucket.ratio) * weight / bucket.weight if bucket.weight > 0 else 0.0
+
+    def correction(self, pool: PoolName, batch: float) -> float:
+        learned = sorted((b, k) for b, k in self._pools[pool].buckets.items() if k.weight > 0)
+        if not learned:
+            return 1.0
+        x = math.log(max(batch, 1.0))
+        xs = [math.log(b) for b, _ in learned]
+        i = bisect.bisect_left(xs, x)
+        if i == 0 or i >= len(learned):
+            near = learned[0][1] if i == 0 else learned[-1][1]
+            return self._trusted(near)
+        lo, hi = learned[i - 1][1], learned[i][1]
+        t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return self._trusted(lo) * (1 - t) + self._trusted(hi) * t
+
+    def _trusted(self, bucket: _Bucket) -> float:
+        return (self.prior_weight + bucket.ratio * bucket.weight) / (self.prior_weight + bucket.weight)
+
+    # StepCost protocol (what policies read)
+
+    def decode_step_ms(self, pool: PoolName, batch: int, tokens_per_seq: int) -> float:
+        batch = max(batch, 1)
+        return self.seed_step_ms(batch, tokens_per_seq) * self.correction(pool, batch)
+
+    def prefill_ms(self, pool: PoolName, tokens: int) -> float:
+        return self.seed.prefill_ms(max(tokens, 1))
+
+    def estimates(self, batches: tuple[int, ...] = (1, 8, 32, 48, 64, 128, 256)) -> dict[str, dict[str, float]]:
+        """Predicted step ms per pool at a few batch sizes (for /v1/specroute/state)."""
+        return {
+            pool: {str(b): round(self.decode_step_ms(pool, b, model.tokens_per_seq), 3) for b in batches}  # type: ignore[arg-type]
+            for pool, model in self._pools.items()
+        }
+
+
+def _nearest_bucket(batch: float) -> int:
+    x = math.log(max(batch, 1.0))
+    return min(BUCKETS, key=lambda b: abs(math.log(b) - x))
+
+
+def load_calibration_csv(text: str) -> TableSeed:
+    """A seed from the calibration CSV shape: kind,B,T,L,ms (kind target|draft); the smallest L
+    measured is used, since serving contexts are mostly short."""
+    rows = [line.split(",") for line in text.strip().splitlines()[1:] if line.strip()]
+    lengths = sorted({int(r[3]) for r in rows})
+    if not lengths:
+        raise ValueError("calibration table has no rows")
+    target: dict[int, list[tuple[int, float]]] = {}
+    draft: list[tuple[int, float]] = []
+    for kind, b, t, ctx, ms in rows:
+        if int(ctx) != lengths[0]:
+            continue
+        if kind == "target":
+            target.setdefault(int(t), []).append((int(b), float(ms)))
+        elif kind == "draft":
+            draft.append((int(b), float(ms)))
+    return TableSeed(
+        target={t: tuple(sorted(p)) for t, p in target.items()},
+        draft=tuple(sorted(draft)),
+    )

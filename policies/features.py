@@ -1,0 +1,57 @@
+"""What a request looks like to a policy, from its JSON body: sizes and flags, never the text.
+
+Token counts are estimates (no tokenizer in the proxy): about four characters per token, plus a
+few tokens of chat framing per message. The twin counts prompt tokens the same way, so routing
+decisions on the virtual clock see the same numbers as in the proxy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+CHARS_PER_TOKEN = 4
+MESSAGE_OVERHEAD_TOKENS = 4
+"""Role and separator tokens a chat template adds per message (Llama-3-like templates)."""
+
+
+def count_text_tokens(text: str) -> int:
+    return math.ceil(len(text) / CHARS_PER_TOKEN)
+
+
+def _content_tokens(content: Any) -> int:
+    if isinstance(content, str):
+        return count_text_tokens(content)
+    if isinstance(content, list):
+        # OpenAI content parts: text parts count; other parts (images, audio) are not estimated.
+        return sum(
+            count_text_tokens(part["text"])
+            for part in content
+            if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+        )
+    return 0
+
+
+def count_prompt_tokens(body: Mapping[str, Any]) -> int:
+    """Estimated prompt tokens of a chat (`messages`) or completion (`prompt`) request body."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        total = 0
+        for message in messages:
+            if isinstance(message, Mapping):
+                total += MESSAGE_OVERHEAD_TOKENS + _content_tokens(message.get("content"))
+        return total
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return count_text_tokens(prompt)
+    if isinstance(prompt, list):
+        if all(isinstance(t, int) for t in prompt):
+            return len(prompt)  # already token ids
+        return sum(count_text_tokens(p) if isinstance(p, str) else len(p) if isinstance(p, list) else 0 for p in prompt)
+    return 0
+
+
+def default_request_class(body: Mapping[str, Any]) -> str:
+    """`batch` when the client asked for OpenAI's flex (cheaper, slower) service tier, else
+    `latency`; the x-specroute-class header overrides this."""
+    return "batch" if body.get("service_tier") == "flex" else "latency"

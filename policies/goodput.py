@@ -1,0 +1,165 @@
+"""`goodput` (the default): send each request where it is predicted to finish sooner.
+
+For each pool, on the instance the request would join:
+  wait    = requests over the cap ahead of it x (a typical request's time / cap), 0 below the cap
+  prefill = the cost model's prefill time for the prompt
+  decode  = output tokens / tau(alpha, k) x step(B + 1, k + 1) on spec, tokens x step(B + 1, 1) on base
+  others  = what joining costs the B requests already decoding there (each step gets longer),
+            weighted by `externality` (1 = count their time like ours, 0 = ignore it)
+and picks the smaller sum. Counting the others' slowdown is what keeps the fleet near the best
+mean latency instead of each request grabbing the faster pool until it is no longer faster.
+
+Request classes:
+- `latency` never queues on the spec pool past its cap (`spec-full` sends it to base);
+- `batch` goes where the fleet's total token throughput gains most from one more sequence.
+
+A stale spec reading (older than SPECROUTE_STALE_MS) is not trusted: the request goes to base
+(`stale`), the pool that degrades gracefully under load, until fresh readings return.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from policies.acceptance import accept_length
+from policies.registry import register
+from policies.types import Decision, Features, InstanceState, PoolState, Snapshot, StepCost
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """Seconds a request would spend on a pool, and the decode batch it would join."""
+
+    wait_s: float
+    prefill_s: float
+    decode_s: float
+    others_s: float
+    batch: int
+    tokens_per_s: float
+    """Pool throughput (tokens/s) at the joined batch, for the batch class."""
+
+    @property
+    def total_s(self) -> float:
+        return self.wait_s + self.prefill_s + self.decode_s
+
+    @property
+    def cost_s(self) -> float:
+        return self.total_s + self.others_s
+
+
+class Goodput:
+    name = "goodput"
+
+    def __init__(
+        self,
+        default_output_tokens: int = 256,
+        default_alpha: float = 0.5,
+        externality: float = 1.0,
+        margin: float = 0.0,
+    ):
+        self.default_output_tokens = default_output_tokens
+        self.default_alpha = default_alpha
+        self.externality = externality
+        self.margin = margin
+
+    def output_tokens(self, features: Features) -> int:
+        """The output length to plan for: max_tokens when the request runs to it, else capped."""
+        if features.max_tokens is None:
+            return self.default_output_tokens
+        if features.ignore_eos:
+            return max(features.max_tokens, 1)
+        return max(min(features.max_tokens, self.default_output_tokens), 1)
+
+    def accept_length(self, pool: PoolState) -> tuple[float, int]:
+        """(tau, tokens per sequence in a step) for a pool."""
+        k = pool.num_draft_tokens if pool.speculative else 0
+        if k <= 0:
+            return 1.0, 1
+        alpha = pool.alpha if pool.alpha is not None else self.default_alpha
+        return accept_length(alpha, k), k + 1
+
+    def predict(self, pool: PoolState, instance: InstanceState, features: Features, cost: StepCost) -> Prediction:
+        tau, width = self.accept_length(pool)
+        n_out = self.output_tokens(features)
+        cap = max(instance.max_running, 1)
+        load = max(instance.load, 0.0)
+        batch = int(min(load + 1, cap))
+        step_ms = cost.decode_step_ms(pool.name, batch, width)
+        decode_ms = max(n_out - 1, 0) / tau * step_ms
+        prefill_ms = cost.prefill_ms(pool.name, features.prompt_tokens)
+        # Past the cap, a slot frees every (typical request time / cap): the queue drains at that rate.
+        over = load + 1 - cap
+        wait_ms = over * (decode_ms + prefill_ms) / cap if over > 0 else 0.0
+        others_ms = 0.0
+        running = min(load, cap - 1)
+        if running >= 1 and over <= 0:
+            # Each of the running requests has on average half its output left to decode.
+            slower = step_ms - cost.decode_step_ms(pool.name, int(running), width)
+            others_ms = running * max(slower, 0.0) * (n_out / 2) / tau
+        return Prediction(
+            wait_s=wait_ms / 1000,
+            prefill_s=prefill_ms / 1000,
+            decode_s=decode_ms / 1000,
+            others_s=self.externality * others_ms / 1000,
+            batch=batch,
+            tokens_per_s=batch * tau / step_ms * 1000,
+        )
+
+    def decide(self, features: Features, snapshot: Snapshot) -> Decision:
+        spec, base = snapshot.pool("spec"), snapshot.pool("base")
+        spec_up = spec is not None and spec.available
+        base_up = base is not None and base.available
+        if not spec_up:
+            return Decision(pool="base", reason="spec-down" if base_up else "none-healthy")
+        if not base_up:
+            return Decision(pool="spec", reason="base-down")
+        assert spec is not None and base is not None
+        if spec.stale:
+            return Decision(pool="base", reason="stale")
+        if snapshot.cost is None:
+            raise ValueError("the goodput policy needs a step-cost model in the snapshot")
+        joined_spec, joined_base = spec.least_loaded(), base.least_loaded()
+        assert joined_spec is not None and joined_base is not None
+        on_spec = self.predict(spec, joined_spec, features, snapshot.cost)
+        on_base = self.predict(base, joined_base, features, snapshot.cost)
+        scores = {
+            "t_spec_s": round(on_spec.total_s, 6),
+            "t_base_s": round(on_base.total_s, 6),
+            "cost_spec_s": round(on_spec.cost_s, 6),
+            "cost_base_s": round(on_base.cost_s, 6),
+            "batch_spec": float(on_spec.batch),
+            "batch_base": float(on_base.batch),
+        }
+        spec_full = joined_spec.free_slots < 1
+        if features.request_class == "batch":
+            gain_spec = 0.0 if spec_full else self._gain(spec, joined_spec, snapshot.cost)
+            gain_base = 0.0 if joined_base.free_slots < 1 else self._gain(base, joined_base, snapshot.cost)
+            scores["gain_spec_tok_s"] = round(gain_spec, 3)
+            scores["gain_base_tok_s"] = round(gain_base, 3)
+            if gain_spec > 0 or gain_base > 0:
+                pool = "spec" if gain_spec > gain_base else "base"
+                return Decision(pool=pool, reason=f"throughput-{pool}", scores=scores)
+        elif spec_full:
+            return Decision(pool="base", reason="spec-full", scores=scores)
+        if on_spec.cost_s * (1 + self.margin) < on_base.cost_s:
+            return Decision(pool="spec", reason="spec-sooner", scores=scores)
+        return Decision(pool="base", reason="base-sooner", scores=scores)
+
+    def _gain(self, pool: PoolState, instance: InstanceState, cost: StepCost) -> float:
+        """Tokens/s the pool's instance adds by taking one more sequence into its batch."""
+        tau, width = self.accept_length(pool)
+        running = int(min(max(instance.load, 0.0), instance.max_running - 1))
+        after = running + 1
+        rate_after = after * tau / cost.decode_step_ms(pool.name, after, width)
+        rate_now = running * tau / cost.decode_step_ms(pool.name, running, width) if running else 0.0
+        return (rate_after - rate_now) * 1000
+
+
+@register("goodput")
+def goodput(
+    default_output_tokens: int = 256,
+    default_alpha: float = 0.5,
+    externality: float = 1.0,
+    margin: float = 0.0,
+) -> Goodput:
+    return Goodput(default_output_tokens, default_alpha, externality, margin)
