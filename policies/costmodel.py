@@ -13,9 +13,12 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from policies.types import PoolName
+
+if TYPE_CHECKING:
+    from sim.profile import Profile
 
 
 class Seed(Protocol):
@@ -25,7 +28,7 @@ class Seed(Protocol):
 
     def draft_ms(self, batch: int) -> float: ...
 
-    def prefill_ms(self, tokens: int) -> float: ...
+    def prefill_ms(self, tokens: int, speculative: bool = False) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,56 +51,33 @@ class AffineSeed:
     def draft_ms(self, batch: int) -> float:
         return self.d0 + self.d_tok * batch
 
-    def prefill_ms(self, tokens: int) -> float:
-        return self.c0 + self.p_tok * tokens
+    def prefill_ms(self, tokens: int, speculative: bool = False) -> float:
+        return (self.c0 + self.p_tok * tokens) * (1.1 if speculative else 1.0)
 
 
 @dataclass(frozen=True, slots=True)
-class TableSeed:
-    """Step times measured at a grid of batch sizes (the calibration CSV shape), interpolated.
+class ProfileSeed:
+    """A twin profile (sim/profile.py: the SPECROUTE_PROFILE file or built-in name) as a seed,
+    at one typical context length per sequence."""
 
-    `target[T]` maps tokens-per-sequence to sorted (batch, ms) points; `draft` likewise. Between
-    points the time is linear in B; beyond the last point it extends the last slope.
-    """
-
-    target: dict[int, tuple[tuple[int, float], ...]]
-    draft: tuple[tuple[int, float], ...]
-    prefill_ms_per_token: float = 0.03
-    prefill_fixed_ms: float = 6.0
+    profile: "Profile"
+    context: float = 1024.0
 
     def target_ms(self, batch: int, tokens_per_seq: int) -> float:
-        widths = sorted(self.target)
-        if tokens_per_seq in self.target:
-            return _interpolate(self.target[tokens_per_seq], batch)
-        # Between measured widths, interpolate linearly in T.
-        lo = max((w for w in widths if w < tokens_per_seq), default=widths[0])
-        hi = min((w for w in widths if w > tokens_per_seq), default=widths[-1])
-        a, b = _interpolate(self.target[lo], batch), _interpolate(self.target[hi], batch)
-        if hi == lo:
-            return a * tokens_per_seq / lo if tokens_per_seq > hi else a
-        return a + (b - a) * (tokens_per_seq - lo) / (hi - lo)
+        return self.profile.target_ms(batch, tokens_per_seq, self.context)
 
     def draft_ms(self, batch: int) -> float:
-        return _interpolate(self.draft, batch) if self.draft else 0.0
+        return self.profile.draft_ms(batch, self.context)
 
-    def prefill_ms(self, tokens: int) -> float:
-        return self.prefill_fixed_ms + self.prefill_ms_per_token * tokens
+    def prefill_ms(self, tokens: int, speculative: bool = False) -> float:
+        return self.profile.prefill_ms(tokens, speculative)
 
 
-def _interpolate(points: tuple[tuple[int, float], ...], x: float) -> float:
-    xs = [p[0] for p in points]
-    i = bisect.bisect_left(xs, x)
-    if i < len(points) and xs[i] == x:
-        return points[i][1]
-    if i == 0:
-        (x0, y0), (x1, y1) = points[0], points[min(1, len(points) - 1)]
-    elif i >= len(points):
-        (x0, y0), (x1, y1) = points[max(len(points) - 2, 0)], points[-1]
-    else:
-        (x0, y0), (x1, y1) = points[i - 1], points[i]
-    if x1 == x0:
-        return y0
-    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+def seed_from_profile(name_or_path: str, context: float = 1024.0) -> ProfileSeed:
+    """Load a profile by built-in name or JSON path; ValueError if it cannot be read."""
+    from sim.profile import load_profile
+
+    return ProfileSeed(load_profile(name_or_path), context)
 
 
 # Batch sizes at which corrections are learned; an observation updates its nearest bucket.
@@ -190,7 +170,7 @@ class StepCostModel:
         return self.seed_step_ms(batch, tokens_per_seq) * self.correction(pool, batch)
 
     def prefill_ms(self, pool: PoolName, tokens: int) -> float:
-        return self.seed.prefill_ms(max(tokens, 1))
+        return self.seed.prefill_ms(max(tokens, 1), self._pools[pool].tokens_per_seq > 1)
 
     def estimates(self, batches: tuple[int, ...] = (1, 8, 32, 48, 64, 128, 256)) -> dict[str, dict[str, float]]:
         """Predicted step ms per pool at a few batch sizes (for /v1/specroute/state)."""
@@ -203,25 +183,3 @@ class StepCostModel:
 def _nearest_bucket(batch: float) -> int:
     x = math.log(max(batch, 1.0))
     return min(BUCKETS, key=lambda b: abs(math.log(b) - x))
-
-
-def load_calibration_csv(text: str) -> TableSeed:
-    """A seed from the calibration CSV shape: kind,B,T,L,ms (kind target|draft); the smallest L
-    measured is used, since serving contexts are mostly short."""
-    rows = [line.split(",") for line in text.strip().splitlines()[1:] if line.strip()]
-    lengths = sorted({int(r[3]) for r in rows})
-    if not lengths:
-        raise ValueError("calibration table has no rows")
-    target: dict[int, list[tuple[int, float]]] = {}
-    draft: list[tuple[int, float]] = []
-    for kind, b, t, ctx, ms in rows:
-        if int(ctx) != lengths[0]:
-            continue
-        if kind == "target":
-            target.setdefault(int(t), []).append((int(b), float(ms)))
-        elif kind == "draft":
-            draft.append((int(b), float(ms)))
-    return TableSeed(
-        target={t: tuple(sorted(p)) for t, p in target.items()},
-        draft=tuple(sorted(draft)),
-    )

@@ -1,0 +1,170 @@
+"""The one snapshot builder: polled load + our own dispatches since the poll -> a policy Snapshot.
+
+Both the proxy (fed by HTTP polls, proxy/signals.py) and the virtual-clock evaluation (fed by
+the twin's fleet view at a modelled poll interval, bench/routing_*) build their snapshots here,
+so what was evaluated is what is served. Nothing reads a clock: every call takes `now` in seconds.
+
+Between polls, each instance's last reading is adjusted by the dispatches and completions this
+router saw since the reading was taken (sent after it: +1; finished after it: -1), so a burst is
+seen at once, and other proxy replicas' load still shows through the server's own figures.
+A reading older than `stale_after_s` marks its pool stale (policies then act conservatively).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from policies.acceptance import AcceptanceEstimator, CounterDelta
+from policies.types import InstanceState, PoolName, PoolState, Snapshot, StepCost
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One instance's load as its server reported it."""
+
+    at: float
+    """When the poll was sent (a reading cannot be newer than that)."""
+    running: float
+    waiting: float
+    max_running: int | None = None
+    accept_length: float | None = None
+    """The server's own accept-length gauge, if it reports one."""
+    tokens_total: float | None = None
+    verify_total: float | None = None
+    """Monotonic counters (generation tokens, spec verify calls), if the server exports them."""
+
+
+@dataclass(slots=True)
+class InstanceSignals:
+    url: str
+    pool: PoolName
+    max_running: int
+    healthy: bool = True
+    reading: Reading | None = None
+    local_in_flight: int = 0
+    """Our requests on this instance now (the fallback load when it cannot be polled)."""
+    events: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=65536))
+    """(time, +1 dispatch / -1 completion) since the current reading."""
+    counters: CounterDelta = field(default_factory=CounterDelta)
+    polled: bool = True
+    """False when the server answers no load endpoint: its load is our own in-flight count."""
+
+    def adjusted_load(self) -> float:
+        if self.reading is None or not self.polled:
+            return float(self.local_in_flight)
+        since = self.reading.at
+        delta = sum(sign for at, sign in self.events if at >= since)
+        return max(self.reading.running + self.reading.waiting + delta, 0.0)
+
+    def age(self, now: float) -> float:
+        if not self.polled:
+            return 0.0  # our own count is always current
+        if self.reading is None:
+            return math.inf
+        return max(now - self.reading.at, 0.0)
+
+
+class FleetState:
+    """Per-instance readings and events, per-pool acceptance; builds Snapshots on demand."""
+
+    def __init__(
+        self,
+        stale_after_s: float = 1.0,
+        half_life_s: float = 2.0,
+        num_draft_tokens: int = 3,
+    ):
+        self.stale_after_s = stale_after_s
+        self.half_life_s = half_life_s
+        self.instances: dict[str, InstanceSignals] = {}
+        self.num_draft_tokens: dict[PoolName, int] = {"spec": num_draft_tokens, "base": 0}
+        self.acceptance = AcceptanceEstimator(num_draft_tokens, half_life_s)
+
+    def add_instance(self, url: str, pool: PoolName, max_running: int) -> InstanceSignals:
+        signals = InstanceSignals(url=url, pool=pool, max_running=max_running)
+        self.instances[url] = signals
+        return signals
+
+    def set_draft_tokens(self, num_draft_tokens: int) -> None:
+        """The spec pool's k (from /server_info); a change restarts the acceptance estimate."""
+        if num_draft_tokens != self.num_draft_tokens["spec"]:
+            self.num_draft_tokens["spec"] = num_draft_tokens
+            self.acceptance = AcceptanceEstimator(num_draft_tokens, self.half_life_s)
+
+    # -- events ---------------------------------------------------------------------------------
+
+    def on_reading(self, url: str, reading: Reading) -> None:
+        signals = self.instances[url]
+        if signals.reading is not None and reading.at < signals.reading.at:
+            return  # an answer overtaken by a newer one
+        signals.reading = reading
+        signals.polled = True
+        if reading.max_running:
+            signals.max_running = reading.max_running
+        while signals.events and signals.events[0][0] < reading.at:
+            signals.events.popleft()
+        if signals.pool != "spec":
+            return
+        if reading.tokens_total is not None and reading.verify_total is not None:
+            delta = signals.counters.add(reading.tokens_total, reading.verify_total)
+            if delta is not None:
+                self.acceptance.observe_counters(reading.at, *delta)
+        elif reading.accept_length is not None:
+            self.acceptance.observe_gauge(reading.at, reading.accept_length)
+
+    def on_unpolled(self, url: str) -> None:
+        """The server has no load endpoint: fall back to our own in-flight count for it."""
+        self.instances[url].polled = False
+
+    def on_dispatch(self, url: str, now: float) -> None:
+        signals = self.instances[url]
+        signals.local_in_flight += 1
+        if signals.polled:
+            signals.events.append((now, +1))
+
+    def on_complete(self, url: str, now: float) -> None:
+        signals = self.instances[url]
+        signals.local_in_flight = max(signals.local_in_flight - 1, 0)
+        if signals.polled:
+            signals.events.append((now, -1))
+
+    def on_request_evidence(self, now: float, completion_tokens: int, verify_steps: int) -> None:
+        """A finished spec request's own tokens and verify steps (stream chunks or spec details)."""
+        self.acceptance.observe_request(now, completion_tokens, verify_steps)
+
+    def set_health(self, url: str, healthy: bool) -> None:
+        self.instances[url].healthy = healthy
+
+    # -- the snapshot ---------------------------------------------------------------------------
+
+    def snapshot(self, now: float, cost: StepCost | None = None) -> Snapshot:
+        pools: dict[str, PoolState] = {}
+        for name in ("spec", "base"):
+            members = [s for s in self.instances.values() if s.pool == name]
+            if not members:
+                continue
+            states = tuple(self._instance_state(s, now) for s in members)
+            healthy_ages = [st.age_s for st in states if st.healthy]
+            speculative = name == "spec" and self.num_draft_tokens["spec"] > 0
+            pools[name] = PoolState(
+                name=name,  # type: ignore[arg-type]
+                instances=states,
+                speculative=speculative,
+                num_draft_tokens=self.num_draft_tokens["spec"] if speculative else 0,
+                alpha=self.acceptance.alpha() if speculative else None,
+                stale=bool(healthy_ages) and min(healthy_ages) > self.stale_after_s,
+            )
+        return Snapshot(pools=pools, cost=cost)
+
+    def _instance_state(self, signals: InstanceSignals, now: float) -> InstanceState:
+        load = signals.adjusted_load()
+        running = min(load, float(signals.max_running))
+        return InstanceState(
+            url=signals.url,
+            running=running,
+            waiting=load - running,
+            max_running=signals.max_running,
+            healthy=signals.healthy,
+            age_s=signals.age(now),
+        )

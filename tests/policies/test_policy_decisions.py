@@ -1,0 +1,123 @@
+import pytest
+
+from policies import registry
+from policies.acceptance import accept_length
+from policies.costmodel import StepCostModel, seed_from_profile
+from policies.goodput import Goodput
+from policies.threshold import Threshold
+from policies.types import Features
+
+from policy_snapshots import snapshot
+
+SHORT = Features(prompt_tokens=64, max_tokens=256, ignore_eos=True)
+
+
+def test_registry_names_and_errors():
+    assert {"spec", "base", "round-robin", "threshold", "goodput"} <= set(registry.names())
+    with pytest.raises(ValueError, match="unknown policy"):
+        registry.create("nope")
+    with pytest.raises(ValueError, match="bad parameters"):
+        registry.create("goodput", {"no_such_knob": 1})
+    with pytest.raises(ValueError, match="enter <= exit"):
+        registry.create("threshold", {"enter": 50, "exit": 10})
+
+
+def test_static_and_round_robin():
+    snap = snapshot(0, 0)
+    assert registry.create("spec").decide(SHORT, snap).pool == "spec"
+    assert registry.create("base").decide(SHORT, snap).pool == "base"
+    rr = registry.create("round-robin")
+    assert [rr.decide(SHORT, snap).pool for _ in range(4)] == ["spec", "base", "spec", "base"]
+    down = snapshot(0, 0, healthy=False)
+    assert [rr.decide(SHORT, down).pool for _ in range(3)] == ["base"] * 3
+
+
+def test_threshold_hysteresis_holds():
+    policy = Threshold(enter=20, exit=40, scale_with_alpha=False)
+    up = [policy.decide(SHORT, snapshot(load, 0)).pool for load in range(0, 48, 4)]
+    assert up == ["spec"] * 10 + ["base"] * 2  # leaves at 40
+    down = [policy.decide(SHORT, snapshot(load, 0)).pool for load in range(44, -1, -4)]
+    # stays on base between the thresholds, returns below 20
+    assert down == ["base"] * 7 + ["spec"] * 5
+    assert policy.decide(SHORT, snapshot(30, 0)).pool == "spec"
+
+
+def test_threshold_scales_with_alpha_and_respects_the_cap():
+    policy = Threshold(enter=24, exit=40, reference_alpha=0.6)
+    low = policy.thresholds(0.3, 3, 48)
+    high = policy.thresholds(0.8, 3, 48)
+    assert low[1] < 40 < 48 == high[1]  # more acceptance: later exit, capped by max_running
+    assert policy.decide(SHORT, snapshot(5, 0, stale=True)).reason == "stale"
+
+
+def crossover(cost, alpha, k=3):
+    """First batch at which a spec step costs more per token than a base step (the model's)."""
+    tau = accept_length(alpha, k)
+    for b in range(1, 512):
+        if cost.decode_step_ms("spec", b, k + 1) / tau > cost.decode_step_ms("base", b, 1):
+            return b
+    return None
+
+
+@pytest.mark.parametrize("alpha", [0.45, 0.64, 0.8])
+def test_goodput_crossover_falls_where_the_cost_model_puts_it(alpha):
+    cost = StepCostModel(seed_from_profile("kimi-linear"), num_draft_tokens=3)
+    b_star = crossover(cost, alpha)
+    assert b_star is not None and 4 < b_star < 120
+    policy = Goodput(externality=0.0)
+    features = Features(prompt_tokens=16, max_tokens=2000, ignore_eos=True)  # decode dominates
+    # Equal load on both pools: only the per-token cost differs. Requests join at batch load+1.
+    for load in range(0, 120):
+        pool = policy.decide(features, snapshot(load, load, cost, spec_cap=512, alpha=alpha)).pool
+        if load + 1 < b_star - 1:
+            assert pool == "spec", (load, b_star)
+        elif load + 1 > b_star + 1:
+            assert pool == "base", (load, b_star)
+
+
+def test_goodput_learned_costs_move_the_decision():
+    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+    policy = Goodput()
+    assert policy.decide(SHORT, snapshot(10, 10, cost)).pool == "spec"
+    for _ in range(200):  # the spec server turns out 3x slower than its profile
+        for b in (8, 16):
+            cost.observe("spec", b, 3 * cost.seed_step_ms(b, 4))
+    decision = policy.decide(SHORT, snapshot(10, 10, cost))
+    assert decision.pool == "base" and decision.reason == "base-sooner"
+    assert decision.scores["t_spec_s"] > decision.scores["t_base_s"]
+
+
+def test_goodput_latency_class_never_queues_past_the_spec_cap():
+    cost = StepCostModel(seed_from_profile("kimi-moe"), num_draft_tokens=3)
+    policy = Goodput()
+    decision = policy.decide(SHORT, snapshot(47, 250, cost))
+    assert decision.pool == "spec"
+    decision = policy.decide(SHORT, snapshot(48, 250, cost))
+    assert (decision.pool, decision.reason) == ("base", "spec-full")
+
+
+def test_goodput_batch_class_goes_where_throughput_gains_most():
+    cost = StepCostModel(seed_from_profile("kimi-linear"), num_draft_tokens=3)
+    policy = Goodput()
+    batch = Features(prompt_tokens=64, max_tokens=256, request_class="batch")
+    quiet = policy.decide(batch, snapshot(0, 0, cost))
+    assert (quiet.pool, quiet.reason) == ("spec", "throughput-spec")
+    busy = policy.decide(batch, snapshot(40, 40, cost))
+    assert (busy.pool, busy.reason) == ("base", "throughput-base")
+    assert busy.scores["gain_base_tok_s"] > busy.scores["gain_spec_tok_s"]
+
+
+def test_goodput_stale_and_unavailable():
+    cost = StepCostModel()
+    policy = Goodput()
+    assert policy.decide(SHORT, snapshot(0, 0, cost, stale=True)).reason == "stale"
+    assert policy.decide(SHORT, snapshot(0, 0, cost, stale=True)).pool == "base"
+    assert policy.decide(SHORT, snapshot(0, 0, cost, healthy=False)).pool == "base"
+    with pytest.raises(ValueError, match="step-cost model"):
+        policy.decide(SHORT, snapshot(0, 0, None))
+
+
+def test_goodput_unknown_alpha_uses_the_default():
+    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+    decision = Goodput(default_alpha=0.5).decide(SHORT, snapshot(0, 0, cost, alpha=None))
+    assert decision.pool == "spec"

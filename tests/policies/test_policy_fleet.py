@@ -1,0 +1,72 @@
+import pytest
+
+from policies.acceptance import accept_length
+from policies.fleet import FleetState, Reading
+
+
+def fleet(stale_after_s=0.5):
+    state = FleetState(stale_after_s=stale_after_s, half_life_s=1.0, num_draft_tokens=3)
+    state.add_instance("http://spec", "spec", 48)
+    state.add_instance("http://base", "base", 256)
+    return state
+
+
+def spec_load(state, now):
+    return state.snapshot(now).pool("spec").instances[0]
+
+
+def test_dispatches_since_the_poll_are_seen_at_once():
+    state = fleet()
+    state.on_reading("http://spec", Reading(at=1.0, running=10, waiting=0))
+    for i in range(5):
+        state.on_dispatch("http://spec", 1.01 + i * 0.001)
+    state.on_complete("http://spec", 1.02)
+    assert spec_load(state, 1.05).load == 14
+    # The next poll (sent at 1.1) already counts them: earlier events are dropped, later ones kept.
+    state.on_dispatch("http://spec", 1.15)
+    state.on_reading("http://spec", Reading(at=1.1, running=16, waiting=0))  # another replica added 2
+    assert spec_load(state, 1.2).load == 17
+
+
+def test_load_past_the_cap_is_waiting_and_never_negative():
+    state = fleet()
+    state.on_reading("http://spec", Reading(at=0.0, running=47, waiting=0))
+    for _ in range(3):
+        state.on_dispatch("http://spec", 0.01)
+    inst = spec_load(state, 0.02)
+    assert (inst.running, inst.waiting) == (48, 2)
+    state.on_reading("http://spec", Reading(at=1.0, running=1, waiting=0))
+    for _ in range(4):
+        state.on_complete("http://spec", 1.01)
+    assert spec_load(state, 1.02).load == 0
+
+
+def test_a_reading_overtaken_by_a_newer_one_is_ignored():
+    state = fleet()
+    state.on_reading("http://spec", Reading(at=2.0, running=5, waiting=0))
+    state.on_reading("http://spec", Reading(at=1.0, running=30, waiting=0))
+    assert spec_load(state, 2.1).load == 5
+
+
+def test_staleness():
+    state = fleet(stale_after_s=0.5)
+    assert state.snapshot(0.0).pool("spec").stale  # never polled
+    state.on_reading("http://spec", Reading(at=1.0, running=0, waiting=0))
+    assert not state.snapshot(1.4).pool("spec").stale
+    snap = state.snapshot(1.6)
+    assert snap.pool("spec").stale and snap.pool("spec").age_s == pytest.approx(0.6)
+    state.on_unpolled("http://base")  # no load endpoint: our own count, never stale
+    state.on_dispatch("http://base", 2.0)
+    base = state.snapshot(9.0).pool("base")
+    assert not base.stale and base.instances[0].load == 1
+
+
+def test_counters_feed_alpha():
+    state = fleet()
+    assert state.snapshot(0).pool("spec").alpha is None
+    tau = accept_length(0.65, 3)
+    for i in range(20):
+        state.on_reading("http://spec", Reading(at=i * 0.1, running=8, waiting=0,
+                                                tokens_total=i * 100 * tau, verify_total=i * 100))
+    assert state.snapshot(2.0).pool("spec").alpha == pytest.approx(0.65, abs=1e-3)
+    assert state.snapshot(2.0).pool("base").alpha is None
