@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install bench clean
+.PHONY: run test install bench clean jaeger
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,11 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/specroute demo
 
-test: $(STAMP)
+# Jaeger v2 built from source once into ~/.cache/specroute (the trace tests query a real one).
+jaeger:
+	bash tests/support/build_jaeger.sh >/dev/null
+
+test: $(STAMP) jaeger
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
