@@ -1,0 +1,98 @@
+"""Minimal pass-through proxies, one per HTTP client library, to choose the upstream client.
+
+Each is the same raw-ASGI app under uvicorn (httptools + uvloop): read the body, POST it
+upstream, relay status, content-type and body chunks as they arrive. Only the client differs.
+Run: python -m bench.proxy_minimal CLIENT UPSTREAM_PORT PORT
+CLIENT: httpx, httpx-tuned (big pool), httpx-aiohttp, httpx2, aiohttp.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import uvicorn
+
+Relay = Callable[[bytes, str], Awaitable[tuple[int, bytes, AsyncIterator[bytes], Callable[[], Awaitable[None]]]]]
+
+
+def httpx_relay(kind: str, base: str) -> Relay:
+    import httpx
+
+    if kind == "httpx":
+        client = httpx.AsyncClient(base_url=base, timeout=30)
+    elif kind == "httpx-tuned":
+        client = httpx.AsyncClient(
+            base_url=base, timeout=30, limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+        )
+    elif kind == "httpx-aiohttp":
+        from httpx_aiohttp import HttpxAiohttpClient
+
+        client = HttpxAiohttpClient(
+            base_url=base, timeout=30, limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+        )
+    else:
+        import httpx2
+
+        client = httpx2.AsyncClient(  # type: ignore[assignment]
+            base_url=base, timeout=30, limits=httpx2.Limits(max_connections=1024, max_keepalive_connections=1024)
+        )
+
+    async def relay(body: bytes, path: str):  # type: ignore[no-untyped-def]
+        request = client.build_request("POST", path, content=body, headers={"content-type": "application/json"})
+        response = await client.send(request, stream=True)
+        return response.status_code, response.headers.get("content-type", "").encode(), response.aiter_raw(), response.aclose
+
+    return relay
+
+
+def aiohttp_relay(base: str) -> Relay:
+    import aiohttp
+
+    session: list[aiohttp.ClientSession] = []
+
+    async def relay(body: bytes, path: str):  # type: ignore[no-untyped-def]
+        if not session:  # created inside the running loop
+            session.append(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024), auto_decompress=False))
+        response = await session[0].post(base + path, data=body, headers={"content-type": "application/json"})
+
+        async def release() -> None:
+            response.release()
+
+        return response.status, response.headers.get("content-type", "").encode(), response.content.iter_any(), release
+
+    return relay
+
+
+def make_app(relay: Relay) -> Callable[..., Awaitable[None]]:
+    async def app(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return
+        chunks = []
+        while True:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        status, content_type, body, close = await relay(b"".join(chunks), scope["path"])
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": [(b"content-type", content_type)]})
+            async for chunk in body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        finally:
+            await close()
+
+    return app
+
+
+def main() -> None:
+    kind, upstream_port, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    base = f"http://127.0.0.1:{upstream_port}"
+    relay = aiohttp_relay(base) if kind == "aiohttp" else httpx_relay(kind, base)
+    uvicorn.run(make_app(relay), host="127.0.0.1", port=port, loop="uvloop", http="httptools",
+                log_level="warning", access_log=False, backlog=4096)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""OpenAI-shaped errors: the proxy's own, and upstream ones normalised to the same shape."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def error_type_for(status: int) -> str:
+    return TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+class ProxyError(Exception):
+    """An error the proxy answers itself, before any response byte was sent."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        type: str | None = None,
+        retryable: bool | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.type = type or error_type_for(status)
+        self.retryable = retryable
+        """False adds `x-should-retry: false` (the proxy already failed over); None says nothing."""
+
+    def body(self) -> bytes:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_object(message: str, type: str, code: str | int | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"message": message, "type": type, "param": param, "code": code}
+
+
+def error_body(message: str, type: str, code: str | int | None = None, param: str | None = None) -> bytes:
+    return json.dumps({"error": error_object(message, type, code, param)}).encode()
+
+
+def stream_error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:
+    """What ends a stream whose upstream failed mid-way: an error event, then [DONE]."""
+    payload = json.dumps({"error": error_object(message, type, code)}).encode()
+    return b"data: " + payload + b"\n\ndata: [DONE]\n\n"
+
+
+def normalise_upstream_error(status: int, body: bytes) -> bytes:
+    """Any upstream error body as {"error": {message, type, param, code}}.
+
+    Nested bodies (vLLM, OpenAI) keep their fields; SGLang's flat {"object": "error", ...} is
+    lifted into "error"; anything else (HTML from a load balancer, plain text) becomes the message.
+    """
+    try:
+        data = json.loads(body) if body else None
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        inner = data.get("error")
+        if isinstance(inner, dict):
+            source = inner
+        elif isinstance(inner, str):
+            source = {"message": inner, **{k: v for k, v in data.items() if k != "error"}}
+        else:
+            source = data
+        message = source.get("message") or source.get("detail")
+        if message is not None:
+            return error_body(
+                message if isinstance(message, str) else json.dumps(message),
+                source.get("type") if isinstance(source.get("type"), str) else error_type_for(status),
+                source.get("code", status) if source.get("code") is not None else status,
+                source.get("param") if isinstance(source.get("param"), str) else None,
+            )
+    text = body.decode("utf-8", "replace").strip()[:500] or f"upstream answered {status}"
+    return error_body(text, error_type_for(status), status)

@@ -1,0 +1,82 @@
+"""The telemetry seam: one hooks object per request, made by a Telemetry factory.
+
+The request path calls these methods at fixed points; the default does nothing, so with telemetry
+off the only cost is a few no-op method calls per request (none per chunk: the relay calls
+`chunk` only when `wants_chunks` is true). proxy.telemetry (observability) subclasses both.
+Prompts and completions are never handed over: only sizes, counts, statuses and headers.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping, MutableMapping
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from policies.types import Decision, Features
+
+
+class RequestHooks:
+    """Calls made on one request, in this order (attempt_* once per upstream attempt)."""
+
+    wants_chunks: bool = False
+    """Set True to be called for every relayed chunk (costs a call per chunk)."""
+
+    def received(self, *, endpoint: str, request_id: str, headers: Mapping[str, str], body_bytes: int) -> None:
+        """The request was read; `headers` are the client's (lower-case names)."""
+
+    def decided(self, *, decision: "Decision", features: "Features", model: str | None, override: str | None) -> None:
+        """A pool was chosen (by the policy, or by the x-specroute-pool override)."""
+
+    def attempt_started(self, *, pool: str, instance: str, attempt: int) -> None:
+        """An upstream request is about to be sent (attempt counts from 1)."""
+
+    def outgoing_headers(self, headers: MutableMapping[str, str]) -> None:
+        """Headers about to go upstream for the current attempt; add e.g. traceparent here."""
+
+    def upstream_headers(self, *, status: int, headers: Mapping[str, str]) -> None:
+        """The upstream answered with a status line and headers."""
+
+    def first_chunk(self) -> None:
+        """The first body bytes of the response were sent to the client."""
+
+    def chunk(self, *, size: int, events: int, tokens: int) -> None:
+        """One relayed chunk: bytes, SSE events and (estimated) completion tokens in it."""
+
+    def attempt_finished(self, *, status: int) -> None:
+        """The current attempt ended normally (its response was fully relayed or judged)."""
+
+    def attempt_failed(self, *, error: str, retryable: bool) -> None:
+        """The current attempt failed; `error` is a short type token (connect, timeout, status_5xx...)."""
+
+    def finished(
+        self,
+        *,
+        status: int,
+        error_type: str | None,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+        finish_reasons: tuple[str, ...],
+        client_disconnected: bool,
+    ) -> None:
+        """The response to the client is complete (or abandoned); called exactly once."""
+
+
+NO_HOOKS = RequestHooks()
+
+
+class Telemetry:
+    """Factory of RequestHooks plus lifecycle; the default records nothing."""
+
+    def install(self, app: "FastAPI") -> None:
+        """Add routes (GET /metrics) or middleware to the management app."""
+
+    def request_hooks(self, endpoint: str) -> RequestHooks:
+        return NO_HOOKS
+
+    async def start(self) -> None:
+        """Called once at server start-up."""
+
+    async def stop(self) -> None:
+        """Called once at shutdown (flush exporters here)."""
+

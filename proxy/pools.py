@@ -1,0 +1,60 @@
+"""The fleet as the proxy holds it: pools of upstream instances, their load kept in FleetState."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from policies.fleet import FleetState, InstanceSignals
+from policies.types import POOLS, PoolName
+from proxy.settings import Settings
+
+DEFAULT_MAX_RUNNING = 48
+"""SGLang's max_running_requests default on an EAGLE-3 server, until a poll says otherwise."""
+
+
+@dataclass(eq=False, slots=True)
+class Instance:
+    """One upstream server: where it is, how to authenticate, and its live signals."""
+
+    url: str
+    pool: PoolName
+    signals: InstanceSignals
+    api_key: str | None = None
+    streaming: int = 0
+    """Requests whose first response byte has arrived (decoding rather than queued/prefilling)."""
+    dispatched_total: int = 0
+    failed_total: int = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Our requests on this instance now, from admission until the response is closed."""
+        return self.signals.local_in_flight
+
+    @property
+    def healthy(self) -> bool:
+        return self.signals.healthy
+
+
+@dataclass(eq=False, slots=True)
+class Pool:
+    name: PoolName
+    instances: list[Instance] = field(default_factory=list)
+
+    @property
+    def available(self) -> bool:
+        return any(i.healthy for i in self.instances)
+
+
+def pools_from_settings(settings: Settings, fleet: FleetState) -> dict[PoolName, Pool]:
+    keys = {"spec": settings.spec_api_key, "base": settings.base_api_key}
+    urls = {"spec": settings.spec_urls, "base": settings.base_urls}
+    pools: dict[PoolName, Pool] = {}
+    for name in POOLS:
+        key = keys[name].get_secret_value() if keys[name] else None
+        instances = [Instance(url, name, fleet.add_instance(url, name, DEFAULT_MAX_RUNNING), key) for url in urls[name]]
+        pools[name] = Pool(name, instances)
+    return pools
+
+
+def other_pool(name: PoolName) -> PoolName:
+    return POOLS[1] if name == POOLS[0] else POOLS[0]

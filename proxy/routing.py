@@ -1,0 +1,172 @@
+"""Routing glue: the one object that owns the pools, asks the policy, and keeps in-flight exact.
+
+The request path asks `Router.choose` for a pool, `Router.pick` for an instance in it, and wraps
+every upstream attempt in the `Attempt` that `Router.dispatch` returns: the attempt is told of
+the first byte, each chunk, and how it ended, and it releases its instance exactly once whatever
+the exit path (finish, failure, client disconnect, exception). Polled signals (proxy/signals.py)
+plug in behind `snapshot()`; the policy itself stays pure (policies/).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Collection, Mapping
+
+from policies import registry
+from policies.features import count_prompt_tokens, default_request_class
+from policies.fleet import FleetState
+from policies.types import Decision, Features, Policy, PoolName, StepCost, Snapshot
+from proxy.pools import Instance, Pool, other_pool, pools_from_settings
+from proxy.settings import Settings
+
+POOL_HEADER = "x-specroute-pool"
+CLASS_HEADER = "x-specroute-class"
+POOL_OVERRIDES = ("spec", "base", "auto")
+REQUEST_CLASSES = ("latency", "batch")
+
+
+class RoutingInputError(ValueError):
+    """A routing header has a value the proxy does not know (answered with 400)."""
+
+    def __init__(self, header: str, value: str, allowed: tuple[str, ...]) -> None:
+        super().__init__(f"header {header} must be one of {', '.join(allowed)}, not {value!r}")
+        self.header = header
+
+
+def features_of(body: Mapping[str, Any], request_class: str | None) -> Features:
+    """What the policy may know about a request: sizes and flags, never the text itself."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    request_class = request_class or default_request_class(body)
+    return Features(
+        prompt_tokens=count_prompt_tokens(body),
+        max_tokens=max_tokens if isinstance(max_tokens, int) else None,
+        stream=body.get("stream") is True,
+        request_class="batch" if request_class == "batch" else "latency",
+        ignore_eos=body.get("ignore_eos") is True,
+    )
+
+
+def read_overrides(headers: Mapping[str, str]) -> tuple[PoolName | None, str | None]:
+    """(pool override, request class) from the request headers; RoutingInputError if unknown."""
+    pool = headers.get(POOL_HEADER)
+    if pool is not None:
+        pool = pool.strip().lower()
+        if pool not in POOL_OVERRIDES:
+            raise RoutingInputError(POOL_HEADER, pool, POOL_OVERRIDES)
+        if pool == "auto":
+            pool = None
+    pool_name: PoolName | None = pool  # type: ignore[assignment]
+    request_class = headers.get(CLASS_HEADER)
+    if request_class is not None:
+        request_class = request_class.strip().lower()
+        if request_class not in REQUEST_CLASSES:
+            raise RoutingInputError(CLASS_HEADER, request_class, REQUEST_CLASSES)
+    return pool_name, request_class
+
+
+class Attempt:
+    """One upstream attempt's hold on an instance. `finished`/`failed` release it exactly once."""
+
+    __slots__ = ("fleet", "instance", "started", "tokens", "open")
+
+    def __init__(self, fleet: FleetState, instance: Instance) -> None:
+        self.fleet = fleet
+        self.instance = instance
+        self.started = False
+        self.tokens = 0
+        self.open = True
+        instance.dispatched_total += 1
+        fleet.on_dispatch(instance.url, time.monotonic())
+
+    def first_byte(self) -> None:
+        if self.open and not self.started:
+            self.started = True
+            self.instance.streaming += 1
+
+    def chunk(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def finished(self) -> None:
+        self._release()
+
+    def failed(self, error: str) -> None:
+        if self.open:
+            self.instance.failed_total += 1
+        self._release()
+
+    def _release(self) -> None:
+        if not self.open:
+            return
+        self.open = False
+        self.fleet.on_complete(self.instance.url, time.monotonic())
+        if self.started:
+            self.instance.streaming -= 1
+
+
+class Router:
+    def __init__(self, fleet: FleetState, pools: Mapping[PoolName, Pool], policy: Policy) -> None:
+        self.fleet = fleet
+        self.pools = dict(pools)
+        self.policy = policy
+        self.cost: StepCost | None = None
+        """The step-cost model handed to policies in each snapshot (signals set it)."""
+        self._turn = itertools.count()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "Router":
+        fleet = FleetState()
+        policy = registry.create(settings.policy, settings.policy_params())
+        return cls(fleet, pools_from_settings(settings, fleet), policy)
+
+    # -- lifecycle (signals polling starts and stops here) --------------------------------------
+    async def start(self) -> None:
+        """Begin background work (polling); none with in-flight counts only."""
+
+    async def stop(self) -> None:
+        """End background work."""
+
+    # -- questions --------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """True when some pool can take work."""
+        return any(pool.available for pool in self.pools.values())
+
+    def instances(self) -> list[Instance]:
+        return [i for pool in self.pools.values() for i in pool.instances]
+
+    def snapshot(self) -> Snapshot:
+        return self.fleet.snapshot(time.monotonic(), self.cost)
+
+    def choose(self, features: Features, override: PoolName | None) -> Decision:
+        """The pool for a request: the override when given, else the policy's pick; a pool with
+        no available instance is swapped for the other one."""
+        if override is not None:
+            return Decision(pool=override, reason="override")
+        decision = self.policy.decide(features, self.snapshot())
+        if not self.pools[decision.pool].available and self.pools[other_pool(decision.pool)].available:
+            return Decision(pool=other_pool(decision.pool), reason="unavailable", scores=decision.scores)
+        return decision
+
+    def pick(self, pool: PoolName, exclude: Collection[Instance] = ()) -> Instance | None:
+        """Least-loaded healthy instance of `pool` not in `exclude` (load relative to its cap);
+        ties rotate so that a quiet fleet still spreads its requests."""
+        candidates = [i for i in self.pools[pool].instances if i.healthy and i not in exclude]
+        if len(candidates) <= 1:
+            return candidates[0] if candidates else None
+        start = next(self._turn) % len(candidates)
+        rotated = candidates[start:] + candidates[:start]
+        return min(rotated, key=lambda i: i.signals.adjusted_load() / max(i.signals.max_running, 1))
+
+    def next_instance(self, pool: PoolName, tried: Collection[Instance], pinned: bool) -> Instance | None:
+        """Where the next attempt goes: an untried instance of the same pool, then (unless the
+        client pinned the pool) one of the other pool."""
+        instance = self.pick(pool, tried)
+        if instance is None and not pinned:
+            instance = self.pick(other_pool(pool), tried)
+        return instance
+
+    # -- events -----------------------------------------------------------------------------
+    def dispatch(self, instance: Instance) -> Attempt:
+        """Start an attempt on `instance`; the caller must end it (finished/failed) on every path."""
+        return Attempt(self.fleet, instance)

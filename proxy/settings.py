@@ -1,0 +1,157 @@
+"""The one settings object: every SPECROUTE_* variable (and .env) is read here and nowhere else."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX = "SPECROUTE_"
+
+
+class SettingsError(Exception):
+    """A wrong setting, phrased as one line that names the variable."""
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        validate_default=True,
+    )
+
+    # Listening
+    host: str = Field("127.0.0.1", description="Address the proxy listens on.")
+    port: int = Field(8000, ge=0, le=65535, description="Port the proxy listens on (0: any free port).")
+
+    # Pools
+    spec_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated base URLs of the speculative (EAGLE-3) SGLang servers.",
+    )
+    base_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated base URLs of the plain (throughput-tuned) servers.",
+    )
+    spec_api_key: SecretStr | None = Field(
+        None, description="Bearer key sent to the spec pool (replaces the client's Authorization)."
+    )
+    base_api_key: SecretStr | None = Field(
+        None, description="Bearer key sent to the base pool (replaces the client's Authorization)."
+    )
+
+    # Routing
+    policy: str = Field("spec", description="Routing policy name (see `specroute config`).")
+
+    # Request path
+    connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to open an upstream connection.")
+    first_token_timeout_s: float = Field(
+        120.0, gt=0, description="Seconds from sending a request to the upstream's first byte (504 after)."
+    )
+    chunk_timeout_s: float = Field(
+        60.0, gt=0, description="Longest gap in seconds between two chunks of an upstream response."
+    )
+    total_timeout_s: float = Field(600.0, gt=0, description="Seconds one request may take end to end.")
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, gt=0, description="Largest request body accepted (413 above)."
+    )
+    max_attempts: int = Field(
+        3, ge=1, le=10, description="Upstream attempts per request, first try included (failover bound)."
+    )
+    max_connections: int = Field(
+        1024, ge=1, description="Upstream connections kept per instance."
+    )
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="On SIGTERM, seconds running requests get to finish before exit."
+    )
+    models_cache_s: float = Field(
+        5.0, ge=0, description="Seconds a merged GET /v1/models answer is reused."
+    )
+    log_level: str = Field("info", description="uvicorn log level: critical, error, warning, info, debug.")
+
+    @field_validator("spec_urls", "base_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("spec_urls", "base_urls")
+    @classmethod
+    def _check_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+                raise ValueError(f"{url!r} is not an http:// or https:// URL")
+        return [url.rstrip("/") for url in urls]
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_log_level(cls, value: str) -> str:
+        levels = ("critical", "error", "warning", "info", "debug", "trace")
+        if value.lower() not in levels:
+            raise ValueError(f"must be one of {', '.join(levels)}")
+        return value.lower()
+
+    @field_validator("policy")
+    @classmethod
+    def _check_policy(cls, value: str) -> str:
+        from policies import registry
+
+        if value not in registry.names():
+            raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(registry.names())}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_timeouts(self) -> "Settings":
+        if self.total_timeout_s < self.connect_timeout_s:
+            raise ValueError("SPECROUTE_TOTAL_TIMEOUT_S must not be shorter than SPECROUTE_CONNECT_TIMEOUT_S")
+        urls = self.spec_urls + self.base_urls
+        repeated = sorted({url for url in urls if urls.count(url) > 1})
+        if repeated:
+            raise ValueError(f"SPECROUTE_SPEC_URLS/SPECROUTE_BASE_URLS list {', '.join(repeated)} more than once")
+        return self
+
+    def policy_params(self) -> dict[str, Any]:
+        """Keyword arguments for policies.registry.create(self.policy, ...)."""
+        return {}
+
+    def require_upstreams(self) -> None:
+        if not self.spec_urls and not self.base_urls:
+            raise SettingsError(
+                f"set {ENV_PREFIX}SPEC_URLS and/or {ENV_PREFIX}BASE_URLS: the proxy has no upstream servers"
+            )
+
+    def public_view(self) -> dict[str, Any]:
+        """Effective settings by variable name, secrets masked (for `specroute config`)."""
+        view: dict[str, Any] = {}
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, SecretStr):
+                value = "********"
+            elif isinstance(value, list):
+                value = ",".join(value)
+            view[ENV_PREFIX + name.upper()] = value
+        return view
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Settings from the environment and .env; raise SettingsError naming the bad variable."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise SettingsError(describe(exc)) from None
+
+
+def describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        location = error.get("loc") or ()
+        message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        if location:
+            lines.append(f"{ENV_PREFIX}{str(location[0]).upper()}: {message}")
+        else:
+            lines.append(message)
+    return "invalid setting " + "; ".join(lines)
