@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "SPECROUTE_"
@@ -44,7 +44,36 @@ class Settings(BaseSettings):
     )
 
     # Routing
-    policy: str = Field("spec", description="Routing policy name (see `specroute config`).")
+    policy: str = Field("goodput", description="Routing policy name (see `specroute config`).")
+    poll_interval_ms: int = Field(
+        100, ge=10, le=60_000, description="Milliseconds between two load polls of each upstream instance."
+    )
+    stale_ms: int = Field(
+        1000, ge=1, description="A load reading older than this is stale: the policy then routes conservatively."
+    )
+    acceptance_half_life_s: float = Field(
+        2.0, gt=0, description="Half-life in seconds of the spec pool's acceptance estimate."
+    )
+    num_draft_tokens: int = Field(
+        3, ge=0, le=64, description="Draft tokens per verify step assumed until /server_info says otherwise."
+    )
+    profile: str | None = Field(
+        None, description="Step-time profile seeding the cost model: a built-in name (h200-llama8b, kimi-linear, kimi-moe) or a JSON path."
+    )
+    state_decisions: int = Field(
+        64, ge=1, le=10_000, description="Recent routing decisions kept for GET /v1/specroute/state."
+    )
+    threshold_enter: float = Field(24, gt=0, description="threshold policy: spec load below which traffic returns to spec.")
+    threshold_exit: float = Field(40, gt=0, description="threshold policy: spec load at which traffic leaves for base.")
+    goodput_output_tokens: int = Field(
+        256, ge=1, description="goodput policy: output tokens to plan for when a request does not run to max_tokens."
+    )
+    goodput_default_alpha: float = Field(
+        0.5, ge=0, lt=1, description="goodput policy: acceptance assumed before the spec pool has reported any."
+    )
+    goodput_externality: float = Field(
+        1.0, ge=0, description="goodput policy: weight of the slowdown a request causes the batch it joins."
+    )
 
     # Request path
     connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to open an upstream connection.")
@@ -72,6 +101,25 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("info", description="uvicorn log level: critical, error, warning, info, debug.")
 
+    # Telemetry (proxy/telemetry). The SDK reads the other OTEL_* variables itself.
+    traces: bool | None = Field(
+        None, description="Export OpenTelemetry traces over OTLP; unset: on when an OTLP endpoint is set."
+    )
+    trace_content: bool = Field(
+        False, description="Opt-in: put prompts on trace spans (gen_ai.input.messages). Off by default."
+    )
+    request_log: bool = Field(True, description="Write one JSON line per request to stdout.")
+    otlp_endpoint: str | None = Field(
+        None,
+        validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
+        description="Where traces go (the SDK reads it; here it only switches tracing on).",
+    )
+    otlp_protocol: str = Field(
+        "http/protobuf",
+        validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
+        description="OTLP transport for traces: http/protobuf or grpc.",
+    )
+
     @field_validator("spec_urls", "base_urls", mode="before")
     @classmethod
     def _split_urls(cls, value: Any) -> Any:
@@ -95,6 +143,17 @@ class Settings(BaseSettings):
             raise ValueError(f"must be one of {', '.join(levels)}")
         return value.lower()
 
+    @field_validator("otlp_protocol")
+    @classmethod
+    def _check_otlp_protocol(cls, value: str) -> str:
+        if value.strip() not in ("http/protobuf", "grpc"):
+            raise ValueError(f"{value!r} is not supported; use http/protobuf or grpc")
+        return value.strip()
+
+    @property
+    def traces_enabled(self) -> bool:
+        return self.traces if self.traces is not None else bool(self.otlp_endpoint)
+
     @field_validator("policy")
     @classmethod
     def _check_policy(cls, value: str) -> str:
@@ -116,6 +175,14 @@ class Settings(BaseSettings):
 
     def policy_params(self) -> dict[str, Any]:
         """Keyword arguments for policies.registry.create(self.policy, ...)."""
+        if self.policy == "threshold":
+            return {"enter": self.threshold_enter, "exit": self.threshold_exit}
+        if self.policy == "goodput":
+            return {
+                "default_output_tokens": self.goodput_output_tokens,
+                "default_alpha": self.goodput_default_alpha,
+                "externality": self.goodput_externality,
+            }
         return {}
 
     def require_upstreams(self) -> None:
@@ -127,13 +194,14 @@ class Settings(BaseSettings):
     def public_view(self) -> dict[str, Any]:
         """Effective settings by variable name, secrets masked (for `specroute config`)."""
         view: dict[str, Any] = {}
-        for name in type(self).model_fields:
+        for name, info in type(self).model_fields.items():
             value = getattr(self, name)
             if isinstance(value, SecretStr):
                 value = "********"
             elif isinstance(value, list):
                 value = ",".join(value)
-            view[ENV_PREFIX + name.upper()] = value
+            alias = info.validation_alias
+            view[str(alias.choices[-1]) if isinstance(alias, AliasChoices) else ENV_PREFIX + name.upper()] = value
         return view
 
 
@@ -151,7 +219,8 @@ def describe(exc: ValidationError) -> str:
         location = error.get("loc") or ()
         message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
         if location:
-            lines.append(f"{ENV_PREFIX}{str(location[0]).upper()}: {message}")
+            name = str(location[0])  # a field name, or the OTEL_* variable of an aliased field
+            lines.append(f"{name if name.startswith('OTEL_') else ENV_PREFIX + name.upper()}: {message}")
         else:
             lines.append(message)
     return "invalid setting " + "; ".join(lines)
