@@ -1,0 +1,27 @@
+"""One JSON line per request on the "specroute.request" logger. Never a prompt or a completion."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from typing import Any
+
+LOGGER_NAME = "specroute.request"
+
+
+def request_logger() -> logging.Logger:
+    """The request logger, writing bare JSON lines to stdout unless the host app configured it."""
+    logger = logging.getLogger(LOGGER_NAME)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # the line is already complete; root handlers would re-wrap it
+    return logger
+
+
+def write(logger: logging.Logger, record: dict[str, Any]) -> None:
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(json.dumps(record, separators=(",", ":"), default=str))

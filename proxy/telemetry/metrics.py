@@ -1,0 +1,64 @@
+"""Prometheus metrics, in a registry of their own, rendered in the text format at GET /metrics."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from policies.types import Snapshot
+from proxy.telemetry import names as n
+
+
+class Metrics:
+    """Every specroute metric; one instance per app, so tests and several apps never share counts."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(n.M_REQUESTS, "Requests answered, by pool, policy and outcome.",
+                                ["pool", "policy", "outcome"], registry=r)
+        self.decisions = Counter(n.M_DECISIONS, "Routing decisions, by reason and chosen pool.",
+                                 ["reason", "pool"], registry=r)
+        self.ttft = Histogram(n.M_TTFT, "Seconds from request received to the first token sent.",
+                              ["pool"], buckets=n.BUCKETS_TTFT, registry=r)
+        self.inter_token = Histogram(
+            n.M_INTER_TOKEN, "Mean seconds between output tokens after the first, per request.",
+            ["pool"], buckets=n.BUCKETS_INTER_TOKEN, registry=r)
+        self.duration = Histogram(n.M_DURATION, "Seconds from request received to response end.",
+                                  ["pool"], buckets=n.BUCKETS_DURATION, registry=r)
+        self.tokens = Counter(n.M_TOKENS, "Tokens reported by the upstream, by pool and type.",
+                              ["pool", "type"], registry=r)
+        self.in_flight = Gauge(n.M_IN_FLIGHT, "Upstream requests this proxy has open, per instance.",
+                               ["pool", "instance"], registry=r)
+        self.alpha = Gauge(n.M_ALPHA, "Observed per-token acceptance rate of a speculative pool.",
+                           ["pool"], registry=r)
+        self.snapshot_age = Gauge(n.M_SNAPSHOT_AGE, "Age in seconds of the freshest load reading per pool.",
+                                  ["pool"], registry=r)
+        self.retries = Counter(n.M_RETRIES, "Upstream attempts repeated within the same pool.",
+                               ["pool"], registry=r)
+        self.failovers = Counter(n.M_FAILOVERS, "Upstream attempts moved to the other pool.",
+                                 ["from_pool", "to_pool"], registry=r)
+        self.overhead = Histogram(
+            n.M_OVERHEAD, "Seconds per request spent in the proxy itself (not waiting on upstream).",
+            buckets=n.BUCKETS_OVERHEAD, registry=r)
+        self._snapshot_source: Callable[[], Snapshot | None] | None = None
+
+    def watch_snapshot(self, source: Callable[[], Snapshot | None]) -> None:
+        """Refresh the alpha and snapshot-age gauges from `source` at every scrape."""
+        self._snapshot_source = source
+
+    def record_snapshot(self, snapshot: Snapshot) -> None:
+        for name, pool in snapshot.pools.items():
+            if pool.alpha is not None:
+                self.alpha.labels(name).set(pool.alpha)
+            if pool.available:
+                self.snapshot_age.labels(name).set(pool.age_s)
+
+    def render(self) -> bytes:
+        if self._snapshot_source is not None:
+            snapshot = self._snapshot_source()
+            if snapshot is not None:
+                self.record_snapshot(snapshot)
+        return generate_latest(self.registry)

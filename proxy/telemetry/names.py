@@ -1,0 +1,90 @@
+"""Every span, attribute, event and metric name specroute emits, in one place.
+
+GenAI names follow OpenTelemetry semantic conventions v1.41.0 (the last release of the main
+semconv repository that holds the GenAI text); they are still "Development", so a rename lands
+here and nowhere else.
+"""
+
+from __future__ import annotations
+
+# HTTP server span (HTTP semantic conventions, stable).
+HTTP_REQUEST_METHOD = "http.request.method"
+HTTP_ROUTE = "http.route"
+HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
+URL_PATH = "url.path"
+URL_SCHEME = "url.scheme"
+CLIENT_ADDRESS = "client.address"
+USER_AGENT_ORIGINAL = "user_agent.original"
+ERROR_TYPE = "error.type"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+
+# GenAI inference span (one CLIENT span per upstream attempt).
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"
+GEN_AI_PROVIDER_NAME = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_REQUEST_STREAM = "gen_ai.request.stream"
+GEN_AI_REQUEST_SEED = "gen_ai.request.seed"
+GEN_AI_REQUEST_CHOICE_COUNT = "gen_ai.request.choice.count"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+# Opt-in content (SPECROUTE_TRACE_CONTENT); JSON strings, the portable encoding on spans.
+GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
+GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
+
+# SGLang and vLLM have no well-known provider value; the conventions allow a custom one.
+PROVIDER_SGLANG = "sglang"
+OPERATION_BY_PATH = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+
+EVENT_FIRST_TOKEN = "gen_ai.first_token"
+
+# specroute's own attributes: the routing decision and where an attempt went.
+ROUTE_POLICY = "specroute.policy"
+ROUTE_POOL = "specroute.pool"
+ROUTE_REASON = "specroute.reason"
+ROUTE_OVERRIDE = "specroute.override"
+ROUTE_SCORE_PREFIX = "specroute.score."
+ROUTE_POOL_PREFIX = "specroute.pool."  # + "<pool>.load" / ".running" / ".alpha" / ...
+ROUTE_PROMPT_TOKENS = "specroute.request.prompt_tokens"
+ROUTE_REQUEST_CLASS = "specroute.request.class"
+ATTEMPT_NUMBER = "specroute.attempt"
+ATTEMPT_INSTANCE = "specroute.instance"
+ATTEMPT_FAILOVER = "specroute.failover"
+REQUEST_ID = "specroute.request_id"
+OVERHEAD_MS = "specroute.overhead_ms"
+
+SPAN_DECISION = "specroute.route"
+
+# Prometheus metric names (the exposition adds _total/_bucket/... suffixes itself).
+M_REQUESTS = "specroute_requests"
+M_DECISIONS = "specroute_decisions"
+M_TTFT = "specroute_time_to_first_token_seconds"
+M_INTER_TOKEN = "specroute_inter_token_seconds"
+M_DURATION = "specroute_request_duration_seconds"
+M_IN_FLIGHT = "specroute_in_flight_requests"
+M_ALPHA = "specroute_pool_alpha"
+M_SNAPSHOT_AGE = "specroute_snapshot_age_seconds"
+M_RETRIES = "specroute_retries"
+M_FAILOVERS = "specroute_failovers"
+M_OVERHEAD = "specroute_overhead_seconds"
+M_TOKENS = "specroute_tokens"
+
+OVERHEAD_HEADER = "x-specroute-overhead-ms"
+
+# GenAI bucket boundaries (gen-ai-metrics.md@v1.41.0).
+BUCKETS_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0)  # gen_ai.server.time_to_first_token
+BUCKETS_INTER_TOKEN = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                       2.5)  # gen_ai.server.time_per_output_token
+BUCKETS_DURATION = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
+                    40.96, 81.92)  # gen_ai.client.operation.duration
+BUCKETS_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)  # token.usage
+# The proxy's own work per request: tens of microseconds to a few milliseconds.
+BUCKETS_OVERHEAD = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)

@@ -1,0 +1,70 @@
+"""specroute's Telemetry: traces (when configured), Prometheus metrics and JSON request logs."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable
+from urllib.parse import urlsplit
+
+from fastapi import Response
+from opentelemetry.trace import Tracer
+
+from proxy.hooks import Telemetry
+from proxy.telemetry import logs
+from proxy.telemetry.metrics import Metrics
+from proxy.telemetry.request import RequestRecorder
+from proxy.telemetry.tracing import Tracing
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from policies.types import Snapshot
+    from proxy.settings import Settings
+
+log = logging.getLogger("specroute.telemetry")
+
+
+class SpecrouteTelemetry(Telemetry):
+    """Makes one RequestRecorder per request; owns the tracer provider, metrics and log."""
+
+    def __init__(self, settings: "Settings", version: str, tracing: Tracing | None = None) -> None:
+        self.policy = settings.policy
+        self.trace_content = settings.trace_content
+        self.tracing = tracing
+        if tracing is None and settings.traces_enabled:
+            tracing = self.tracing = Tracing(settings.otlp_protocol, version)
+        self.tracer: Tracer | None = tracing.tracer if tracing is not None else None
+        self.metrics = Metrics()
+        self.request_log: logging.Logger | None = logs.request_logger() if settings.request_log else None
+        self._addresses: dict[str, tuple[str, int]] = {}
+
+    def install(self, app: "FastAPI") -> None:
+        metrics = self.metrics
+
+        @app.get("/metrics", include_in_schema=False)
+        def prometheus_metrics() -> Response:
+            return Response(metrics.render(), media_type=metrics.content_type)
+
+    def watch_snapshot(self, source: Callable[[], "Snapshot | None"]) -> None:
+        """Give /metrics the fleet's current snapshot (alpha and reading age at scrape time)."""
+        self.metrics.watch_snapshot(source)
+
+    def request_hooks(self, endpoint: str) -> RequestRecorder:
+        return RequestRecorder(self, endpoint)
+
+    async def start(self) -> None:
+        if self.tracing is not None:
+            log.info("exporting traces over OTLP %s", self.tracing.protocol)
+
+    async def stop(self) -> None:
+        if self.tracing is not None:
+            self.tracing.shutdown()
+
+    def address_of(self, url: str) -> tuple[str, int]:
+        """server.address and server.port of an upstream base URL (parsed once per instance)."""
+        address = self._addresses.get(url)
+        if address is None:
+            parts = urlsplit(url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            address = self._addresses[url] = (parts.hostname or "", port)
+        return address
