@@ -19,6 +19,7 @@ from policies.fleet import FleetState
 from policies.types import Decision, Features, Policy, PoolName, StepCost, Snapshot
 from proxy.pools import Instance, Pool, other_pool, pools_from_settings
 from proxy.settings import Settings
+from proxy.signals import Signals
 
 POOL_HEADER = "x-specroute-pool"
 CLASS_HEADER = "x-specroute-class"
@@ -68,14 +69,21 @@ def read_overrides(headers: Mapping[str, str]) -> tuple[PoolName | None, str | N
 class Attempt:
     """One upstream attempt's hold on an instance. `finished`/`failed` release it exactly once."""
 
-    __slots__ = ("fleet", "instance", "started", "tokens", "open")
+    __slots__ = ("fleet", "instance", "started", "tokens", "open", "signals", "chunks", "first_at", "last_at", "spec_details")
 
-    def __init__(self, fleet: FleetState, instance: Instance) -> None:
+    def __init__(self, fleet: FleetState, instance: Instance, signals: Signals | None = None) -> None:
         self.fleet = fleet
         self.instance = instance
         self.started = False
         self.tokens = 0
         self.open = True
+        # Stream evidence for the cost model and the acceptance estimate (proxy/signals.py).
+        self.signals = signals
+        self.chunks = 0
+        self.first_at = 0.0
+        self.last_at = 0.0
+        self.spec_details: Mapping[str, Any] | None = None
+        """Set by the relay when the upstream sent sglext.spec_tokens_details."""
         instance.dispatched_total += 1
         fleet.on_dispatch(instance.url, time.monotonic())
 
@@ -86,8 +94,17 @@ class Attempt:
 
     def chunk(self, tokens: int) -> None:
         self.tokens += tokens
+        if tokens > 0:
+            now = time.monotonic()
+            if not self.chunks:
+                self.first_at = now
+            self.last_at = now
+            self.chunks += 1
 
     def finished(self) -> None:
+        if self.open and self.signals is not None:
+            self.signals.observe(self.instance, chunks=self.chunks, tokens=self.tokens,
+                                 decode_s=self.last_at - self.first_at, spec_details=self.spec_details)
         self._release()
 
     def failed(self, error: str) -> None:
@@ -105,26 +122,43 @@ class Attempt:
 
 
 class Router:
-    def __init__(self, fleet: FleetState, pools: Mapping[PoolName, Pool], policy: Policy) -> None:
+    def __init__(self, fleet: FleetState, pools: Mapping[PoolName, Pool], policy: Policy,
+                 signals: Signals | None = None) -> None:
         self.fleet = fleet
         self.pools = dict(pools)
         self.policy = policy
-        self.cost: StepCost | None = None
+        self.signals = signals
+        self.cost: StepCost | None = signals.cost if signals is not None else None
         """The step-cost model handed to policies in each snapshot (signals set it)."""
         self._turn = itertools.count()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "Router":
-        fleet = FleetState()
+        fleet = FleetState(
+            stale_after_s=settings.stale_ms / 1000,
+            half_life_s=settings.acceptance_half_life_s,
+            num_draft_tokens=settings.num_draft_tokens,
+        )
         policy = registry.create(settings.policy, settings.policy_params())
-        return cls(fleet, pools_from_settings(settings, fleet), policy)
+        pools = pools_from_settings(settings, fleet)
+        return cls(fleet, pools, policy, Signals(settings, fleet, pools))
 
     # -- lifecycle (signals polling starts and stops here) --------------------------------------
     async def start(self) -> None:
-        """Begin background work (polling); none with in-flight counts only."""
+        """Learn each instance (/server_info), poll once, then keep polling in the background."""
+        if self.signals is not None:
+            await self.signals.start()
 
     async def stop(self) -> None:
         """End background work."""
+        if self.signals is not None:
+            await self.signals.stop()
+
+    def state(self) -> dict[str, Any]:
+        """GET /v1/specroute/state: the live snapshot, alpha, cost estimates, last decisions."""
+        if self.signals is None:
+            return {"policy": self.policy.name, "pools": {}, "decisions": []}
+        return self.signals.state()
 
     # -- questions --------------------------------------------------------------------------
     @property
@@ -141,11 +175,15 @@ class Router:
     def choose(self, features: Features, override: PoolName | None) -> Decision:
         """The pool for a request: the override when given, else the policy's pick; a pool with
         no available instance is swapped for the other one."""
+        snapshot = self.snapshot()
         if override is not None:
-            return Decision(pool=override, reason="override")
-        decision = self.policy.decide(features, self.snapshot())
-        if not self.pools[decision.pool].available and self.pools[other_pool(decision.pool)].available:
-            return Decision(pool=other_pool(decision.pool), reason="unavailable", scores=decision.scores)
+            decision = Decision(pool=override, reason="override")
+        else:
+            decision = self.policy.decide(features, snapshot)
+            if not self.pools[decision.pool].available and self.pools[other_pool(decision.pool)].available:
+                decision = Decision(pool=other_pool(decision.pool), reason="unavailable", scores=decision.scores)
+        if self.signals is not None:
+            decision = self.signals.explain(features, decision, snapshot)
         return decision
 
     def pick(self, pool: PoolName, exclude: Collection[Instance] = ()) -> Instance | None:
@@ -169,4 +207,4 @@ class Router:
     # -- events -----------------------------------------------------------------------------
     def dispatch(self, instance: Instance) -> Attempt:
         """Start an attempt on `instance`; the caller must end it (finished/failed) on every path."""
-        return Attempt(self.fleet, instance)
+        return Attempt(self.fleet, instance, self.signals)

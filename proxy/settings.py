@@ -163,8 +163,19 @@ class Settings(BaseSettings):
             raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(registry.names())}")
         return value
 
+    @field_validator("profile")
+    @classmethod
+    def _check_profile(cls, value: str | None) -> str | None:
+        if value:
+            from policies.costmodel import seed_from_profile
+
+            seed_from_profile(value)  # raises ValueError naming the built-in profiles
+        return value or None
+
     @model_validator(mode="after")
     def _check_timeouts(self) -> "Settings":
+        if self.threshold_enter > self.threshold_exit:
+            raise ValueError("SPECROUTE_THRESHOLD_ENTER must not exceed SPECROUTE_THRESHOLD_EXIT")
         if self.total_timeout_s < self.connect_timeout_s:
             raise ValueError("SPECROUTE_TOTAL_TIMEOUT_S must not be shorter than SPECROUTE_CONNECT_TIMEOUT_S")
         urls = self.spec_urls + self.base_urls

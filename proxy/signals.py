@@ -1,0 +1,356 @@
+"""Live signals: poll each instance's load, learn step costs and acceptance, build snapshots.
+
+Per instance, at start: GET /server_info (which instances speculate, max_running_requests, the
+draft settings). Then every SPECROUTE_POLL_INTERVAL_MS one load probe, the first of these that
+the server answers: GET /v1/loads (SGLang 0.5.15+), GET /metrics (Prometheus text; SGLang with
+--enable-metrics, or vLLM), GET /get_load (older SGLang). A server that answers none is counted
+by the proxy's own in-flight requests only. Spec instances that expose /metrics also give the
+token and verify-call counters, whose increments are the windowed accept length.
+
+All routing arithmetic lives in policies/ (fleet.FleetState builds the Snapshot); this module
+only does the I/O and feeds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from typing import Any, Callable, Mapping
+
+import httpx
+
+from policies.costmodel import Seed, StepCostModel, seed_from_profile
+from policies.fleet import FleetState, Reading
+from policies.types import Decision, Features, PoolName, Snapshot
+from proxy.pools import Instance, Pool
+from proxy.settings import Settings
+
+log = logging.getLogger("specroute.signals")
+
+LOAD_PROBES = ("/v1/loads", "/metrics", "/get_load")
+METRICS_EVERY = 5
+"""On a spec instance polled through /v1/loads, read /metrics' counters every this many polls."""
+
+
+def parse_prometheus(text: str, wanted: frozenset[str]) -> dict[str, float]:
+    """Sum of each wanted metric over its label sets (the text format, comments skipped)."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        if name_end <= 0:
+            continue
+        name = line[:name_end]
+        if name not in wanted:
+            continue
+        try:
+            value = float(line.rsplit("}", 1)[-1].split()[0])
+        except (ValueError, IndexError):
+            continue
+        if math.isfinite(value):
+            totals[name] = totals.get(name, 0.0) + value
+    return totals
+
+
+METRIC_NAMES = frozenset({
+    "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:max_running_requests",
+    "sglang:generation_tokens_total", "sglang:spec_verify_calls_total", "sglang:spec_accept_length",
+    "vllm:num_requests_running", "vllm:num_requests_waiting",
+})
+
+
+def reading_from_loads(doc: Mapping[str, Any], at: float) -> Reading:
+    """GET /v1/loads: summed over data-parallel ranks."""
+    loads = [entry for entry in doc.get("loads", []) if isinstance(entry, Mapping)]
+    if not loads:
+        raise ValueError("no loads in /v1/loads answer")
+    accept = [e["speculative"]["accept_length"] for e in loads
+              if isinstance(e.get("speculative"), Mapping) and e["speculative"].get("accept_length")]
+    return Reading(
+        at=at,
+        running=float(sum(e.get("num_running_reqs", 0) for e in loads)),
+        waiting=float(sum(e.get("num_waiting_reqs", 0) for e in loads)),
+        max_running=int(sum(e.get("max_running_requests", 0) for e in loads)) or None,
+        accept_length=float(sum(accept) / len(accept)) if accept else None,
+    )
+
+
+def reading_from_metrics(text: str, at: float) -> Reading:
+    m = parse_prometheus(text, METRIC_NAMES)
+    if "sglang:num_running_reqs" in m:
+        running, waiting = m["sglang:num_running_reqs"], m.get("sglang:num_queue_reqs", 0.0)
+    elif "vllm:num_requests_running" in m:
+        running, waiting = m["vllm:num_requests_running"], m.get("vllm:num_requests_waiting", 0.0)
+    else:
+        raise ValueError("no load gauges in /metrics")
+    return Reading(
+        at=at, running=running, waiting=waiting,
+        max_running=int(m["sglang:max_running_requests"]) if m.get("sglang:max_running_requests") else None,
+        accept_length=m.get("sglang:spec_accept_length") or None,
+        tokens_total=m.get("sglang:generation_tokens_total"),
+        verify_total=m.get("sglang:spec_verify_calls_total"),
+    )
+
+
+def reading_from_get_load(doc: Any, at: float) -> Reading:
+    entries = doc if isinstance(doc, list) else [doc]
+    entries = [e for e in entries if isinstance(e, Mapping)]
+    if not entries:
+        raise ValueError("empty /get_load answer")
+    total = sum(e.get("num_reqs", 0) for e in entries)
+    waiting = sum(e.get("num_waiting_reqs", 0) for e in entries)
+    return Reading(at=at, running=float(total - waiting), waiting=float(waiting))
+
+
+def server_info_facts(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """What /server_info says about speculation and the running cap."""
+    algorithm = doc.get("speculative_algorithm")
+    steps = doc.get("speculative_num_steps") or 0
+    return {
+        "speculative": bool(algorithm),
+        "speculative_algorithm": algorithm,
+        "num_draft_tokens": int(steps) if algorithm else 0,
+        "speculative_eagle_topk": doc.get("speculative_eagle_topk"),
+        "speculative_num_draft_tokens": doc.get("speculative_num_draft_tokens"),
+        "max_running_requests": doc.get("max_running_requests"),
+    }
+
+
+class Signals:
+    """The proxy's live view of its fleet: polls into the Router's FleetState, learns costs."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        fleet: FleetState,
+        pools: Mapping[PoolName, Pool],
+        clock: Callable[[], float] = time.monotonic,
+        seed: Seed | None = None,
+    ):
+        self.settings = settings
+        self.fleet = fleet
+        self.clock = clock
+        if seed is None and settings.profile:
+            seed = seed_from_profile(settings.profile)
+        self.cost = StepCostModel(seed, num_draft_tokens=settings.num_draft_tokens)
+        self.by_url: dict[str, Instance] = {i.url: i for pool in pools.values() for i in pool.instances}
+        self.probe: dict[str, str | None] = {}
+        """Which load endpoint each instance answers (None: none, local counts only)."""
+        self.info: dict[str, dict[str, Any]] = {}
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=settings.state_decisions)
+        self.poll_errors: dict[str, str] = {}
+        self._client: httpx.AsyncClient | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._polls = 0
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        timeout = httpx.Timeout(max(self.settings.stale_ms / 1000, 0.5))
+        self._client = httpx.AsyncClient(timeout=timeout, trust_env=False)
+        await asyncio.gather(*(self._learn(url) for url in self.by_url))
+        await self.poll_once()
+        self._task = asyncio.create_task(self._loop(), name="specroute-signals")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def _loop(self) -> None:
+        interval = self.settings.poll_interval_ms / 1000
+        while True:
+            started = self.clock()
+            await self.poll_once()
+            await asyncio.sleep(max(interval - (self.clock() - started), 0.0))
+
+    # -- polling --------------------------------------------------------------------------------
+
+    def _headers(self, url: str) -> dict[str, str]:
+        key = self.by_url[url].api_key
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+    async def _get(self, url: str, path: str) -> httpx.Response:
+        assert self._client is not None
+        return await self._client.get(url + path, headers=self._headers(url))
+
+    async def _learn(self, url: str) -> None:
+        """GET /server_info once, then find the first load probe the server answers."""
+        try:
+            response = await self._get(url, "/server_info")
+            if response.status_code == 200:
+                facts = server_info_facts(response.json())
+                self.info[url] = facts
+                instance = self.by_url[url]
+                if facts["max_running_requests"]:
+                    self.fleet.instances[url].max_running = int(facts["max_running_requests"])
+                if facts["speculative"] and instance.pool == "spec" and facts["num_draft_tokens"]:
+                    self.fleet.set_draft_tokens(facts["num_draft_tokens"])
+                    self.cost.set_draft_tokens("spec", facts["num_draft_tokens"])
+                if facts["speculative"] != (instance.pool == "spec"):
+                    log.warning("%s is in the %s pool but /server_info says speculative=%s",
+                                url, instance.pool, facts["speculative"])
+        except (httpx.HTTPError, ValueError) as exc:
+            self.poll_errors[url] = f"server_info: {type(exc).__name__}"
+        for path in LOAD_PROBES:
+            try:
+                response = await self._get(url, path)
+            except httpx.HTTPError as exc:
+                self.poll_errors[url] = f"{path}: {type(exc).__name__}"
+                self.probe[url] = LOAD_PROBES[0]  # unreachable now: keep trying the best probe
+                return
+            if response.status_code == 200:
+                self.probe[url] = path
+                return
+        self.probe[url] = None
+        self.fleet.on_unpolled(url)
+
+    async def poll_once(self) -> None:
+        self._polls += 1
+        await asyncio.gather(*(self._poll(url) for url, path in self.probe.items() if path is not None))
+
+    async def _poll(self, url: str) -> None:
+        path = self.probe[url]
+        assert path is not None
+        at = self.clock()
+        try:
+            response = await self._get(url, path)
+            response.raise_for_status()
+            if path == "/v1/loads":
+                reading = reading_from_loads(response.json(), at)
+            elif path == "/metrics":
+                reading = reading_from_metrics(response.text, at)
+            else:
+                reading = reading_from_get_load(response.json(), at)
+            if path == "/v1/loads" and self.fleet.instances[url].pool == "spec" and self._polls % METRICS_EVERY == 1:
+                reading = await self._with_counters(url, reading)
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            # The reading ages and turns stale; routing acts on that (see policies/fleet.py).
+            self.poll_errors[url] = f"{path}: {type(exc).__name__}"
+            return
+        self.poll_errors.pop(url, None)
+        self.fleet.on_reading(url, reading)
+
+    async def _with_counters(self, url: str, reading: Reading) -> Reading:
+        """Add /metrics' token and verify counters to a /v1/loads reading, if the server has them."""
+        try:
+            response = await self._get(url, "/metrics")
+        except httpx.HTTPError:
+            return reading
+        if response.status_code != 200:
+            return reading
+        m = parse_prometheus(response.text, METRIC_NAMES)
+        if "sglang:spec_verify_calls_total" not in m:
+            return reading
+        return Reading(
+            at=reading.at, running=reading.running, waiting=reading.waiting,
+            max_running=reading.max_running, accept_length=reading.accept_length,
+            tokens_total=m.get("sglang:generation_tokens_total"),
+            verify_total=m["sglang:spec_verify_calls_total"],
+        )
+
+    # -- evidence from the request path ---------------------------------------------------------
+
+    def observe(self, instance: Instance, *, chunks: int, tokens: int, decode_s: float,
+                spec_details: Mapping[str, Any] | None = None) -> None:
+        """A finished response from `instance`: `chunks` and `tokens` streamed, `decode_s` from
+        its first chunk to its last (SGLang and the twin send one chunk per engine step)."""
+        now = self.clock()
+        if chunks >= 2 and decode_s > 0:
+            # The mean inter-chunk gap is one engine step at about the instance's present load
+            # (other requests' prefills included, as a stream experiences them).
+            batch = max(instance.signals.adjusted_load(), 1.0)
+            self.cost.observe(instance.pool, batch, decode_s * 1000 / (chunks - 1))
+        if instance.pool != "spec":
+            return
+        if spec_details and spec_details.get("spec_verify_ct"):
+            verify = int(spec_details["spec_verify_ct"])
+            accepted = float(spec_details.get("spec_accept_length") or 0) * verify
+            self.fleet.on_request_evidence(now, int(round(accepted)), verify)
+        elif chunks >= 2 and tokens > chunks:
+            self.fleet.on_request_evidence(now, tokens, chunks - 1)
+
+    # -- what the router and the state endpoint read -------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        return self.fleet.snapshot(self.clock(), self.cost)
+
+    def explain(self, features: Features, decision: Decision, snapshot: Snapshot) -> Decision:
+        """The decision with what it saw added to its scores (for telemetry and the state
+        endpoint), recorded in the ring of recent decisions."""
+        scores = {**decision_inputs(snapshot), **decision.scores}
+        explained = Decision(pool=decision.pool, reason=decision.reason, scores=scores)
+        self.decisions.append({
+            "at": round(self.clock(), 3),
+            "pool": decision.pool,
+            "reason": decision.reason,
+            "class": features.request_class,
+            "prompt_tokens": features.prompt_tokens,
+            "scores": scores,
+        })
+        return explained
+
+    def state(self) -> dict[str, Any]:
+        snap = self.snapshot()
+        return {
+            "policy": self.settings.policy,
+            "poll_interval_ms": self.settings.poll_interval_ms,
+            "stale_ms": self.settings.stale_ms,
+            "pools": {
+                name: {
+                    "speculative": pool.speculative,
+                    "num_draft_tokens": pool.num_draft_tokens,
+                    "alpha": pool.alpha,
+                    "stale": pool.stale,
+                    "age_s": None if math.isinf(pool.age_s) else round(pool.age_s, 3),
+                    "instances": [
+                        {
+                            "url": i.url, "running": i.running, "waiting": i.waiting,
+                            "max_running": i.max_running, "healthy": i.healthy,
+                            "age_s": None if math.isinf(i.age_s) else round(i.age_s, 3),
+                            "probe": self.probe.get(i.url), "error": self.poll_errors.get(i.url),
+                            "server_info": self.info.get(i.url),
+                        }
+                        for i in pool.instances
+                    ],
+                }
+                for name, pool in snap.pools.items()
+            },
+            "acceptance": {
+                "accept_length": self.fleet.acceptance.accept_length(),
+                "alpha": self.fleet.acceptance.alpha(),
+                "evidence_steps": round(self.fleet.acceptance.evidence(self.clock()), 1),
+                "half_life_s": self.settings.acceptance_half_life_s,
+            },
+            "cost_model": {
+                "profile": self.settings.profile,
+                "decode_step_ms": self.cost.estimates(),
+            },
+            "decisions": list(self.decisions),
+        }
+
+
+def decision_inputs(snapshot: Snapshot) -> dict[str, float]:
+    """Flat numbers of what a decision saw: `<pool>.load`, `<pool>.capacity`, `<pool>.age_s`
+    (omitted before any reading), `<pool>.stale` (1.0 or 0.0), `spec.alpha` (once estimated)."""
+    out: dict[str, float] = {}
+    for name, pool in snapshot.pools.items():
+        out[f"{name}.load"] = pool.running + pool.waiting
+        out[f"{name}.capacity"] = float(pool.capacity)
+        if not math.isinf(pool.age_s):
+            out[f"{name}.age_s"] = round(pool.age_s, 4)
+        out[f"{name}.stale"] = 1.0 if pool.stale else 0.0
+        if pool.speculative and pool.alpha is not None:
+            out[f"{name}.alpha"] = round(pool.alpha, 4)
+    return out
