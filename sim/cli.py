@@ -1,0 +1,122 @@
+"""`specroute sim ...` / `python -m sim ...`: run one SGLang twin on 127.0.0.1.
+
+Flags use SGLang's spelling where SGLang has the flag (--max-running-requests,
+--speculative-num-steps, --enable-metrics, --enable-trace, --otlp-traces-endpoint, ...); the
+twin's own flags are --mode, --profile, --time-scale, --mean-alpha, --output-len and friends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import sys
+from typing import Sequence
+
+from sim.engine import EngineConfig
+from sim.lengths import parse_output_lengths
+from sim.profile import builtin_names, load_profile
+
+READY_LINE = "specroute-twin listening on http://{host}:{port}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specroute sim", description="Run a simulated SGLang server (the twin).")
+    p.add_argument("--mode", choices=("spec", "base"), required=True, help="spec: EAGLE-3 speculative server; base: plain")
+    p.add_argument("--profile", default="h200-llama8b", help=f"step-time profile: {', '.join(builtin_names())} or a .json path")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed on stdout)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="run the same physics this many times faster")
+    p.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0)
+    p.add_argument("--model-path", default="specroute/twin")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-running-requests", type=int, default=None, help="default 48 in spec mode (as SGLang), 256 in base mode")
+    p.add_argument("--speculative-algorithm", default=None, help="accepted for SGLang compatibility (EAGLE3)")
+    p.add_argument("--speculative-num-steps", type=int, default=None, help="k, draft tokens per verify step (default: the profile's, 3)")
+    p.add_argument("--speculative-eagle-topk", type=int, default=1, help="only 1 (chain drafting) is modelled")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="must be num_steps + 1 with topk 1")
+    p.add_argument("--mean-alpha", type=float, default=None, help="mean per-token acceptance (default: the profile's, 0.64)")
+    p.add_argument("--alpha-concentration", type=float, default=20.0, help="per-request alpha ~ Beta(mean*c, (1-mean)*c)")
+    p.add_argument("--alpha-decay", type=float, default=1.0, help="per-position acceptance decay (1 = i.i.d.)")
+    p.add_argument("--output-len", default="azure-conv", help="natural output lengths: azure-conv, azure-code, fixed:N, exp:MEAN, uniform:LO,HI")
+    p.add_argument("--chunked-prefill-size", type=int, default=8192)
+    p.add_argument("--context-length", type=int, default=32768)
+    p.add_argument("--max-total-tokens", type=int, default=1_000_000, help="KV pool size for token_usage (not enforced)")
+    p.add_argument("--decode-log-interval", type=int, default=40)
+    p.add_argument("--load-snapshot-publish-interval", type=int, default=15)
+    p.add_argument("--enable-metrics", action="store_true", help="serve /metrics (as SGLang)")
+    p.add_argument("--enable-trace", action="store_true", help="export OTLP traces (SGLang spelling)")
+    p.add_argument("--otlp-traces-endpoint", default="localhost:4317")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    profile = load_profile(args.profile)
+    num_steps = args.speculative_num_steps or int(profile.defaults.get("num_steps", 3))
+    if args.speculative_eagle_topk != 1:
+        raise ValueError("the twin models chain drafting only: --speculative-eagle-topk must be 1")
+    if args.speculative_num_draft_tokens not in (None, num_steps + 1):
+        raise ValueError("with topk 1, --speculative-num-draft-tokens must be --speculative-num-steps + 1")
+    if args.time_scale <= 0:
+        raise ValueError("--time-scale must be > 0")
+    mean_alpha = args.mean_alpha if args.mean_alpha is not None else float(profile.defaults.get("mean_alpha", 0.64))
+    return EngineConfig(
+        mode=args.mode,
+        profile=profile,
+        max_running_requests=args.max_running_requests,
+        num_steps=num_steps,
+        mean_alpha=mean_alpha,
+        alpha_concentration=args.alpha_concentration,
+        alpha_decay=args.alpha_decay,
+        chunked_prefill_size=args.chunked_prefill_size,
+        context_length=args.context_length,
+        max_total_num_tokens=args.max_total_tokens,
+        output_lengths=parse_output_lengths(args.output_len),
+        decode_log_interval=args.decode_log_interval,
+        load_publish_interval=args.load_snapshot_publish_interval,
+        seed=args.seed,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = engine_config(args)
+    except ValueError as exc:
+        print(f"specroute sim: {exc}", file=sys.stderr)
+        return 2
+    # Imported here so `--help` and config errors stay fast.
+    import uvicorn
+
+    from sim.server import TwinOptions, create_app
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        print(f"specroute sim: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    port = sock.getsockname()[1]
+    options = TwinOptions(
+        mode=args.mode,
+        profile=args.profile,
+        host=args.host,
+        port=port,
+        time_scale=args.time_scale,
+        seed=args.seed,
+        model_path=args.model_path,
+        served_model_name=args.served_model_name,
+        enable_metrics=args.enable_metrics,
+        enable_trace=args.enable_trace,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        speculative_algorithm=args.speculative_algorithm,
+        output_len=args.output_len,
+    )
+    app = create_app(options, config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on",
+                                           timeout_graceful_shutdown=2))
+    print(READY_LINE.format(host=args.host, port=port), flush=True)
+    asyncio.run(server.serve(sockets=[sock]))
+    return 0

@@ -1,0 +1,475 @@
+"""One SGLang server's scheduler and GPU, as a model with no clock and no I/O.
+
+A driver (the HTTP server in sim/server.py, or the virtual clock in sim/virtual.py) repeats:
+
+    step = engine.begin_step(now)          # picks the batch, says how long the step takes
+    ... time passes: step.duration_s ...
+    done = engine.finish_step(step, now)   # commits the tokens the step produced
+
+Scheduling follows SGLang with speculation's defaults (overlap and mixed-chunk off):
+- a new prefill batch, when one can be formed, runs before the next decode step (prefill
+  priority; decode stalls while it runs);
+- a prefill batch admits waiting requests first come, first served, while running requests
+  stay under `max_running_requests` and the batch stays within `chunked_prefill_size` prompt
+  tokens; a prompt that does not fit is split: its first chunk fills the budget and the rest
+  is prefilled in the following iterations (chunked prefill), one chunk per iteration;
+- a prefill produces each finished prompt's first token; a decode step produces one token per
+  sequence (base) or 1 + the accepted drafts (spec: k draft steps, then a verify step of k+1);
+- KV memory is not a limit: `token_usage` is reported, never enforced (docs/twin.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+from sim.lengths import OutputLengths, parse_output_lengths
+from sim.profile import Profile
+from sim.text import TextStream
+
+Mode = Literal["spec", "base"]
+SPEC_MAX_RUNNING_DEFAULT = 48  # SGLang forces this with EAGLE/EAGLE3 unless set
+BASE_MAX_RUNNING_DEFAULT = 256  # SGLang derives it from the KV pool; a throughput-tuned server runs this many
+# SGLang's eos token of Llama-3 chat models; `matched_stop` reports it when the drawn length ends a stream.
+EOS_TOKEN_ID = 128009
+
+
+@dataclass
+class EngineConfig:
+    mode: Mode
+    profile: Profile
+    max_running_requests: int | None = None
+    num_steps: int = 3
+    """k: draft tokens per verify step (speculative_num_steps, topk 1)."""
+    mean_alpha: float = 0.64
+    alpha_concentration: float = 20.0
+    """Per-request alpha ~ Beta(mean*c, (1-mean)*c): larger c, less spread."""
+    alpha_decay: float = 1.0
+    """Per-position decay gamma: draft j is accepted with alpha*gamma^(j-1); 1 is i.i.d."""
+    chunked_prefill_size: int = 8192
+    context_length: int = 32768
+    max_total_num_tokens: int = 1_000_000
+    output_lengths: OutputLengths = field(default_factory=lambda: parse_output_lengths("azure-conv"))
+    decode_log_interval: int = 40
+    load_publish_interval: int = 15
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests is None:
+            self.max_running_requests = (
+                SPEC_MAX_RUNNING_DEFAULT if self.mode == "spec" else BASE_MAX_RUNNING_DEFAULT
+            )
+        if self.mode not in ("spec", "base"):
+            raise ValueError(f"mode must be spec or base, not {self.mode!r}")
+        if self.max_running_requests < 1 or self.num_steps < 1 or self.chunked_prefill_size < 1:
+            raise ValueError("max_running_requests, num_steps and chunked_prefill_size must be >= 1")
+        check_alpha(self.mean_alpha)
+
+    @property
+    def speculative(self) -> bool:
+        return self.mode == "spec"
+
+
+def check_alpha(alpha: float) -> None:
+    if not (0.0 <= alpha < 1.0) or math.isnan(alpha):
+        raise ValueError(f"alpha must be in [0, 1), got {alpha}")
+
+
+class Request:
+    """One generation request inside the engine."""
+
+    __slots__ = (
+        "rid", "prompt_tokens", "max_new_tokens", "target_len", "ends_by_length", "alpha",
+        "arrival", "prefilled", "output_tokens", "verify_ct", "correct_drafts", "accept_hist",
+        "first_token_time", "finish_time", "finish_reason", "matched_stop", "text", "last_emitted",
+        "updated", "listener", "tag",
+    )
+
+    def __init__(self, rid: str, prompt_tokens: int, target_len: int, ends_by_length: bool,
+                 max_new_tokens: int | None, arrival: float, text: TextStream | None):
+        self.rid = rid
+        self.prompt_tokens = prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.target_len = target_len
+        self.ends_by_length = ends_by_length
+        self.alpha = 0.0
+        self.arrival = arrival
+        self.prefilled = 0
+        self.output_tokens = 0
+        self.verify_ct = 0
+        self.correct_drafts = 0
+        self.accept_hist: list[int] = []
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.finish_reason: str | None = None
+        """None while running; then "stop", "length" or "abort" (OpenAI spelling)."""
+        self.matched_stop: str | int | None = None
+        self.text = text
+        self.last_emitted = 0
+        self.updated = arrival
+        """Simulated time of the last step that touched this request."""
+        self.listener: Callable[["Request"], None] | None = None
+        self.tag: object = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def context(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    def spec_details(self, num_steps: int) -> dict:
+        """SGLang's per-request spec fields (meta_info / sglext.spec_tokens_details)."""
+        verify = self.verify_ct
+        return {
+            "spec_verify_ct": verify,
+            "spec_accept_length": (self.output_tokens / verify) if verify else 0.0,
+            "spec_accept_rate": (self.correct_drafts / (verify * num_steps)) if verify else 0.0,
+            "spec_num_correct_drafts": self.correct_drafts,
+            "spec_num_proposed_drafts": verify * num_steps,
+            "spec_correct_drafts_histogram": list(self.accept_hist),
+        }
+
+
+@dataclass
+class Step:
+    kind: Literal["prefill", "decode"]
+    requests: list[Request]
+    duration_s: float
+    batch: int
+    tokens_per_seq: int
+    """Decode: 1 (base) or k+1 (spec verify); prefill: prompt tokens in the iteration."""
+    start: float
+    chunks: list[int] = field(default_factory=list)
+    """Prefill only: prompt tokens of each request prefilled in this iteration."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, name: str = "engine"):
+        self.config = config
+        self.name = name
+        self.rng = random.Random(config.seed)
+        self.mean_alpha = config.mean_alpha
+        self.waiting: dict[str, Request] = {}
+        self.running: dict[str, Request] = {}
+        self.prefilling: Request | None = None
+        """A request whose prompt is being prefilled in chunks (holds a running slot)."""
+        self._context_sum = 0  # sum of context tokens over `running`
+        self._seq = 0
+        # Server-side counters (SGLang scheduler + tokenizer manager)
+        self.spec_num_accept_tokens = 0
+        self.spec_num_forward_ct = 0
+        self.spec_num_correct_drafts = 0
+        self.decode_iterations = 0
+        self.generated_tokens = 0  # committed on every step
+        self.finished_requests = 0
+        self.finished_prompt_tokens = 0
+        self.finished_generation_tokens = 0  # sglang:generation_tokens_total (on finish)
+        self.finished_verify_ct = 0  # sglang:spec_verify_calls_total (on finish)
+        self.aborted_requests = 0
+        # Interval counters behind the gauges refreshed every decode_log_interval iterations
+        self._interval_start = 0.0
+        self._interval_tokens = 0
+        self._interval_accept = 0
+        self._interval_forward = 0
+        self._interval_correct = 0
+        self.gauges: dict[str, float] = {}
+        self.load_snapshot: dict = {}
+        self._publish(0.0, refresh_gauges=True)
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def new_request(self, prompt_tokens: int, *, now: float, max_new_tokens: int | None = None,
+                    ignore_eos: bool = False, output_len: int | None = None, rid: str | None = None,
+                    stop: tuple[str, ...] | None = None, text_seed: int | None = None) -> Request:
+        """A request as the server would create it; `output_len` overrides the drawn length.
+
+        `stop` None means no text is generated (the virtual clock counts tokens only).
+        """
+        self._seq += 1
+        room = max(self.config.context_length - prompt_tokens, 0)
+        cap = room if max_new_tokens is None else min(max_new_tokens, room)
+        natural = output_len if output_len is not None else self.config.output_lengths.draw(self.rng)
+        if ignore_eos or natural >= cap:
+            target, by_length = cap, True
+        else:
+            target, by_length = natural, False
+        text = None
+        if stop is not None:
+            seed = text_seed if text_seed is not None else self.config.seed * 1_000_003 + self._seq
+            text = TextStream(seed, stop)
+        return Request(rid or f"{self.name}-{self._seq}", prompt_tokens, target, by_length,
+                       max_new_tokens, now, text)
+
+    def add(self, req: Request) -> None:
+        req.alpha = self._draw_alpha()
+        self.waiting[req.rid] = req
+
+    def abort(self, rid: str, now: float) -> bool:
+        """Drop a request wherever it is; its slot is free for the next step. False if unknown."""
+        req = self.waiting.pop(rid, None)
+        if req is None:
+            req = self.running.pop(rid, None)
+            if req is not None:
+                self._context_sum -= req.context
+            elif self.prefilling is not None and self.prefilling.rid == rid:
+                req, self.prefilling = self.prefilling, None
+        if req is None or req.finished:
+            return False
+        self.aborted_requests += 1
+        self._finish(req, "abort", now)
+        return True
+
+    def set_mean_alpha(self, alpha: float) -> None:
+        """Change the server's mean acceptance; every request, running ones too, redraws its alpha
+        (a drafter or domain shift hits all sequences at once)."""
+        check_alpha(alpha)
+        self.mean_alpha = alpha
+        for req in self.running.values():
+            req.alpha = self._draw_alpha()
+        for req in self.waiting.values():
+            req.alpha = self._draw_alpha()
+
+    def _draw_alpha(self) -> float:
+        mean, c = self.mean_alpha, self.config.alpha_concentration
+        if mean <= 0.0:
+            return 0.0
+        return min(self.rng.betavariate(mean * c, (1.0 - mean) * c), 0.999)
+
+    # ---- load --------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + (1 if self.prefilling is not None else 0)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self.prefilling)
+
+    @property
+    def accept_length(self) -> float:
+        """Cumulative tokens per request per verify step, bonus included (0 before any verify)."""
+        return self.spec_num_accept_tokens / self.spec_num_forward_ct if self.spec_num_forward_ct else 0.0
+
+    # ---- steps --------------------------------------------------------------------------
+
+    def begin_step(self, now: float) -> Step | None:
+        """Pick the next iteration's batch, or None when idle."""
+        cfg = self.config
+        if self.prefilling is not None or (self.waiting and self.num_running < cfg.max_running_requests):
+            return self._prefill_step(now)
+        if not self.running:
+            return None
+        batch = len(self.running)
+        context = self._context_sum / batch
+        if cfg.speculative:
+            ms = cfg.profile.spec_step_ms(batch, cfg.num_steps, context)
+            tokens_per_seq = cfg.num_steps + 1
+        else:
+            ms = cfg.profile.base_step_ms(batch, context)
+            tokens_per_seq = 1
+        return Step("decode", list(self.running.values()), ms / 1000.0, batch, tokens_per_seq, now)
+
+    def _prefill_step(self, now: float) -> Step:
+        cfg = self.config
+        budget = cfg.chunked_prefill_size
+        reqs: list[Request] = []
+        chunks: list[int] = []
+        open_chunk = False  # a prompt is left unfinished: nothing else joins behind it
+        if self.prefilling is not None:
+            req = self.prefilling
+            rest = req.prompt_tokens - req.prefilled
+            take = min(rest, budget)
+            reqs.append(req)
+            chunks.append(take)
+            budget -= take
+            open_chunk = take < rest
+        slots = cfg.max_running_requests - len(self.running) - len(reqs)
+        while budget > 0 and slots > 0 and self.waiting and not open_chunk:
+            req = self.waiting.pop(next(iter(self.waiting)))
+            take = min(req.prompt_tokens, budget)
+            reqs.append(req)
+            chunks.append(take)
+            budget -= take
+            slots -= 1
+            if take < req.prompt_tokens:
+                self.prefilling = req  # the rest follows in the next iterations
+                open_chunk = True
+        tokens = sum(chunks)
+        ms = cfg.profile.prefill_ms(tokens, speculative=cfg.speculative)
+        return Step("prefill", reqs, ms / 1000.0, len(reqs), tokens, now, chunks)
+
+    def finish_step(self, step: Step, now: float) -> list[Request]:
+        """Commit the step's results at time `now`; returns the requests that got tokens or
+        finished (each with `last_emitted` set)."""
+        if step.kind == "prefill":
+            touched = self._finish_prefill(step, now)
+        else:
+            touched = self._finish_decode(step, now)
+        for req in touched:
+            if req.listener is not None:
+                req.listener(req)
+        return touched
+
+    def _finish_prefill(self, step: Step, now: float) -> list[Request]:
+        touched = []
+        for req, chunk in zip(step.requests, step.chunks):
+            if req.finished:
+                continue  # aborted while its prefill ran
+            req.prefilled += chunk
+            if req.prefilled < req.prompt_tokens:
+                continue
+            if self.prefilling is req:
+                self.prefilling = None
+            # The prefill forward samples the first token.
+            n = 1 if req.target_len > 0 else 0
+            req.first_token_time = now
+            self._emit(req, n, now)
+            touched.append(req)
+            if not req.finished:
+                self.running[req.rid] = req
+                self._context_sum += req.context
+        self._publish(now, refresh_gauges=True)
+        return touched
+
+    def _finish_decode(self, step: Step, now: float) -> list[Request]:
+        cfg = self.config
+        rand = self.rng.random
+        k = cfg.num_steps
+        spec = cfg.speculative
+        decay = cfg.alpha_decay
+        touched = []
+        step_tokens = 0
+        for req in step.requests:
+            if req.finished:
+                continue  # aborted during the step
+            if spec:
+                accepted = 0
+                a = req.alpha
+                while accepted < k and rand() < a:
+                    accepted += 1
+                    if decay != 1.0:
+                        a *= decay
+                n = min(accepted + 1, req.target_len - req.output_tokens)
+                hist = req.accept_hist
+                if not hist:
+                    hist.extend([0] * (k + 1))
+                hist[n - 1] += 1
+                req.verify_ct += 1
+                req.correct_drafts += n - 1
+                self.spec_num_accept_tokens += n
+                self.spec_num_forward_ct += 1
+                self.spec_num_correct_drafts += n - 1
+                self._interval_accept += n
+                self._interval_forward += 1
+                self._interval_correct += n - 1
+            else:
+                n = 1
+            self._context_sum += n
+            step_tokens += n
+            self._emit(req, n, now)
+            touched.append(req)
+            if req.finished:
+                del self.running[req.rid]
+                self._context_sum -= req.context
+        self._interval_tokens += step_tokens
+        self.decode_iterations += 1
+        it = self.decode_iterations
+        if it % cfg.decode_log_interval == 0:
+            self._publish(now, refresh_gauges=True)
+        elif it % cfg.load_publish_interval == 0 or not self.has_work:
+            self._publish(now, refresh_gauges=not self.has_work)
+        return touched
+
+    def _emit(self, req: Request, n: int, now: float) -> None:
+        if req.text is not None and n:
+            n = req.text.extend(n)
+        req.last_emitted = n
+        req.updated = now
+        req.output_tokens += n
+        self.generated_tokens += n
+        if req.text is not None and req.text.stopped:
+            req.matched_stop = req.text.matched_stop
+            self._finish(req, "stop", now)
+        elif req.output_tokens >= req.target_len:
+            if req.ends_by_length:
+                self._finish(req, "length", now)
+            else:
+                req.matched_stop = EOS_TOKEN_ID
+                self._finish(req, "stop", now)
+
+    def _finish(self, req: Request, reason: str, now: float) -> None:
+        req.finish_reason = reason
+        req.finish_time = now
+        req.updated = now
+        if reason == "abort":
+            if req.listener is not None:
+                req.last_emitted = 0
+                req.listener(req)
+            return
+        self.finished_requests += 1
+        self.finished_prompt_tokens += req.prompt_tokens
+        self.finished_generation_tokens += req.output_tokens
+        self.finished_verify_ct += req.verify_ct
+
+    # ---- what the server publishes ---------------------------------------------------------
+
+    def _publish(self, now: float, refresh_gauges: bool) -> None:
+        """Refresh the /v1/loads snapshot (and, on SGLang's log cadence, the metric gauges)."""
+        cfg = self.config
+        if refresh_gauges:
+            span = now - self._interval_start
+            previous = self.gauges
+            self.gauges = {
+                "num_running_reqs": self.num_running,
+                "num_queue_reqs": self.num_waiting,
+                "token_usage": self.token_usage,
+                "gen_throughput": (self._interval_tokens / span) if span > 0 and self.has_work else 0.0,
+            }
+            if cfg.speculative:
+                if self._interval_forward:
+                    self.gauges["spec_accept_length"] = self._interval_accept / self._interval_forward
+                    self.gauges["spec_accept_rate"] = self._interval_correct / (self._interval_forward * cfg.num_steps)
+                else:  # spec gauges keep their last value while idle
+                    self.gauges["spec_accept_length"] = previous.get("spec_accept_length", 0.0)
+                    self.gauges["spec_accept_rate"] = previous.get("spec_accept_rate", 0.0)
+            self._interval_start = now
+            self._interval_tokens = self._interval_accept = self._interval_forward = self._interval_correct = 0
+        used = self._context_sum
+        snapshot = {
+            "timestamp": now,
+            "dp_rank": 0,
+            "num_running_reqs": self.num_running,
+            "num_waiting_reqs": self.num_waiting,
+            "num_waiting_uncached_tokens": sum(r.prompt_tokens for r in self.waiting.values()),
+            "num_used_tokens": used,
+            "max_total_num_tokens": cfg.max_total_num_tokens,
+            "max_running_requests": cfg.max_running_requests,
+            "token_usage": self.token_usage,
+            "gen_throughput": self.gauges.get("gen_throughput", 0.0),
+            "cache_hit_rate": 0.0,
+            "utilization": min(self.num_running / cfg.max_running_requests, 1.0),
+            "queues": {"waiting": self.num_waiting, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": 0},
+        }
+        if cfg.speculative and self.spec_num_forward_ct:
+            snapshot["speculative"] = {
+                "accept_length": round(self.accept_length, 4),
+                "accept_rate": round(self.gauges.get("spec_accept_rate", 0.0), 4),
+            }
+        self.load_snapshot = snapshot
+
+    @property
+    def token_usage(self) -> float:
+        return round(self._context_sum / self.config.max_total_num_tokens, 4)
+
+
+def iso_timestamp(epoch_s: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch_s, tz=datetime.timezone.utc).isoformat()

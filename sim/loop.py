@@ -1,0 +1,82 @@
+"""The HTTP driver's clock: one asyncio task runs the engine against real time.
+
+Each step ends at an absolute deadline on the engine's own timeline,
+wall = start + virtual_time / time_scale, so a late wake-up does not delay the steps after it
+and the mean decode rate of a stream stays exact. If the process falls more than `max_lag_s`
+(wall) behind, for example on a starved CPU, the timeline is re-anchored instead of bursting
+through the backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from sim.engine import Engine, Request
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, time_scale: float = 1.0, max_lag_s: float = 0.25):
+        if time_scale <= 0:
+            raise ValueError("time_scale must be > 0")
+        self.engine = engine
+        self.time_scale = time_scale
+        self.max_lag_s = max_lag_s
+        self._t0 = time.monotonic()
+        self._epoch0 = time.time()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.steps = 0
+
+    def now(self) -> float:
+        """Simulated seconds since the server started."""
+        return (time.monotonic() - self._t0) * self.time_scale
+
+    def epoch(self, virtual: float) -> float:
+        """The wall-clock epoch time at which simulated time `virtual` happens."""
+        return self._epoch0 + virtual / self.time_scale
+
+    def submit(self, req: Request) -> None:
+        self.engine.add(req)
+        self._wake.set()
+
+    def abort(self, rid: str) -> bool:
+        return self.engine.abort(rid, self.now())
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="twin-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        now = self.now()
+        for rid in list(self.engine.waiting) + list(self.engine.running):
+            self.engine.abort(rid, now)
+        if self.engine.prefilling is not None:
+            self.engine.abort(self.engine.prefilling.rid, now)
+
+    async def _run(self) -> None:
+        engine = self.engine
+        t = self.now()
+        while True:
+            step = engine.begin_step(t)
+            if step is None:
+                self._wake.clear()
+                await self._wake.wait()
+                t = self.now()
+                continue
+            end = t + step.duration_s
+            delay = self._t0 + end / self.time_scale - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            elif delay < -self.max_lag_s:
+                end = self.now()  # too far behind to catch up: re-anchor
+            else:
+                await asyncio.sleep(0)  # let request handlers run between back-to-back steps
+            engine.finish_step(step, end)
+            self.steps += 1
+            t = end

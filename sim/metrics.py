@@ -1,0 +1,97 @@
+"""The twin's /metrics: SGLang's metric names in the Prometheus text format.
+
+Scheduler gauges are read from the engine's last published values, which it refreshes on
+SGLang's cadence (every prefill batch, every `decode_log_interval` decode iterations, and when
+the server goes idle). Tokenizer-side counters count finished requests; the TTFT, ITL and E2E
+histograms are observed as tokens are delivered. All durations are in the twin's simulated
+seconds (wall seconds times --time-scale), which is what the GPU server would report.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from sim.engine import Engine
+
+# SGLang's default buckets (srt/observability/metrics_collector.py).
+TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
+ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060,
+               0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0)
+E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 150, 200, 250, 300,
+               350, 500, 1000)
+
+
+class EngineCollector:
+    """Scheduler gauges and request counters, read from the engine at scrape time."""
+
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine = engine
+        self.labels = {"model_name": model_name, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
+
+    def collect(self) -> Iterator[Metric]:
+        engine, labels = self.engine, self.labels
+        names, values = list(labels), list(labels.values())
+        gauges = engine.gauges
+        for name, doc in (
+            ("num_running_reqs", "The number of running requests."),
+            ("num_queue_reqs", "The number of requests in the waiting queue."),
+            ("token_usage", "The token usage."),
+            ("gen_throughput", "The generation throughput (token/s)."),
+        ):
+            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=names)
+            g.add_metric(values, float(gauges.get(name, 0.0)))
+            yield g
+        if engine.config.speculative:
+            for name, doc in (
+                ("spec_accept_length", "The average acceptance length of speculative decoding."),
+                ("spec_accept_rate", "The average acceptance rate of speculative decoding."),
+            ):
+                g = GaugeMetricFamily(f"sglang:{name}", doc, labels=names)
+                g.add_metric(values, float(gauges.get(name, 0.0)))
+                yield g
+            g = GaugeMetricFamily("sglang:spec_num_steps", "Speculative draft steps.", labels=names)
+            g.add_metric(values, float(engine.config.num_steps))
+            yield g
+        tok_names, tok_values = ["model_name"], [labels["model_name"]]
+        for name, doc, value in (
+            ("prompt_tokens", "Number of prefill tokens processed.", engine.finished_prompt_tokens),
+            ("generation_tokens", "Number of generation tokens processed.", engine.finished_generation_tokens),
+            ("num_requests", "Number of requests processed.", engine.finished_requests),
+            ("num_aborted_requests", "Number of requests aborted.", engine.aborted_requests),
+            ("spec_verify_calls", "The number of verification forward calls in speculative decoding.", engine.finished_verify_ct),
+        ):
+            c = CounterMetricFamily(f"sglang:{name}", doc, labels=tok_names)
+            c.add_metric(tok_values, float(value))
+            yield c
+
+
+class TwinMetrics:
+    def __init__(self, engine: Engine, model_name: str):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(EngineCollector(engine, model_name))
+        self.ttft = Histogram(
+            "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            ["model_name"], buckets=TTFT_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self.itl = Histogram(
+            "sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            ["model_name"], buckets=ITL_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+        self.e2e = Histogram(
+            "sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
+            ["model_name"], buckets=E2E_BUCKETS, registry=self.registry,
+        ).labels(model_name)
+
+    def observe_chunk(self, interval_s: float, tokens: int) -> None:
+        """SGLang spreads a chunk's interval over its tokens: `tokens` observations of interval/tokens."""
+        if tokens <= 0:
+            return
+        per_token = interval_s / tokens
+        for _ in range(tokens):
+            self.itl.observe(per_token)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,242 @@
+"""Step-time profiles: how long one engine iteration takes, loaded from small data files.
+
+A profile answers three questions, all in milliseconds of GPU time:
+- `target_ms(batch, tokens_per_seq, context)`: one forward step of the target model over
+  `batch` sequences of `tokens_per_seq` new tokens each (1 for plain decode, k+1 to verify k
+  drafts), with `context` tokens of KV cache per sequence;
+- `draft_ms(batch, context)`: one EAGLE-3 draft step over the batch;
+- `prefill_ms(tokens)`: one prefill iteration over `tokens` prompt tokens (all sequences).
+
+Profiles are JSON files in sim/profiles/ (built in) or anywhere on disk (pass a path); see
+docs/twin.md for the format. Three step kinds exist: `table` (a measured CSV, interpolated),
+`affine` (fixed + per-token) and `moe` (fixed + expert coverage + per-token).
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, Protocol, Sequence
+
+# No draft step is given for the formula presets: 1.0 ms per draft step
+# (speculation-facts section 3.3) unless the file says otherwise.
+DEFAULT_DRAFT_STEP_MS = 1.0
+
+
+class StepModel(Protocol):
+    def target_ms(self, batch: int, tokens_per_seq: int, context: float) -> float: ...
+
+    def draft_ms(self, batch: int, context: float) -> float: ...
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    description: str
+    step: StepModel
+    prefill_fixed_ms: float
+    prefill_per_token_ms: float
+    prefill_uses_step: bool
+    """True when a prefill iteration is costed by the step formula with N = prompt tokens."""
+    spec_prefill_factor: float
+    """A spec server's prefill also runs the draft model over the prompt ("draft extend")."""
+    defaults: dict[str, Any]
+
+    def target_ms(self, batch: int, tokens_per_seq: int, context: float) -> float:
+        return self.step.target_ms(batch, tokens_per_seq, context)
+
+    def draft_ms(self, batch: int, context: float) -> float:
+        return self.step.draft_ms(batch, context)
+
+    def base_step_ms(self, batch: int, context: float) -> float:
+        """One plain decode step: target(B, 1, L)."""
+        return self.step.target_ms(batch, 1, context)
+
+    def spec_step_ms(self, batch: int, num_steps: int, context: float) -> float:
+        """One speculative step: k draft steps, then a verify step of k+1 tokens per sequence."""
+        return num_steps * self.step.draft_ms(batch, context) + self.step.target_ms(
+            batch, num_steps + 1, context
+        )
+
+    def prefill_ms(self, tokens: int, speculative: bool = False) -> float:
+        if self.prefill_uses_step:
+            ms = self.step.target_ms(1, max(tokens, 1), float(tokens))
+        else:
+            ms = self.prefill_fixed_ms + self.prefill_per_token_ms * tokens
+        return ms * self.spec_prefill_factor if speculative else ms
+
+
+@dataclass(frozen=True)
+class AffineStep:
+    """T(N) = fixed + per_token * N, N = tokens in the step (B*(k+1) to verify, B for base)."""
+
+    fixed_ms: float
+    per_token_ms: float
+    draft_step_ms: float
+
+    def target_ms(self, batch: int, tokens_per_seq: int, context: float) -> float:
+        return self.fixed_ms + self.per_token_ms * batch * tokens_per_seq
+
+    def draft_ms(self, batch: int, context: float) -> float:
+        return self.draft_step_ms
+
+
+@dataclass(frozen=True)
+class MoeStep:
+    """T(N) = fixed + expert_ms * U(N) + per_token * N, U(N) = 1 - (1 - active/experts)^N."""
+
+    fixed_ms: float
+    expert_ms: float
+    experts: int
+    active_experts: int
+    per_token_ms: float
+    draft_step_ms: float
+
+    def target_ms(self, batch: int, tokens_per_seq: int, context: float) -> float:
+        n = batch * tokens_per_seq
+        touched = 1.0 - (1.0 - self.active_experts / self.experts) ** n
+        return self.fixed_ms + self.expert_ms * touched + self.per_token_ms * n
+
+    def draft_ms(self, batch: int, context: float) -> float:
+        return self.draft_step_ms
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear through the points; linear extrapolation from the two end points."""
+    if len(xs) == 1:
+        return ys[0]
+    i = bisect.bisect_left(xs, x)
+    i = min(max(i, 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+class TableStep:
+    """A measured table ms(kind, B, T, L), interpolated linearly over B, then T, then L.
+
+    Beyond the table every axis extrapolates linearly from its last two points (past the
+    largest B the step is compute-bound and grows linearly with tokens; past the largest L
+    attention grows linearly with context). A context row that stops early (L=4096 ends at
+    B=128) extrapolates along B the same way. Results never drop below the smallest
+    measured step, so a short context cannot extrapolate to a free step.
+    """
+
+    def __init__(self, rows: list[tuple[str, int, int, int, float]]):
+        # grid[kind][L][T] = (Bs, ms)
+        grid: dict[str, dict[int, dict[int, tuple[list[float], list[float]]]]] = {}
+        for kind, b, t, l, ms in sorted(rows):
+            bs, values = grid.setdefault(kind, {}).setdefault(l, {}).setdefault(t, ([], []))
+            bs.append(float(b))
+            values.append(ms)
+        if "target" not in grid:
+            raise ValueError("a step table needs rows of kind 'target'")
+        self._grid = grid
+        self._floor = {kind: min(min(v) for per_l in g.values() for _, v in per_l.values()) for kind, g in grid.items()}
+        self._memo: dict[tuple[str, int, int, int], float] = {}
+
+    def _at(self, kind: str, batch: int, tokens_per_seq: int, context: float) -> float:
+        per_l = self._grid[kind]
+        ls = sorted(per_l)
+        by_l = []
+        for l in ls:
+            per_t = per_l[l]
+            ts = sorted(per_t)
+            by_t = [_interp(*per_t[t], float(batch)) for t in ts]
+            by_l.append(_interp([float(t) for t in ts], by_t, float(tokens_per_seq)))
+        value = _interp([float(l) for l in ls], by_l, context)
+        return max(value, self._floor[kind])
+
+    def _cached(self, kind: str, batch: int, tokens_per_seq: int, context: float) -> float:
+        # Context is bucketed down to 16 tokens: the table is smooth in L and the memo stays small.
+        bucket = int(context) >> 4
+        key = (kind, batch, tokens_per_seq, bucket)
+        value = self._memo.get(key)
+        if value is None:
+            value = self._at(kind, batch, tokens_per_seq, float(bucket << 4))
+            if len(self._memo) < 200_000:
+                self._memo[key] = value
+        return value
+
+    def target_ms(self, batch: int, tokens_per_seq: int, context: float) -> float:
+        return self._cached("target", batch, tokens_per_seq, context)
+
+    def draft_ms(self, batch: int, context: float) -> float:
+        if "draft" not in self._grid:
+            return DEFAULT_DRAFT_STEP_MS
+        return self._cached("draft", batch, 1, context)
+
+
+def read_step_table(path: Path) -> TableStep:
+    rows = []
+    with path.open(newline="") as f:
+        lines = (line for line in f if line.strip() and not line.startswith("#"))
+        for row in csv.DictReader(lines):
+            rows.append((row["kind"], int(row["B"]), int(row["T"]), int(row["L"]), float(row["ms"])))
+    return TableStep(rows)
+
+
+def builtin_names() -> list[str]:
+    folder = resources.files("sim") / "profiles"
+    return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str) -> Profile:
+    """A built-in profile by name (see builtin_names()) or a JSON file by path."""
+    path = Path(name_or_path)
+    if not (path.suffix == ".json" and path.is_file()):
+        candidate = Path(str(resources.files("sim") / "profiles" / f"{name_or_path}.json"))
+        if not candidate.is_file():
+            raise ValueError(
+                f"unknown profile {name_or_path!r}: use one of {', '.join(builtin_names())} or a path to a .json file"
+            )
+        path = candidate
+    return parse_profile(json.loads(path.read_text()), path.parent)
+
+
+def parse_profile(doc: dict[str, Any], folder: Path) -> Profile:
+    try:
+        step_doc = doc["step"]
+        kind = step_doc["kind"]
+        draft = float(doc.get("draft_step_ms", DEFAULT_DRAFT_STEP_MS))
+        step: StepModel
+        if kind == "table":
+            step = read_step_table(folder / step_doc["file"])
+        elif kind == "affine":
+            step = AffineStep(float(step_doc["fixed_ms"]), float(step_doc["per_token_ms"]), draft)
+        elif kind == "moe":
+            step = MoeStep(
+                float(step_doc["fixed_ms"]),
+                float(step_doc["expert_ms"]),
+                int(step_doc["experts"]),
+                int(step_doc["active_experts"]),
+                float(step_doc["per_token_ms"]),
+                draft,
+            )
+        else:
+            raise ValueError(f"unknown step kind {kind!r} (table, affine, moe)")
+        prefill = doc.get("prefill", {})
+        uses_step = prefill.get("kind") == "step"
+        return Profile(
+            name=str(doc["name"]),
+            description=str(doc.get("description", "")),
+            step=step,
+            prefill_fixed_ms=0.0 if uses_step else float(prefill["fixed_ms"]),
+            prefill_per_token_ms=0.0 if uses_step else float(prefill["per_token_ms"]),
+            prefill_uses_step=uses_step,
+            spec_prefill_factor=float(doc.get("spec_prefill_factor", 1.0)),
+            defaults=dict(doc.get("defaults", {})),
+        )
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"bad profile file: missing or wrong field {exc}") from None
+
+
+def tokens_per_verify_step(alpha: float, num_steps: int) -> float:
+    """tau = (1 - alpha^(k+1)) / (1 - alpha): mean tokens a sequence commits per verify step."""
+    if alpha >= 1.0:
+        return float(num_steps + 1)
+    return (1.0 - alpha ** (num_steps + 1)) / (1.0 - alpha)
+

@@ -1,0 +1,493 @@
+"""The twin's HTTP face: SGLang's OpenAI-compatible and native endpoints over one engine.
+
+One engine loop task per server (sim/loop.py); each request owns an asyncio queue the loop
+fills once per engine step, so a stream gets one SSE chunk per step carrying every token that
+step produced. A client that goes away aborts its request in the engine at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from policies.features import count_prompt_tokens
+from sim.engine import Engine, EngineConfig, Request, check_alpha, iso_timestamp
+from sim.loop import EngineLoop
+from sim.metrics import TwinMetrics
+from sim.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TwinError,
+    choice,
+    object_name,
+    parse_request,
+    stop_strings,
+    usage,
+)
+
+SGLANG_VERSION = "0.5.23"
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
+
+
+@dataclass
+class TwinOptions:
+    """What `specroute sim` was started with (echoed in /server_info)."""
+
+    mode: str
+    profile: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    time_scale: float = 1.0
+    seed: int = 0
+    model_path: str = "specroute/twin"
+    served_model_name: str | None = None
+    enable_metrics: bool = False
+    enable_trace: bool = False
+    otlp_traces_endpoint: str = "localhost:4317"
+    speculative_algorithm: str | None = None
+    output_len: str = "azure-conv"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+
+class Call:
+    """One HTTP request's view of its engine request: a queue the engine loop fills per step."""
+
+    __slots__ = ("req", "queue", "last_time", "metrics")
+
+    def __init__(self, req: Request, metrics: TwinMetrics):
+        self.req = req
+        self.queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+        self.last_time = req.arrival
+        self.metrics = metrics
+        req.listener = self.on_step
+
+    def on_step(self, req: Request) -> None:
+        """Called by the engine (inside the loop task) after each step that touched `req`."""
+        n = req.last_emitted
+        aborted = req.finish_reason == "abort"
+        if n and not aborted:
+            if req.output_tokens == n:
+                self.metrics.ttft.observe(max(req.updated - req.arrival, 0.0))
+            else:
+                self.metrics.observe_chunk(max(req.updated - self.last_time, 0.0), n)
+            self.last_time = req.updated
+        if req.finished and not aborted:
+            self.metrics.e2e.observe(max(req.updated - req.arrival, 0.0))
+        text = req.text.take(final=req.finished) if req.text is not None else ""
+        self.queue.put_nowait((text, n))
+
+
+class Twin:
+    """Everything one twin server holds: options, engine, loop and metrics (no globals)."""
+
+    def __init__(self, options: TwinOptions, config: EngineConfig):
+        self.options = options
+        self.config = config
+        self.engine = Engine(config, name=options.mode)
+        self.loop: EngineLoop | None = None
+        self.metrics = TwinMetrics(self.engine, options.model_name)
+        self.started = time.time()
+
+    @property
+    def running_loop(self) -> EngineLoop:
+        if self.loop is None:
+            raise TwinError("The server is starting.", status=503, err_type="ServiceUnavailable")
+        return self.loop
+
+    # ---- tracing: the observability engineer's hook ------------------------------------------
+
+    def trace_context(self, headers: Mapping[str, str]) -> object | None:
+        """W3C trace context of an incoming request (traceparent/tracestate), used only with
+        --enable-trace. Until tracing lands this is a no-op, as in SGLang with tracing off."""
+        return None
+
+    # ---- generation ---------------------------------------------------------------------
+
+    async def generate(self, kind: str, http: HttpRequest) -> Response:
+        if http.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+            raise TwinError("Content-Type must be application/json", err_type="Bad Request")
+        try:
+            body = json.loads(await http.body())
+        except ValueError as exc:
+            raise TwinError(f"JSON decode error: {exc}", err_type="Bad Request") from None
+        request = parse_request("chat" if kind == "chat" else "completion", body)
+        self.trace_context(http.headers)
+        prompt_tokens = max(count_prompt_tokens(body), 1)
+        if prompt_tokens >= self.config.context_length:
+            raise TwinError(
+                f"The input ({prompt_tokens} tokens) is longer than the model's context length "
+                f"({self.config.context_length} tokens)."
+            )
+        loop = self.running_loop
+        rid = request.rid or uuid.uuid4().hex
+        if rid in self.engine.waiting or rid in self.engine.running:
+            raise TwinError(f"Duplicate request id {rid!r}.")
+        req = self.engine.new_request(
+            prompt_tokens,
+            now=loop.now(),
+            max_new_tokens=request.max_new_tokens,
+            ignore_eos=request.ignore_eos,
+            rid=rid,
+            stop=stop_strings(request),
+            text_seed=request.seed,
+        )
+        call = Call(req, self.metrics)
+        loop.submit(req)
+        if request.stream:
+            return SseResponse(self._stream(kind, request, call), on_disconnect=lambda: loop.abort(rid))
+        return await self._complete(kind, request, call, http.receive)
+
+    async def _complete(self, kind: str, request: ChatCompletionRequest | CompletionRequest, call: Call,
+                        receive: Receive) -> Response:
+        req = call.req
+        pieces: list[str] = []
+        finished = asyncio.ensure_future(self._drain(call, pieces))
+        gone = asyncio.ensure_future(wait_disconnect(receive))
+        try:
+            await asyncio.wait({finished, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not finished.done():
+                self.running_loop.abort(req.rid)
+                finished.cancel()
+        if req.finish_reason == "abort":
+            raise TwinError("The request was aborted.", status=400)
+        response: dict[str, Any] = {
+            "id": req.rid,
+            "object": object_name(kind, stream=False),
+            "created": int(time.time()),
+            "model": request.model,
+            "choices": [choice(kind, "".join(pieces), req.finish_reason, req.matched_stop, stream=False)],
+            "usage": usage(req.prompt_tokens, req.output_tokens),
+        }
+        if self.config.speculative:
+            details = req.spec_details(self.config.num_steps)
+            if request.return_spec_tokens_details:
+                response["sglext"] = {"spec_tokens_details": details}
+            if kind == "chat" and getattr(request, "return_meta_info", False):
+                response["choices"][0]["meta_info"] = self._meta_info(req) | details
+        elif kind == "chat" and getattr(request, "return_meta_info", False):
+            response["choices"][0]["meta_info"] = self._meta_info(req)
+        return JSONResponse(response)
+
+    async def _drain(self, call: Call, pieces: list[str]) -> None:
+        while True:
+            text, _ = await call.queue.get()
+            pieces.append(text)
+            if call.req.finished:
+                return
+
+    def _meta_info(self, req: Request) -> dict[str, Any]:
+        return {
+            "id": req.rid,
+            "finish_reason": {"type": req.finish_reason, "matched": req.matched_stop},
+            "prompt_tokens": req.prompt_tokens,
+            "completion_tokens": req.output_tokens,
+            "cached_tokens": 0,
+            "e2e_latency": (req.finish_time or 0.0) - req.arrival,
+        }
+
+    async def _stream(self, kind: str, request: ChatCompletionRequest | CompletionRequest,
+                      call: Call) -> AsyncIterator[bytes]:
+        req = call.req
+        created = int(time.time())
+        obj = object_name(kind, stream=True)
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        first = True
+        while True:
+            text, n = await call.queue.get()
+            if req.finish_reason == "abort":
+                yield sse({"error": {"message": "The request was aborted.", "type": "BadRequestError",
+                                     "param": None, "code": 400}})
+                yield b"data: [DONE]\n\n"
+                return
+            if n or req.finished or text:
+                chunk: dict[str, Any] = {
+                    "id": req.rid, "object": obj, "created": created, "model": request.model,
+                    "choices": [choice(kind, text, req.finish_reason, req.matched_stop if req.finished else None,
+                                       stream=True, first=first)],
+                    "usage": usage(req.prompt_tokens, req.output_tokens) if continuous else None,
+                }
+                first = False
+                yield sse(chunk)
+            if req.finished:
+                break
+        if self.config.speculative and request.return_spec_tokens_details:
+            yield sse({"id": req.rid, "object": obj, "created": created, "model": request.model, "choices": [],
+                       "sglext": {"spec_tokens_details": req.spec_details(self.config.num_steps)}})
+        if include_usage:
+            yield sse({"id": req.rid, "object": obj, "created": created, "model": request.model, "choices": [],
+                       "usage": usage(req.prompt_tokens, req.output_tokens)})
+        yield b"data: [DONE]\n\n"
+
+    # ---- other endpoints ------------------------------------------------------------------
+
+    async def health_generate(self) -> Response:
+        loop = self.running_loop
+        req = self.engine.new_request(1, now=loop.now(), max_new_tokens=1, output_len=1,
+                                      rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        done = asyncio.Event()
+        req.listener = lambda r: done.set()
+        loop.submit(req)
+        try:
+            await asyncio.wait_for(done.wait(), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            loop.abort(req.rid)
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    def loads(self, include: str) -> dict[str, Any]:
+        snapshot = dict(self.engine.load_snapshot)
+        loop = self.running_loop
+        snapshot["timestamp"] = loop.epoch(snapshot["timestamp"])
+        if not self.options.enable_metrics:
+            # Filled from the metrics stats object in SGLang: reads 0 without --enable-metrics.
+            snapshot["gen_throughput"] = 0.0
+            snapshot["utilization"] = 0.0
+            if "speculative" in snapshot:
+                snapshot["speculative"] = dict(snapshot["speculative"], accept_rate=0.0)
+        sections = {part.strip() for part in include.split(",") if part.strip()}
+        if "all" not in sections:
+            for name in ("queues", "speculative"):
+                key = "spec" if name == "speculative" else name
+                if key not in sections:
+                    snapshot.pop(name, None)
+        return {
+            "timestamp": iso_timestamp(time.time()),
+            "version": SGLANG_VERSION,
+            "accelerator": "twin",
+            "num_accelerators": 1,
+            "loads": [snapshot],
+        }
+
+    def server_info(self) -> dict[str, Any]:
+        cfg, opts, engine = self.config, self.options, self.engine
+        spec = cfg.speculative
+        state: dict[str, Any] = {
+            "world_size": 1,
+            "startup_time": self.started,
+            "effective_max_running_requests_per_dp": cfg.max_running_requests,
+            "last_gen_throughput": engine.gauges.get("gen_throughput", 0.0),
+            "memory_usage": {"weight": 0.0, "kvcache": 0.0, "token_capacity": cfg.max_total_num_tokens, "graph": 0.0},
+            "disaggregation_mode": "null",
+        }
+        if spec and engine.spec_num_forward_ct:
+            state["avg_spec_accept_length"] = engine.accept_length
+        return {
+            "model_path": opts.model_path,
+            "served_model_name": opts.model_name,
+            "host": opts.host,
+            "port": opts.port,
+            "context_length": cfg.context_length,
+            "max_running_requests": cfg.max_running_requests,
+            "max_total_num_tokens": cfg.max_total_num_tokens,
+            "chunked_prefill_size": cfg.chunked_prefill_size,
+            "enable_metrics": opts.enable_metrics,
+            "enable_trace": opts.enable_trace,
+            "otlp_traces_endpoint": opts.otlp_traces_endpoint,
+            "decode_log_interval": cfg.decode_log_interval,
+            "load_snapshot_publish_interval": cfg.load_publish_interval,
+            "random_seed": opts.seed,
+            "speculative_algorithm": (opts.speculative_algorithm or "EAGLE3") if spec else None,
+            "speculative_num_steps": cfg.num_steps if spec else None,
+            "speculative_eagle_topk": 1 if spec else None,
+            "speculative_num_draft_tokens": cfg.num_steps + 1 if spec else None,
+            "disable_overlap_schedule": spec,
+            "status": "ready",
+            "max_req_input_len": cfg.context_length - 1,
+            "version": SGLANG_VERSION,
+            "frontend": "python",
+            "internal_states": [state],
+            # The twin's own options, beside SGLang's fields:
+            "twin": True,
+            "mode": opts.mode,
+            "profile": opts.profile,
+            "time_scale": opts.time_scale,
+            "mean_alpha": engine.mean_alpha if spec else None,
+            "output_len": opts.output_len,
+        }
+
+    def model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.options.model_name,
+            "object": "model",
+            "created": int(self.started),
+            "owned_by": "sglang",
+            "root": self.options.model_path,
+            "parent": None,
+            "max_model_len": self.config.context_length,
+        }
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class SseResponse:
+    """An SSE stream that notices the client leaving even while no chunk is due (e.g. queued)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], on_disconnect: Callable[[], object]):
+        self.chunks = chunks
+        self.on_disconnect = on_disconnect
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+        })
+        gone = asyncio.ensure_future(wait_disconnect(receive))
+        writer = asyncio.ensure_future(self._write(send))
+        try:
+            await asyncio.wait({gone, writer}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not writer.done():
+                self.on_disconnect()
+                writer.cancel()
+            gone.cancel()
+            await asyncio.gather(writer, gone, return_exceptions=True)
+        if writer.done() and not writer.cancelled() and writer.exception() is not None:
+            self.on_disconnect()
+
+    async def _write(self, send: Send) -> None:
+        try:
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await self.chunks.aclose()  # type: ignore[attr-defined]
+
+
+def error_response(exc: TwinError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
+    twin = Twin(options, config)
+
+    def guarded(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[HttpRequest], Awaitable[Response]]:
+        async def endpoint(request: HttpRequest) -> Response:
+            try:
+                return await handler(request)
+            except TwinError as exc:
+                return error_response(exc)
+
+        return endpoint
+
+    async def chat(request: HttpRequest) -> Response:
+        return await twin.generate("chat", request)
+
+    async def completions(request: HttpRequest) -> Response:
+        return await twin.generate("completion", request)
+
+    async def models(request: HttpRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [twin.model_card()]})
+
+    async def model(request: HttpRequest) -> Response:
+        name = request.path_params["model"]
+        if name != options.model_name:
+            return JSONResponse({"error": {"message": f"The model '{name}' does not exist", "type": "invalid_request_error",
+                                           "param": "model", "code": "model_not_found"}}, status_code=404)
+        return JSONResponse(twin.model_card())
+
+    async def health(request: HttpRequest) -> Response:
+        # As SGLang with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false: no generation, so a
+        # probe never takes a slot; /health_generate runs a real one-token generation.
+        return Response(status_code=200 if twin.loop is not None else 503)
+
+    async def health_generate(request: HttpRequest) -> Response:
+        return await twin.health_generate()
+
+    async def loads(request: HttpRequest) -> Response:
+        return JSONResponse(twin.loads(request.query_params.get("include", "all")))
+
+    async def server_info(request: HttpRequest) -> Response:
+        return JSONResponse(twin.server_info())
+
+    async def model_info(request: HttpRequest) -> Response:
+        return JSONResponse({"model_path": options.model_path, "served_model_name": options.model_name,
+                             "tokenizer_path": options.model_path, "is_generation": True,
+                             "weight_version": "default", "model_type": "twin", "architectures": ["TwinForCausalLM"]})
+
+    async def metrics(request: HttpRequest) -> Response:
+        if not options.enable_metrics:
+            return Response("Not Found", status_code=404)
+        return Response(twin.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def abort_request(request: HttpRequest) -> Response:
+        try:
+            rid = (await request.json())["rid"]
+        except (ValueError, KeyError, TypeError):
+            raise TwinError("abort_request needs a JSON body with a rid.", err_type="Bad Request") from None
+        twin.running_loop.abort(str(rid))
+        return Response(status_code=200)
+
+    async def set_alpha(request: HttpRequest) -> Response:
+        """Twin-only admin endpoint: change the server's mean acceptance alpha now."""
+        if not config.speculative:
+            raise TwinError("This twin runs in base mode: it has no acceptance rate to set.")
+        try:
+            alpha = float((await request.json())["alpha"])
+            check_alpha(alpha)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TwinError(f'Send {{"alpha": <a number in [0, 1)>}}: {exc}', err_type="Bad Request") from None
+        twin.engine.set_mean_alpha(alpha)
+        return JSONResponse({"alpha": alpha})
+
+    async def root(request: HttpRequest) -> Response:
+        return Response("SGLang is running (specroute twin)", media_type="text/plain")
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        twin.loop = EngineLoop(twin.engine, options.time_scale)
+        twin.loop.start()
+        try:
+            yield
+        finally:
+            loop, twin.loop = twin.loop, None
+            await loop.stop()
+
+    routes = [
+        Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
+        Route("/v1/completions", guarded(completions), methods=["POST"]),
+        Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
+        Route("/health", guarded(health), methods=["GET"]),
+        Route("/health_generate", guarded(health_generate), methods=["GET"]),
+        Route("/v1/loads", guarded(loads), methods=["GET"]),
+        Route("/server_info", guarded(server_info), methods=["GET"]),
+        Route("/get_server_info", guarded(server_info), methods=["GET"]),
+        Route("/model_info", guarded(model_info), methods=["GET"]),
+        Route("/get_model_info", guarded(model_info), methods=["GET"]),
+        Route("/metrics", guarded(metrics), methods=["GET"]),
+        Route("/abort_request", guarded(abort_request), methods=["POST"]),
+        Route("/specroute/twin/alpha", guarded(set_alpha), methods=["POST"]),
+        Route("/", guarded(root), methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.twin = twin
+    return app
