@@ -35,6 +35,7 @@ from sim.protocol import (
     stop_strings,
     usage,
 )
+from sim.tracing import TwinSpan, TwinTracer
 
 SGLANG_VERSION = "0.5.23"
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
@@ -67,13 +68,14 @@ class TwinOptions:
 class Call:
     """One HTTP request's view of its engine request: a queue the engine loop fills per step."""
 
-    __slots__ = ("req", "queue", "last_time", "metrics")
+    __slots__ = ("req", "queue", "last_time", "metrics", "span")
 
     def __init__(self, req: Request, metrics: TwinMetrics):
         self.req = req
         self.queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
         self.last_time = req.arrival
         self.metrics = metrics
+        self.span: TwinSpan | None = None
         req.listener = self.on_step
 
     def on_step(self, req: Request) -> None:
@@ -88,6 +90,9 @@ class Call:
             self.last_time = req.updated
         if req.finished and not aborted:
             self.metrics.e2e.observe(max(req.updated - req.arrival, 0.0))
+        if req.finished and self.span is not None:
+            span, self.span = self.span, None
+            span.finish(req)
         text = req.text.take(final=req.finished) if req.text is not None else ""
         self.queue.put_nowait((text, n))
 
@@ -101,6 +106,7 @@ class Twin:
         self.engine = Engine(config, name=options.mode)
         self.loop: EngineLoop | None = None
         self.metrics = TwinMetrics(self.engine, options.model_name)
+        self.tracer = TwinTracer(options.otlp_traces_endpoint) if options.enable_trace else None
         self.started = time.time()
 
     @property
@@ -113,8 +119,8 @@ class Twin:
 
     def trace_context(self, headers: Mapping[str, str]) -> object | None:
         """W3C trace context of an incoming request (traceparent/tracestate), used only with
-        --enable-trace. Until tracing lands this is a no-op, as in SGLang with tracing off."""
-        return None
+        --enable-trace; with tracing off the headers are ignored, as in SGLang."""
+        return self.tracer.extract(headers) if self.tracer is not None else None
 
     # ---- generation ---------------------------------------------------------------------
 
@@ -126,7 +132,7 @@ class Twin:
         except ValueError as exc:
             raise TwinError(f"JSON decode error: {exc}", err_type="Bad Request") from None
         request = parse_request("chat" if kind == "chat" else "completion", body)
-        self.trace_context(http.headers)
+        parent = self.trace_context(http.headers)
         prompt_tokens = max(count_prompt_tokens(body), 1)
         if prompt_tokens >= self.config.context_length:
             raise TwinError(
@@ -147,6 +153,8 @@ class Twin:
             text_seed=request.seed,
         )
         call = Call(req, self.metrics)
+        if self.tracer is not None:
+            call.span = self.tracer.start(req, parent)
         loop.submit(req)
         if request.stream:
             return SseResponse(self._stream(kind, request, call), on_disconnect=lambda: loop.abort(rid))
@@ -470,6 +478,8 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
         finally:
             loop, twin.loop = twin.loop, None
             await loop.stop()
+            if twin.tracer is not None:
+                twin.tracer.shutdown()
 
     routes = [
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
