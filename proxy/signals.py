@@ -47,8 +47,9 @@ def parse_prometheus(text: str, wanted: frozenset[str]) -> dict[str, float]:
         name = line[:name_end]
         if name not in wanted:
             continue
+        rest = line[line.rfind("}") + 1:] if line[name_end] == "{" else line[name_end:]
         try:
-            value = float(line.rsplit("}", 1)[-1].split()[0])
+            value = float(rest.split()[0])
         except (ValueError, IndexError):
             continue
         if math.isfinite(value):

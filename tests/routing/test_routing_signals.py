@@ -1,0 +1,113 @@
+"""proxy/signals.py against real twin servers on 127.0.0.1: learning, polling, acceptance."""
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from policies.acceptance import accept_length, alpha_from_accept_length
+from proxy.routing import Router
+from proxy.settings import load_settings
+from proxy.signals import parse_prometheus, reading_from_get_load, reading_from_loads, reading_from_metrics
+from sim.testing import TwinSpec, twins
+
+TIME_SCALE = 10.0
+
+
+async def wait_for(condition, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, max_tokens: int) -> None:
+    body = {"model": "twin", "messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True}
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        async for _ in response.aiter_bytes():
+            pass
+
+
+def test_signals_learn_poll_and_estimate_acceptance():
+    specs = (TwinSpec("spec", time_scale=TIME_SCALE, seed=3, args=("--mean-alpha", "0.7")),
+             TwinSpec("base", time_scale=TIME_SCALE, seed=4))
+    with twins(*specs) as (spec, base):
+        settings = load_settings(spec_urls=spec.url, base_urls=base.url, poll_interval_ms=20, stale_ms=2000,
+                                 acceptance_half_life_s=60, profile="h200-llama8b")
+        router = Router.from_settings(settings)
+
+        async def scenario():
+            await router.start()
+            try:
+                state = router.state()
+                spec_info = state["pools"]["spec"]["instances"][0]
+                base_info = state["pools"]["base"]["instances"][0]
+                assert spec_info["probe"] == "/v1/loads" and spec_info["server_info"]["speculative"]
+                assert (spec_info["max_running"], base_info["max_running"]) == (48, 256)
+                assert not base_info["server_info"]["speculative"]
+                assert state["pools"]["spec"]["num_draft_tokens"] == 3
+                # 24 streams sent straight to the spec twin, behind the proxy's back: the polls see them.
+                async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+                    load = [asyncio.create_task(stream_one(client, spec.url, 400)) for _ in range(24)]
+                    await wait_for(lambda: router.snapshot().pool("spec").running >= 20, 20, "polled spec load")
+                    assert not router.snapshot().pool("spec").stale
+                    await asyncio.gather(*load)
+                    # Finished requests move the token/verify counters; their increments are the evidence.
+                    acceptance = router.fleet.acceptance
+                    await wait_for(lambda: acceptance.evidence(time.monotonic()) > 1000, 20, "counter evidence")
+                    reading = reading_from_metrics((await client.get(spec.url + "/metrics")).text, 0)
+                # The server's own ratio (per-request alphas vary around 0.7, so it is not exactly 0.7).
+                served = alpha_from_accept_length(reading.tokens_total / reading.verify_total, 3)
+                assert router.snapshot().pool("spec").alpha == pytest.approx(served, abs=0.03)
+                assert 0.55 < served < 0.75
+            finally:
+                await router.stop()
+
+        asyncio.run(scenario())
+
+
+def test_a_dead_instance_turns_stale():
+    with twins(TwinSpec("spec", time_scale=TIME_SCALE), TwinSpec("base", time_scale=TIME_SCALE)) as (spec, base):
+        settings = load_settings(spec_urls=spec.url, base_urls=base.url, poll_interval_ms=20, stale_ms=300)
+        router = Router.from_settings(settings)
+
+        async def scenario():
+            await router.start()
+            try:
+                assert not router.snapshot().pool("spec").stale
+                spec.process.terminate()
+                await asyncio.to_thread(spec.process.wait, 10)
+                await wait_for(lambda: router.snapshot().pool("spec").stale, 10, "the spec pool to turn stale")
+                assert router.state()["pools"]["spec"]["instances"][0]["error"]
+                assert not router.snapshot().pool("base").stale
+            finally:
+                await router.stop()
+
+        asyncio.run(scenario())
+
+
+def test_parsers_cover_each_probe():
+    loads = {"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 1, "max_running_requests": 48,
+                        "speculative": {"accept_length": 2.5}},
+                       {"num_running_reqs": 2, "num_waiting_reqs": 0, "max_running_requests": 48}]}
+    reading = reading_from_loads(loads, 1.0)
+    assert (reading.running, reading.waiting, reading.max_running, reading.accept_length) == (5, 1, 96, 2.5)
+    text = ('# HELP sglang:num_running_reqs x\nsglang:num_running_reqs{tp_rank="0"} 7\n'
+            'sglang:num_queue_reqs{tp_rank="0"} 2\nsglang:generation_tokens_total{is_streaming="true"} 100\n'
+            'sglang:generation_tokens_total{is_streaming="false"} 20\nsglang:spec_verify_calls_total 50\n')
+    reading = reading_from_metrics(text, 2.0)
+    assert (reading.running, reading.waiting, reading.tokens_total, reading.verify_total) == (7, 2, 120, 50)
+    vllm = "vllm:num_requests_running{model_name=\"m\"} 4.0\nvllm:num_requests_waiting{model_name=\"m\"} 1.0\n"
+    assert reading_from_metrics(vllm, 0).running == 4
+    assert parse_prometheus("garbage line\nsglang:num_running_reqs NaN\n", frozenset({"sglang:num_running_reqs"})) == {}
+    reading = reading_from_get_load([{"num_reqs": 9, "num_waiting_reqs": 4}], 3.0)
+    assert (reading.running, reading.waiting) == (5, 4)
+    with pytest.raises(ValueError):
+        reading_from_loads({"loads": []}, 0)
+    with pytest.raises(ValueError):
+        reading_from_metrics("up 1\n", 0)
+    assert accept_length(0.7, 3) > 2.5
