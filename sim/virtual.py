@@ -1,0 +1,271 @@
+"""The virtual-clock driver: a fleet of twin engines and an arrival list, simulated in-process.
+
+    records = simulate(
+        [Engine(spec_config, "spec"), Engine(base_config, "base")],
+        arrivals,                         # Arrival(time, prompt_tokens, max_tokens, ...)
+        router=lambda arrival, fleet: 0 if fleet[0].running < 32 else 1,
+        on_step=observations.append,      # StepObservation per engine step
+        alpha_changes=[AlphaChange(time=60.0, engine=0, alpha=0.32)],
+    )
+
+It is the same engine the HTTP server runs (sim/engine.py), driven by a discrete-event loop
+instead of asyncio: each engine step ends at its start plus the profile's step time; arrivals
+between steps join the next step, as they do on the server.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+from sim.engine import Engine, Request, Step
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request of an arrival process."""
+
+    time: float
+    """Seconds (simulated) since the start."""
+    prompt_tokens: int
+    max_tokens: int | None = None
+    output_tokens: int | None = None
+    """The natural output length (where "EOS" comes); None draws it from the engine's distribution."""
+    ignore_eos: bool = False
+    request_class: str = "latency"
+    stream: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class AlphaChange:
+    time: float
+    engine: int
+    alpha: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepObservation:
+    """What one engine step looked like, as a router could learn it from inter-token latency."""
+
+    engine: int
+    engine_name: str
+    kind: str
+    """"prefill" or "decode"."""
+    batch: int
+    tokens_per_seq: int
+    """Decode: 1 (base) or k+1 (spec verify); prefill: prompt tokens in the iteration."""
+    start: float
+    duration_s: float
+    tokens: int
+    """Tokens the step committed, all sequences together."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    index: int
+    """Position of the request in the arrival list."""
+    engine: int
+    engine_name: str
+    arrival: float
+    first_token_time: float
+    finish_time: float
+    prompt_tokens: int
+    output_tokens: int
+    finish_reason: str
+    verify_ct: int
+    alpha: float
+    """The request's own per-token acceptance probability (spec engines; 0 on base)."""
+    request_class: str
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token_time - self.arrival
+
+    @property
+    def e2e(self) -> float:
+        return self.finish_time - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        """Mean seconds per output token after the first (0 for a single token)."""
+        if self.output_tokens <= 1:
+            return 0.0
+        return (self.finish_time - self.first_token_time) / (self.output_tokens - 1)
+
+    @property
+    def accept_length(self) -> float:
+        """completion_tokens / spec_verify_ct, as SGLang reports it per request (0 on base)."""
+        return self.output_tokens / self.verify_ct if self.verify_ct else 0.0
+
+
+class EngineView:
+    """Read-only view of one engine for a router: what an SGLang server exposes, live.
+
+    `load_snapshot` is what /v1/loads would return right now (published on SGLang's cadence,
+    so it can lag); the other properties are the live values.
+    """
+
+    __slots__ = ("_engine", "index")
+
+    def __init__(self, engine: Engine, index: int):
+        self._engine = engine
+        self.index = index
+
+    @property
+    def name(self) -> str:
+        return self._engine.name
+
+    @property
+    def mode(self) -> str:
+        return self._engine.config.mode
+
+    @property
+    def speculative(self) -> bool:
+        return self._engine.config.speculative
+
+    @property
+    def running(self) -> int:
+        return self._engine.num_running
+
+    @property
+    def waiting(self) -> int:
+        return self._engine.num_waiting
+
+    @property
+    def max_running_requests(self) -> int:
+        return self._engine.config.max_running_requests  # type: ignore[return-value]
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """k, draft tokens per verify step (0 on a base engine)."""
+        return self._engine.config.num_steps if self.speculative else 0
+
+    @property
+    def accept_length(self) -> float:
+        """Cumulative accept length, as /v1/loads speculative.accept_length (0 before any verify)."""
+        return self._engine.accept_length
+
+    @property
+    def spec_num_accept_tokens(self) -> int:
+        return self._engine.spec_num_accept_tokens
+
+    @property
+    def spec_num_forward_ct(self) -> int:
+        return self._engine.spec_num_forward_ct
+
+    @property
+    def generation_tokens_total(self) -> int:
+        """sglang:generation_tokens_total (counts finished requests)."""
+        return self._engine.finished_generation_tokens
+
+    @property
+    def spec_verify_calls_total(self) -> int:
+        """sglang:spec_verify_calls_total (counts finished requests)."""
+        return self._engine.finished_verify_ct
+
+    @property
+    def gauges(self) -> dict[str, float]:
+        """The /metrics scheduler gauges as last refreshed (spec_accept_length: last 40 decode steps)."""
+        return dict(self._engine.gauges)
+
+    @property
+    def load_snapshot(self) -> dict:
+        return dict(self._engine.load_snapshot)
+
+
+Router = Callable[[Arrival, Sequence[EngineView]], "int | str"]
+
+
+def simulate(
+    engines: Sequence[Engine],
+    arrivals: Iterable[Arrival],
+    router: Router,
+    *,
+    on_step: Callable[[StepObservation], None] | None = None,
+    alpha_changes: Sequence[AlphaChange] = (),
+    until: float = math.inf,
+) -> list[RequestRecord]:
+    """Run the fleet until every request finished (or simulated time `until`); returns one record
+    per finished request, in finishing order. The router returns an engine index or name."""
+    if not engines:
+        raise ValueError("simulate needs at least one engine")
+    views = [EngineView(e, i) for i, e in enumerate(engines)]
+    by_name = {e.name: i for i, e in enumerate(engines)}
+    if len(by_name) != len(engines):
+        raise ValueError("engine names must be unique")
+    pending = sorted(enumerate(arrivals), key=lambda item: item[1].time)
+    changes = sorted(alpha_changes, key=lambda c: c.time)
+    in_flight: list[tuple[float, int, int]] = []  # (end, seq, engine index)
+    steps: list[Step | None] = [None] * len(engines)
+    seq = 0
+    records: list[RequestRecord] = []
+    classes: dict[int, str] = {}
+    ai = ci = 0
+    inf = math.inf
+
+    def start_idle(t: float) -> None:
+        nonlocal seq
+        for i, engine in enumerate(engines):
+            if steps[i] is None and engine.has_work:
+                step = engine.begin_step(t)
+                if step is not None:
+                    steps[i] = step
+                    seq += 1
+                    heapq.heappush(in_flight, (t + step.duration_s, seq, i))
+
+    while True:
+        t_arrival = pending[ai][1].time if ai < len(pending) else inf
+        t_step = in_flight[0][0] if in_flight else inf
+        t_change = changes[ci].time if ci < len(changes) else inf
+        t = min(t_arrival, t_step, t_change)
+        if t == inf or t > until:
+            break
+        while in_flight and in_flight[0][0] <= t:
+            end, _, i = heapq.heappop(in_flight)
+            step = steps[i]
+            steps[i] = None
+            engine = engines[i]
+            touched = engine.finish_step(step, end)  # type: ignore[arg-type]
+            if on_step is not None:
+                on_step(StepObservation(i, engine.name, step.kind, step.batch, step.tokens_per_seq,  # type: ignore[union-attr]
+                                        step.start, step.duration_s, sum(r.last_emitted for r in touched)))  # type: ignore[union-attr]
+            for req in touched:
+                if req.finished:
+                    records.append(_record(req, i, engine.name, classes.pop(req.tag, "latency")))  # type: ignore[arg-type]
+        while ci < len(changes) and changes[ci].time <= t:
+            change = changes[ci]
+            engines[change.engine].set_mean_alpha(change.alpha)
+            ci += 1
+        while ai < len(pending) and pending[ai][1].time <= t:
+            index, arrival = pending[ai]
+            ai += 1
+            choice = router(arrival, views)
+            i = by_name[choice] if isinstance(choice, str) else int(choice)
+            engine = engines[i]
+            req = engine.new_request(arrival.prompt_tokens, now=arrival.time, max_new_tokens=arrival.max_tokens,
+                                     ignore_eos=arrival.ignore_eos, output_len=arrival.output_tokens,
+                                     rid=f"r{index}")
+            req.tag = index
+            classes[index] = arrival.request_class
+            engine.add(req)
+        start_idle(t)
+    return records
+
+
+def _record(req: Request, engine: int, name: str, request_class: str) -> RequestRecord:
+    return RequestRecord(
+        index=req.tag,  # type: ignore[arg-type]
+        engine=engine,
+        engine_name=name,
+        arrival=req.arrival,
+        first_token_time=req.first_token_time if req.first_token_time is not None else req.finish_time,  # type: ignore[arg-type]
+        finish_time=req.finish_time,  # type: ignore[arg-type]
+        prompt_tokens=req.prompt_tokens,
+        output_tokens=req.output_tokens,
+        finish_reason=req.finish_reason,  # type: ignore[arg-type]
+        verify_ct=req.verify_ct,
+        alpha=req.alpha,
+        request_class=request_class,
+    )

@@ -1,0 +1,76 @@
+"""Profiles: the measured table is reproduced where measured, the presets match their formulas."""
+
+import csv
+import json
+from importlib import resources
+
+import pytest
+
+from sim.profile import builtin_names, load_profile, tokens_per_verify_step
+
+
+def measured_rows():
+    with (resources.files("sim") / "profiles" / "h200-llama8b-step-ms.csv").open() as f:
+        lines = [line for line in f if not line.startswith("#")]
+    return list(csv.DictReader(lines))
+
+
+def test_builtin_profiles_are_listed():
+    assert {"h200-llama8b", "kimi-linear", "kimi-moe"} <= set(builtin_names())
+
+
+def test_table_profile_reproduces_every_measured_point():
+    profile = load_profile("h200-llama8b")
+    rows = measured_rows()
+    assert len(rows) > 100
+    for row in rows:
+        b, t, l, ms = int(row["B"]), int(row["T"]), int(row["L"]), float(row["ms"])
+        got = profile.target_ms(b, t, l) if row["kind"] == "target" else profile.draft_ms(b, l)
+        assert got == pytest.approx(ms, rel=1e-9), row
+
+
+def test_table_profile_interpolates_between_and_extrapolates_beyond():
+    profile = load_profile("h200-llama8b")
+    # Between B=64 (7.5865) and B=128 (10.0258) at T=1, L=1024: linear in B.
+    assert profile.target_ms(96, 1, 1024) == pytest.approx((7.5865 + 10.0258) / 2, rel=1e-6)
+    # Past B=256 the step keeps growing linearly (compute-bound), never flattens.
+    assert profile.target_ms(320, 1, 1024) > profile.target_ms(256, 1, 1024) > profile.target_ms(192, 1, 1024)
+    # The L=4096 rows stop at B=128: extrapolated along B, still above L=1024 at the same B.
+    assert profile.target_ms(256, 4, 4096) > profile.target_ms(256, 4, 1024)
+    # Longer context costs more; context between the rows is interpolated.
+    mid = profile.target_ms(32, 1, 2560)
+    assert profile.target_ms(32, 1, 1024) < mid < profile.target_ms(32, 1, 4096)
+
+
+def test_spec_step_is_k_drafts_plus_one_verify():
+    profile = load_profile("h200-llama8b")
+    assert profile.spec_step_ms(16, 3, 1024) == pytest.approx(3 * 0.2473 + 6.3226, rel=1e-9)
+
+
+def test_kimi_presets_follow_their_formulas():
+    linear = load_profile("kimi-linear")
+    moe = load_profile("kimi-moe")
+    assert linear.base_step_ms(1, 1000) == pytest.approx(15.42 + 0.30)
+    assert linear.spec_step_ms(8, 3, 1000) == pytest.approx(3 * 1.0 + 15.42 + 0.30 * 8 * 4)
+    u = lambda n: 1 - (1 - 8 / 384) ** n  # noqa: E731
+    assert moe.base_step_ms(1, 1000) == pytest.approx(14.94 + 35 * u(1) + 0.05)
+    assert moe.spec_step_ms(32, 3, 1000) == pytest.approx(3.0 + 14.94 + 35 * u(128) + 0.05 * 128)
+    # The seed deployment: about 63.6 tok/s single stream and about 2,370 tok/s at 128 on SGLang base.
+    assert 1000 / linear.base_step_ms(1, 1000) == pytest.approx(63.6, rel=0.01)
+    assert 128 * 1000 / moe.base_step_ms(128, 1000) == pytest.approx(2370, rel=0.02)
+    assert linear.prefill_ms(1000) == pytest.approx(15.42 + 0.05 * 1000)
+
+
+def test_user_profile_from_a_file(tmp_path):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"name": "mine", "step": {"kind": "affine", "fixed_ms": 10, "per_token_ms": 1},
+                                "draft_step_ms": 0.5, "prefill": {"fixed_ms": 1, "per_token_ms": 0.1}}))
+    profile = load_profile(str(path))
+    assert profile.spec_step_ms(2, 3, 100) == pytest.approx(3 * 0.5 + 10 + 8)
+    with pytest.raises(ValueError, match="unknown profile"):
+        load_profile("no-such-profile")
+
+
+def test_tau_formula():
+    assert tokens_per_verify_step(0.0, 3) == 1.0
+    assert tokens_per_verify_step(0.6, 3) == pytest.approx(2.176)
