@@ -8,7 +8,7 @@ Prompts and completions are never handed over: only sizes, counts, statuses and 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -25,8 +25,18 @@ class RequestHooks:
     def received(self, *, endpoint: str, request_id: str, headers: Mapping[str, str], body_bytes: int) -> None:
         """The request was read; `headers` are the client's (lower-case names)."""
 
-    def decided(self, *, decision: "Decision", features: "Features", model: str | None, override: str | None) -> None:
-        """A pool was chosen (by the policy, or by the x-specroute-pool override)."""
+    def decided(
+        self,
+        *,
+        decision: "Decision",
+        features: "Features",
+        model: str | None,
+        override: str | None,
+        body: Mapping[str, Any] | None = None,
+    ) -> None:
+        """A pool was chosen (by the policy, or by the x-specroute-pool override). `body` is the
+        parsed request: telemetry reads sampling parameters from it, and the prompt only when
+        the user opted in (SPECROUTE_TRACE_CONTENT)."""
 
     def attempt_started(self, *, pool: str, instance: str, attempt: int) -> None:
         """An upstream request is about to be sent (attempt counts from 1)."""
@@ -37,8 +47,13 @@ class RequestHooks:
     def upstream_headers(self, *, status: int, headers: Mapping[str, str]) -> None:
         """The upstream answered with a status line and headers."""
 
-    def first_chunk(self) -> None:
-        """The first body bytes of the response were sent to the client."""
+    def response_headers(self, *, upstream_wait_s: float) -> list[tuple[bytes, bytes]]:
+        """Extra headers for the response about to start; `upstream_wait_s` is the time spent so
+        far waiting on upstream servers (the rest is the proxy's own overhead)."""
+        return []
+
+    def first_chunk(self, data: bytes = b"") -> None:
+        """The first body bytes of the response (`data`) are about to go to the client."""
 
     def chunk(self, *, size: int, events: int, tokens: int) -> None:
         """One relayed chunk: bytes, SSE events and (estimated) completion tokens in it."""
@@ -58,8 +73,10 @@ class RequestHooks:
         completion_tokens: int | None,
         finish_reasons: tuple[str, ...],
         client_disconnected: bool,
+        upstream_wait_s: float = 0.0,
     ) -> None:
-        """The response to the client is complete (or abandoned); called exactly once."""
+        """The response to the client is complete (or abandoned); called exactly once.
+        `upstream_wait_s`: all the request's time spent waiting on upstream servers."""
 
 
 NO_HOOKS = RequestHooks()

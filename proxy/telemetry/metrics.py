@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -53,7 +54,7 @@ class Metrics:
         for name, pool in snapshot.pools.items():
             if pool.alpha is not None:
                 self.alpha.labels(name).set(pool.alpha)
-            if pool.available:
+            if math.isfinite(pool.age_s):  # infinite until the pool's first load reading
                 self.snapshot_age.labels(name).set(pool.age_s)
 
     def render(self) -> bytes:

@@ -50,8 +50,7 @@ ROUTE_POLICY = "specroute.policy"
 ROUTE_POOL = "specroute.pool"
 ROUTE_REASON = "specroute.reason"
 ROUTE_OVERRIDE = "specroute.override"
-ROUTE_SCORE_PREFIX = "specroute.score."
-ROUTE_POOL_PREFIX = "specroute.pool."  # + "<pool>.load" / ".running" / ".alpha" / ...
+ROUTE_INPUT_PREFIX = "specroute.decision."  # + a Decision.scores key, e.g. "spec.load", "t_spec_s"
 ROUTE_PROMPT_TOKENS = "specroute.request.prompt_tokens"
 ROUTE_REQUEST_CLASS = "specroute.request.class"
 ATTEMPT_NUMBER = "specroute.attempt"
@@ -77,6 +76,7 @@ M_OVERHEAD = "specroute_overhead_seconds"
 M_TOKENS = "specroute_tokens"
 
 OVERHEAD_HEADER = "x-specroute-overhead-ms"
+OVERHEAD_HEADER_BYTES = OVERHEAD_HEADER.encode()
 
 # GenAI bucket boundaries (gen-ai-metrics.md@v1.41.0).
 BUCKETS_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

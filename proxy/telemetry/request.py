@@ -9,6 +9,7 @@ upstream from the attempt span, so the backend's own span lands beneath it.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
 
@@ -20,7 +21,7 @@ from proxy.telemetry import logs
 from proxy.telemetry import names as n
 
 if TYPE_CHECKING:
-    from policies.types import Decision, Features, Snapshot
+    from policies.types import Decision, Features
     from proxy.telemetry.service import SpecrouteTelemetry
 
 
@@ -30,7 +31,7 @@ class RequestRecorder(RequestHooks):
     __slots__ = (
         "_owner", "_endpoint", "_request_id", "_t0", "_t0_ns", "_t_attempt", "_t_first",
         "_server", "_attempt_span", "_pool", "_instance", "_attempt", "_reason", "_stream",
-        "_model", "_params", "_in_flight", "_overhead_s",
+        "_model", "_params", "_in_flight",
     )
 
     def __init__(self, owner: "SpecrouteTelemetry", endpoint: str) -> None:
@@ -51,7 +52,6 @@ class RequestRecorder(RequestHooks):
         self._model: str | None = None
         self._params: Mapping[str, Any] = {}
         self._in_flight: Any = None
-        self._overhead_s: float | None = None
 
     # -- request ---------------------------------------------------------------------------
     def received(self, *, endpoint: str, request_id: str, headers: Mapping[str, str], body_bytes: int) -> None:
@@ -82,7 +82,6 @@ class RequestRecorder(RequestHooks):
         features: "Features",
         model: str | None,
         override: str | None,
-        snapshot: "Snapshot | None" = None,
         body: Mapping[str, Any] | None = None,
     ) -> None:
         self._reason = decision.reason
@@ -102,10 +101,10 @@ class RequestRecorder(RequestHooks):
         }
         if override is not None:
             attributes[n.ROUTE_OVERRIDE] = override
+        # The policy's predictions and, added by proxy.signals, what it saw: each pool's load,
+        # capacity, reading age and staleness, and the speculative pool's alpha.
         for key, value in decision.scores.items():
-            attributes[n.ROUTE_SCORE_PREFIX + key] = value
-        if snapshot is not None:
-            attributes.update(snapshot_attributes(snapshot))
+            attributes[n.ROUTE_INPUT_PREFIX + key] = value
         # The decision span covers reading the body, building features and the policy call.
         span = self._owner.tracer.start_span(  # type: ignore[union-attr]
             n.SPAN_DECISION,
@@ -165,12 +164,25 @@ class RequestRecorder(RequestHooks):
         if span is not None and span.is_recording():
             span.set_attribute(n.HTTP_RESPONSE_STATUS_CODE, status)
 
-    def first_chunk(self) -> None:
+    def response_headers(self, *, upstream_wait_s: float) -> list[tuple[bytes, bytes]]:
+        """x-specroute-overhead-ms: the proxy's own time before the response began."""
+        overhead_ms = max(time.perf_counter() - self._t0 - upstream_wait_s, 0.0) * 1000
+        return [(n.OVERHEAD_HEADER_BYTES, b"%.3f" % overhead_ms)]
+
+    def first_chunk(self, data: bytes = b"") -> None:
         self._t_first = now = time.perf_counter()
         span = self._attempt_span
         if span is not None and span.is_recording():
             span.set_attribute(n.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, now - self._t_attempt)
             span.add_event(n.EVENT_FIRST_TOKEN)
+            # The response's first object (JSON body or first SSE event) opens with its id and
+            # model, as SGLang and vLLM write them; a regex over these bytes, never a parse.
+            response_id = _RESPONSE_ID.search(data)
+            if response_id:
+                span.set_attribute(n.GEN_AI_RESPONSE_ID, response_id.group(1).decode(errors="replace"))
+            response_model = _RESPONSE_MODEL.search(data)
+            if response_model:
+                span.set_attribute(n.GEN_AI_RESPONSE_MODEL, response_model.group(1).decode(errors="replace"))
 
     def attempt_finished(self, *, status: int) -> None:
         # The span stays open until `finished`, which brings usage and finish reasons.
@@ -190,11 +202,6 @@ class RequestRecorder(RequestHooks):
             self._in_flight = None
 
     # -- response --------------------------------------------------------------------------
-    def response_started(self, headers: MutableMapping[str, str], *, upstream_wait_s: float) -> None:
-        """Response headers are about to go out: stamp the proxy's own time so far on them."""
-        overhead_s = max(time.perf_counter() - self._t0 - upstream_wait_s, 0.0)
-        headers[n.OVERHEAD_HEADER] = f"{overhead_s * 1000:.3f}"
-
     def finished(
         self,
         *,
@@ -205,8 +212,6 @@ class RequestRecorder(RequestHooks):
         finish_reasons: tuple[str, ...],
         client_disconnected: bool,
         upstream_wait_s: float = 0.0,
-        response_id: str | None = None,
-        response_model: str | None = None,
     ) -> None:
         end = time.perf_counter()
         duration_s = end - self._t0
@@ -231,8 +236,7 @@ class RequestRecorder(RequestHooks):
         if completion_tokens:
             metrics.tokens.labels(pool, "output").inc(completion_tokens)
         trace_id = self._trace_id()
-        self._end_spans(status, error_type, prompt_tokens, completion_tokens, finish_reasons,
-                        response_id, response_model, overhead_s)
+        self._end_spans(status, error_type, prompt_tokens, completion_tokens, finish_reasons, overhead_s)
         if owner.request_log is not None:
             logs.write(owner.request_log, {
                 "ts": round(time.time(), 3),
@@ -263,17 +267,11 @@ class RequestRecorder(RequestHooks):
         prompt_tokens: int | None,
         completion_tokens: int | None,
         finish_reasons: tuple[str, ...],
-        response_id: str | None,
-        response_model: str | None,
         overhead_s: float,
     ) -> None:
         span, self._attempt_span = self._attempt_span, None
         if span is not None:
             if span.is_recording():
-                if response_id:
-                    span.set_attribute(n.GEN_AI_RESPONSE_ID, response_id)
-                if response_model:
-                    span.set_attribute(n.GEN_AI_RESPONSE_MODEL, response_model)
                 if finish_reasons:
                     span.set_attribute(n.GEN_AI_RESPONSE_FINISH_REASONS, list(finish_reasons))
                 if prompt_tokens is not None:
@@ -303,6 +301,10 @@ class RequestRecorder(RequestHooks):
         return format(context.trace_id, "032x")
 
 
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,200})"')
+_RESPONSE_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,300})"')
+
+
 def outcome_of(status: int, error_type: str | None) -> str:
     """A low-cardinality label: ok, client_error, error or client_disconnected."""
     if error_type == "client_disconnected":
@@ -312,24 +314,6 @@ def outcome_of(status: int, error_type: str | None) -> str:
     if status >= 400:
         return "client_error"
     return "ok"
-
-
-def snapshot_attributes(snapshot: "Snapshot") -> dict[str, Any]:
-    """Each pool's load, capacity, acceptance, reading age and staleness, as the policy saw them."""
-    attributes: dict[str, Any] = {}
-    for name, pool in snapshot.pools.items():
-        prefix = f"{n.ROUTE_POOL_PREFIX}{name}."
-        attributes[prefix + "running"] = pool.running
-        attributes[prefix + "waiting"] = pool.waiting
-        attributes[prefix + "load"] = pool.running + pool.waiting
-        attributes[prefix + "capacity"] = pool.capacity
-        attributes[prefix + "available"] = pool.available
-        attributes[prefix + "stale"] = pool.stale
-        if pool.available:
-            attributes[prefix + "age_s"] = pool.age_s
-        if pool.alpha is not None:
-            attributes[prefix + "alpha"] = pool.alpha
-    return attributes
 
 
 _REQUEST_PARAMS = (
