@@ -184,25 +184,30 @@ def simulate(
     router: Router,
     *,
     on_step: Callable[[StepObservation], None] | None = None,
+    on_finish: Callable[[RequestRecord], Iterable[Arrival] | None] | None = None,
     alpha_changes: Sequence[AlphaChange] = (),
     until: float = math.inf,
 ) -> list[RequestRecord]:
     """Run the fleet until every request finished (or simulated time `until`); returns one record
-    per finished request, in finishing order. The router returns an engine index or name."""
+    per finished request, in finishing order. The router returns an engine index or name.
+    `on_finish` sees each record as its request finishes and may return follow-up arrivals (a
+    closed-loop client sends its next request then); they are numbered after the list's."""
     if not engines:
         raise ValueError("simulate needs at least one engine")
     views = [EngineView(e, i) for i, e in enumerate(engines)]
     by_name = {e.name: i for i, e in enumerate(engines)}
     if len(by_name) != len(engines):
         raise ValueError("engine names must be unique")
-    pending = sorted(enumerate(arrivals), key=lambda item: item[1].time)
+    pending = [(a.time, index, a) for index, a in enumerate(arrivals)]
+    heapq.heapify(pending)
+    next_index = len(pending)
     changes = sorted(alpha_changes, key=lambda c: c.time)
     in_flight: list[tuple[float, int, int]] = []  # (end, seq, engine index)
     steps: list[Step | None] = [None] * len(engines)
     seq = 0
     records: list[RequestRecord] = []
     classes: dict[int, str] = {}
-    ai = ci = 0
+    ci = 0
     inf = math.inf
 
     def start_idle(t: float) -> None:
@@ -216,7 +221,7 @@ def simulate(
                     heapq.heappush(in_flight, (t + step.duration_s, seq, i))
 
     while True:
-        t_arrival = pending[ai][1].time if ai < len(pending) else inf
+        t_arrival = pending[0][0] if pending else inf
         t_step = in_flight[0][0] if in_flight else inf
         t_change = changes[ci].time if ci < len(changes) else inf
         t = min(t_arrival, t_step, t_change)
@@ -233,14 +238,17 @@ def simulate(
                                         step.start, step.duration_s, sum(r.last_emitted for r in touched)))  # type: ignore[union-attr]
             for req in touched:
                 if req.finished:
-                    records.append(_record(req, i, engine.name, classes.pop(req.tag, "latency")))  # type: ignore[arg-type]
+                    record = _record(req, i, engine.name, classes.pop(req.tag, "latency"))  # type: ignore[arg-type]
+                    records.append(record)
+                    for follow_up in (on_finish(record) or ()) if on_finish is not None else ():
+                        heapq.heappush(pending, (follow_up.time, next_index, follow_up))
+                        next_index += 1
         while ci < len(changes) and changes[ci].time <= t:
             change = changes[ci]
             engines[change.engine].set_mean_alpha(change.alpha)
             ci += 1
-        while ai < len(pending) and pending[ai][1].time <= t:
-            index, arrival = pending[ai]
-            ai += 1
+        while pending and pending[0][0] <= t:
+            _, index, arrival = heapq.heappop(pending)
             choice = router(arrival, views)
             i = by_name[choice] if isinstance(choice, str) else int(choice)
             engine = engines[i]
