@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+import orjson
 
 TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -34,6 +35,7 @@ class ProxyError(Exception):
         param: str | None = None,
         type: str | None = None,
         retryable: bool | None = None,
+        payload: bytes | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -43,9 +45,11 @@ class ProxyError(Exception):
         self.type = type or error_type_for(status)
         self.retryable = retryable
         """False adds `x-should-retry: false` (the proxy already failed over); None says nothing."""
+        self.payload = payload
+        """A ready OpenAI-shaped body (an upstream's error, normalised) to send instead."""
 
     def body(self) -> bytes:
-        return error_body(self.message, self.type, self.code, self.param)
+        return self.payload if self.payload is not None else error_body(self.message, self.type, self.code, self.param)
 
 
 def error_object(message: str, type: str, code: str | int | None = None, param: str | None = None) -> dict[str, Any]:
@@ -53,12 +57,12 @@ def error_object(message: str, type: str, code: str | int | None = None, param: 
 
 
 def error_body(message: str, type: str, code: str | int | None = None, param: str | None = None) -> bytes:
-    return json.dumps({"error": error_object(message, type, code, param)}).encode()
+    return orjson.dumps({"error": error_object(message, type, code, param)})
 
 
 def stream_error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:
     """What ends a stream whose upstream failed mid-way: an error event, then [DONE]."""
-    payload = json.dumps({"error": error_object(message, type, code)}).encode()
+    payload = orjson.dumps({"error": error_object(message, type, code)})
     return b"data: " + payload + b"\n\ndata: [DONE]\n\n"
 
 
@@ -66,11 +70,12 @@ def normalise_upstream_error(status: int, body: bytes) -> bytes:
     """Any upstream error body as {"error": {message, type, param, code}}.
 
     Nested bodies (vLLM, OpenAI) keep their fields; SGLang's flat {"object": "error", ...} is
-    lifted into "error"; anything else (HTML from a load balancer, plain text) becomes the message.
+    lifted into "error"; a `type` outside OpenAI's vocabulary (SGLang sends HTTP reason phrases
+    such as "BadRequestError") becomes the OpenAI type for the status; anything else (HTML from a load balancer, plain text) becomes the message.
     """
     try:
-        data = json.loads(body) if body else None
-    except ValueError:
+        data = orjson.loads(body) if body else None
+    except orjson.JSONDecodeError:
         data = None
     if isinstance(data, dict):
         inner = data.get("error")
@@ -82,11 +87,14 @@ def normalise_upstream_error(status: int, body: bytes) -> bytes:
             source = data
         message = source.get("message") or source.get("detail")
         if message is not None:
+            kind = source.get("type")
+            code = source.get("code")
+            param = source.get("param")
             return error_body(
-                message if isinstance(message, str) else json.dumps(message),
-                source.get("type") if isinstance(source.get("type"), str) else error_type_for(status),
-                source.get("code", status) if source.get("code") is not None else status,
-                source.get("param") if isinstance(source.get("param"), str) else None,
+                message if isinstance(message, str) else orjson.dumps(message).decode(),
+                kind if isinstance(kind, str) and kind.endswith("_error") else error_type_for(status),
+                code if isinstance(code, (str, int)) else status,
+                param if isinstance(param, str) else None,
             )
     text = body.decode("utf-8", "replace").strip()[:500] or f"upstream answered {status}"
     return error_body(text, error_type_for(status), status)

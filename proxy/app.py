@@ -1,0 +1,152 @@
+"""The ASGI application: completions on a raw hot path, everything else on FastAPI.
+
+    app = create_app(settings)            # settings from proxy.settings.load_settings()
+    uvicorn.run(app, ...)                 # proxy.server.serve does this with graceful shutdown
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import cachetools
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from proxy.errors import ProxyError, error_object, error_type_for
+from proxy.hooks import Telemetry
+from proxy.relay import COMPLETION_PATHS, CompletionHandler, Receive, Scope, Send
+from proxy.routing import Router
+from proxy.settings import Settings
+from proxy.upstream import UPSTREAM_ERRORS, Upstream
+
+MODELS_TIMEOUT_S = 3.0
+
+
+class SpecrouteApp:
+    """Routes the two completion paths to CompletionHandler, the rest to the FastAPI app."""
+
+    def __init__(self, settings: Settings, telemetry: Telemetry | None = None, router: Router | None = None) -> None:
+        self.settings = settings
+        self.telemetry = telemetry or Telemetry()
+        self.router = router or Router.from_settings(settings)
+        self.upstream = Upstream(settings)
+        self.draining = False
+        """Set on SIGTERM: /ready answers 503 while running requests finish."""
+        self.completions = CompletionHandler(settings, self.router, self.upstream, self.telemetry)
+        self.models_cache: cachetools.TTLCache[str, list[dict[str, Any]]] = cachetools.TTLCache(
+            maxsize=1, ttl=settings.models_cache_s or 1e-9
+        )
+        self.api = management_api(self)
+        self.telemetry.install(self.api)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in COMPLETION_PATHS:
+            await self.completions(scope, receive, send)
+        else:
+            await self.api(scope, receive, send)
+
+    @asynccontextmanager
+    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        await self.upstream.start()
+        await self.telemetry.start()
+        await self.router.start()
+        try:
+            yield
+        finally:
+            await self.router.stop()
+            await self.telemetry.stop()
+            await self.upstream.stop()
+
+    def readiness(self) -> dict[str, Any]:
+        pools = {
+            name: [{"url": i.url, "healthy": i.healthy, "in_flight": i.in_flight} for i in pool.instances]
+            for name, pool in self.router.pools.items()
+        }
+        return {"ready": self.router.ready and not self.draining, "draining": self.draining, "pools": pools}
+
+    async def models(self) -> list[dict[str, Any]]:
+        """The models the pools serve, one entry per id, from each instance's GET /v1/models."""
+        cached = self.models_cache.get("models")
+        if cached is not None:
+            return cached
+        instances = self.router.instances()
+        answers = await asyncio.gather(
+            *(self.upstream.get_json(i.url + "/v1/models", auth_headers(i.api_key), MODELS_TIMEOUT_S) for i in instances),
+            return_exceptions=True,
+        )
+        models: dict[str, dict[str, Any]] = {}
+        reached = 0
+        for answer in answers:
+            if isinstance(answer, UPSTREAM_ERRORS) or not isinstance(answer, dict):
+                continue
+            reached += 1
+            for card in answer.get("data") or ():
+                if isinstance(card, dict) and isinstance(card.get("id"), str):
+                    models.setdefault(card["id"], card)
+        if not reached:
+            raise ProxyError(503, "no upstream server answered GET /v1/models", code="no_upstream")
+        merged = list(models.values())
+        self.models_cache["models"] = merged
+        return merged
+
+
+def auth_headers(api_key: str | None) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {api_key}")] if api_key else []
+
+
+def error_response(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": error_object(message, error_type_for(status), code)}, status, headers=headers)
+
+
+def management_api(app: SpecrouteApp) -> FastAPI:
+    api = FastAPI(title="specroute", lifespan=app.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @api.exception_handler(ProxyError)
+    async def _proxy_error(_: Request, exc: ProxyError) -> JSONResponse:
+        return JSONResponse({"error": error_object(exc.message, exc.type, exc.code, exc.param)}, exc.status)
+
+    @api.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(exc.status_code, message, code=str(exc.status_code), headers=exc.headers)
+
+    @api.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(400, str(exc.errors()), code="invalid_request")
+
+    @api.get("/health")
+    async def health() -> dict[str, str]:
+        """Liveness: the process serves HTTP."""
+        return {"status": "ok"}
+
+    @api.get("/ready")
+    async def ready() -> JSONResponse:
+        """Readiness: some pool can take work and the server is not draining."""
+        state = app.readiness()
+        return JSONResponse(state, 200 if state["ready"] else 503)
+
+    @api.get("/v1/specroute/state")
+    async def routing_state() -> dict[str, Any]:
+        """The router's live view: snapshot, acceptance, cost estimates, recent decisions."""
+        return app.router.state()
+
+    @api.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": await app.models()}
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        for card in await app.models():
+            if card["id"] == model_id:
+                return card
+        raise ProxyError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+
+    return api
+
+
+def create_app(settings: Settings, telemetry: Telemetry | None = None) -> SpecrouteApp:
+    return SpecrouteApp(settings, telemetry)

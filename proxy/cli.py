@@ -1,0 +1,65 @@
+"""`specroute serve | sim | demo | config`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+from proxy.settings import SettingsError, load_settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specroute",
+        description="OpenAI-compatible proxy routing each request to a speculative or a plain SGLang pool.",
+        epilog="Settings come from SPECROUTE_* environment variables and a .env file; see `specroute config`.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser("serve", help="run the proxy in front of SPECROUTE_SPEC_URLS / SPECROUTE_BASE_URLS")
+    serve.add_argument("--host", help="listen address (default: SPECROUTE_HOST)")
+    serve.add_argument("--port", type=int, help="listen port (default: SPECROUTE_PORT)")
+    commands.add_parser("sim", help="run one simulated SGLang server (see `specroute sim --help`)", add_help=False)
+    demo = commands.add_parser("demo", help="a spec twin, a base twin and the proxy on 127.0.0.1:8000")
+    demo.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
+    demo.add_argument("--profile", default="h200-llama8b", help="twin step-time profile")
+    demo.add_argument("--time-scale", type=float, default=1.0, help="run the twins this many times faster")
+    commands.add_parser("config", help="print the effective settings (secrets masked)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["sim"]:
+        from sim.cli import main as sim_main
+
+        return sim_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "config":
+            return print_config()
+        if args.command == "demo":
+            from proxy.demo import run_demo
+
+            return run_demo(port=args.port, profile=args.profile, time_scale=args.time_scale)
+        overrides: dict[str, Any] = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+        settings = load_settings(**overrides)
+        from proxy.server import serve
+
+        serve(settings)
+        return 0
+    except SettingsError as exc:
+        print(f"specroute: {exc}", file=sys.stderr)
+        return 2
+
+
+def print_config() -> int:
+    view = load_settings().public_view()
+    width = max(len(name) for name in view)
+    for name, value in view.items():
+        print(f"{name:<{width}}  {'' if value is None else value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

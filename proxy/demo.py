@@ -1,0 +1,48 @@
+"""`specroute demo` (`make run`): a spec twin, a base twin and the proxy on 127.0.0.1:8000.
+
+The twins are subprocesses on free ports (sim.testing); the proxy runs in this process and, when
+it stops (Ctrl-C or SIGTERM, after its drain), the twins are stopped too.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from proxy.settings import load_settings
+from sim.testing import TwinSpec, twins
+
+
+def served_model(url: str) -> str:
+    answer = httpx.get(url + "/v1/models", timeout=10).json()
+    return str(answer["data"][0]["id"])
+
+
+def banner(port: int, model: str, spec_url: str, base_url: str) -> str:
+    base = f"http://127.0.0.1:{port}/v1"
+    body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "stream": true}}'
+    return "\n".join(
+        [
+            "",
+            f"specroute is up: OpenAI base URL {base}  (model {model!r}, any API key)",
+            f"  spec pool (EAGLE-3 twin): {spec_url}",
+            f"  base pool (plain twin):   {base_url}",
+            "Try:",
+            f"  curl -N {base}/chat/completions -H 'content-type: application/json' -d '{body}'",
+            "Ctrl-C stops the proxy and both twins.",
+            "",
+        ]
+    )
+
+
+def run_demo(port: int, profile: str, time_scale: float) -> int:
+    specs = (
+        TwinSpec("spec", profile=profile, time_scale=time_scale, seed=1),
+        TwinSpec("base", profile=profile, time_scale=time_scale, seed=2),
+    )
+    with twins(*specs) as (spec, base):
+        settings = load_settings(host="127.0.0.1", port=port, spec_urls=[spec.url], base_urls=[base.url])
+        print(banner(port, served_model(spec.url), spec.url, base.url), flush=True)
+        from proxy.server import serve
+
+        serve(settings)
+    return 0

@@ -1,0 +1,377 @@
+"""POST /v1/chat/completions and /v1/completions: read, route, forward with failover, relay.
+
+A raw ASGI handler (FastAPI serves the other routes): the body is parsed once to learn what
+routing needs, then sent upstream byte for byte; the response goes back chunk by chunk as it
+arrives. The client sees nothing until the upstream's first body bytes are in, so until then a
+failed attempt can still be retried elsewhere, and a first-token timeout can still be a 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections import deque
+from time import perf_counter
+from typing import Any, Awaitable, Callable, MutableMapping
+
+import aiohttp
+import orjson
+
+from policies.types import Decision, PoolName
+from proxy import scan
+from proxy.errors import ProxyError, normalise_upstream_error, stream_error_event
+from proxy.hooks import NO_HOOKS, RequestHooks, Telemetry
+from proxy.pools import Instance
+from proxy.routing import Attempt, Router, RoutingInputError, features_of, read_overrides
+from proxy.settings import Settings
+from proxy.upstream import (
+    CONNECT,
+    DISCONNECTED,
+    UPSTREAM_ERRORS,
+    Upstream,
+    classify,
+    expect_chunk_gaps,
+)
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+REQUEST_ID = "x-request-id"
+
+# Request headers that describe the client's connection, not the request: never forwarded.
+NOT_FORWARDED = frozenset(
+    {
+        "host", "connection", "keep-alive", "proxy-authorization", "proxy-connection", "te",
+        "trailer", "transfer-encoding", "upgrade", "content-length", "accept-encoding",
+        "x-specroute-pool", "x-specroute-class",
+    }
+)
+# Response headers the proxy sets itself or that belong to the upstream hop.
+NOT_RELAYED = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server", b"x-request-id", b"trailer", b"upgrade"}
+)
+RETRYABLE = frozenset({CONNECT, DISCONNECTED})
+"""Attempt failures worth another instance. Timeouts are not: the next one would wait as long."""
+ERROR_BODY_LIMIT = 64 * 1024
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request body was being read."""
+
+
+class Exchange:
+    """One client request's state on the way through."""
+
+    __slots__ = ("request_id", "send", "hooks", "started", "status", "client_gone", "done", "error_type",
+                 "decision", "instance", "summary", "upstream_wait_s")
+
+    def __init__(self, request_id: str, send: Send, hooks: RequestHooks) -> None:
+        self.request_id = request_id
+        self.send = send
+        self.hooks = hooks
+        self.started = False
+        """Whether the response start (status line) went to the client."""
+        self.status = 0
+        self.client_gone = False
+        self.done = False
+        self.error_type: str | None = None
+        self.decision: Decision | None = None
+        self.instance: Instance | None = None
+        self.summary = scan.Summary()
+        self.upstream_wait_s = 0.0
+        """Time spent awaiting upstream servers (connect, headers, chunks): the rest is ours."""
+
+    def routing_headers(self) -> list[tuple[bytes, bytes]]:
+        headers = [(b"x-request-id", self.request_id.encode())]
+        if self.decision is not None:
+            headers.append((b"x-specroute-pool", self.decision.pool.encode()))
+            headers.append((b"x-specroute-reason", self.decision.reason.encode()))
+        if self.instance is not None:
+            headers.append((b"x-specroute-backend", self.instance.url.encode()))
+        return headers
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        self.started = True
+        self.status = status
+        headers = headers + self.routing_headers() + self.hooks.response_headers(upstream_wait_s=self.upstream_wait_s)
+        await self.send({"type": "http.response.start", "status": status, "headers": headers})
+
+    async def fail(self, error: ProxyError) -> None:
+        """Answer with an OpenAI-shaped error (only possible before the response started)."""
+        self.error_type = error.code or error.type
+        if self.started:
+            return
+        body = error.body()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        if error.retryable is False:
+            headers.append((b"x-should-retry", b"false"))
+        await self.start(error.status, headers)
+        self.done = True
+        await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def request_headers(scope: Scope) -> dict[str, str]:
+    return {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+
+
+def request_id_of(headers: dict[str, str]) -> str:
+    """The client's x-request-id when it is a sane token, else a new one."""
+    given = headers.get(REQUEST_ID)
+    if given and len(given) <= 128 and given.isascii() and given.isprintable() and " " not in given:
+        return given
+    return secrets.token_hex(16)
+
+
+def outgoing_headers(headers: dict[str, str], instance: Instance, request_id: str) -> dict[str, str]:
+    out = {name: value for name, value in headers.items() if name not in NOT_FORWARDED}
+    out[REQUEST_ID] = request_id
+    if instance.api_key is not None:
+        out["authorization"] = f"Bearer {instance.api_key}"
+    return out
+
+
+def relayed_headers(response: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
+    return [(name.lower(), value) for name, value in response.raw_headers if name.lower() not in NOT_RELAYED]
+
+
+async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], exchange: Exchange) -> None:
+    """Cancel the request's task the moment its client goes away (frees the upstream slot)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not exchange.done:
+                exchange.client_gone = True
+                task.cancel()
+            return
+
+
+class CompletionHandler:
+    def __init__(self, settings: Settings, router: Router, upstream: Upstream, telemetry: Telemetry) -> None:
+        self.settings = settings
+        self.router = router
+        self.upstream = upstream
+        self.telemetry = telemetry
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        headers = request_headers(scope)
+        exchange = Exchange(request_id_of(headers), send, self.telemetry.request_hooks(scope["path"]))
+        task = asyncio.current_task()
+        assert task is not None
+        watcher: asyncio.Task[None] | None = None
+        try:
+            if scope["method"] != "POST":
+                raise ProxyError(405, f"use POST for {scope['path']}", code="method_not_allowed")
+            body = await self.read_body(headers, receive)
+            exchange.hooks.received(
+                endpoint=scope["path"], request_id=exchange.request_id, headers=headers, body_bytes=len(body)
+            )
+            payload = parse_object(body)
+            try:
+                override, request_class = read_overrides(headers)
+            except RoutingInputError as exc:
+                raise ProxyError(400, str(exc), param=exc.header, code="invalid_header") from None
+            features = features_of(payload, request_class)
+            exchange.decision = self.router.choose(features, override)
+            model = payload.get("model")
+            exchange.hooks.decided(
+                decision=exchange.decision, features=features,
+                model=model if isinstance(model, str) else None, override=override, body=payload,
+            )
+            watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, task, exchange))
+            await self.forward(exchange, scope["path"], headers, body, pinned=override is not None)
+        except ProxyError as error:
+            await exchange.fail(error)
+        except ClientGone:
+            exchange.client_gone = True
+        except asyncio.CancelledError:
+            if not exchange.client_gone:
+                raise  # server shutdown, not our client leaving
+            task.uncancel()
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            summary = exchange.summary
+            exchange.hooks.finished(
+                status=exchange.status or 499,
+                error_type=exchange.error_type or ("client_disconnected" if exchange.client_gone else None),
+                prompt_tokens=summary.prompt_tokens,
+                completion_tokens=summary.completion_tokens,
+                finish_reasons=summary.finish_reasons,
+                client_disconnected=exchange.client_gone,
+                upstream_wait_s=exchange.upstream_wait_s,
+            )
+
+    async def read_body(self, headers: dict[str, str], receive: Receive) -> bytes:
+        content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if content_type != "application/json":
+            raise ProxyError(
+                415, f"Content-Type must be application/json, not {content_type or 'missing'!r}",
+                code="unsupported_media_type",
+            )
+        limit = self.settings.max_body_bytes
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ProxyError(413, f"request body over {limit} bytes", code="request_too_large")
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone()
+            part = message.get("body", b"")
+            size += len(part)
+            if size > limit:
+                raise ProxyError(413, f"request body over {limit} bytes", code="request_too_large")
+            parts.append(part)
+            if not message.get("more_body", False):
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def forward(self, exchange: Exchange, path: str, headers: dict[str, str], body: bytes, pinned: bool) -> None:
+        """Try instances until one answers (same pool, then the other unless pinned), bounded."""
+        assert exchange.decision is not None
+        pool: PoolName = exchange.decision.pool
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.total_timeout_s
+        tried: list[Instance] = []
+        failure: ProxyError | None = None
+        for number in range(1, self.settings.max_attempts + 1):
+            instance = self.router.next_instance(pool, tried, pinned)
+            if instance is None:
+                break
+            tried.append(instance)
+            exchange.instance = instance
+            failure = await self.attempt(exchange, instance, number, path, headers, body, deadline - loop.time())
+            if failure is None or not failure.retryable:
+                break
+        if failure is None and not tried:
+            failure = ProxyError(503, f"no upstream server is available in pool {pool!r}", code="no_upstream")
+        if failure is not None:
+            if len(tried) > 1:
+                failure.retryable = False  # the proxy already failed over: the SDK must not multiply
+            else:
+                failure.retryable = None
+            raise failure
+
+    async def attempt(
+        self, exchange: Exchange, instance: Instance, number: int, path: str,
+        headers: dict[str, str], body: bytes, remaining_s: float,
+    ) -> ProxyError | None:
+        """One upstream attempt. None when the client got its answer (or the stream ended with an
+        error event); a ProxyError, `retryable` set, when it failed before any byte was sent."""
+        hooks = exchange.hooks
+        hooks.attempt_started(pool=instance.pool, instance=instance.url, attempt=number)
+        out = outgoing_headers(headers, instance, exchange.request_id)
+        hooks.outgoing_headers(out)
+        attempt = self.router.dispatch(instance)
+        response: aiohttp.ClientResponse | None = None
+        began = perf_counter()
+        try:
+            if remaining_s <= 0:
+                raise asyncio.TimeoutError()
+            response = await self.upstream.post(instance.url + path, out.items(), body, remaining_s)
+            hooks.upstream_headers(status=response.status, headers=response.headers)
+            if response.status >= 400:
+                return await self.upstream_error(exchange, response, attempt)
+            first = await response.content.readany()
+            exchange.upstream_wait_s += perf_counter() - began
+            began = 0.0
+            attempt.first_byte()
+            await self.relay(exchange, response, attempt, first)
+            return None
+        except UPSTREAM_ERRORS as exc:
+            if began:
+                exchange.upstream_wait_s += perf_counter() - began
+            kind = classify(exc, attempt.started)
+            attempt.failed(kind)
+            hooks.attempt_failed(error=kind, retryable=kind in RETRYABLE and not exchange.started)
+            if exchange.started:
+                await self.end_with_error(exchange, response, kind)
+                return None
+            if kind in RETRYABLE:
+                return ProxyError(502, f"upstream {instance.pool} server failed ({kind})", code=kind, retryable=True)
+            return ProxyError(504, f"upstream {instance.pool} server timed out ({kind})", code=kind, retryable=False)
+        finally:
+            attempt.finished()  # no-op when the attempt already failed
+            if response is not None:
+                if response.content.at_eof():
+                    response.release()  # fully read: the connection goes back to the pool
+                else:
+                    response.close()  # unread bytes: drop the connection, which ends the upstream request
+
+    async def upstream_error(self, exchange: Exchange, response: aiohttp.ClientResponse, attempt: Attempt) -> ProxyError | None:
+        """An upstream 4xx/5xx: 5xx may go to another instance; 4xx is the client's to see."""
+        raw = await read_up_to(response.content, ERROR_BODY_LIMIT)
+        payload = normalise_upstream_error(response.status, raw)
+        retryable = response.status >= 500
+        if retryable:
+            attempt.failed(f"status_{response.status}")
+            exchange.hooks.attempt_failed(error=f"status_{response.status}", retryable=True)
+        else:
+            exchange.hooks.attempt_finished(status=response.status)
+        return ProxyError(response.status, "upstream error", code=str(response.status), retryable=retryable, payload=payload)
+
+    async def relay(self, exchange: Exchange, response: aiohttp.ClientResponse, attempt: Attempt, first: bytes) -> None:
+        """Send the response on as it arrives; counts SSE events, never parses chunks."""
+        hooks = exchange.hooks
+        send = exchange.send
+        content = response.content
+        is_stream = response.content_type == "text/event-stream"
+        per_chunk = is_stream and hooks.wants_chunks
+        tail: deque[bytes] | None = deque(maxlen=4) if hooks is not NO_HOOKS else None
+        await exchange.start(response.status, relayed_headers(response))
+        hooks.first_chunk(first)
+        expect_chunk_gaps(response, self.settings.chunk_timeout_s)
+        chunk = first
+        while chunk:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if is_stream:
+                events = scan.content_events(chunk)
+                attempt.chunk(events)
+                if per_chunk:
+                    hooks.chunk(size=len(chunk), events=events, tokens=events)
+            if tail is not None:
+                tail.append(chunk)
+            began = perf_counter()
+            chunk = await content.readany()
+            exchange.upstream_wait_s += perf_counter() - began
+        exchange.done = True
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        attempt.finished()
+        hooks.attempt_finished(status=response.status)
+        if tail is not None:
+            exchange.summary = scan.summarise(b"".join(tail)[-16384:])
+
+    async def end_with_error(self, exchange: Exchange, response: aiohttp.ClientResponse | None, kind: str) -> None:
+        """The upstream failed after bytes reached the client: say so in-band, never end clean."""
+        exchange.error_type = kind
+        if response is not None and response.content_type == "text/event-stream":
+            message = f"upstream failed mid-stream ({kind}); the response is incomplete"
+            exchange.done = True
+            await exchange.send({"type": "http.response.body", "body": stream_error_event(message, code=kind), "more_body": False})
+            return
+        # A JSON body cut short cannot carry an error: break the connection so the client knows.
+        raise ConnectionAbortedError(f"upstream failed mid-body ({kind})")
+
+
+async def read_up_to(content: aiohttp.StreamReader, limit: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    while size < limit:
+        part = await content.read(limit - size)
+        if not part:
+            break
+        parts.append(part)
+        size += len(part)
+    return b"".join(parts)
+
+
+def parse_object(body: bytes) -> dict[str, Any]:
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ProxyError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise ProxyError(400, "request body must be a JSON object", code="invalid_json")
+    return payload

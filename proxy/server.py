@@ -1,0 +1,65 @@
+"""Running the app under uvicorn (httptools + uvloop), with a graceful drain on SIGTERM.
+
+On SIGTERM or SIGINT: /ready turns 503 at once, the listening socket closes, running requests
+(streams included) get SPECROUTE_DRAIN_TIMEOUT_S to finish, then what is left is cancelled
+(each cancelled request closes its upstream request) and the process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import FrameType
+
+import uvicorn
+
+from proxy import __version__
+from proxy.app import SpecrouteApp
+from proxy.settings import Settings
+from proxy.telemetry import SpecrouteTelemetry
+
+log = logging.getLogger("specroute")
+
+
+def build_app(settings: Settings) -> SpecrouteApp:
+    """The app with telemetry from the settings (traces, metrics, request log)."""
+    telemetry = SpecrouteTelemetry(settings, __version__)
+    app = SpecrouteApp(settings, telemetry)
+    telemetry.watch_snapshot(app.router.snapshot)
+    return app
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, telling the app it is draining the moment a stop signal arrives."""
+
+    def __init__(self, config: uvicorn.Config, app: SpecrouteApp) -> None:
+        super().__init__(config)
+        self.specroute = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.specroute.draining:
+            self.specroute.draining = True
+            log.info("stop signal %s: draining for up to %.0f s", sig, self.specroute.settings.drain_timeout_s)
+        super().handle_exit(sig, frame)
+
+
+def uvicorn_config(app: SpecrouteApp, settings: Settings) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        log_level=settings.log_level,
+        access_log=False,  # the telemetry's JSON request log replaces it
+        server_header=False,
+        timeout_graceful_shutdown=settings.drain_timeout_s,
+        backlog=4096,
+    )
+
+
+def serve(settings: Settings) -> None:
+    """Run until stopped (blocks). Settings must already be valid (proxy.settings.load_settings)."""
+    settings.require_upstreams()
+    app = build_app(settings)
+    DrainingServer(uvicorn_config(app, settings), app).run()
