@@ -13,11 +13,12 @@ LOGGER_NAME = "specroute.request"
 def request_logger() -> logging.Logger:
     """The request logger, writing bare JSON lines to stdout unless the host app configured it."""
     logger = logging.getLogger(LOGGER_NAME)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
         logger.propagate = False  # the line is already complete; root handlers would re-wrap it
     return logger
 

@@ -1,0 +1,151 @@
+"""The per-request recorder on its own: metric samples in the Prometheus text format, the JSON
+log line, span attributes and the prompt opt-in (spans read from the SDK's in-memory exporter;
+the end-to-end path through Jaeger is in test_obs_traces.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Iterator
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+
+from policies.types import Decision, Features
+from proxy.settings import Settings
+from proxy.telemetry import SpecrouteTelemetry
+from proxy.telemetry import names as n
+from proxy.telemetry.tracing import Tracing
+
+PROMPT = "the secret prompt text"
+BODY = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 32,
+        "temperature": 0.25, "top_p": 0.5, "seed": 7, "stream": True}
+FIRST = b'data: {"id":"chatcmpl-abc","object":"chat.completion.chunk","model":"served/m","choices":[]}\n\n'
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def log_lines() -> Iterator[list[str]]:
+    handler = Lines()
+    logger = logging.getLogger("specroute.request")
+    logger.addHandler(handler)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+
+
+def telemetry(exporter: InMemorySpanExporter | None = None, **settings: Any) -> SpecrouteTelemetry:
+    tracing = Tracing("http/protobuf", "test", exporter=exporter) if exporter is not None else None
+    return SpecrouteTelemetry(Settings(policy="spec", **settings), "test", tracing=tracing)
+
+
+def failover_then_stream(t: SpecrouteTelemetry) -> None:
+    """The hook calls of a streamed request whose spec attempt failed and base answered."""
+    hooks = t.request_hooks("/v1/chat/completions")
+    hooks.received(endpoint="/v1/chat/completions", request_id="req-1", headers={"user-agent": "t"}, body_bytes=99)
+    hooks.decided(decision=Decision("spec", "static", {"spec.load": 3.0, "spec.alpha": 0.6}),
+                  features=Features(prompt_tokens=10, max_tokens=32, stream=True), model="m",
+                  override=None, body=BODY)
+    hooks.attempt_started(pool="spec", instance="http://127.0.0.1:1", attempt=1)
+    hooks.attempt_failed(error="connect", retryable=True)
+    hooks.attempt_started(pool="base", instance="http://127.0.0.1:2", attempt=2)
+    outgoing: dict[str, str] = {}
+    hooks.outgoing_headers(outgoing)
+    hooks.upstream_headers(status=200, headers={})
+    extra = hooks.response_headers(upstream_wait_s=0.0)
+    assert extra[0][0] == b"x-specroute-overhead-ms" and float(extra[0][1]) >= 0
+    hooks.first_chunk(FIRST)
+    hooks.attempt_finished(status=200)
+    hooks.finished(status=200, error_type=None, prompt_tokens=10, completion_tokens=5,
+                   finish_reasons=("stop",), client_disconnected=False, upstream_wait_s=0.0)
+
+
+def samples(t: SpecrouteTelemetry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = t.metrics.render().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_count_requests_decisions_failovers_and_release_in_flight() -> None:
+    t = telemetry(request_log=False)
+    failover_then_stream(t)
+    got = samples(t)
+    assert got[("specroute_requests_total", (("outcome", "ok"), ("policy", "spec"), ("pool", "base")))] == 1
+    assert got[("specroute_decisions_total", (("pool", "spec"), ("reason", "static")))] == 1
+    assert got[("specroute_failovers_total", (("from_pool", "spec"), ("to_pool", "base")))] == 1
+    for instance, pool in (("http://127.0.0.1:1", "spec"), ("http://127.0.0.1:2", "base")):
+        assert got[("specroute_in_flight_requests", (("instance", instance), ("pool", pool)))] == 0
+    assert got[("specroute_time_to_first_token_seconds_count", (("pool", "base"),))] == 1
+    assert got[("specroute_inter_token_seconds_count", (("pool", "base"),))] == 1
+    assert got[("specroute_request_duration_seconds_count", (("pool", "base"),))] == 1
+    assert got[("specroute_overhead_seconds_count", ())] == 1
+    assert got[("specroute_tokens_total", (("pool", "base"), ("type", "output")))] == 5
+
+
+def test_histograms_use_the_genai_bucket_boundaries() -> None:
+    t = telemetry(request_log=False)
+    failover_then_stream(t)
+    got = samples(t)
+
+    def bounds(metric: str) -> list[float]:
+        return sorted(float(dict(labels)["le"]) for (name, labels) in got
+                      if name == metric + "_bucket" and dict(labels).get("pool") == "base")
+
+    assert bounds("specroute_time_to_first_token_seconds") == [*n.BUCKETS_TTFT, float("inf")]
+    assert bounds("specroute_inter_token_seconds") == [*n.BUCKETS_INTER_TOKEN, float("inf")]
+    assert bounds("specroute_request_duration_seconds") == [*n.BUCKETS_DURATION, float("inf")]
+    assert n.BUCKETS_DURATION == (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
+                                  10.24, 20.48, 40.96, 81.92)
+
+
+def test_one_json_log_line_per_request_without_prompt_text(log_lines: list[str]) -> None:
+    t = telemetry()
+    failover_then_stream(t)
+    assert len(log_lines) == 1
+    assert PROMPT not in log_lines[0]
+    line = json.loads(log_lines[0])
+    assert line["request_id"] == "req-1"
+    assert (line["pool"], line["instance"], line["status"], line["reason"]) == ("base", "http://127.0.0.1:2", 200, "static")
+    assert (line["prompt_tokens"], line["completion_tokens"], line["attempts"]) == (10, 5, 2)
+    assert line["ttft_ms"] is not None and line["duration_ms"] >= line["ttft_ms"]
+
+
+def test_spans_carry_genai_attributes_and_no_prompt_by_default() -> None:
+    exporter = InMemorySpanExporter()
+    t = telemetry(exporter, request_log=False)
+    failover_then_stream(t)
+    t.tracing.flush()  # type: ignore[union-attr]
+    spans = {(s.name, s.attributes.get(n.ATTEMPT_NUMBER)): s for s in exporter.get_finished_spans()}
+    server = spans[("POST /v1/chat/completions", None)]
+    route = spans[(n.SPAN_DECISION, None)]
+    failed, answered = spans[("chat m", 1)], spans[("chat m", 2)]
+    assert {route.parent.span_id, failed.parent.span_id, answered.parent.span_id} == {server.context.span_id}
+    assert route.attributes["specroute.decision.spec.alpha"] == 0.6
+    assert failed.attributes[n.ERROR_TYPE] == "connect"
+    a = answered.attributes
+    assert (a[n.GEN_AI_RESPONSE_ID], a[n.GEN_AI_RESPONSE_MODEL]) == ("chatcmpl-abc", "served/m")
+    assert (a[n.GEN_AI_REQUEST_TEMPERATURE], a[n.GEN_AI_REQUEST_TOP_P], a[n.GEN_AI_REQUEST_SEED]) == (0.25, 0.5, 7)
+    assert tuple(a[n.GEN_AI_RESPONSE_FINISH_REASONS]) == ("stop",)
+    assert [e.name for e in answered.events] == [n.EVENT_FIRST_TOKEN]
+    for span in spans.values():
+        assert PROMPT not in json.dumps(dict(span.attributes))
+
+
+def test_prompt_recorded_only_when_opted_in() -> None:
+    exporter = InMemorySpanExporter()
+    t = telemetry(exporter, request_log=False, trace_content=True)
+    failover_then_stream(t)
+    t.tracing.flush()  # type: ignore[union-attr]
+    attempts = [s for s in exporter.get_finished_spans() if s.name == "chat m"]
+    messages = json.loads(attempts[-1].attributes[n.GEN_AI_INPUT_MESSAGES])
+    assert messages == [{"role": "user", "parts": [{"type": "text", "content": PROMPT}]}]
