@@ -1,0 +1,338 @@
+"""The twin through its HTTP API, with the real openai SDK, against real twin subprocesses."""
+
+import asyncio
+import json
+import re
+import statistics
+import time
+
+import httpx
+import openai
+import pytest
+
+from sim.profile import load_profile, tokens_per_verify_step
+from sim.testing import TwinSpec, twin, twins
+
+KIMI = load_profile("kimi-linear")
+DEADLINE_S = 30.0
+
+
+def wait_for(condition, what, timeout=DEADLINE_S, interval=0.05):
+    """Poll `condition` until it returns a truthy value; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+
+
+def loads(t):
+    return httpx.get(t.url + "/v1/loads", timeout=5).json()["loads"][0]
+
+
+def metric(t, name):
+    text = httpx.get(t.url + "/metrics", timeout=5).text
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    return float(match.group(1)) if match else None
+
+
+def words(text):
+    return len(text.split())
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    with twins(
+        TwinSpec("spec", "kimi-linear", time_scale=20, seed=1),
+        TwinSpec("base", "kimi-linear", time_scale=20, seed=2, args=("--output-len", "fixed:12")),
+    ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def spec(fleet):
+    return fleet[0]
+
+
+@pytest.fixture(scope="module")
+def base(fleet):
+    return fleet[1]
+
+
+def client(t):
+    return openai.OpenAI(base_url=t.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def chat(t, **kw):
+    kw.setdefault("model", "twin")
+    kw.setdefault("messages", [{"role": "user", "content": "Say something."}])
+    return client(t).chat.completions.create(**kw)
+
+
+# ---- responses ---------------------------------------------------------------------------------
+
+
+def test_max_tokens_ends_with_length_and_usage_counts_tokens(spec):
+    r = chat(spec, max_tokens=25, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 25 == words(r.choices[0].message.content)
+    # Prompt tokens by the documented rule: 4 per message + ceil(chars / 4).
+    assert r.usage.prompt_tokens == 4 + 4
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 25
+
+
+def test_max_completion_tokens_is_honoured(spec):
+    r = chat(spec, max_completion_tokens=7, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 7
+
+
+def test_a_stream_ends_on_its_own_with_stop(base):
+    r = chat(base, max_tokens=100)
+    assert r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == 12  # --output-len fixed:12
+    r = chat(base, max_tokens=100, extra_body={"ignore_eos": True})
+    assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 100)
+
+
+def test_stop_strings_cut_the_text_stream_and_plain_alike(spec):
+    kw = dict(max_tokens=3000, stop=["fox"], seed=42, extra_body={"ignore_eos": True})
+    plain = chat(spec, **kw)
+    assert plain.choices[0].finish_reason == "stop"
+    text = plain.choices[0].message.content
+    assert "fox" not in text and 0 < plain.usage.completion_tokens < 3000
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(spec, stream=True, **kw) if c.choices)
+    assert streamed == text
+
+
+def test_stream_one_chunk_per_step_with_usage_and_spec_details(spec):
+    chunks = list(chat(spec, max_tokens=200, stream=True, stream_options={"include_usage": True},
+                       extra_body={"ignore_eos": True, "return_spec_tokens_details": True}))
+    content = [c for c in chunks if c.choices]
+    assert content[0].choices[0].delta.role == "assistant"
+    assert content[-1].choices[0].finish_reason == "length"
+    details_chunk, usage_chunk = chunks[-2], chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 200
+    details = details_chunk.model_extra["sglext"]["spec_tokens_details"]
+    # First token from prefill, then one chunk per verify step carrying 1..k+1 tokens.
+    per_chunk = [words(c.choices[0].delta.content) for c in content]
+    assert per_chunk[0] == 1 and all(1 <= n <= 4 for n in per_chunk)
+    assert sum(per_chunk) == 200
+    assert details["spec_verify_ct"] == len(content) - 1
+    assert details["spec_accept_length"] == pytest.approx(200 / details["spec_verify_ct"])
+
+
+def test_non_stream_spec_details_on_request(spec):
+    r = chat(spec, max_tokens=50, extra_body={"ignore_eos": True, "return_spec_tokens_details": True})
+    details = r.model_extra["sglext"]["spec_tokens_details"]
+    assert details["spec_verify_ct"] >= 50 / 4
+    assert "sglext" not in chat(spec, max_tokens=5).model_extra
+
+
+def test_completions_endpoint(base):
+    c = client(base).completions.create(model="twin", prompt="Once upon a time")
+    assert c.object == "text_completion"
+    assert c.usage.prompt_tokens == 4 and c.usage.completion_tokens == 12  # natural length 12 < default 16
+    chunks = list(client(base).completions.create(model="twin", prompt=[1, 2, 3], max_tokens=5, stream=True,
+                                                 extra_body={"ignore_eos": True}))
+    assert sum(words(c.choices[0].text) for c in chunks) == 5
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_same_seed_same_text(base):
+    a = chat(base, max_tokens=30, seed=7).choices[0].message.content
+    b = chat(base, max_tokens=30, seed=7).choices[0].message.content
+    assert a == b and words(a) == 12
+
+
+# ---- errors --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"model": "twin"}, "messages"),
+    ({"messages": "hello"}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n != 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "at least 0"),
+])
+def test_bad_requests_get_sglang_400(spec, body, fragment):
+    r = httpx.post(spec.url + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 400
+    error = r.json()
+    assert error["object"] == "error" and error["code"] == 400 and fragment in error["message"]
+
+
+def test_sdk_raises_bad_request(spec):
+    with pytest.raises(openai.BadRequestError, match="n != 1"):
+        chat(spec, n=2)
+
+
+def test_wrong_content_type_and_bad_json(spec):
+    r = httpx.post(spec.url + "/v1/chat/completions", content=b"{}", headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and "application/json" in r.json()["message"]
+    r = httpx.post(spec.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["object"] == "error"
+
+
+def test_prompt_longer_than_context_is_refused(spec):
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        chat(spec, messages=[{"role": "user", "content": "x" * 200_000}])
+
+
+# ---- server surface ------------------------------------------------------------------------
+
+
+def test_models_health_and_server_info(spec, base):
+    models = client(spec).models.list()
+    assert [m.id for m in models.data] == ["specroute/twin"]
+    assert models.data[0].model_extra["max_model_len"] == 32768
+    assert httpx.get(spec.url + "/v1/models/nope").status_code == 404
+    assert httpx.get(spec.url + "/health").status_code == 200
+    assert httpx.get(spec.url + "/health_generate", timeout=30).status_code == 200
+    info = httpx.get(spec.url + "/server_info").json()
+    assert (info["speculative_algorithm"], info["speculative_num_steps"], info["speculative_eagle_topk"],
+            info["speculative_num_draft_tokens"], info["max_running_requests"]) == ("EAGLE3", 3, 1, 4, 48)
+    assert info["internal_states"][0]["avg_spec_accept_length"] > 1.0
+    assert (info["profile"], info["time_scale"]) == ("kimi-linear", 20.0)
+    info = httpx.get(base.url + "/server_info").json()
+    assert info["speculative_algorithm"] is None and info["max_running_requests"] == 256
+    assert "avg_spec_accept_length" not in info["internal_states"][0]
+
+
+def test_metrics_and_loads_count_finished_work(spec):
+    before = metric(spec, "sglang:generation_tokens_total")
+    chat(spec, max_tokens=40, extra_body={"ignore_eos": True})
+    assert metric(spec, "sglang:generation_tokens_total") == before + 40
+    assert metric(spec, "sglang:spec_verify_calls_total") > 0
+    assert metric(spec, "sglang:time_to_first_token_seconds_count") > 0
+    assert metric(spec, "sglang:inter_token_latency_seconds_count") > 0
+    assert metric(spec, "sglang:e2e_request_latency_seconds_count") > 0
+    load = loads(spec)
+    assert load["max_running_requests"] == 48 and load["speculative"]["accept_length"] > 1.0
+
+
+def test_alpha_admin_endpoint(spec, base):
+    try:
+        r = httpx.post(spec.url + "/specroute/twin/alpha", json={"alpha": 0.0})
+        assert r.status_code == 200 and r.json() == {"alpha": 0.0}
+        chunks = [c for c in chat(spec, max_tokens=30, stream=True, extra_body={"ignore_eos": True}) if c.choices]
+        assert all(words(c.choices[0].delta.content) == 1 for c in chunks)  # nothing accepted: 1 token per step
+        assert httpx.get(spec.url + "/server_info").json()["mean_alpha"] == 0.0
+    finally:
+        httpx.post(spec.url + "/specroute/twin/alpha", json={"alpha": 0.64})
+    assert httpx.post(spec.url + "/specroute/twin/alpha", json={"alpha": 1.5}).status_code == 400
+    assert httpx.post(spec.url + "/specroute/twin/alpha", json={}).status_code == 400
+    assert httpx.post(base.url + "/specroute/twin/alpha", json={"alpha": 0.3}).status_code == 400
+
+
+# ---- fidelity: speed and acceptance over HTTP ------------------------------------------------
+
+
+async def chunk_times(t, n_streams, max_tokens, **extra):
+    """Wall time of every content chunk of `n_streams` concurrent streams."""
+    aclient = openai.AsyncOpenAI(base_url=t.base_url, api_key="unused", max_retries=0, timeout=120)
+
+    async def one():
+        times = []
+        stream = await aclient.chat.completions.create(
+            model="twin", messages=[{"role": "user", "content": "Go."}], max_tokens=max_tokens, stream=True,
+            extra_body={"ignore_eos": True, **extra})
+        async for chunk in stream:
+            if chunk.choices:
+                times.append((time.monotonic(), words(chunk.choices[0].delta.content or "")))
+        return times
+
+    try:
+        return await asyncio.gather(*(one() for _ in range(n_streams)))
+    finally:
+        await aclient.close()
+
+
+def test_single_stream_decode_speed_matches_profile_over_http():
+    scale = 4.0
+    with twin("base", "kimi-linear", time_scale=scale) as t:
+        (times,) = asyncio.run(chunk_times(t, 1, 300))
+    assert len(times) == 300
+    interval = (times[-1][0] - times[1][0]) / (len(times) - 2) * scale
+    assert interval == pytest.approx(KIMI.base_step_ms(1, 0) / 1000, rel=0.05)
+
+
+def test_batched_decode_speed_matches_profile_over_http():
+    scale, n = 2.0, 16
+    with twin("base", "kimi-linear", time_scale=scale) as t:
+        streams = asyncio.run(chunk_times(t, n, 250))
+    expected = KIMI.base_step_ms(n, 0) / 1000
+    # Steady state: from chunk 20 (every stream has been prefilled) to the last.
+    for times in streams:
+        interval = (times[-1][0] - times[20][0]) / (len(times) - 21) * scale
+        assert interval == pytest.approx(expected, rel=0.05)
+
+
+def test_tokens_per_verify_step_match_formula_over_http():
+    alpha = 0.6
+    with twin("spec", "kimi-linear", time_scale=40, seed=3,
+              args=("--mean-alpha", str(alpha), "--alpha-concentration", "1e7")) as t:
+        streams = asyncio.run(chunk_times(t, 2, 3000))
+    per_step = [n for times in streams for _, n in times[1:-1]]  # drop the prefill token and the capped last step
+    assert len(per_step) > 2000
+    assert statistics.mean(per_step) == pytest.approx(tokens_per_verify_step(alpha, 3), rel=0.05)
+
+
+# ---- the cap, the queue and disconnects ------------------------------------------------------
+
+
+def test_49th_request_waits_and_a_disconnect_frees_its_slot():
+    args = ("--decode-log-interval", "10", "--load-snapshot-publish-interval", "5")
+    with twin("spec", "kimi-linear", time_scale=2, args=args) as t:
+        asyncio.run(_cap_scenario(t))
+
+
+async def _cap_scenario(t):
+    aclient = openai.AsyncOpenAI(base_url=t.base_url, api_key="unused", max_retries=0, timeout=120)
+    body = dict(model="twin", messages=[{"role": "user", "content": "Go."}], max_tokens=20000, stream=True,
+                extra_body={"ignore_eos": True})
+
+    async def until(condition, what):
+        deadline = time.monotonic() + DEADLINE_S
+        while not await asyncio.to_thread(condition):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            await asyncio.sleep(0.05)
+
+    streams = [await aclient.chat.completions.create(**body) for _ in range(48)]
+    try:
+        await until(lambda: loads(t)["num_running_reqs"] == 48, "48 running")
+        last = await aclient.chat.completions.create(**body)
+        streams.append(last)
+        await until(lambda: (loads(t)["num_running_reqs"], loads(t)["num_waiting_reqs"]) == (48, 1), "49th waiting")
+        await until(lambda: (metric(t, "sglang:num_running_reqs"), metric(t, "sglang:num_queue_reqs")) == (48, 1),
+                    "metrics showing the queue")
+        # The 49th has produced nothing yet; one of the first 48 leaves: the 49th takes its slot.
+        first_of_last = asyncio.ensure_future(last.__anext__())
+        await asyncio.sleep(0)
+        assert not first_of_last.done()
+        await streams[0].close()
+        chunk = await asyncio.wait_for(first_of_last, DEADLINE_S)
+        assert chunk.choices[0].delta.content
+        await until(lambda: metric(t, "sglang:num_aborted_requests_total") == 1, "the abort counted")
+        await until(lambda: (loads(t)["num_running_reqs"], loads(t)["num_waiting_reqs"]) == (48, 0), "slot reused")
+    finally:
+        for s in streams:
+            await s.close()
+        await aclient.close()
+    await until(lambda: loads(t)["num_running_reqs"] == 0, "all slots free after disconnects")
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_slot():
+    with twin("spec", "kimi-linear", time_scale=1) as t:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(t.url + "/v1/chat/completions", timeout=httpx.Timeout(10, read=1.0),
+                       json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000, "ignore_eos": True})
+        wait_for(lambda: metric(t, "sglang:num_aborted_requests_total") == 1, "the abort")
+        wait_for(lambda: loads(t)["num_running_reqs"] == 0, "the slot freed")
+        assert json.loads(httpx.get(t.url + "/v1/loads").text)["loads"][0]["num_waiting_reqs"] == 0
