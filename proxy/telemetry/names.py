@@ -77,6 +77,7 @@ M_TOKENS = "specroute_tokens"
 
 OVERHEAD_HEADER = "x-specroute-overhead-ms"
 OVERHEAD_HEADER_BYTES = OVERHEAD_HEADER.encode()
+TRACERESPONSE_HEADER_BYTES = b"traceresponse"
 
 # GenAI bucket boundaries (gen-ai-metrics.md@v1.41.0).
 BUCKETS_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

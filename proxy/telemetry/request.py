@@ -165,9 +165,16 @@ class RequestRecorder(RequestHooks):
             span.set_attribute(n.HTTP_RESPONSE_STATUS_CODE, status)
 
     def response_headers(self, *, upstream_wait_s: float) -> list[tuple[bytes, bytes]]:
-        """x-specroute-overhead-ms: the proxy's own time before the response began."""
+        """x-specroute-overhead-ms: the proxy's own time before the response began; and, for a
+        traced request, W3C `traceresponse` (Trace Context Level 2) naming its trace."""
         overhead_ms = max(time.perf_counter() - self._t0 - upstream_wait_s, 0.0) * 1000
-        return [(n.OVERHEAD_HEADER_BYTES, b"%.3f" % overhead_ms)]
+        headers = [(n.OVERHEAD_HEADER_BYTES, b"%.3f" % overhead_ms)]
+        server = self._server
+        if server is not None and server.is_recording():
+            context = server.get_span_context()
+            headers.append((n.TRACERESPONSE_HEADER_BYTES,
+                            b"00-%032x-%016x-%02x" % (context.trace_id, context.span_id, context.trace_flags)))
+        return headers
 
     def first_chunk(self, data: bytes = b"") -> None:
         self._t_first = now = time.perf_counter()
