@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -36,6 +37,8 @@ from sim.protocol import (
     usage,
 )
 from sim.tracing import TwinSpan, TwinTracer
+
+log = logging.getLogger("sim.server")
 
 SGLANG_VERSION = "0.5.23"
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
@@ -374,12 +377,14 @@ class SseResponse:
             await asyncio.wait({gone, writer}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not writer.done():
-                self.on_disconnect()
+                self.on_disconnect()  # the client left first: free the slot now
                 writer.cancel()
             gone.cancel()
-            await asyncio.gather(writer, gone, return_exceptions=True)
-        if writer.done() and not writer.cancelled() and writer.exception() is not None:
+            outcome, _ = await asyncio.gather(writer, gone, return_exceptions=True)
+        if isinstance(outcome, Exception):
             self.on_disconnect()
+            if not isinstance(outcome, OSError):  # OSError: the client went away mid-write
+                log.error("stream failed", exc_info=outcome)
 
     async def _write(self, send: Send) -> None:
         try:
