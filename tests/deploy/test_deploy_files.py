@@ -12,7 +12,7 @@ import pytest
 import yaml
 from packaging.requirements import Requirement
 
-from conftest import DEPLOY, K8S, K8S_VERSIONS, REPO, Compose, Kubeconform
+from deploy_tools import DEPLOY, K8S, K8S_VERSIONS, REPO, Compose, Kubeconform
 from proxy.settings import ENV_PREFIX, Settings
 
 COMPOSE_FILES = ("docker-compose.yml", "docker-compose.twins.yml")
