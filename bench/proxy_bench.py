@@ -71,7 +71,8 @@ def wait_ready(port: int, deadline_s: float = 30.0) -> None:
 
 @contextmanager
 def process(args: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen(args, env={**os.environ, **(env or {})})
+    # stdout (the proxy's JSON request log) is discarded, as a log shipper would take it away.
+    proc = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL)
     try:
         wait_ready(port)
         yield proc
@@ -92,14 +93,26 @@ def rss_kb(pid: int) -> int:
     return 0
 
 
-def measure(port: int, scenario: Scenario, scale: float, path: str = "/v1/chat/completions") -> dict[str, float]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (robust to other load on the machine)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(
+    port: int, scenario: Scenario, scale: float, pid: int | None = None, path: str = "/v1/chat/completions"
+) -> dict[str, float]:
     raw = build_request(path, STREAM_BODY if scenario.stream else BODY)
     events = CHUNKS + 2 if scenario.stream else None
     requests = max(scenario.concurrency, int(scenario.requests * scale))
     warm = min(requests // 10, 2000)
     uvloop.run(run(port, raw, scenario.concurrency, warm, events))
+    cpu_before = cpu_seconds(pid) if pid else 0.0
     result = uvloop.run(run(port, raw, scenario.concurrency, requests, events))
+    cpu = (cpu_seconds(pid) - cpu_before) if pid else float("nan")
     return {
+        "cpu_us": cpu / max(result.count, 1) * 1e6,
         "rate": result.count / result.elapsed,
         "p50_ms": percentile(result.latencies, 0.50) * 1e3,
         "p99_ms": percentile(result.latencies, 0.99) * 1e3,
@@ -120,11 +133,14 @@ def specroute_cmd(upstream_port: int, port: int) -> tuple[list[str], dict[str, s
 
 
 def table(rows: list[tuple[str, str, dict[str, float]]]) -> str:
-    out = ["| target | scenario | req/s | p50 ms | p99 ms | first byte p50 ms | errors |", "|---|---|---|---|---|---|---|"]
+    out = [
+        "| target | scenario | req/s | p50 ms | p99 ms | first byte p50 ms | CPU us/req | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for target, scenario, m in rows:
         out.append(
             f"| {target} | {scenario} | {m['rate']:,.0f} | {m['p50_ms']:.3f} | {m['p99_ms']:.3f} "
-            f"| {m['ttfb_p50_ms']:.3f} | {m['errors']:.0f} |"
+            f"| {m['ttfb_p50_ms']:.3f} | {m['cpu_us']:.0f} | {m['errors']:.0f} |"
         )
     return "\n".join(out)
 
@@ -156,7 +172,7 @@ def main() -> None:
     upstream_port = free_port()
     rows: list[tuple[str, str, dict[str, float]]] = []
     upstream = [sys.executable, "-m", "bench.proxy_upstream", str(upstream_port), str(CHUNKS)]
-    with process(upstream, upstream_port):
+    with process(upstream, upstream_port) as upstream_proc:
         targets: list[tuple[str, list[str] | None, dict[str, str]]] = [("direct", None, {})]
         if not args.no_specroute:
             port = free_port()
@@ -169,16 +185,16 @@ def main() -> None:
         for name, cmd, env in targets:
             if cmd is None:
                 for scenario in SCENARIOS:
-                    rows.append((name, scenario.name, measure(upstream_port, scenario, scale)))
+                    rows.append((name, scenario.name, measure(upstream_port, scenario, scale, upstream_proc.pid)))
                     print(table(rows[-1:]).splitlines()[-1], flush=True)
                 continue
             port = free_port()
             cmd = [part.replace("{port}", str(port)) for part in cmd]
             if "SPECROUTE_PORT" in env:
                 env = {**env, "SPECROUTE_PORT": str(port)}
-            with process(cmd, port, env):
+            with process(cmd, port, env) as proc:
                 for scenario in SCENARIOS:
-                    rows.append((name, scenario.name, measure(port, scenario, scale)))
+                    rows.append((name, scenario.name, measure(port, scenario, scale, proc.pid)))
                     print(table(rows[-1:]).splitlines()[-1], flush=True)
         print()
         print(table(rows))

@@ -1,0 +1,130 @@
+"""A misbehaving upstream for the failure tests: it stands in for a broken GPU server.
+
+The twin (sim/) is a faithful SGLang that does not fail on purpose; this server fails exactly
+as told, over a real socket on 127.0.0.1, and records what it was sent:
+
+    with FaultServer("status:503") as bad:       # every request gets a 503 (SGLang's flat error)
+    with FaultServer("cut:3") as bad:            # 200 SSE, 3 chunks, then the connection drops
+    with FaultServer("stall:2") as bad:          # 200 SSE, 2 chunks, then silence
+    with FaultServer("hang") as bad:             # reads the request, never answers
+    with FaultServer("echo") as bad:             # answers 200 JSON; bad.requests holds what came
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from dataclasses import dataclass, field
+
+FLAT_ERROR = {"object": "error", "message": "Service unavailable: engine overloaded", "type": "ServiceUnavailable",
+              "param": None, "code": 503}
+COMPLETION = {
+    "id": "fault-1", "object": "chat.completion", "created": 0, "model": "fault",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}
+
+
+def sse_chunk(i: int) -> bytes:
+    event = {"id": "fault-1", "object": "chat.completion.chunk", "created": 0, "model": "fault",
+             "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
+    data = b"data: " + json.dumps(event).encode() + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+@dataclass
+class Received:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class FaultServer:
+    behaviour: str
+    requests: list[Received] = field(default_factory=list)
+    port: int = 0
+    open_connections: int = 0
+    """Connections currently open to this server (a proxy that cancels closes its own)."""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "FaultServer":
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self._thread.start()
+        if not ready.wait(10):
+            raise RuntimeError("fault server did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._serve(ready))
+        self._loop.close()
+
+    async def _serve(self, ready: threading.Event) -> None:
+        self._stop = asyncio.Event()
+        server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        self.port = server.sockets[0].getsockname()[1]
+        ready.set()
+        async with server:
+            await self._stop.wait()
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.open_connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                self.requests.append(Received(method, path, headers, body))
+                if not await self._answer(method, path, writer):
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            self.open_connections -= 1
+            writer.close()
+
+    async def _answer(self, method: str, path: str, writer: asyncio.StreamWriter) -> bool:
+        """Respond per the behaviour; False closes the connection."""
+        kind, _, arg = self.behaviour.partition(":")
+        if method == "GET":  # /server_info, /v1/loads, /metrics polls: not an SGLang we know
+            writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+            await writer.drain()
+            return True
+        if kind == "status":
+            body = json.dumps(FLAT_ERROR | {"code": int(arg)}).encode()
+            writer.write(b"HTTP/1.1 %s Error\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (arg.encode(), len(body), body))
+        elif kind == "echo":
+            body = json.dumps(COMPLETION).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(body), body))
+        elif kind in ("cut", "stall"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for i in range(int(arg)):
+                writer.write(sse_chunk(i))
+                await writer.drain()
+                await asyncio.sleep(0.01)
+            if kind == "cut":
+                writer.transport.abort()
+                return False
+            await self._stop.wait()
+            return False
+        elif kind == "hang":
+            await self._stop.wait()
+            return False
+        await writer.drain()
+        return True

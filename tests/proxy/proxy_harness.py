@@ -1,0 +1,75 @@
+"""The proxy itself on a real socket on 127.0.0.1, and polling helpers, for tests/proxy.
+
+The proxy runs under uvicorn exactly as `specroute serve` runs it (proxy.server), in a thread
+of the test process so that tests can also look at the router's in-flight counts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import httpx
+import uvicorn
+
+from proxy.app import SpecrouteApp
+from proxy.server import DrainingServer, build_app, uvicorn_config
+from proxy.settings import Settings, load_settings
+from sim.testing import RunningTwin
+
+TIME_SCALE = 50.0
+"""Twins run 50x faster than the H200 they model: a 16-token answer takes a few ms."""
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 20.0, interval: float = 0.02, what: str = "") -> Any:
+    """Poll `condition` until it returns something truthy, failing after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
+        time.sleep(interval)
+
+
+class RunningProxy:
+    def __init__(self, app: SpecrouteApp, server: uvicorn.Server, thread: threading.Thread) -> None:
+        self.app = app
+        self.server = server
+        self.thread = thread
+        self.port = server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.url + "/v1"
+
+    def in_flight(self) -> int:
+        return sum(i.in_flight for i in self.app.router.instances())
+
+
+@contextmanager
+def running_proxy(**overrides: Any) -> Iterator[RunningProxy]:
+    """The proxy on a free port with these settings (init values win over the environment)."""
+    settings: Settings = load_settings(
+        **{"host": "127.0.0.1", "port": 0, "request_log": False, "log_level": "warning", **overrides}
+    )
+    app = build_app(settings)
+    config = uvicorn_config(app, settings)
+    server = DrainingServer(config, app)
+    thread = threading.Thread(target=server.run, daemon=True)  # uvloop, as `specroute serve`
+    thread.start()
+    wait_for(lambda: server.started or not thread.is_alive(), 30, what="the proxy to start")
+    if not server.started:
+        raise RuntimeError("the proxy did not start")
+    try:
+        yield RunningProxy(app, server, thread)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def twin_running(twin: RunningTwin) -> int:
+    """Requests the twin is running or queueing now, from its /v1/loads."""
+    load = httpx.get(twin.url + "/v1/loads", params={"include": "all"}, timeout=5).json()["loads"][0]
+    return int(load["num_running_reqs"]) + int(load["num_waiting_reqs"])

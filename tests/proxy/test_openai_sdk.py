@@ -1,0 +1,128 @@
+"""The real openai SDK (sync and async, streaming and not, chat and completions) through the proxy."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from proxy_harness import RunningProxy, running_proxy, wait_for
+from proxy_faults import FaultServer
+
+MESSAGES = [{"role": "user", "content": "Explain speculative decoding in one line."}]
+
+
+def test_sync_chat_non_streaming(proxy: RunningProxy) -> None:
+    client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(model="specroute/twin", messages=MESSAGES, max_tokens=12)
+    completion = raw.parse()
+    assert completion.usage is not None and completion.usage.completion_tokens == 12
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.choices[0].message.content
+    assert raw.headers["x-specroute-pool"] in ("spec", "base")
+    assert raw.headers["x-specroute-backend"].startswith("http://127.0.0.1:")
+    assert raw.headers["x-specroute-reason"]
+    assert len(raw.headers["x-request-id"]) >= 16
+
+
+def test_sync_chat_streaming_with_usage(proxy: RunningProxy) -> None:
+    client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+    stream = client.chat.completions.create(
+        model="specroute/twin", messages=MESSAGES, max_tokens=20, stream=True, stream_options={"include_usage": True}
+    )
+    text, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert usage is not None and usage.completion_tokens == 20
+    assert finish == "length"
+    assert "".join(text).strip()
+
+
+def test_sync_completions_both_ways(proxy: RunningProxy) -> None:
+    client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+    completion = client.completions.create(model="specroute/twin", prompt="Once upon a time", max_tokens=9)
+    assert completion.usage is not None and completion.usage.completion_tokens == 9
+    assert completion.choices[0].text
+    chunks = list(client.completions.create(model="specroute/twin", prompt="Once", max_tokens=7, stream=True))
+    assert "".join(c.choices[0].text for c in chunks if c.choices).strip()
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_async_chat_and_completions(proxy: RunningProxy) -> None:
+    async def scenario() -> None:
+        client = openai.AsyncOpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        chat = await client.chat.completions.create(model="specroute/twin", messages=MESSAGES, max_tokens=5)
+        assert chat.usage is not None and chat.usage.completion_tokens == 5
+        stream = await client.chat.completions.create(
+            model="specroute/twin", messages=MESSAGES, max_tokens=6, stream=True, stream_options={"include_usage": True}
+        )
+        usage = [chunk.usage async for chunk in stream if chunk.usage is not None]
+        assert usage and usage[-1].completion_tokens == 6
+        text = await client.completions.create(model="specroute/twin", prompt="Hi", max_tokens=4)
+        assert text.usage is not None and text.usage.completion_tokens == 4
+        streamed = await client.completions.create(model="specroute/twin", prompt="Hi", max_tokens=4, stream=True)
+        assert [c async for c in streamed]
+        await client.close()
+
+    asyncio.run(scenario())
+    wait_for(lambda: proxy.in_flight() == 0, what="in-flight counts back to zero")
+
+
+def test_request_id_passes_through_and_pool_override(proxy: RunningProxy, twin_pair) -> None:
+    spec, base = twin_pair
+    client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+    for pool, twin in (("base", base), ("spec", spec)):
+        raw = client.chat.completions.with_raw_response.create(
+            model="specroute/twin", messages=MESSAGES, max_tokens=2,
+            extra_headers={"x-request-id": f"req-{pool}-1", "x-specroute-pool": pool},
+        )
+        assert raw.headers["x-request-id"] == f"req-{pool}-1"
+        assert raw.headers["x-specroute-pool"] == pool
+        assert raw.headers["x-specroute-backend"] == twin.url
+        assert raw.headers["x-specroute-reason"] == "override"
+
+
+def test_models_health_ready(proxy: RunningProxy) -> None:
+    client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+    ids = [model.id for model in client.models.list()]
+    assert ids == ["specroute/twin"]  # both pools serve it: one entry
+    assert client.models.retrieve("specroute/twin").id == "specroute/twin"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    assert httpx.get(proxy.url + "/health").json() == {"status": "ok"}
+    ready = httpx.get(proxy.url + "/ready")
+    assert ready.status_code == 200 and ready.json()["ready"] is True
+
+
+def test_body_and_headers_reach_the_backend_unchanged() -> None:
+    body = (
+        b'{"model": "m", "messages": [{"role": "user", "content": "caf\\u00e9"}], "tools": [{"type": "function",'
+        b' "function": {"name": "f", "parameters": {"type": "object"}}}], "response_format": {"type": "json_object"},'
+        b' "logprobs": true, "top_logprobs": 2, "n": 2, "seed": 7, "stop": ["\\n\\n"], "x_unknown": {"deep": [1, 2.50]}}'
+    )
+    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
+        answer = httpx.post(
+            proxy.base_url + "/chat/completions", content=body,
+            headers={"content-type": "application/json", "authorization": "Bearer client-key", "x-custom": "1"},
+        )
+        assert answer.status_code == 200
+        sent = [r for r in upstream.requests if r.method == "POST"][-1]
+        assert sent.body == body  # byte for byte: key order, spacing, escapes, unknown fields
+        assert sent.path == "/v1/chat/completions"
+        assert sent.headers["authorization"] == "Bearer client-key"
+        assert sent.headers["x-custom"] == "1"
+        assert sent.headers["x-request-id"] == answer.headers["x-request-id"]
+
+
+def test_pool_api_key_replaces_the_client_key() -> None:
+    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec", spec_api_key="pool-secret") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="client-key", max_retries=0)
+        client.chat.completions.create(model="m", messages=MESSAGES)
+        sent = [r for r in upstream.requests if r.method == "POST"][-1]
+        assert sent.headers["authorization"] == "Bearer pool-secret"
