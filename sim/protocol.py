@@ -22,7 +22,7 @@ class StreamOptions(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[dict[str, Any]] | None = None
 
 
@@ -92,9 +92,18 @@ def parse_request(kind: Literal["chat", "completion"], body: Any) -> ChatComplet
         # SGLang turns FastAPI's 422 into a 400 whose message is the validation error text.
         raise TwinError(str(exc), err_type="Bad Request") from None
     unsupported_features(request)
+    check_sampling(request)
+    return request
+
+
+def check_sampling(request: ChatCompletionRequest | CompletionRequest) -> None:
+    """SGLang's SamplingParams.verify messages for the parameters the twin reads or echoes."""
     if request.max_new_tokens is not None and request.max_new_tokens < 0:
         raise TwinError(f"max_new_tokens must be at least 0, got {request.max_new_tokens}.")
-    return request
+    if request.temperature is not None and request.temperature < 0:
+        raise TwinError(f"temperature must be non-negative, got {request.temperature}.")
+    if request.top_p is not None and not 0 < request.top_p <= 1:
+        raise TwinError(f"top_p must be in (0, 1], got {request.top_p}.")
 
 
 def unsupported_features(request: ChatCompletionRequest | CompletionRequest) -> None:

@@ -395,6 +395,19 @@ class SseResponse:
             await self.chunks.aclose()  # type: ignore[attr-defined]
 
 
+def loads_as_prometheus(loads: list[dict[str, Any]]) -> str:
+    """/v1/loads?format=prometheus: flat gauges sglang_<field>{dp_rank="N"} (underscores, as SGLang)."""
+    lines = []
+    for load in loads:
+        label = f'{{dp_rank="{load["dp_rank"]}"}}'
+        flat = {k: v for k, v in load.items() if isinstance(v, (int, float)) and k not in ("dp_rank", "timestamp")}
+        for section in ("speculative",):
+            for k, v in load.get(section, {}).items():
+                flat[f"spec_{k}"] = v
+        lines += [f"sglang_{name}{label} {float(value)}" for name, value in flat.items()]
+    return "\n".join(lines) + "\n"
+
+
 def error_response(exc: TwinError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
@@ -436,7 +449,10 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
         return await twin.health_generate()
 
     async def loads(request: HttpRequest) -> Response:
-        return JSONResponse(twin.loads(request.query_params.get("include", "all")))
+        answer = twin.loads(request.query_params.get("include", "all"))
+        if request.query_params.get("format") == "prometheus":
+            return Response(loads_as_prometheus(answer["loads"]), media_type="text/plain; version=0.0.4")
+        return JSONResponse(answer)
 
     async def server_info(request: HttpRequest) -> Response:
         return JSONResponse(twin.server_info())

@@ -336,3 +336,20 @@ def test_a_non_streaming_client_that_leaves_frees_its_slot():
         wait_for(lambda: metric(t, "sglang:num_aborted_requests_total") == 1, "the abort")
         wait_for(lambda: loads(t)["num_running_reqs"] == 0, "the slot freed")
         assert json.loads(httpx.get(t.url + "/v1/loads").text)["loads"][0]["num_waiting_reqs"] == 0
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature must be non-negative"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p must be in (0, 1]"),
+])
+def test_sampling_and_message_validation(spec, body, fragment):
+    r = httpx.post(spec.url + "/v1/chat/completions", json=body, timeout=10)
+    assert r.status_code == 400 and fragment in r.json()["message"]
+
+
+def test_loads_in_prometheus_format(spec):
+    chat(spec, max_tokens=3)
+    text = httpx.get(spec.url + "/v1/loads", params={"format": "prometheus"}).text
+    assert 'sglang_max_running_requests{dp_rank="0"} 48.0' in text
+    assert re.search(r'^sglang_spec_accept_length\{dp_rank="0"\} \d', text, re.M)
