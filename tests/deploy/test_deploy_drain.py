@@ -1,0 +1,128 @@
+"""Graceful shutdown, as Kubernetes and `docker stop` use it: SIGTERM, then the drain timeout.
+
+On SIGTERM the proxy turns not-ready at once (its readiness probe fails: 503, or the connection
+is refused once the listener closed) and takes no new connection, while a running stream goes on
+to its last token; a stream longer than SPECROUTE_DRAIN_TIMEOUT_S is cut when the drain ends and
+its upstream request is cancelled, so the process still exits within the timeout.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+
+from deploy_tools import PROXY_READY, Service, poll, stopped_cleanly
+from sim.testing import RunningTwin, twin
+
+TOKENS = 60
+
+
+@pytest.fixture(scope="module")
+def slow_twin() -> Iterator[RunningTwin]:
+    # A tenth of real speed: a 60-token stream lasts a few seconds, long enough to stop a proxy
+    # in the middle of it even on a loaded CPU.
+    with twin("spec", time_scale=0.1, seed=3) as running:
+        yield running
+
+
+def start_proxy(upstream: str, drain_s: float, workdir: Path) -> Service:
+    service = {
+        "command": ["specroute", "serve"],
+        "environment": {
+            "SPECROUTE_HOST": "127.0.0.1",
+            "SPECROUTE_PORT": "0",
+            "SPECROUTE_SPEC_URLS": upstream,
+            "SPECROUTE_POLICY": "spec",
+            "SPECROUTE_DRAIN_TIMEOUT_S": str(drain_s),
+        },
+    }
+    proxy = Service.start("specroute", service, workdir, PROXY_READY)
+    poll(lambda: ready_status(proxy) == 200, 30, "the proxy to be ready")
+    return proxy
+
+
+def ready_status(proxy: Service) -> int | None:
+    """GET /ready on a new connection: its status, or None when no connection is accepted."""
+    try:
+        return httpx.get(proxy.url + "/ready", timeout=2).status_code
+    except httpx.TransportError:
+        return None
+
+
+class Stream(threading.Thread):
+    """One streamed completion read to its end with the OpenAI SDK, in a thread."""
+
+    def __init__(self, proxy: Service) -> None:
+        super().__init__(daemon=True)
+        self.client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.first_chunk = threading.Event()
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            stream = self.client.chat.completions.create(
+                model="any",
+                messages=[{"role": "user", "content": "Tell me a long story."}],
+                max_tokens=TOKENS,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for chunk in stream:
+                self.first_chunk.set()
+                for choice in chunk.choices:
+                    self.text += choice.delta.content or ""
+                    self.finish_reason = choice.finish_reason or self.finish_reason
+        except Exception as exc:  # kept for the assertions: a cut stream must not look complete
+            self.error = exc
+        finally:
+            self.first_chunk.set()
+
+
+def test_sigterm_drains_a_running_stream_to_completion(slow_twin: RunningTwin, tmp_path: Path) -> None:
+    proxy = start_proxy(slow_twin.url, drain_s=30, workdir=tmp_path)
+    try:
+        stream = Stream(proxy)
+        stream.start()
+        assert stream.first_chunk.wait(30) and stream.error is None
+        proxy.process.send_signal(signal.SIGTERM)
+        # Not ready at once; then the listener closes (uvicorn checks for the signal every
+        # 0.1 s) while the stream still runs.
+        poll(lambda: ready_status(proxy) != 200, 2, "/ready to turn false after SIGTERM")
+        poll(lambda: ready_status(proxy) is None, 5, "the proxy to stop accepting connections")
+        assert stream.is_alive(), "the stream ended before the check: slow the twin down"
+        stream.join(60)
+        assert stream.error is None and stream.finish_reason == "length"
+        assert proxy.process.wait(30) is not None
+        assert stopped_cleanly(proxy.process.returncode, proxy.log()), proxy.log()
+    finally:
+        proxy.stop()
+
+
+def test_a_stream_longer_than_the_drain_is_cut_and_freed(slow_twin: RunningTwin, tmp_path: Path) -> None:
+    proxy = start_proxy(slow_twin.url, drain_s=0.5, workdir=tmp_path)
+    try:
+        stream = Stream(proxy)
+        stream.start()
+        assert stream.first_chunk.wait(30) and stream.error is None
+        stopped_at = time.monotonic()
+        proxy.process.send_signal(signal.SIGTERM)
+        proxy.process.wait(15)  # 0.5 s of drain, then cancellation and exit
+        exited_after = time.monotonic() - stopped_at
+        stream.join(30)
+        assert not stream.is_alive()
+        assert stream.finish_reason != "length", "a cut stream must not end like a complete one"
+        assert exited_after < 10, exited_after
+        # The cancelled request left the twin: its GPU slot is free again.
+        poll(lambda: httpx.get(slow_twin.url + "/v1/loads", timeout=2).json()["loads"][0]["num_running_reqs"] == 0,
+             10, "the twin to drop the cancelled request")
+    finally:
+        proxy.stop()
