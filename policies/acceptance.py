@@ -103,9 +103,11 @@ class CounterDelta:
 class AcceptanceEstimator:
     """One speculative pool's accept length: counter deltas and per-request evidence, smoothed.
 
-    Sources, strongest first: the server's token/verify counters (each poll adds the steps since
-    the last one), the proxy's own streams (tokens per verify step of each finished request), and
-    the server's own accept-length gauge when nothing else exists (a weak prior: weight 1).
+    Sources: the server's recent-interval accept-length gauge (the freshest: it covers the last
+    decode-log interval); else its token/verify counters (each poll adds the steps since the
+    last one; they count finished requests, so they lag by a request's duration); and the
+    proxy's own streams (tokens per verify step of each finished request, discounted by its
+    age). Each weighs by the verify steps it covers.
     """
 
     def __init__(self, num_draft_tokens: int, half_life_s: float = 2.0, prior_accept_length: float | None = None):
@@ -119,17 +121,22 @@ class AcceptanceEstimator:
         if d_verify > 0 and d_tokens > 0:
             self._mean.observe(now, d_tokens / d_verify, d_verify)
 
-    def observe_request(self, now: float, completion_tokens: int, verify_steps: int) -> None:
-        """One finished request: its tokens and verify steps (from spec details or chunk count)."""
+    def observe_request(self, now: float, completion_tokens: int, verify_steps: int, age_s: float = 0.0) -> None:
+        """One finished request: its tokens and verify steps (from spec details or chunk count).
+        `age_s`: how long ago, on average, its steps ran (half its decode time): the evidence is
+        discounted by that age, as if it had been observed then."""
         if verify_steps > 0 and completion_tokens > 0:
             # The first token comes from prefill, not a verify step (SGLang's per-request figure
             # is biased up by it); drop it when there is more than one.
             tokens = completion_tokens - 1 if completion_tokens > verify_steps else completion_tokens
-            self._mean.observe(now, tokens / verify_steps, verify_steps)
+            weight = verify_steps * math.pow(0.5, max(age_s, 0.0) / self._mean.half_life_s)
+            self._mean.observe(now, tokens / verify_steps, weight)
 
-    def observe_gauge(self, now: float, accept_length: float) -> None:
+    def observe_gauge(self, now: float, accept_length: float, steps: float = 1.0) -> None:
+        """The server's recent-interval gauge (sglang:spec_accept_length: the last decode-log
+        interval, 40 iterations by default), covering about `steps` request-verify steps."""
         if accept_length >= 1.0:
-            self._mean.observe(now, accept_length, 1.0)
+            self._mean.observe(now, accept_length, max(steps, 1.0))
 
     def accept_length(self) -> float | None:
         return self._mean.value()

@@ -15,9 +15,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from policies.acceptance import AcceptanceEstimator, CounterDelta
 from policies.types import InstanceState, PoolName, PoolState, Snapshot, StepCost
+
+if TYPE_CHECKING:
+    from policies.costmodel import StepCostModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +34,9 @@ class Reading:
     waiting: float
     max_running: int | None = None
     accept_length: float | None = None
-    """The server's own accept-length gauge, if it reports one."""
+    """The server's recent-interval accept-length gauge (sglang:spec_accept_length), if read."""
+    accept_steps: float = 1.0
+    """About how many request-verify steps that gauge covers (interval iterations x batch)."""
     tokens_total: float | None = None
     verify_total: float | None = None
     """Monotonic counters (generation tokens, spec verify calls), if the server exports them."""
@@ -48,15 +54,30 @@ class InstanceSignals:
     events: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=65536))
     """(time, +1 dispatch / -1 completion) since the current reading."""
     counters: CounterDelta = field(default_factory=CounterDelta)
+    last_gauge: float | None = None
     polled: bool = True
     """False when the server answers no load endpoint: its load is our own in-flight count."""
 
-    def adjusted_load(self) -> float:
+    def adjusted(self) -> tuple[float, float]:
+        """(running, waiting): the reading, less completions since it and plus dispatches since
+        it. A request sent after the reading is counted as waiting (queued for prefill) and a
+        completion frees a running slot; SGLang moves waiting requests in at its next prefill."""
         if self.reading is None or not self.polled:
-            return float(self.local_in_flight)
+            running = float(min(self.local_in_flight, self.max_running))
+            return running, self.local_in_flight - running
         since = self.reading.at
-        delta = sum(sign for at, sign in self.events if at >= since)
-        return max(self.reading.running + self.reading.waiting + delta, 0.0)
+        sent = sum(1 for at, sign in self.events if at >= since and sign > 0)
+        done = sum(1 for at, sign in self.events if at >= since and sign < 0)
+        running = self.reading.running - done
+        waiting = self.reading.waiting + sent
+        if running < 0:  # more completions than the reading had running: they came from the queue
+            waiting += running
+            running = 0.0
+        return running, max(waiting, 0.0)
+
+    def adjusted_load(self) -> float:
+        running, waiting = self.adjusted()
+        return running + waiting
 
     def age(self, now: float) -> float:
         if not self.polled:
@@ -106,12 +127,17 @@ class FleetState:
             signals.events.popleft()
         if signals.pool != "spec":
             return
+        delta = None
         if reading.tokens_total is not None and reading.verify_total is not None:
             delta = signals.counters.add(reading.tokens_total, reading.verify_total)
-            if delta is not None:
-                self.acceptance.observe_counters(reading.at, *delta)
-        elif reading.accept_length is not None:
-            self.acceptance.observe_gauge(reading.at, reading.accept_length)
+        if reading.accept_length is not None:
+            # The gauge is fresher than the counters (which lag by a request's duration), and is
+            # refreshed once per decode-log interval: a value seen before adds nothing.
+            if reading.accept_length != signals.last_gauge:
+                signals.last_gauge = reading.accept_length
+                self.acceptance.observe_gauge(reading.at, reading.accept_length, reading.accept_steps)
+        elif delta is not None:
+            self.acceptance.observe_counters(reading.at, *delta)
 
     def on_unpolled(self, url: str) -> None:
         """The server has no load endpoint: fall back to our own in-flight count for it."""
@@ -129,9 +155,10 @@ class FleetState:
         if signals.polled:
             signals.events.append((now, -1))
 
-    def on_request_evidence(self, now: float, completion_tokens: int, verify_steps: int) -> None:
-        """A finished spec request's own tokens and verify steps (stream chunks or spec details)."""
-        self.acceptance.observe_request(now, completion_tokens, verify_steps)
+    def on_request_evidence(self, now: float, completion_tokens: int, verify_steps: int, age_s: float = 0.0) -> None:
+        """A finished spec request's own tokens and verify steps (stream chunks or spec details);
+        `age_s` is half its decode time (its evidence is that old on average)."""
+        self.acceptance.observe_request(now, completion_tokens, verify_steps, age_s)
 
     def set_health(self, url: str, healthy: bool) -> None:
         self.instances[url].healthy = healthy
@@ -158,13 +185,43 @@ class FleetState:
         return Snapshot(pools=pools, cost=cost)
 
     def _instance_state(self, signals: InstanceSignals, now: float) -> InstanceState:
-        load = signals.adjusted_load()
-        running = min(load, float(signals.max_running))
+        running, waiting = signals.adjusted()
         return InstanceState(
             url=signals.url,
             running=running,
-            waiting=load - running,
+            waiting=waiting,
             max_running=signals.max_running,
             healthy=signals.healthy,
             age_s=signals.age(now),
         )
+
+
+def learn_from_response(
+    fleet: FleetState,
+    cost: "StepCostModel",
+    url: str,
+    now: float,
+    *,
+    tokens: int,
+    chunks: int,
+    step_ms: float | None = None,
+    verify_steps: int | None = None,
+    decode_s: float = 0.0,
+) -> None:
+    """What one finished response teaches. `step_ms`: its typical (median) inter-chunk gap, one
+    engine decode step at about the instance's present batch (SGLang and the twin send one chunk
+    per step; the median leaves out the gaps that other requests' prefills stretched). On a
+    spec instance its tokens per verify step are acceptance evidence (`verify_steps` from
+    SGLang's spec details when the server sent them, else one verify step per chunk after the
+    first), as old as half its `decode_s`. Call it before the completion is counted
+    (on_complete): the batch includes the request."""
+    signals = fleet.instances[url]
+    if step_ms is not None and step_ms > 0:
+        batch = min(max(signals.adjusted_load(), 1.0), float(signals.max_running))
+        cost.observe(signals.pool, batch, step_ms)
+    if signals.pool != "spec":
+        return
+    if verify_steps:
+        fleet.on_request_evidence(now, tokens, verify_steps, decode_s / 2)
+    elif chunks >= 2 and tokens > chunks:
+        fleet.on_request_evidence(now, tokens, chunks - 1, decode_s / 2)

@@ -2,9 +2,10 @@
 
 For each pool, on the instance the request would join:
   wait    = requests over the cap ahead of it x (a typical request's time / cap), 0 below the cap
-  prefill = the cost model's prefill time for the prompt
+  prefill = the cost model's prefill time for the waiting prompts and this one (FCFS, chunked)
   decode  = output tokens / tau(alpha, k) x step(B + 1, k + 1) on spec, tokens x step(B + 1, 1) on base
-  others  = what joining costs the B requests already decoding there (each step gets longer),
+  others  = what joining costs the B requests already decoding there (our prefill stalls them,
+            and each of their steps gets longer),
             weighted by `externality` (1 = count their time like ours, 0 = ignore it)
 and picks the smaller sum. Counting the others' slowdown is what keeps the fleet near the best
 mean latency instead of each request grabbing the faster pool until it is no longer faster.
@@ -19,6 +20,7 @@ A stale spec reading (older than SPECROUTE_STALE_MS) is not trusted: the request
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from policies.acceptance import accept_length
@@ -56,11 +58,13 @@ class Goodput:
         default_alpha: float = 0.5,
         externality: float = 1.0,
         margin: float = 0.0,
+        prefill_chunk_tokens: int = 8192,
     ):
         self.default_output_tokens = default_output_tokens
         self.default_alpha = default_alpha
         self.externality = externality
         self.margin = margin
+        self.prefill_chunk_tokens = prefill_chunk_tokens
 
     def output_tokens(self, features: Features) -> int:
         """The output length to plan for: max_tokens when the request runs to it, else capped."""
@@ -83,19 +87,28 @@ class Goodput:
         n_out = self.output_tokens(features)
         cap = max(instance.max_running, 1)
         load = max(instance.load, 0.0)
+        waiting = max(instance.waiting, 0.0)
         batch = int(min(load + 1, cap))
         step_ms = cost.decode_step_ms(pool.name, batch, width)
         decode_ms = max(n_out - 1, 0) / tau * step_ms
-        prefill_ms = cost.prefill_ms(pool.name, features.prompt_tokens)
+        prompt = max(features.prompt_tokens, 1)
+        # SGLang prefills the queue first come, first served, before any decode step: the first
+        # token comes after every waiting prompt (assumed as long as this one) and this one,
+        # prefilled in chunks of `prefill_chunk_tokens`.
+        queued = (waiting + 1) * prompt
+        chunks = math.ceil(queued / self.prefill_chunk_tokens)
+        prefill_ms = chunks * cost.prefill_ms(pool.name, math.ceil(queued / chunks))
+        own_prefill_ms = cost.prefill_ms(pool.name, prompt)
         # Past the cap, a slot frees every (typical request time / cap): the queue drains at that rate.
         over = load + 1 - cap
-        wait_ms = over * (decode_ms + prefill_ms) / cap if over > 0 else 0.0
+        wait_ms = over * (decode_ms + own_prefill_ms) / cap if over > 0 else 0.0
         others_ms = 0.0
-        running = min(load, cap - 1)
+        running = min(max(instance.running, 0.0), cap - 1)
         if running >= 1 and over <= 0:
-            # Each of the running requests has on average half its output left to decode.
-            slower = step_ms - cost.decode_step_ms(pool.name, int(running), width)
-            others_ms = running * max(slower, 0.0) * (n_out / 2) / tau
+            # Joining costs the running requests our prefill (decode stalls while it runs) and a
+            # longer step for the rest of their decode (on average half their output is left).
+            slower = step_ms - cost.decode_step_ms(pool.name, max(int(load), 1), width)
+            others_ms = running * (own_prefill_ms + max(slower, 0.0) * (n_out / 2) / tau)
         return Prediction(
             wait_s=wait_ms / 1000,
             prefill_s=prefill_ms / 1000,
@@ -161,5 +174,6 @@ def goodput(
     default_alpha: float = 0.5,
     externality: float = 1.0,
     margin: float = 0.0,
+    prefill_chunk_tokens: int = 8192,
 ) -> Goodput:
-    return Goodput(default_output_tokens, default_alpha, externality, margin)
+    return Goodput(default_output_tokens, default_alpha, externality, margin, prefill_chunk_tokens)

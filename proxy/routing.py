@@ -25,6 +25,8 @@ POOL_HEADER = "x-specroute-pool"
 CLASS_HEADER = "x-specroute-class"
 POOL_OVERRIDES = ("spec", "base", "auto")
 REQUEST_CLASSES = ("latency", "batch")
+MAX_GAPS = 4096
+"""Inter-chunk gaps kept per attempt for the cost model (their median is one engine step)."""
 
 
 class RoutingInputError(ValueError):
@@ -69,7 +71,7 @@ def read_overrides(headers: Mapping[str, str]) -> tuple[PoolName | None, str | N
 class Attempt:
     """One upstream attempt's hold on an instance. `finished`/`failed` release it exactly once."""
 
-    __slots__ = ("fleet", "instance", "started", "tokens", "open", "signals", "chunks", "first_at", "last_at", "spec_details")
+    __slots__ = ("fleet", "instance", "started", "tokens", "open", "signals", "chunks", "last_at", "gaps", "spec_details")
 
     def __init__(self, fleet: FleetState, instance: Instance, signals: Signals | None = None) -> None:
         self.fleet = fleet
@@ -80,8 +82,8 @@ class Attempt:
         # Stream evidence for the cost model and the acceptance estimate (proxy/signals.py).
         self.signals = signals
         self.chunks = 0
-        self.first_at = 0.0
         self.last_at = 0.0
+        self.gaps: list[float] = []
         self.spec_details: Mapping[str, Any] | None = None
         """Set by the relay when the upstream sent sglext.spec_tokens_details."""
         instance.dispatched_total += 1
@@ -94,17 +96,17 @@ class Attempt:
 
     def chunk(self, tokens: int) -> None:
         self.tokens += tokens
-        if tokens > 0:
+        if tokens > 0 and self.signals is not None:
             now = time.monotonic()
-            if not self.chunks:
-                self.first_at = now
+            if self.chunks and len(self.gaps) < MAX_GAPS:
+                self.gaps.append(now - self.last_at)
             self.last_at = now
             self.chunks += 1
 
     def finished(self) -> None:
         if self.open and self.signals is not None:
-            self.signals.observe(self.instance, chunks=self.chunks, tokens=self.tokens,
-                                 decode_s=self.last_at - self.first_at, spec_details=self.spec_details)
+            self.signals.observe(self.instance, chunks=self.chunks, tokens=self.tokens, gaps_s=self.gaps,
+                                 spec_details=self.spec_details)
         self._release()
 
     def failed(self, error: str) -> None:

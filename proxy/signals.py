@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import statistics
 import time
 from collections import deque
 from typing import Any, Callable, Mapping
@@ -23,7 +24,7 @@ from typing import Any, Callable, Mapping
 import httpx
 
 from policies.costmodel import Seed, StepCostModel, seed_from_profile
-from policies.fleet import FleetState, Reading
+from policies.fleet import FleetState, Reading, learn_from_response
 from policies.types import Decision, Features, PoolName, Snapshot
 from proxy.pools import Instance, Pool
 from proxy.settings import Settings
@@ -33,6 +34,8 @@ log = logging.getLogger("specroute.signals")
 LOAD_PROBES = ("/v1/loads", "/metrics", "/get_load")
 METRICS_EVERY = 5
 """On a spec instance polled through /v1/loads, read /metrics' counters every this many polls."""
+GAUGE_INTERVAL_STEPS = 40
+"""Decode iterations behind sglang:spec_accept_length (SGLang's --decode-log-interval default)."""
 
 
 def parse_prometheus(text: str, wanted: frozenset[str]) -> dict[str, float]:
@@ -69,14 +72,12 @@ def reading_from_loads(doc: Mapping[str, Any], at: float) -> Reading:
     loads = [entry for entry in doc.get("loads", []) if isinstance(entry, Mapping)]
     if not loads:
         raise ValueError("no loads in /v1/loads answer")
-    accept = [e["speculative"]["accept_length"] for e in loads
-              if isinstance(e.get("speculative"), Mapping) and e["speculative"].get("accept_length")]
+    # Its speculative.accept_length is cumulative since start: too slow for routing, not used.
     return Reading(
         at=at,
         running=float(sum(e.get("num_running_reqs", 0) for e in loads)),
         waiting=float(sum(e.get("num_waiting_reqs", 0) for e in loads)),
         max_running=int(sum(e.get("max_running_requests", 0) for e in loads)) or None,
-        accept_length=float(sum(accept) / len(accept)) if accept else None,
     )
 
 
@@ -92,6 +93,7 @@ def reading_from_metrics(text: str, at: float) -> Reading:
         at=at, running=running, waiting=waiting,
         max_running=int(m["sglang:max_running_requests"]) if m.get("sglang:max_running_requests") else None,
         accept_length=m.get("sglang:spec_accept_length") or None,
+        accept_steps=GAUGE_INTERVAL_STEPS * max(running, 1.0),
         tokens_total=m.get("sglang:generation_tokens_total"),
         verify_total=m.get("sglang:spec_verify_calls_total"),
     )
@@ -254,33 +256,25 @@ class Signals:
         m = parse_prometheus(response.text, METRIC_NAMES)
         if "sglang:spec_verify_calls_total" not in m:
             return reading
+        gauge = m.get("sglang:spec_accept_length") or None
         return Reading(
-            at=reading.at, running=reading.running, waiting=reading.waiting,
-            max_running=reading.max_running, accept_length=reading.accept_length,
+            at=reading.at, running=reading.running, waiting=reading.waiting, max_running=reading.max_running,
+            accept_length=gauge, accept_steps=GAUGE_INTERVAL_STEPS * max(reading.running, 1.0),
             tokens_total=m.get("sglang:generation_tokens_total"),
             verify_total=m["sglang:spec_verify_calls_total"],
         )
 
     # -- evidence from the request path ---------------------------------------------------------
 
-    def observe(self, instance: Instance, *, chunks: int, tokens: int, decode_s: float,
+    def observe(self, instance: Instance, *, chunks: int, tokens: int, gaps_s: list[float],
                 spec_details: Mapping[str, Any] | None = None) -> None:
-        """A finished response from `instance`: `chunks` and `tokens` streamed, `decode_s` from
-        its first chunk to its last (SGLang and the twin send one chunk per engine step)."""
-        now = self.clock()
-        if chunks >= 2 and decode_s > 0:
-            # The mean inter-chunk gap is one engine step at about the instance's present load
-            # (other requests' prefills included, as a stream experiences them).
-            batch = max(instance.signals.adjusted_load(), 1.0)
-            self.cost.observe(instance.pool, batch, decode_s * 1000 / (chunks - 1))
-        if instance.pool != "spec":
-            return
-        if spec_details and spec_details.get("spec_verify_ct"):
-            verify = int(spec_details["spec_verify_ct"])
-            accepted = float(spec_details.get("spec_accept_length") or 0) * verify
-            self.fleet.on_request_evidence(now, int(round(accepted)), verify)
-        elif chunks >= 2 and tokens > chunks:
-            self.fleet.on_request_evidence(now, tokens, chunks - 1)
+        """A finished response from `instance`: `chunks` and `tokens` streamed, `gaps_s` the
+        gaps between its chunks; `spec_details` is SGLang's sglext.spec_tokens_details."""
+        verify = spec_details.get("spec_verify_ct") if spec_details else None
+        step_ms = 1000 * statistics.median(gaps_s) if gaps_s else None
+        learn_from_response(self.fleet, self.cost, instance.url, self.clock(), tokens=tokens, chunks=chunks,
+                            step_ms=step_ms, verify_steps=int(verify) if isinstance(verify, (int, float)) else None,
+                            decode_s=sum(gaps_s))
 
     # -- what the router and the state endpoint read -------------------------------------------
 

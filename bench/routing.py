@@ -1,0 +1,401 @@
+"""The routing evaluation on the twin's virtual clock: `python -m bench.routing [--quick]`.
+
+Regenerates the results section of docs/routing.md (between its results markers) and the
+docs/routing-*.png plots. Every run drives the very policy objects the proxy serves
+(policies.registry) through the shared snapshot builder (bench/routing_sim.py). --quick runs
+one fleet and a few load levels (for a smoke test); the full run takes a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from bench.routing_sim import Setup, Slo, Workload, closed_loop, effective_alpha, make_policy, run, with_alpha
+from sim.lengths import read_trace
+from sim.profile import load_profile, tokens_per_verify_step
+from sim.virtual import AlphaChange, Arrival
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "routing.md"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+POLICIES = ("spec", "base", "round-robin", "threshold", "goodput")
+SPLITS = tuple(f"split-{f / 10:.1f}" for f in range(1, 10))
+LOADS = (0.1, 0.3, 0.5, 0.7, 0.9, 1.1)
+CONCURRENCY = (1, 4, 16, 64, 128, 256)
+H200_SLO = Slo(ttft_s=1.0, tpot_s=0.050)
+KIMI_SLO = Slo(ttft_s=2.0, tpot_s=0.100)
+SETUPS = {
+    "h200-llama8b a=0.45": Setup("h200-llama8b", 0.45, H200_SLO),
+    "h200-llama8b a=0.60": Setup("h200-llama8b", 0.60, H200_SLO),
+    "h200-llama8b a=0.75": Setup("h200-llama8b", 0.75, H200_SLO),
+    "kimi-linear a=0.64": Setup("kimi-linear", 0.64, KIMI_SLO),
+    "kimi-moe a=0.64": Setup("kimi-moe", 0.64, KIMI_SLO),
+}
+POISSON_REQUESTS = 600
+TRACE_REQUESTS = 1500
+TRACE_LOAD = {"azure-conv": 0.7, "azure-code": 0.3}
+DROP = (0.7, 0.3)
+DROP_AT_S, DROP_END_S, DROP_LOAD = 40.0, 90.0, 0.5
+
+
+def lengths(trace: str = "azure-conv", n: int = 5000, seed: int = 7) -> list[tuple[int, int]]:
+    rows = read_trace(trace)
+    rng = random.Random(seed)
+    return [(r.context_tokens, max(r.generated_tokens, 1)) for r in rng.sample(rows, min(n, len(rows)))]
+
+
+def capacity_rps(setup: Setup, sample: Sequence[tuple[int, int]]) -> float:
+    """The fleet's capacity: the request rate each server sustains at its running cap, summed.
+
+    Per server: 1 / (prefill time per request, prompts batched up to the 8192-token chunk, +
+    mean output x step(cap) / (cap x tau)), from the profile at the sample's mean lengths.
+    """
+    prof = load_profile(setup.profile)
+    prompt = statistics.fmean(p for p, _ in sample)
+    output = statistics.fmean(o for _, o in sample)
+    context = prompt + output / 2
+    chunk = 8192
+    total = 0.0
+    for spec, cap in ((True, setup.spec_max_running), (False, setup.base_max_running)):
+        prefill_ms = prof.prefill_ms(chunk, speculative=spec) * prompt / chunk
+        if spec:
+            step = prof.spec_step_ms(cap, setup.num_steps, context)
+            tau = tokens_per_verify_step(setup.alpha, setup.num_steps)
+        else:
+            step, tau = prof.base_step_ms(cap, context), 1.0
+        total += 1000.0 / (prefill_ms + output * step / (cap * tau))
+    return total
+
+
+def poisson(rate: float, n: int, sample: Sequence[tuple[int, int]], seed: int) -> list[Arrival]:
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        prompt, output = sample[(i * 7 + seed) % len(sample)]
+        out.append(Arrival(time=t, prompt_tokens=prompt, output_tokens=output))
+    return out
+
+
+def trace_window(name: str, n: int) -> tuple[list[float], list[tuple[int, int]]]:
+    rows = read_trace(name)[:n]
+    times = [dt.datetime.fromisoformat(r.timestamp[:26]).timestamp() for r in rows]
+    t0 = times[0]
+    return [t - t0 for t in times], [(r.context_tokens, max(r.generated_tokens, 1)) for r in rows]
+
+
+@dataclass(frozen=True)
+class Job:
+    setup_name: str
+    kind: str
+    """poisson | closed | trace | drop"""
+    level: float
+    policy: str
+    trace: str = "azure-conv"
+
+
+def workload_of(job: Job) -> tuple[Setup, Workload]:
+    setup = SETUPS[job.setup_name]
+    if job.kind == "closed":
+        clients = int(job.level)
+        return setup, closed_loop(clients, max(300, 3 * clients), lengths(seed=clients))
+    if job.kind == "trace":
+        times, sample = trace_window(job.trace, TRACE_REQUESTS)
+        rate = len(times) / max(times[-1], 1e-9)
+        scale = rate / (job.level * capacity_rps(setup, sample))  # compress time to the target load
+        arrivals = [Arrival(time=t * scale, prompt_tokens=p, output_tokens=o) for t, (p, o) in zip(times, sample)]
+        return setup, Workload(arrivals, warmup_s=arrivals[len(arrivals) // 20].time)
+    sample = lengths()
+    rate = job.level * capacity_rps(setup, sample)
+    if job.kind == "drop":
+        start = Setup(setup.profile, DROP[0], setup.slo)
+        arrivals = poisson(rate, int(rate * DROP_END_S), sample, seed=11)
+        return start, Workload(arrivals, warmup_s=10.0, alpha_changes=(AlphaChange(DROP_AT_S, 0, DROP[1]),))
+    arrivals = poisson(rate, POISSON_REQUESTS, sample, seed=int(job.level * 100))
+    return setup, Workload(arrivals, warmup_s=arrivals[POISSON_REQUESTS // 10].time)
+
+
+def execute(job: Job) -> dict[str, Any]:
+    setup, workload = workload_of(job)
+    drop = job.kind == "drop"
+    result = run(setup, workload, job.policy, keep_snapshots=drop)
+    out: dict[str, Any] = {"job": job, "summary": result.summary()}
+    if drop:
+        # What the same policy decides on the same snapshots when told the acceptance the engine
+        # really delivered in each phase: routing has settled once it decides the same.
+        before = effective_alpha([r for r in result.records if r.finish_time < DROP_AT_S], setup.num_steps)
+        after = effective_alpha([r for r in result.records if r.arrival >= DROP_AT_S], setup.num_steps)
+        shadow = make_policy(job.policy)
+        out["decisions"] = []
+        for (t, pool, _, alpha), (features, snapshot) in zip(result.decisions, result.snapshots):
+            told = shadow.decide(features, with_alpha(snapshot, before if t < DROP_AT_S else after))
+            # A request the told policy finds close to a tie (predicted costs within 5 %) may go
+            # either way: it does not count as a routing disagreement.
+            costs = [told.scores.get("cost_spec_s"), told.scores.get("cost_base_s")]
+            tie = None not in costs and abs(costs[0] - costs[1]) <= 0.05 * min(costs)
+            out["decisions"].append((t, pool, pool if tie else told.pool, alpha))
+        out["alphas"] = (before, after)
+    return out
+
+
+def jobs_for(quick: bool) -> list[Job]:
+    setups = ["h200-llama8b a=0.60"] if quick else list(SETUPS)
+    loads = (0.3, 0.9) if quick else LOADS
+    conc = (4, 128) if quick else CONCURRENCY
+    everyone = POLICIES + SPLITS
+    jobs = [Job(s, "poisson", load, p) for s in setups for load in loads for p in everyone]
+    jobs += [Job(s, "closed", n, p) for s in setups for n in conc for p in everyone]
+    trace_setups = setups if quick else ["h200-llama8b a=0.60", "kimi-linear a=0.64"]
+    for s in trace_setups:
+        for trace in ("azure-conv", "azure-code"):
+            jobs += [Job(s, "trace", TRACE_LOAD[trace], p, trace) for p in everyone]
+    drop_setups = setups if quick else ["h200-llama8b a=0.60", "kimi-linear a=0.64"]
+    jobs += [Job(s, "drop", DROP_LOAD, p) for s in drop_setups for p in ("spec", "base", "goodput")]
+    return jobs
+
+
+# -- analysis ------------------------------------------------------------------------------------
+
+
+def group(results: list[dict[str, Any]]) -> dict[tuple[str, str, float, str], dict[str, dict[str, float]]]:
+    """(setup, kind, level, trace) -> policy -> summary."""
+    table: dict[tuple[str, str, float, str], dict[str, dict[str, float]]] = {}
+    for r in results:
+        job: Job = r["job"]
+        table.setdefault((job.setup_name, job.kind, job.level, job.trace if job.kind == "trace" else ""), {})[job.policy] = r["summary"]
+    return table
+
+
+def oracle(runs: dict[str, dict[str, float]]) -> tuple[str, dict[str, float]]:
+    """Best fixed split (0 = all base, 1 = all spec) by SLO goodput, then mean latency."""
+    candidates = {"split-0.0": runs["base"], "split-1.0": runs["spec"], **{s: runs[s] for s in SPLITS if s in runs}}
+    name = max(candidates, key=lambda k: (round(candidates[k]["slo_goodput_rps"], 6), -candidates[k]["mean_e2e_s"]))
+    return name, candidates[name]
+
+
+def settle_time(decisions: list[tuple[float, str, str, float | None]], window_s: float = 5.0,
+                agreement: float = 0.9) -> float | None:
+    """Seconds after the drop until every later `window_s` window has >= `agreement` of decisions
+    equal to those the same policy makes when told the alpha the engine delivered (near-ties
+    excepted, see execute)."""
+    after = [(t, pool == shadow) for t, pool, shadow, _ in decisions if t >= DROP_AT_S]
+    if not after:
+        return None
+    windows: dict[int, list[bool]] = {}
+    for t, same in after:
+        windows.setdefault(int((t - DROP_AT_S) // window_s), []).append(same)
+    bad = [w for w, v in windows.items() if sum(v) / len(v) < agreement]
+    return 0.0 if not bad else (max(bad) + 1) * window_s
+
+
+def analyse(results: list[dict[str, Any]]) -> dict[str, Any]:
+    table = group(results)
+    rows, misses = [], []
+    for key in sorted(table, key=lambda k: (k[0], k[1], k[3], k[2])):
+        setup, kind, level, trace = key
+        runs = table[key]
+        if kind == "drop" or "goodput" not in runs:
+            continue
+        best_name, best = oracle(runs)
+        g, s, b = runs["goodput"], runs["spec"], runs["base"]
+        static_mean = min(s["mean_e2e_s"], b["mean_e2e_s"])
+        static_p99 = min(s["p99_e2e_s"], b["p99_e2e_s"])
+        row = {
+            "setup": setup, "kind": kind, "level": level, "trace": trace, "runs": runs,
+            "oracle": best_name, "oracle_summary": best,
+            "mean_ratio": g["mean_e2e_s"] / static_mean, "p99_ratio": g["p99_e2e_s"] / static_p99,
+            "slo_ratio": (g["slo_goodput_rps"] / best["slo_goodput_rps"]) if best["slo_goodput_rps"] > 0 else math.inf,
+        }
+        rows.append(row)
+        label = f"{setup} {kind} {trace or level}"
+        if row["mean_ratio"] > 1.02:
+            misses.append(f"{label}: goodput mean E2E {row['mean_ratio']:.2f}x the better static policy (target <= 1.02x)")
+        if row["p99_ratio"] > 1.10:
+            misses.append(f"{label}: goodput p99 E2E {row['p99_ratio']:.2f}x the better static policy (target <= 1.10x)")
+        target = 1.15 if trace == "azure-code" else 1.0
+        if row["slo_ratio"] < target - 1e-9:
+            misses.append(f"{label}: SLO goodput {row['slo_ratio']:.2f}x the oracle split (target >= {target:.2f}x)")
+    saturation = []
+    for row in rows:
+        if row["kind"] == "closed" and row["level"] == max(CONCURRENCY) or row["kind"] == "poisson" and row["level"] == max(LOADS):
+            ratio = row["runs"]["goodput"]["throughput_tok_s"] / row["runs"]["base"]["throughput_tok_s"]
+            saturation.append((row["setup"], row["kind"], row["level"], ratio))
+            if ratio < 1.3:
+                misses.append(f"{row['setup']} {row['kind']} {row['level']}: throughput {ratio:.2f}x always-base (target >= 1.3x)")
+    drops = []
+    for key, runs in table.items():
+        if key[1] != "drop":
+            continue
+        decisions = next(r["decisions"] for r in results if r["job"].kind == "drop" and r["job"].setup_name == key[0]
+                         and r["job"].policy == "goodput")
+        settle = settle_time(decisions)
+        drops.append({"setup": key[0], "runs": runs, "settle_s": settle, "decisions": decisions})
+        if settle is None or settle > 10.0:
+            misses.append(f"{key[0]} acceptance drop: settled after {settle} s (target <= 10 s)")
+    return {"rows": rows, "saturation": saturation, "drops": drops, "misses": misses}
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def fmt(x: float, digits: int = 2) -> str:
+    return "inf" if math.isinf(x) else f"{x:.{digits}f}"
+
+
+def report(analysis: dict[str, Any], elapsed_s: float, quick: bool, plots: list[str]) -> str:
+    out = [f"Generated by `python -m bench.routing{' --quick' if quick else ''}` in {elapsed_s:.0f} s "
+           f"({dt.date.today().isoformat()}). Ratios are goodput / reference; **bold** marks a missed target.", ""]
+    misses = analysis["misses"]
+    out.append(f"### Targets: {'all met' if not misses else f'{len(misses)} missed'}")
+    out.append("")
+    out += [f"- {m}" for m in misses] or ["- every target below was met on every run"]
+    out.append("")
+    for kind, title, level_name in (("poisson", "Poisson arrivals (load = fraction of the fleet's capacity)", "load"),
+                                    ("closed", "Concurrency sweep (closed loop, N clients)", "N"),
+                                    ("trace", "Trace replays (time-compressed to the stated mean load)", "trace")):
+        rows = [r for r in analysis["rows"] if r["kind"] == kind]
+        if not rows:
+            continue
+        out += [f"### {title}", "",
+                f"| fleet | {level_name} | mean E2E s: spec / base / rr / thr / goodput | goodput mean / better static | "
+                "goodput p99 / better static | SLO goodput req/s: goodput (oracle split) | vs oracle | spec share | tok/s goodput / base |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            runs = r["runs"]
+            means = " / ".join(fmt(runs[p]["mean_e2e_s"]) for p in POLICIES)
+            mr, pr, sr = r["mean_ratio"], r["p99_ratio"], r["slo_ratio"]
+            target = 1.15 if r["trace"] == "azure-code" else 1.0
+            level = r["trace"] + f" @{r['level']:.0%}" if kind == "trace" else (f"{r['level']:.0%}" if kind == "poisson" else str(int(r["level"])))
+            g = runs["goodput"]
+            out.append(
+                f"| {r['setup']} | {level} | {means} | {'**' if mr > 1.02 else ''}{fmt(mr)}{'**' if mr > 1.02 else ''} | "
+                f"{'**' if pr > 1.10 else ''}{fmt(pr)}{'**' if pr > 1.10 else ''} | "
+                f"{fmt(g['slo_goodput_rps'], 1)} ({fmt(r['oracle_summary']['slo_goodput_rps'], 1)}, {r['oracle'].removeprefix('split-')}) | "
+                f"{'**' if sr < target else ''}{fmt(sr)}{'**' if sr < target else ''} | {g['spec_share']:.2f} | "
+                f"{g['throughput_tok_s']:.0f} / {runs['base']['throughput_tok_s']:.0f} |")
+        out.append("")
+    if analysis["saturation"]:
+        out += ["### Throughput at saturation", "", "| fleet | run | goodput tok/s / always-base tok/s |", "|---|---|---|"]
+        for setup, kind, level, ratio in analysis["saturation"]:
+            run_name = f"N={int(level)}" if kind == "closed" else f"Poisson {level:.0%}"
+            out.append(f"| {setup} | {run_name} | {'**' if ratio < 1.3 else ''}{ratio:.2f}{'**' if ratio < 1.3 else ''} |")
+        out.append("")
+    if analysis["drops"]:
+        out += [f"### Acceptance drop ({DROP[0]} -> {DROP[1]} at t={DROP_AT_S:.0f} s, Poisson at {DROP_LOAD:.0%} of capacity)", "",
+                "| fleet | settled after (s) | mean E2E s after the drop: spec / base / goodput | spec share before / after |",
+                "|---|---|---|---|"]
+        for d in analysis["drops"]:
+            before = [p == "spec" for t, p, _, _ in d["decisions"] if 10 <= t < DROP_AT_S]
+            after = [p == "spec" for t, p, _, _ in d["decisions"] if t >= DROP_AT_S + 10]
+            means = " / ".join(fmt(d["runs"][p]["mean_e2e_s"]) for p in ("spec", "base", "goodput"))
+            settle = d["settle_s"]
+            flag = settle is None or settle > 10
+            out.append(f"| {d['setup']} | {'**' if flag else ''}{settle}{'**' if flag else ''} | {means} | "
+                       f"{sum(before) / max(len(before), 1):.2f} / {sum(after) / max(len(after), 1):.2f} |")
+        out.append("")
+    out += [f"![{p}]({p})" for p in plots]
+    return "\n".join(out)
+
+
+def plot(analysis: dict[str, Any], folder: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    for kind, xlabel in (("poisson", "offered load (fraction of fleet capacity)"), ("closed", "concurrent clients")):
+        rows = [r for r in analysis["rows"] if r["kind"] == kind]
+        setups = sorted({r["setup"] for r in rows})
+        if not setups:
+            continue
+        fig, axes = plt.subplots(2, len(setups), figsize=(4 * len(setups), 7), squeeze=False)
+        for col, setup in enumerate(setups):
+            mine = sorted((r for r in rows if r["setup"] == setup), key=lambda r: r["level"])
+            xs = [r["level"] for r in mine]
+            for p in POLICIES:
+                axes[0][col].plot(xs, [r["runs"][p]["mean_e2e_s"] for r in mine], marker="o", label=p)
+                axes[1][col].plot(xs, [r["runs"][p]["slo_goodput_rps"] for r in mine], marker="o", label=p)
+            axes[1][col].plot(xs, [r["oracle_summary"]["slo_goodput_rps"] for r in mine], "k--", label="oracle split")
+            axes[0][col].set_title(setup, fontsize=9)
+            axes[0][col].set_yscale("log")
+            axes[0][col].set_ylabel("mean E2E latency (s)")
+            axes[1][col].set_ylabel("SLO goodput (req/s)")
+            axes[1][col].set_xlabel(xlabel)
+            if kind == "closed":
+                axes[0][col].set_xscale("log", base=2)
+                axes[1][col].set_xscale("log", base=2)
+        axes[1][0].legend(fontsize=7)
+        fig.tight_layout()
+        name = f"routing-{kind}.png"
+        fig.savefig(folder / name, dpi=80)
+        plt.close(fig)
+        names.append(name)
+    if analysis["drops"]:
+        fig, axes = plt.subplots(1, len(analysis["drops"]), figsize=(5 * len(analysis["drops"]), 3.5), squeeze=False)
+        for col, d in enumerate(analysis["drops"]):
+            ax = axes[0][col]
+            bins: dict[int, list[bool]] = {}
+            for t, pool, _, _ in d["decisions"]:
+                bins.setdefault(int(t), []).append(pool == "spec")
+            xs = sorted(bins)
+            ax.plot(xs, [sum(bins[x]) / len(bins[x]) for x in xs], label="share to spec (goodput)")
+            alphas = [(t, a) for t, _, _, a in d["decisions"] if a is not None]
+            ax.plot([t for t, _ in alphas], [a for _, a in alphas], label="alpha estimate")
+            ax.axvline(DROP_AT_S, color="k", linestyle=":")
+            ax.set_title(f"{d['setup']}: alpha {DROP[0]} -> {DROP[1]}", fontsize=9)
+            ax.set_xlabel("simulated time (s)")
+            ax.set_ylim(0, 1)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(folder / "routing-drop.png", dpi=80)
+        plt.close(fig)
+        names.append("routing-drop.png")
+    return names
+
+
+def write_doc(section: str) -> None:
+    text = DOC.read_text() if DOC.exists() else f"# Routing\n\n{START}\n{END}\n"
+    if START not in text or END not in text:
+        text = text.rstrip() + f"\n\n## Results\n\n{START}\n{END}\n"
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    DOC.write_text(f"{head}{START}\n{section}\n{END}{tail}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one fleet, two load levels (a smoke test)")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
+    parser.add_argument("--no-write", action="store_true", help="print the results instead of writing docs/")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    jobs = jobs_for(args.quick)
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        results = list(pool.map(execute, jobs, chunksize=4))
+    analysis = analyse(results)
+    plots = [] if args.no_write else plot(analysis, DOC.parent)
+    section = report(analysis, time.monotonic() - started, args.quick, plots)
+    if args.no_write:
+        print(section)
+    else:
+        write_doc(section)
+        print(f"wrote {DOC} ({len(jobs)} runs, {time.monotonic() - started:.0f} s); missed targets: {len(analysis['misses'])}")
+        for miss in analysis["misses"]:
+            print("  " + miss)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

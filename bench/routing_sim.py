@@ -1,0 +1,266 @@
+"""One routing run on the twin's virtual clock, with the very policy objects the proxy serves.
+
+The router sees the fleet the way the proxy does (policies/fleet.py, the shared snapshot
+builder): each engine's /v1/loads snapshot as it stood at the last poll (every
+`poll_interval_s`, published on SGLang's own cadence, so it lags), adjusted by the router's own
+dispatches and completions since; the acceptance from the token/verify counters (read every
+fifth poll, as proxy/signals.py does) and from each finished spec request; the step-cost model
+seeded from the profile and corrected by each finished stream's inter-chunk gap.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Sequence
+
+from policies import registry
+from policies.acceptance import alpha_from_accept_length
+from policies.costmodel import StepCostModel, seed_from_profile
+from policies.fleet import FleetState, Reading, learn_from_response
+from policies.types import Decision, Features, Policy, PoolName, Snapshot
+from sim.engine import Engine, EngineConfig
+from sim.lengths import parse_output_lengths
+from sim.profile import load_profile
+from sim.virtual import AlphaChange, Arrival, EngineView, RequestRecord, StepObservation, simulate
+
+POOL_OF_ENGINE: tuple[PoolName, PoolName] = ("spec", "base")
+URLS = ("virtual://spec", "virtual://base")
+METRICS_EVERY = 5  # proxy/signals.py reads /metrics (counters, gauge) every fifth poll as well
+GAUGE_INTERVAL_STEPS = 40
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_s: float
+    tpot_s: float
+
+    def met(self, r: RequestRecord) -> bool:
+        return r.ttft <= self.ttft_s and r.tpot <= self.tpot_s
+
+
+@dataclass(frozen=True)
+class Setup:
+    """A fleet: one spec and one base server on the same profile."""
+
+    profile: str
+    alpha: float
+    slo: Slo
+    num_steps: int = 3
+    spec_max_running: int = 48
+    base_max_running: int = 256
+    seed: int = 0
+
+    def engines(self) -> list[Engine]:
+        prof = load_profile(self.profile)
+        common = dict(profile=prof, num_steps=self.num_steps, mean_alpha=self.alpha, seed=self.seed,
+                      output_lengths=parse_output_lengths("azure-conv"))
+        return [
+            Engine(EngineConfig(mode="spec", max_running_requests=self.spec_max_running, **common), "spec"),  # type: ignore[arg-type]
+            Engine(EngineConfig(mode="base", max_running_requests=self.base_max_running, **common), "base"),  # type: ignore[arg-type]
+        ]
+
+
+class Split:
+    """The oracle split's building block: each request to spec with a fixed probability."""
+
+    def __init__(self, fraction: float, seed: int = 0):
+        self.fraction = fraction
+        self.name = f"split-{fraction:.1f}"
+        self._rng = random.Random(seed)
+
+    def decide(self, features: Features, snapshot: Snapshot) -> Decision:
+        pool: PoolName = "spec" if self._rng.random() < self.fraction else "base"
+        return Decision(pool=pool, reason="split")
+
+
+def make_policy(name: str) -> Policy:
+    if name.startswith("split-"):
+        return Split(float(name.removeprefix("split-")))
+    return registry.create(name)
+
+
+@dataclass
+class VirtualRouter:
+    """The proxy's signal path, fed by the virtual fleet instead of HTTP polls."""
+
+    policy: Policy
+    setup: Setup
+    poll_interval_s: float = 0.1
+    stale_s: float = 1.0
+    half_life_s: float = 2.0
+    keep_snapshots: bool = False
+    """Keep each decision's features and snapshot (to replay them against other alphas)."""
+    fleet: FleetState = field(init=False)
+    cost: StepCostModel = field(init=False)
+    decisions: list[tuple[float, PoolName, str, float | None]] = field(default_factory=list)
+    """(time, pool, reason, the spec pool's alpha estimate) per request."""
+    snapshots: list[tuple[Features, Snapshot]] = field(default_factory=list)
+    _polls: int = 0
+    _steps: int = 0
+    _next_poll: float = 0.0
+    _views: Sequence[EngineView] = ()
+    _engines: Sequence[Engine] = ()
+
+    def __post_init__(self) -> None:
+        self.fleet = FleetState(stale_after_s=self.stale_s, half_life_s=self.half_life_s,
+                                num_draft_tokens=self.setup.num_steps)
+        self.fleet.add_instance(URLS[0], "spec", self.setup.spec_max_running)
+        self.fleet.add_instance(URLS[1], "base", self.setup.base_max_running)
+        self.cost = StepCostModel(seed_from_profile(self.setup.profile), num_draft_tokens=self.setup.num_steps)
+
+    def attach(self, engines: Sequence[Engine]) -> None:
+        self._engines = engines
+        self._views = [EngineView(e, i) for i, e in enumerate(engines)]
+
+    def _poll_until(self, now: float) -> None:
+        """Take the polls due by `now` (the last one wins; engines' published snapshots lag)."""
+        if now < self._next_poll:
+            return
+        at = math.floor(now / self.poll_interval_s) * self.poll_interval_s
+        self._polls += 1
+        for url, view in zip(URLS, self._views):
+            snap = view.load_snapshot
+            spec = view.speculative
+            with_counters = spec and self._polls % METRICS_EVERY == 1
+            self.fleet.on_reading(url, Reading(
+                at=at,
+                running=float(snap.get("num_running_reqs", 0)),
+                waiting=float(snap.get("num_waiting_reqs", 0)),
+                max_running=int(snap.get("max_running_requests", 0)) or None,
+                accept_length=view.gauges.get("spec_accept_length") if with_counters else None,
+                accept_steps=GAUGE_INTERVAL_STEPS * max(float(snap.get("num_running_reqs", 0)), 1.0),
+                tokens_total=float(view.generation_tokens_total) if with_counters else None,
+                verify_total=float(view.spec_verify_calls_total) if with_counters else None,
+            ))
+        self._next_poll = at + self.poll_interval_s
+
+    def on_step(self, step: StepObservation) -> None:
+        self._poll_until(step.start + step.duration_s)
+        if step.kind == "decode":
+            # The proxy learns a decode step from each stream's median inter-chunk gap; here the
+            # steps themselves are seen (every fourth, at the batch the router's view shows).
+            self._steps += 1
+            if self._steps % 4 == 0:
+                signals = self.fleet.instances[URLS[step.engine]]
+                batch = min(max(signals.adjusted_load(), 1.0), float(signals.max_running))
+                self.cost.observe(POOL_OF_ENGINE[step.engine], batch, step.duration_s * 1000)
+
+    def route(self, arrival: Arrival, views: Sequence[EngineView]) -> int:
+        self._poll_until(arrival.time)
+        features = Features(prompt_tokens=arrival.prompt_tokens, max_tokens=arrival.max_tokens,
+                            stream=arrival.stream, request_class=arrival.request_class,  # type: ignore[arg-type]
+                            ignore_eos=arrival.ignore_eos)
+        snapshot = self.fleet.snapshot(arrival.time, self.cost)
+        decision = self.policy.decide(features, snapshot)
+        self.decisions.append((arrival.time, decision.pool, decision.reason, snapshot.pools["spec"].alpha))
+        if self.keep_snapshots:
+            self.snapshots.append((features, snapshot))
+        index = POOL_OF_ENGINE.index(decision.pool)
+        self.fleet.on_dispatch(URLS[index], arrival.time)
+        return index
+
+    def on_finish(self, record: RequestRecord) -> None:
+        url = URLS[record.engine]
+        spec = record.engine == 0
+        chunks = record.verify_ct + 1 if spec else record.output_tokens
+        learn_from_response(self.fleet, self.cost, url, record.finish_time, chunks=chunks,
+                            tokens=record.output_tokens, verify_steps=record.verify_ct if spec else None,
+                            decode_s=record.finish_time - record.first_token_time)
+        self.fleet.on_complete(url, record.finish_time)
+
+
+@dataclass
+class Workload:
+    """Open arrivals (a list) or a closed loop of `clients` that each send again on completion."""
+
+    arrivals: list[Arrival]
+    clients: int = 0
+    closed_total: int = 0
+    lengths: Sequence[tuple[int, int]] = ()
+    warmup_s: float = 0.0
+    alpha_changes: Sequence[AlphaChange] = ()
+
+
+def closed_loop(clients: int, total: int, lengths: Sequence[tuple[int, int]]) -> Workload:
+    first = [Arrival(time=0.0, prompt_tokens=lengths[i % len(lengths)][0],
+                     output_tokens=lengths[i % len(lengths)][1]) for i in range(clients)]
+    return Workload(arrivals=first, clients=clients, closed_total=total, lengths=lengths)
+
+
+@dataclass
+class RunResult:
+    policy: str
+    records: list[RequestRecord]
+    decisions: list[tuple[float, PoolName, str, float | None]]
+    snapshots: list[tuple[Features, Snapshot]]
+    slo: Slo
+    warmup_s: float
+    closed: bool
+
+    def measured(self) -> list[RequestRecord]:
+        return [r for r in self.records if r.arrival >= self.warmup_s]
+
+    def summary(self) -> dict[str, float]:
+        rs = self.measured()
+        if not rs:
+            return {}
+        e2e = sorted(r.e2e for r in rs)
+        start = min(r.arrival for r in rs)
+        end = max(r.finish_time for r in rs)
+        span = max(end - start, 1e-9)
+        # Open arrivals: SLO goodput per second of the arrival window, the same for every policy;
+        # a closed loop's window is its own makespan.
+        window = span if self.closed else max(max(r.arrival for r in rs) - start, 1e-9)
+        return {
+            "requests": float(len(rs)),
+            "mean_e2e_s": statistics.fmean(e2e),
+            "p99_e2e_s": e2e[min(int(0.99 * len(e2e)), len(e2e) - 1)],
+            "mean_ttft_s": statistics.fmean(r.ttft for r in rs),
+            "mean_tpot_ms": 1000 * statistics.fmean(r.tpot for r in rs),
+            "throughput_tok_s": sum(r.output_tokens for r in rs) / span,
+            "slo_goodput_rps": sum(1 for r in rs if self.slo.met(r)) / window,
+            "slo_attainment": sum(1 for r in rs if self.slo.met(r)) / len(rs),
+            "spec_share": sum(1 for r in rs if r.engine == 0) / len(rs),
+        }
+
+
+def run(setup: Setup, workload: Workload, policy_name: str, keep_snapshots: bool = False,
+        poll_interval_s: float = 0.1) -> RunResult:
+    engines = setup.engines()
+    router = VirtualRouter(make_policy(policy_name), setup, poll_interval_s=poll_interval_s,
+                           keep_snapshots=keep_snapshots)
+    router.attach(engines)
+    sent = len(workload.arrivals)
+
+    def on_finish(record: RequestRecord) -> Iterable[Arrival]:
+        nonlocal sent
+        router.on_finish(record)
+        if workload.clients and sent < workload.closed_total:
+            prompt, output = workload.lengths[sent % len(workload.lengths)]
+            sent += 1
+            return (Arrival(time=record.finish_time, prompt_tokens=prompt, output_tokens=output),)
+        return ()
+
+    records = simulate(engines, workload.arrivals, router.route, on_step=router.on_step, on_finish=on_finish,
+                       alpha_changes=workload.alpha_changes)
+    return RunResult(policy_name, records, router.decisions, router.snapshots, setup.slo, workload.warmup_s,
+                     closed=workload.clients > 0)
+
+
+def with_alpha(snapshot: Snapshot, alpha: float) -> Snapshot:
+    """The same snapshot with the spec pool's alpha replaced."""
+    pools = dict(snapshot.pools)
+    spec = pools["spec"]
+    pools["spec"] = replace(spec, alpha=alpha)
+    return Snapshot(pools=pools, cost=snapshot.cost)
+
+
+def effective_alpha(records: Sequence[RequestRecord], k: int) -> float:
+    """The acceptance the spec engine actually delivered to these requests: alpha of their pooled
+    tokens per verify step (per-request alphas vary, so this is not the configured mean)."""
+    tokens = sum(r.output_tokens - 1 for r in records if r.engine == 0 and r.verify_ct)
+    steps = sum(r.verify_ct for r in records if r.engine == 0)
+    return alpha_from_accept_length(tokens / steps, k) if steps else math.nan
