@@ -20,7 +20,6 @@ Scheduling follows SGLang with speculation's defaults (overlap and mixed-chunk o
 
 from __future__ import annotations
 
-import datetime
 import math
 import random
 from dataclasses import dataclass, field
@@ -469,7 +468,3 @@ class Engine:
     @property
     def token_usage(self) -> float:
         return round(self._context_sum / self.config.max_total_num_tokens, 4)
-
-
-def iso_timestamp(epoch_s: float) -> str:
-    return datetime.datetime.fromtimestamp(epoch_s, tz=datetime.timezone.utc).isoformat()

@@ -8,12 +8,13 @@ step produced. A client that goes away aborts its request in the engine at once.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from starlette.applications import Starlette
@@ -23,7 +24,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from policies.features import count_prompt_tokens
-from sim.engine import Engine, EngineConfig, Request, check_alpha, iso_timestamp
+from sim.engine import Engine, EngineConfig, Request, check_alpha
 from sim.loop import EngineLoop
 from sim.metrics import TwinMetrics
 from sim.protocol import (
@@ -61,7 +62,6 @@ class TwinOptions:
     otlp_traces_endpoint: str = "localhost:4317"
     speculative_algorithm: str | None = None
     output_len: str = "azure-conv"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -345,6 +345,10 @@ class Twin:
             "parent": None,
             "max_model_len": self.config.context_length,
         }
+
+
+def iso_timestamp(epoch_s: float) -> str:
+    return datetime.datetime.fromtimestamp(epoch_s, tz=datetime.timezone.utc).isoformat()
 
 
 def sse(obj: dict[str, Any]) -> bytes:

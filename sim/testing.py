@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import httpx
 
@@ -147,6 +147,19 @@ def _stop(t: RunningTwin) -> None:
         t._log.close()  # type: ignore[attr-defined]
     with contextlib.suppress(OSError):
         t.log_path.unlink()
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout: float = 30.0, interval: float = 0.05) -> Any:
+    """Poll `condition` until it returns something truthy (and return that); fail with
+    AssertionError after `timeout` seconds. Tests synchronise with this, never with sleeps."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
 
 
 @contextlib.contextmanager

@@ -11,22 +11,10 @@ import openai
 import pytest
 
 from sim.profile import load_profile, tokens_per_verify_step
-from sim.testing import TwinSpec, twin, twins
+from sim.testing import TwinSpec, twin, twins, wait_for
 
 KIMI = load_profile("kimi-linear")
 DEADLINE_S = 30.0
-
-
-def wait_for(condition, what, timeout=DEADLINE_S, interval=0.05):
-    """Poll `condition` until it returns a truthy value; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(interval)
 
 
 def loads(t):
@@ -312,11 +300,8 @@ async def _cap_scenario(t):
                 extra_body={"ignore_eos": True})
 
     async def until(condition, what):
-        deadline = time.monotonic() + DEADLINE_S
-        while not await asyncio.to_thread(condition):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}")
-            await asyncio.sleep(0.05)
+        # The polls block, so they run in a thread while this loop keeps the streams open.
+        await asyncio.to_thread(wait_for, condition, what, DEADLINE_S)
 
     streams = [await aclient.chat.completions.create(**body) for _ in range(48)]
     try:
