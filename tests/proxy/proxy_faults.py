@@ -47,7 +47,8 @@ class FaultServer:
     requests: list[Received] = field(default_factory=list)
     port: int = 0
     open_connections: int = 0
-    """Connections currently open to this server (a proxy that cancels closes its own)."""
+    """Open connections that carried a completion request (a proxy that gives up closes its own;
+    the proxy's load polls use other connections and are not counted)."""
 
     @property
     def url(self) -> str:
@@ -80,7 +81,7 @@ class FaultServer:
             await self._stop.wait()
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.open_connections += 1
+        posted = False
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -89,15 +90,19 @@ class FaultServer:
                 headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
                 self.requests.append(Received(method, path, headers, body))
-                if not await self._answer(method, path, writer):
+                if method == "POST" and not posted:
+                    posted = True
+                    self.open_connections += 1
+                if not await self._answer(method, reader, writer):
                     return
         except (asyncio.IncompleteReadError, ConnectionError):
             return
         finally:
-            self.open_connections -= 1
+            if posted:
+                self.open_connections -= 1
             writer.close()
 
-    async def _answer(self, method: str, path: str, writer: asyncio.StreamWriter) -> bool:
+    async def _answer(self, method: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Respond per the behaviour; False closes the connection."""
         kind, _, arg = self.behaviour.partition(":")
         if method == "GET":  # /server_info, /v1/loads, /metrics polls: not an SGLang we know
@@ -121,10 +126,18 @@ class FaultServer:
             if kind == "cut":
                 writer.transport.abort()
                 return False
-            await self._stop.wait()
+            await self._until_closed(reader)
             return False
         elif kind == "hang":
-            await self._stop.wait()
+            await self._until_closed(reader)
             return False
         await writer.drain()
         return True
+
+    async def _until_closed(self, reader: asyncio.StreamReader) -> None:
+        """Wait (silently) until the peer closes the connection or the server stops."""
+        eof = asyncio.ensure_future(reader.read())
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait((eof, stop), return_when=asyncio.FIRST_COMPLETED)
+        eof.cancel()
+        stop.cancel()

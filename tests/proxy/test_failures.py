@@ -1,0 +1,197 @@
+"""Failure semantics: failover before the first byte only, in-band errors after it, timeouts,
+client disconnects that free the upstream slot, and OpenAI-shaped errors for bad input."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+from proxy_faults import FaultServer
+from proxy_harness import RunningProxy, running_proxy, twin_running, wait_for
+
+from sim.testing import RunningTwin, twin
+
+MESSAGES = [{"role": "user", "content": "Hello"}]
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def posts(server: FaultServer) -> int:
+    return sum(1 for r in server.requests if r.method == "POST")
+
+
+def dead_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"  # closed again: connections are refused
+
+
+def test_connect_error_fails_over_to_the_other_pool(twin_pair) -> None:
+    _, base = twin_pair
+    with running_proxy(spec_urls=[dead_url()], base_urls=[base.url], policy="spec") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=3)
+        assert raw.parse().usage.completion_tokens == 3
+        assert raw.headers["x-specroute-backend"] == base.url
+        assert raw.headers["x-specroute-pool"] == "spec"  # the decision; the backend says where it ran
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_5xx_retried_on_another_instance_of_the_same_pool_first(twin_pair) -> None:
+    spec, base = twin_pair
+    with FaultServer("status:503") as bad, running_proxy(
+        spec_urls=[bad.url, spec.url], base_urls=[base.url], policy="spec"
+    ) as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        for _ in range(4):
+            raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2)
+            assert raw.status_code == 200
+            assert raw.headers["x-specroute-backend"] == spec.url
+        assert posts(bad) >= 1  # some requests went there first and were retried on the spec twin
+
+
+def test_gives_up_after_failover_and_tells_the_sdk_not_to_retry() -> None:
+    with FaultServer("status:503") as first, FaultServer("status:502") as second, running_proxy(
+        spec_urls=[first.url], base_urls=[second.url], policy="spec"
+    ) as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=2)
+        with pytest.raises(openai.InternalServerError) as caught:
+            client.chat.completions.create(model="m", messages=MESSAGES)
+        response = caught.value.response
+        assert response.headers["x-should-retry"] == "false"
+        assert response.status_code == 502  # the last upstream's answer, normalised
+        error = error_of(response)
+        assert error["message"] == "Service unavailable: engine overloaded"
+        assert error["type"] == "server_error"
+        assert (posts(first), posts(second)) == (1, 1)  # the SDK's 2 retries were not spent
+        assert proxy.in_flight() == 0
+
+
+def test_mid_stream_failure_ends_with_an_error_event_not_a_clean_end() -> None:
+    with FaultServer("cut:3") as cut, running_proxy(spec_urls=[cut.url], policy="spec") as proxy:
+        with httpx.stream("POST", proxy.base_url + "/chat/completions",
+                          json={"model": "m", "messages": MESSAGES, "stream": True}) as response:
+            assert response.status_code == 200
+            body = response.read()
+        events = [e for e in body.split(b"\n\n") if e]
+        assert len(events) == 5  # 3 relayed chunks, the error, [DONE]
+        assert events[3].startswith(b'data: {"error":') and b"upstream_disconnected" in events[3]
+        assert events[4] == b"data: [DONE]"
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        stream = client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
+        with pytest.raises(openai.APIError, match="mid-stream"):
+            for _ in stream:
+                pass
+        assert posts(cut) == 2  # never retried once bytes reached the client
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_first_token_timeout_is_504_and_closes_the_upstream_request() -> None:
+    with FaultServer("hang") as hang, running_proxy(spec_urls=[hang.url], policy="spec", first_token_timeout_s=0.5) as proxy:
+        response = httpx.post(proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=30)
+        assert response.status_code == 504
+        assert error_of(response)["code"] == "first_token_timeout"
+        assert posts(hang) == 1  # a timeout is not retried: the next server would wait as long
+        wait_for(lambda: hang.open_connections == 0, what="the proxy to drop its upstream connection")
+        assert proxy.in_flight() == 0
+
+
+@pytest.mark.parametrize("setting", [{"chunk_timeout_s": 0.5}, {"total_timeout_s": 1.0, "connect_timeout_s": 0.5}])
+def test_stalled_stream_times_out_with_an_error_event(setting) -> None:
+    with FaultServer("stall:2") as stall, running_proxy(spec_urls=[stall.url], policy="spec", **setting) as proxy:
+        response = httpx.post(proxy.base_url + "/chat/completions",
+                              json={"model": "m", "messages": MESSAGES, "stream": True}, timeout=30)
+        events = [e for e in response.content.split(b"\n\n") if e]
+        assert len(events) == 4 and events[-1] == b"data: [DONE]"
+        expected = b"chunk_timeout" if "chunk_timeout_s" in setting else b"total_timeout"
+        assert events[2].startswith(b'data: {"error":') and expected in events[2]
+        wait_for(lambda: stall.open_connections == 0, what="the proxy to drop its upstream connection")
+        assert proxy.in_flight() == 0
+
+
+@pytest.fixture(scope="module")
+def slow_twin() -> Iterator[RunningTwin]:
+    """Real-time twin: 4,000 tokens take seconds, so a cancel is visible in /v1/loads."""
+    with twin("base", time_scale=1.0, seed=3, args=("--output-len", "fixed:4096")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def slow_proxy(slow_twin: RunningTwin) -> Iterator[RunningProxy]:
+    with running_proxy(base_urls=[slow_twin.url], policy="base") as proxy:
+        yield proxy
+
+
+def test_client_disconnect_mid_stream_frees_the_upstream_slot(slow_twin, slow_proxy) -> None:
+    with httpx.stream("POST", slow_proxy.base_url + "/chat/completions", timeout=30,
+                      json={"model": "m", "messages": MESSAGES, "max_tokens": 4000, "stream": True}) as response:
+        first = next(response.iter_raw())
+        assert first.startswith(b"data: ")
+        wait_for(lambda: twin_running(slow_twin) == 1, timeout=10, what="the twin to show the request")
+    # Leaving the block closed the connection: the twin's slot must free long before 4,000 tokens.
+    wait_for(lambda: twin_running(slow_twin) == 0, timeout=5, what="the twin to drop the request")
+    wait_for(lambda: slow_proxy.in_flight() == 0, timeout=5, what="in-flight released")
+
+
+def test_client_disconnect_before_the_first_byte_frees_the_upstream_slot(slow_twin, slow_proxy) -> None:
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4000}'
+    with socket.create_connection(("127.0.0.1", slow_proxy.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        wait_for(lambda: twin_running(slow_twin) == 1, timeout=10, what="the request to reach the twin")
+    wait_for(lambda: twin_running(slow_twin) == 0, timeout=5, what="the twin to drop the request")
+    wait_for(lambda: slow_proxy.in_flight() == 0, timeout=5, what="in-flight released")
+
+
+def test_sglang_flat_error_is_normalised(proxy: RunningProxy) -> None:
+    response = httpx.post(proxy.base_url + "/chat/completions", json={"model": "m", "messages": 3})
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["type"] == "invalid_request_error" and error["message"]
+    client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=-1)
+
+
+def test_bad_input_gets_openai_errors_while_others_are_served(twin_pair) -> None:
+    spec, base = twin_pair
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], max_body_bytes=4096) as proxy:
+        url = proxy.base_url + "/chat/completions"
+        stream_done = threading.Event()
+
+        def long_stream() -> None:
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+            chunks = list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=300, stream=True))
+            assert chunks[-1].choices[0].finish_reason == "length"
+            stream_done.set()
+
+        other = threading.Thread(target=long_stream)
+        other.start()
+        cases = [
+            (httpx.post(url, content=b'{"model": "m", "messages": [', headers={"content-type": "application/json"}), 400, "invalid_json"),
+            (httpx.post(url, content=b"[1, 2]", headers={"content-type": "application/json"}), 400, "invalid_json"),
+            (httpx.post(url, content=b"model=m", headers={"content-type": "application/x-www-form-urlencoded"}), 415, "unsupported_media_type"),
+            (httpx.post(url, content=b"{}"), 415, "unsupported_media_type"),
+            (httpx.post(url, content=b"{" + b" " * 5000 + b"}", headers={"content-type": "application/json"}), 413, "request_too_large"),
+            (httpx.post(url, content=iter([b"{", b" " * 3000, b" " * 3000, b"}"]), headers={"content-type": "application/json"}), 413, "request_too_large"),
+            (httpx.post(url, json={"messages": MESSAGES}, headers={"x-specroute-pool": "gpu"}), 400, "invalid_header"),
+            (httpx.get(url), 405, "method_not_allowed"),
+        ]
+        for response, status, code in cases:
+            assert response.status_code == status, response.text
+            assert error_of(response)["code"] == code
+            assert response.headers["x-request-id"]
+        other.join(60)
+        assert stream_done.is_set()
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        assert client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2).choices
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")

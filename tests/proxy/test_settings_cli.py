@@ -1,0 +1,68 @@
+"""Settings and the CLI as a user meets them: env vars, .env files, one-line errors, masking."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.settings import SettingsError, load_settings
+
+SPECROUTE = [sys.executable, "-m", "proxy.cli"]
+
+
+def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SPECROUTE_", "OTEL_"))}
+    return subprocess.run(SPECROUTE + args, env={**clean, **env}, cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize(
+    ("env", "variable"),
+    [
+        ({"SPECROUTE_SPEC_URLS": "127.0.0.1:30000"}, "SPECROUTE_SPEC_URLS"),
+        ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_PORT": "eighty"}, "SPECROUTE_PORT"),
+        ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_POLICY": "fastest"}, "SPECROUTE_POLICY"),
+        ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_CHUNK_TIMEOUT_S": "-1"}, "SPECROUTE_CHUNK_TIMEOUT_S"),
+        ({}, "SPECROUTE_SPEC_URLS"),  # no upstream at all
+    ],
+)
+def test_a_wrong_setting_stops_serve_with_one_line_naming_it(env: dict[str, str], variable: str, tmp_path: Path) -> None:
+    result = run(["serve"], env, tmp_path)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # no traceback
+    assert variable in lines[0] and lines[0].startswith("specroute: ")
+
+
+def test_config_prints_effective_settings_with_secrets_masked(tmp_path: Path) -> None:
+    (tmp_path / ".env").write_text("SPECROUTE_BASE_URLS=http://10.0.0.2:30000,http://10.0.0.3:30000\nSPECROUTE_BASE_API_KEY=sk-base-secret\n")
+    result = run(["config"], {"SPECROUTE_SPEC_API_KEY": "sk-spec-secret", "SPECROUTE_MAX_ATTEMPTS": "2"}, tmp_path)
+    assert result.returncode == 0, result.stderr
+    rows = dict(line.split(None, 1) if len(line.split(None, 1)) == 2 else (line.strip(), "") for line in result.stdout.splitlines())
+    assert rows["SPECROUTE_BASE_URLS"] == "http://10.0.0.2:30000,http://10.0.0.3:30000"  # from .env
+    assert rows["SPECROUTE_MAX_ATTEMPTS"] == "2"  # from the environment
+    assert rows["SPECROUTE_SPEC_API_KEY"] == rows["SPECROUTE_BASE_API_KEY"] == "********"
+    assert "secret" not in result.stdout
+
+
+def test_environment_wins_over_dotenv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / ".env").write_text("SPECROUTE_SPEC_URLS=http://from-dotenv:1\nSPECROUTE_DRAIN_TIMEOUT_S=7\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPECROUTE_SPEC_URLS", "http://from-env:1/ , http://from-env:2")
+    settings = load_settings()
+    assert settings.spec_urls == ["http://from-env:1", "http://from-env:2"]
+    assert settings.drain_timeout_s == 7
+
+
+def test_the_same_server_in_both_pools_is_refused() -> None:
+    with pytest.raises(SettingsError, match="more than once"):
+        load_settings(spec_urls="http://a:1", base_urls="http://a:1")
+
+
+def test_sim_subcommand_is_the_twin_cli(tmp_path: Path) -> None:
+    result = run(["sim", "--help"], {}, tmp_path)
+    assert result.returncode == 0
+    assert "--mode" in result.stdout and "--time-scale" in result.stdout
