@@ -66,3 +66,15 @@ def test_sim_subcommand_is_the_twin_cli(tmp_path: Path) -> None:
     result = run(["sim", "--help"], {}, tmp_path)
     assert result.returncode == 0
     assert "--mode" in result.stdout and "--time-scale" in result.stdout
+
+
+def test_readme_configuration_table_lists_every_setting() -> None:
+    from pydantic import AliasChoices
+
+    from proxy.settings import ENV_PREFIX, Settings
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    for name, field in Settings.model_fields.items():
+        alias = field.validation_alias
+        variable = alias.choices[-1] if isinstance(alias, AliasChoices) else ENV_PREFIX + name.upper()
+        assert f"| `{variable}` |" in readme, f"README's configuration table lacks {variable}"
