@@ -31,7 +31,7 @@ def cpu_seconds(pid: int) -> float:
 
 async def hold_streams(t: RunningTwin, n: int, seconds: float) -> list[list[float]]:
     """n streams that run for `seconds`; returns each stream's chunk arrival times."""
-    body = {"messages": [{"role": "user", "content": "Go."}], "max_tokens": 100_000, "ignore_eos": True,
+    body = {"messages": [{"role": "user", "content": "Go."}], "max_tokens": 30_000, "ignore_eos": True,
             "stream": True}
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(base_url=t.url, limits=limits, timeout=60) as client:

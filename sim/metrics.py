@@ -2,8 +2,9 @@
 
 Scheduler gauges are read from the engine's last published values, which it refreshes on
 SGLang's cadence (every prefill batch, every `decode_log_interval` decode iterations, and when
-the server goes idle). Tokenizer-side counters count finished requests; the TTFT, ITL and E2E
-histograms are observed as tokens are delivered. All durations are in the twin's simulated
+the server goes idle). Tokenizer-side counters count finished requests (labelled
+`is_streaming`, as SGLang's are); the TTFT, ITL and E2E histograms are observed as tokens are
+delivered. All durations are in the twin's simulated
 seconds (wall seconds times --time-scale), which is what the GPU server would report.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from sim.engine import Engine
@@ -57,9 +58,6 @@ class EngineCollector:
             yield g
         tok_names, tok_values = ["model_name"], [labels["model_name"]]
         for name, doc, value in (
-            ("prompt_tokens", "Number of prefill tokens processed.", engine.finished_prompt_tokens),
-            ("generation_tokens", "Number of generation tokens processed.", engine.finished_generation_tokens),
-            ("num_requests", "Number of requests processed.", engine.finished_requests),
             ("num_aborted_requests", "Number of requests aborted.", engine.aborted_requests),
             ("spec_verify_calls", "The number of verification forward calls in speculative decoding.", engine.finished_verify_ct),
         ):
@@ -69,21 +67,34 @@ class EngineCollector:
 
 
 class TwinMetrics:
+    """Tokenizer-side metrics, labelled `is_streaming` where SGLang labels them."""
+
     def __init__(self, engine: Engine, model_name: str):
+        self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine, model_name))
+        by_stream = ["model_name", "is_streaming"]
+        self.prompt_tokens = Counter("sglang:prompt_tokens", "Number of prefill tokens processed.",
+                                     by_stream, registry=self.registry)
+        self.generation_tokens = Counter("sglang:generation_tokens", "Number of generation tokens processed.",
+                                         by_stream, registry=self.registry)
+        self.num_requests = Counter("sglang:num_requests", "Number of requests processed.",
+                                    by_stream, registry=self.registry)
         self.ttft = Histogram(
             "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            ["model_name"], buckets=TTFT_BUCKETS, registry=self.registry,
-        ).labels(model_name)
+            by_stream, buckets=TTFT_BUCKETS, registry=self.registry,
+        )
         self.itl = Histogram(
             "sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
             ["model_name"], buckets=ITL_BUCKETS, registry=self.registry,
         ).labels(model_name)
         self.e2e = Histogram(
             "sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
-            ["model_name"], buckets=E2E_BUCKETS, registry=self.registry,
-        ).labels(model_name)
+            by_stream, buckets=E2E_BUCKETS, registry=self.registry,
+        )
+
+    def observe_first_token(self, streaming: bool, ttft_s: float) -> None:
+        self.ttft.labels(self.model_name, _flag(streaming)).observe(ttft_s)
 
     def observe_chunk(self, interval_s: float, tokens: int) -> None:
         """SGLang spreads a chunk's interval over its tokens: `tokens` observations of interval/tokens."""
@@ -93,5 +104,16 @@ class TwinMetrics:
         for _ in range(tokens):
             self.itl.observe(per_token)
 
+    def observe_finish(self, streaming: bool, prompt_tokens: int, completion_tokens: int, e2e_s: float) -> None:
+        flag = _flag(streaming)
+        self.prompt_tokens.labels(self.model_name, flag).inc(prompt_tokens)
+        self.generation_tokens.labels(self.model_name, flag).inc(completion_tokens)
+        self.num_requests.labels(self.model_name, flag).inc()
+        self.e2e.labels(self.model_name, flag).observe(e2e_s)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _flag(streaming: bool) -> str:
+    return "true" if streaming else "false"

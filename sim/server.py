@@ -71,13 +71,14 @@ class TwinOptions:
 class Call:
     """One HTTP request's view of its engine request: a queue the engine loop fills per step."""
 
-    __slots__ = ("req", "queue", "last_time", "metrics", "span")
+    __slots__ = ("req", "queue", "last_time", "metrics", "streaming", "span")
 
-    def __init__(self, req: Request, metrics: TwinMetrics):
+    def __init__(self, req: Request, metrics: TwinMetrics, streaming: bool):
         self.req = req
         self.queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
         self.last_time = req.arrival
         self.metrics = metrics
+        self.streaming = streaming
         self.span: TwinSpan | None = None
         req.listener = self.on_step
 
@@ -87,12 +88,13 @@ class Call:
         aborted = req.finish_reason == "abort"
         if n and not aborted:
             if req.output_tokens == n:
-                self.metrics.ttft.observe(max(req.updated - req.arrival, 0.0))
+                self.metrics.observe_first_token(self.streaming, max(req.updated - req.arrival, 0.0))
             else:
                 self.metrics.observe_chunk(max(req.updated - self.last_time, 0.0), n)
             self.last_time = req.updated
         if req.finished and not aborted:
-            self.metrics.e2e.observe(max(req.updated - req.arrival, 0.0))
+            self.metrics.observe_finish(self.streaming, req.prompt_tokens, req.output_tokens,
+                                        max(req.updated - req.arrival, 0.0))
         if req.finished and self.span is not None:
             span, self.span = self.span, None
             span.finish(req)
@@ -137,11 +139,7 @@ class Twin:
         request = parse_request("chat" if kind == "chat" else "completion", body)
         parent = self.trace_context(http.headers)
         prompt_tokens = max(count_prompt_tokens(body), 1)
-        if prompt_tokens >= self.config.context_length:
-            raise TwinError(
-                f"The input ({prompt_tokens} tokens) is longer than the model's context length "
-                f"({self.config.context_length} tokens)."
-            )
+        check_context(prompt_tokens, request.max_new_tokens, self.config.context_length)
         loop = self.running_loop
         rid = request.rid or uuid.uuid4().hex
         if rid in self.engine.waiting or rid in self.engine.running:
@@ -155,7 +153,7 @@ class Twin:
             stop=stop_strings(request),
             text_seed=request.seed,
         )
-        call = Call(req, self.metrics)
+        call = Call(req, self.metrics, request.stream)
         if self.tracer is not None:
             call.span = self.tracer.start(req, parent)
         loop.submit(req)
@@ -345,6 +343,21 @@ class Twin:
             "parent": None,
             "max_model_len": self.config.context_length,
         }
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int | None, context_length: int) -> None:
+    """SGLang's length checks (tokenizer_manager._validate_one_request, no auto-truncate)."""
+    if prompt_tokens >= context_length:
+        raise TwinError(
+            f"The input ({prompt_tokens} tokens) is longer than the model's context length ({context_length} tokens)."
+        )
+    if max_new_tokens is not None and max_new_tokens + prompt_tokens >= context_length:
+        raise TwinError(
+            f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+            f"You requested a total of {max_new_tokens + prompt_tokens} tokens: {prompt_tokens} tokens from the "
+            f"input messages and {max_new_tokens} tokens for the completion. Please reduce the number of tokens "
+            "in the input messages or the completion to fit within the limit."
+        )
 
 
 def iso_timestamp(epoch_s: float) -> str:

@@ -23,18 +23,19 @@ VOCABULARY = (
 class TextStream:
     """Generates the text of one completion and finds the first stop string in it.
 
-    Text that could still turn out to be the start of a stop string is held back until the
-    next tokens decide it, so a client never sees part of a stop string.
+    Only the text not yet taken is kept. Text that could still turn out to be the start of a
+    stop string is held back until the next tokens decide it, so a client never sees part of a
+    stop string; hence a stop string can never begin inside text already taken.
     """
 
-    __slots__ = ("_rng", "_stop", "_hold", "_text", "_sent", "stopped", "matched_stop")
+    __slots__ = ("_rng", "_stop", "_hold", "_pending", "_started", "stopped", "matched_stop")
 
     def __init__(self, seed: int, stop: tuple[str, ...] = ()):
         self._rng = random.Random(seed)
         self._stop = tuple(s for s in stop if s)
         self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self._text = ""
-        self._sent = 0
+        self._pending = ""
+        self._started = False
         self.stopped = False
         self.matched_stop: str | None = None
 
@@ -42,42 +43,39 @@ class TextStream:
         """Append up to n tokens; returns how many were used (fewer when a stop string ends it)."""
         choice = self._rng.choice
         for used in range(1, n_tokens + 1):
+            before = len(self._pending)
             word = choice(VOCABULARY)
-            self._text += (" " + word) if self._text else word
-            if self._stop and self._find_stop():
+            self._pending += (" " + word) if self._started else word
+            self._started = True
+            # A new match must end in this word, so it starts at most `hold` characters earlier.
+            if self._stop and self._find_stop(max(0, before - self._hold)):
                 return used
         return n_tokens
 
-    def _find_stop(self) -> bool:
-        start = max(0, self._sent - self._hold)
+    def _find_stop(self, start: int) -> bool:
         best = -1
         for s in self._stop:
-            i = self._text.find(s, start)
+            i = self._pending.find(s, start)
             if i >= 0 and (best < 0 or i < best):
                 best, self.matched_stop = i, s
         if best < 0:
             return False
-        self._text = self._text[:best]
+        self._pending = self._pending[:best]
         self.stopped = True
         return True
 
     def take(self, final: bool) -> str:
-        """The text not yet sent; the tail that may begin a stop string waits unless final."""
-        end = len(self._text)
+        """The text not yet taken; the tail that may begin a stop string waits unless final."""
+        end = len(self._pending)
         if not final and self._stop and not self.stopped:
             end = self._safe_end()
-        piece = self._text[self._sent:end]
-        self._sent = max(self._sent, end)
+        piece, self._pending = self._pending[:end], self._pending[end:]
         return piece
 
     def _safe_end(self) -> int:
-        text = self._text
-        for cut in range(max(self._sent, len(text) - self._hold), len(text)):
+        text = self._pending
+        for cut in range(max(0, len(text) - self._hold), len(text)):
             tail = text[cut:]
             if any(s.startswith(tail) for s in self._stop):
                 return cut
         return len(text)
-
-    @property
-    def text(self) -> str:
-        return self._text
