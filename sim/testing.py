@@ -10,7 +10,9 @@
 
 Each twin listens on a free port chosen by the twin itself (no port races), is ready (its
 /health answered 200) when the block starts, and is terminated, then killed if it lingers,
-when the block ends, also when the block raises. On Linux the child also dies with its parent.
+when the block ends, also when the block raises. On Linux the child also gets SIGTERM when the
+thread that started it ends (PR_SET_PDEATHSIG), so start twins from a thread that outlives them
+(the main thread, as pytest fixtures are).
 """
 
 from __future__ import annotations

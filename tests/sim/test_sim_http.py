@@ -360,3 +360,19 @@ def test_loads_in_prometheus_format(spec):
     text = httpx.get(spec.url + "/v1/loads", params={"format": "prometheus"}).text
     assert 'sglang_max_running_requests{dp_rank="0"} 48.0' in text
     assert re.search(r'^sglang_spec_accept_length\{dp_rank="0"\} \d', text, re.M)
+
+
+def test_http_and_virtual_clock_run_the_same_engine():
+    """Same seed, same request: the HTTP twin's chunks carry exactly the tokens per step that the
+    virtual clock's steps commit (one engine model, two drivers)."""
+    from sim.engine import Engine, EngineConfig
+    from sim.virtual import Arrival, simulate
+
+    steps = []
+    engine = Engine(EngineConfig("spec", KIMI, seed=7), "spec")
+    simulate([engine], [Arrival(0.0, 8, max_tokens=150, ignore_eos=True)], lambda a, f: 0, on_step=steps.append)
+    virtual = [s.tokens for s in steps]
+    with twin("spec", "kimi-linear", time_scale=20, seed=7) as t:
+        (times,) = asyncio.run(chunk_times(t, 1, 150))
+    assert [n for _, n in times] == virtual
+    assert virtual[0] == 1 and sum(virtual) == 150
