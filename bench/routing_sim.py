@@ -165,9 +165,8 @@ class VirtualRouter:
     def on_finish(self, record: RequestRecord) -> None:
         url = URLS[record.engine]
         spec = record.engine == 0
-        chunks = record.verify_ct + 1 if spec else record.output_tokens
-        learn_from_response(self.fleet, self.cost, url, record.finish_time, chunks=chunks,
-                            tokens=record.output_tokens, verify_steps=record.verify_ct if spec else None,
+        learn_from_response(self.fleet, self.cost, url, record.finish_time, tokens=record.output_tokens,
+                            verify_steps=record.verify_ct if spec else None,
                             decode_s=record.finish_time - record.first_token_time)
         self.fleet.on_complete(url, record.finish_time)
 

@@ -104,10 +104,10 @@ class AcceptanceEstimator:
     """One speculative pool's accept length: counter deltas and per-request evidence, smoothed.
 
     Sources: the server's recent-interval accept-length gauge (the freshest: it covers the last
-    decode-log interval); else its token/verify counters (each poll adds the steps since the
-    last one; they count finished requests, so they lag by a request's duration); and the
-    proxy's own streams (tokens per verify step of each finished request, discounted by its
-    age). Each weighs by the verify steps it covers.
+    decode-log interval), its token/verify counters (each poll adds the steps since the last
+    one; they count finished requests, so they lag by about half a request's decode time and
+    are discounted by that age), and the proxy's own streams (tokens per verify step of each
+    finished request, discounted by its age). Each weighs by the verify steps it covers.
     """
 
     def __init__(self, num_draft_tokens: int, half_life_s: float = 2.0, prior_accept_length: float | None = None):
@@ -116,10 +116,12 @@ class AcceptanceEstimator:
         if prior_accept_length is not None:
             self._mean.observe(0.0, prior_accept_length, 1e-6)
 
-    def observe_counters(self, now: float, d_tokens: float, d_verify: float) -> None:
-        """Counter increments since the previous poll (already differenced, reset-safe)."""
+    def observe_counters(self, now: float, d_tokens: float, d_verify: float, age_s: float = 0.0) -> None:
+        """Counter increments since the previous poll (already differenced, reset-safe). They
+        count requests that finished, whose steps ran on average `age_s` ago: discounted so."""
         if d_verify > 0 and d_tokens > 0:
-            self._mean.observe(now, d_tokens / d_verify, d_verify)
+            weight = d_verify * math.pow(0.5, max(age_s, 0.0) / self._mean.half_life_s)
+            self._mean.observe(now, d_tokens / d_verify, weight)
 
     def observe_request(self, now: float, completion_tokens: int, verify_steps: int, age_s: float = 0.0) -> None:
         """One finished request: its tokens and verify steps (from spec details or chunk count).

@@ -101,6 +101,8 @@ class FleetState:
         self.instances: dict[str, InstanceSignals] = {}
         self.num_draft_tokens: dict[PoolName, int] = {"spec": num_draft_tokens, "base": 0}
         self.acceptance = AcceptanceEstimator(num_draft_tokens, half_life_s)
+        self.spec_decode_s = 0.0
+        """Mean decode time of recent spec requests (the lag of the server's counters)."""
 
     def add_instance(self, url: str, pool: PoolName, max_running: int) -> InstanceSignals:
         signals = InstanceSignals(url=url, pool=pool, max_running=max_running)
@@ -127,17 +129,14 @@ class FleetState:
             signals.events.popleft()
         if signals.pool != "spec":
             return
-        delta = None
         if reading.tokens_total is not None and reading.verify_total is not None:
             delta = signals.counters.add(reading.tokens_total, reading.verify_total)
-        if reading.accept_length is not None:
-            # The gauge is fresher than the counters (which lag by a request's duration), and is
-            # refreshed once per decode-log interval: a value seen before adds nothing.
-            if reading.accept_length != signals.last_gauge:
-                signals.last_gauge = reading.accept_length
-                self.acceptance.observe_gauge(reading.at, reading.accept_length, reading.accept_steps)
-        elif delta is not None:
-            self.acceptance.observe_counters(reading.at, *delta)
+            if delta is not None:
+                self.acceptance.observe_counters(reading.at, *delta, age_s=self.spec_decode_s / 2)
+        # The gauge is refreshed once per decode-log interval: a value seen before adds nothing.
+        if reading.accept_length is not None and reading.accept_length != signals.last_gauge:
+            signals.last_gauge = reading.accept_length
+            self.acceptance.observe_gauge(reading.at, reading.accept_length, reading.accept_steps)
 
     def on_unpolled(self, url: str) -> None:
         """The server has no load endpoint: fall back to our own in-flight count for it."""
@@ -159,6 +158,8 @@ class FleetState:
         """A finished spec request's own tokens and verify steps (stream chunks or spec details);
         `age_s` is half its decode time (its evidence is that old on average)."""
         self.acceptance.observe_request(now, completion_tokens, verify_steps, age_s)
+        # A running mean of spec requests' decode time: how far the counters lag.
+        self.spec_decode_s += 0.1 * (2 * age_s - self.spec_decode_s)
 
     def set_health(self, url: str, healthy: bool) -> None:
         self.instances[url].healthy = healthy
@@ -202,26 +203,22 @@ def learn_from_response(
     url: str,
     now: float,
     *,
-    tokens: int,
-    chunks: int,
-    step_ms: float | None = None,
+    tokens: int | None = None,
     verify_steps: int | None = None,
+    step_ms: float | None = None,
     decode_s: float = 0.0,
 ) -> None:
     """What one finished response teaches. `step_ms`: its typical (median) inter-chunk gap, one
     engine decode step at about the instance's present batch (SGLang and the twin send one chunk
     per step; the median leaves out the gaps that other requests' prefills stretched). On a
-    spec instance its tokens per verify step are acceptance evidence (`verify_steps` from
-    SGLang's spec details when the server sent them, else one verify step per chunk after the
-    first), as old as half its `decode_s`. Call it before the completion is counted
-    (on_complete): the batch includes the request."""
+    spec instance its `tokens` per `verify_steps` are acceptance evidence, as old as half its
+    `decode_s`. Call it before the completion is counted (on_complete): the batch includes the
+    request."""
     signals = fleet.instances[url]
     if step_ms is not None and step_ms > 0:
         batch = min(max(signals.adjusted_load(), 1.0), float(signals.max_running))
         cost.observe(signals.pool, batch, step_ms)
     if signals.pool != "spec":
         return
-    if verify_steps:
+    if tokens and verify_steps:
         fleet.on_request_evidence(now, tokens, verify_steps, decode_s / 2)
-    elif chunks >= 2 and tokens > chunks:
-        fleet.on_request_evidence(now, tokens, chunks - 1, decode_s / 2)

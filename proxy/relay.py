@@ -319,7 +319,9 @@ class CompletionHandler:
         content = response.content
         is_stream = response.content_type == "text/event-stream"
         per_chunk = is_stream and hooks.wants_chunks
-        tail: deque[bytes] | None = deque(maxlen=4) if hooks is not NO_HOOKS else None
+        # The tail's usage also feeds the routing signals' acceptance evidence on spec instances.
+        keep_tail = hooks is not NO_HOOKS or attempt.wants_summary
+        tail: deque[bytes] | None = deque(maxlen=4) if keep_tail else None
         await exchange.start(response.status, relayed_headers(response))
         hooks.first_chunk(first)
         expect_chunk_gaps(response, self.settings.chunk_timeout_s)
@@ -338,10 +340,10 @@ class CompletionHandler:
             exchange.upstream_wait_s += perf_counter() - began
         exchange.done = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-        attempt.finished()
-        hooks.attempt_finished(status=response.status)
         if tail is not None:
             exchange.summary = scan.summarise(b"".join(tail)[-16384:])
+        attempt.finished(exchange.summary if tail is not None else None)
+        hooks.attempt_finished(status=response.status)
 
     async def end_with_error(self, exchange: Exchange, response: aiohttp.ClientResponse | None, kind: str) -> None:
         """The upstream failed after bytes reached the client: say so in-band, never end clean."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Collection, Mapping
+from typing import TYPE_CHECKING, Any, Collection, Mapping
 
 from policies import registry
 from policies.features import count_prompt_tokens, default_request_class
@@ -20,6 +20,9 @@ from policies.types import Decision, Features, Policy, PoolName, StepCost, Snaps
 from proxy.pools import Instance, Pool, other_pool, pools_from_settings
 from proxy.settings import Settings
 from proxy.signals import Signals
+
+if TYPE_CHECKING:
+    from proxy.scan import Summary
 
 POOL_HEADER = "x-specroute-pool"
 CLASS_HEADER = "x-specroute-class"
@@ -71,7 +74,7 @@ def read_overrides(headers: Mapping[str, str]) -> tuple[PoolName | None, str | N
 class Attempt:
     """One upstream attempt's hold on an instance. `finished`/`failed` release it exactly once."""
 
-    __slots__ = ("fleet", "instance", "started", "tokens", "open", "signals", "chunks", "last_at", "gaps", "spec_details")
+    __slots__ = ("fleet", "instance", "started", "tokens", "open", "signals", "chunks", "last_at", "gaps")
 
     def __init__(self, fleet: FleetState, instance: Instance, signals: Signals | None = None) -> None:
         self.fleet = fleet
@@ -84,8 +87,6 @@ class Attempt:
         self.chunks = 0
         self.last_at = 0.0
         self.gaps: list[float] = []
-        self.spec_details: Mapping[str, Any] | None = None
-        """Set by the relay when the upstream sent sglext.spec_tokens_details."""
         instance.dispatched_total += 1
         fleet.on_dispatch(instance.url, time.monotonic())
 
@@ -103,10 +104,17 @@ class Attempt:
             self.last_at = now
             self.chunks += 1
 
-    def finished(self) -> None:
+    @property
+    def wants_summary(self) -> bool:
+        """True when the response's usage tail is acceptance evidence (a spec instance's stream)."""
+        return self.signals is not None and self.instance.pool == "spec"
+
+    def finished(self, summary: "Summary | None" = None) -> None:
+        """The response ended normally; `summary` is its usage tail when the relay kept one."""
         if self.open and self.signals is not None:
-            self.signals.observe(self.instance, chunks=self.chunks, tokens=self.tokens, gaps_s=self.gaps,
-                                 spec_details=self.spec_details)
+            self.signals.observe(self.instance, events=self.tokens, gaps_s=self.gaps,
+                                 completion_tokens=summary.completion_tokens if summary else None,
+                                 verify_steps=summary.spec_verify_ct if summary else None)
         self._release()
 
     def failed(self, error: str) -> None:

@@ -15,6 +15,7 @@ DONE = b"data: [DONE]"
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z_]+)"')
+_SPEC_VERIFY_CT = re.compile(rb'"spec_verify_ct"\s*:\s*(\d+)')
 
 
 def content_events(chunk: bytes) -> int:
@@ -30,14 +31,18 @@ class Summary:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     finish_reasons: tuple[str, ...] = ()
+    spec_verify_ct: int | None = None
+    """SGLang's verify steps for the request (sglext.spec_tokens_details), when it sent them."""
 
 
 def summarise(tail: bytes) -> Summary:
     """Usage and finish reasons found in the last bytes of a response (JSON body or SSE tail)."""
     prompt = _PROMPT_TOKENS.findall(tail)
     completion = _COMPLETION_TOKENS.findall(tail)
+    verify = _SPEC_VERIFY_CT.findall(tail)
     return Summary(
         prompt_tokens=int(prompt[-1]) if prompt else None,
         completion_tokens=int(completion[-1]) if completion else None,
         finish_reasons=tuple(reason.decode() for reason in _FINISH_REASON.findall(tail)),
+        spec_verify_ct=int(verify[-1]) if verify else None,
     )

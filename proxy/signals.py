@@ -266,14 +266,16 @@ class Signals:
 
     # -- evidence from the request path ---------------------------------------------------------
 
-    def observe(self, instance: Instance, *, chunks: int, tokens: int, gaps_s: list[float],
-                spec_details: Mapping[str, Any] | None = None) -> None:
-        """A finished response from `instance`: `chunks` and `tokens` streamed, `gaps_s` the
-        gaps between its chunks; `spec_details` is SGLang's sglext.spec_tokens_details."""
-        verify = spec_details.get("spec_verify_ct") if spec_details else None
-        step_ms = 1000 * statistics.median(gaps_s) if gaps_s else None
-        learn_from_response(self.fleet, self.cost, instance.url, self.clock(), tokens=tokens, chunks=chunks,
-                            step_ms=step_ms, verify_steps=int(verify) if isinstance(verify, (int, float)) else None,
+    def observe(self, instance: Instance, *, events: int, gaps_s: list[float],
+                completion_tokens: int | None = None, verify_steps: int | None = None) -> None:
+        """A finished response from `instance`: `events` SSE content events relayed, `gaps_s`
+        the gaps between the reads that carried them, and what its usage tail said: completion
+        tokens and (with SGLang's spec details) verify steps."""
+        if verify_steps is None and completion_tokens and events >= 3:
+            # One event per verify step, less the first token's (from prefill) and the usage one.
+            verify_steps = events - 2
+        learn_from_response(self.fleet, self.cost, instance.url, self.clock(), tokens=completion_tokens,
+                            verify_steps=verify_steps, step_ms=1000 * statistics.median(gaps_s) if gaps_s else None,
                             decode_s=sum(gaps_s))
 
     # -- what the router and the state endpoint read -------------------------------------------

@@ -34,7 +34,7 @@ def test_load_past_the_cap_is_waiting_and_never_negative():
     for _ in range(3):
         state.on_dispatch("http://spec", 0.01)
     inst = spec_load(state, 0.02)
-    assert (inst.running, inst.waiting) == (48, 2)
+    assert (inst.running, inst.waiting) == (47, 3)  # sent since the poll: queued for prefill
     state.on_reading("http://spec", Reading(at=1.0, running=1, waiting=0))
     for _ in range(4):
         state.on_complete("http://spec", 1.01)

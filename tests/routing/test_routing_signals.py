@@ -56,13 +56,13 @@ def test_signals_learn_poll_and_estimate_acceptance():
                     await wait_for(lambda: router.snapshot().pool("spec").running >= 20, 20, "polled spec load")
                     assert not router.snapshot().pool("spec").stale
                     await asyncio.gather(*load)
-                    # Finished requests move the token/verify counters; their increments are the evidence.
+                    # The recent-interval gauge on /metrics (read every fifth poll) is the evidence.
                     acceptance = router.fleet.acceptance
-                    await wait_for(lambda: acceptance.evidence(time.monotonic()) > 1000, 20, "counter evidence")
+                    await wait_for(lambda: acceptance.evidence(time.monotonic()) > 1000, 20, "acceptance evidence")
                     reading = reading_from_metrics((await client.get(spec.url + "/metrics")).text, 0)
                 # The server's own ratio (per-request alphas vary around 0.7, so it is not exactly 0.7).
                 served = alpha_from_accept_length(reading.tokens_total / reading.verify_total, 3)
-                assert router.snapshot().pool("spec").alpha == pytest.approx(served, abs=0.03)
+                assert router.snapshot().pool("spec").alpha == pytest.approx(served, abs=0.05)
                 assert 0.55 < served < 0.75
             finally:
                 await router.stop()
@@ -95,12 +95,15 @@ def test_parsers_cover_each_probe():
                         "speculative": {"accept_length": 2.5}},
                        {"num_running_reqs": 2, "num_waiting_reqs": 0, "max_running_requests": 48}]}
     reading = reading_from_loads(loads, 1.0)
-    assert (reading.running, reading.waiting, reading.max_running, reading.accept_length) == (5, 1, 96, 2.5)
+    # /v1/loads' accept_length is cumulative since start: too slow to route on, so not read
+    assert (reading.running, reading.waiting, reading.max_running, reading.accept_length) == (5, 1, 96, None)
     text = ('# HELP sglang:num_running_reqs x\nsglang:num_running_reqs{tp_rank="0"} 7\n'
             'sglang:num_queue_reqs{tp_rank="0"} 2\nsglang:generation_tokens_total{is_streaming="true"} 100\n'
-            'sglang:generation_tokens_total{is_streaming="false"} 20\nsglang:spec_verify_calls_total 50\n')
+            'sglang:generation_tokens_total{is_streaming="false"} 20\nsglang:spec_verify_calls_total 50\n'
+            'sglang:spec_accept_length{tp_rank="0"} 2.4\n')
     reading = reading_from_metrics(text, 2.0)
     assert (reading.running, reading.waiting, reading.tokens_total, reading.verify_total) == (7, 2, 120, 50)
+    assert (reading.accept_length, reading.accept_steps) == (2.4, 40 * 7)
     vllm = "vllm:num_requests_running{model_name=\"m\"} 4.0\nvllm:num_requests_waiting{model_name=\"m\"} 1.0\n"
     assert reading_from_metrics(vllm, 0).running == 4
     assert parse_prometheus("garbage line\nsglang:num_running_reqs NaN\n", frozenset({"sglang:num_running_reqs"})) == {}
