@@ -134,8 +134,8 @@ def slow_proxy(slow_twin: RunningTwin) -> Iterator[RunningProxy]:
 def test_client_disconnect_mid_stream_frees_the_upstream_slot(slow_twin, slow_proxy) -> None:
     with httpx.stream("POST", slow_proxy.base_url + "/chat/completions", timeout=30,
                       json={"model": "m", "messages": MESSAGES, "max_tokens": 4000, "stream": True}) as response:
-        first = next(response.iter_raw())
-        assert first.startswith(b"data: ")
+        chunks = response.iter_raw()  # kept: a dropped iterator would close the response itself
+        assert next(chunks).startswith(b"data: ")
         wait_for(lambda: twin_running(slow_twin) == 1, timeout=10, what="the twin to show the request")
     # Leaving the block closed the connection: the twin's slot must free long before 4,000 tokens.
     wait_for(lambda: twin_running(slow_twin) == 0, timeout=5, what="the twin to drop the request")
