@@ -157,6 +157,8 @@ class Engine:
         self.running: dict[str, Request] = {}
         self.prefilling: Request | None = None
         """A request whose prompt is being prefilled in chunks (holds a running slot)."""
+        self.in_prefill: dict[str, Request] = {}
+        """The requests of the prefill step in flight (they hold running slots)."""
         self._context_sum = 0  # sum of context tokens over `running`
         self._seq = 0
         # Server-side counters (SGLang scheduler + tokenizer manager)
@@ -164,7 +166,6 @@ class Engine:
         self.spec_num_forward_ct = 0
         self.spec_num_correct_drafts = 0
         self.decode_iterations = 0
-        self.generated_tokens = 0  # committed on every step
         self.finished_requests = 0
         self.finished_prompt_tokens = 0
         self.finished_generation_tokens = 0  # sglang:generation_tokens_total (on finish)
@@ -205,18 +206,19 @@ class Engine:
                        max_new_tokens, now, text)
 
     def add(self, req: Request) -> None:
-        req.alpha = self._draw_alpha()
+        req.alpha = self._draw_alpha() if self.config.speculative else 0.0
         self.waiting[req.rid] = req
 
     def abort(self, rid: str, now: float) -> bool:
-        """Drop a request wherever it is; its slot is free for the next step. False if unknown."""
-        req = self.waiting.pop(rid, None)
+        """Drop a request wherever it is (queued, in a prefill step, chunked, decoding); its slot
+        is free for the next step, and a step in flight discards its tokens. False if unknown."""
+        req = self.waiting.pop(rid, None) or self.in_prefill.pop(rid, None)
         if req is None:
             req = self.running.pop(rid, None)
             if req is not None:
                 self._context_sum -= req.context
-            elif self.prefilling is not None and self.prefilling.rid == rid:
-                req, self.prefilling = self.prefilling, None
+        if self.prefilling is not None and self.prefilling.rid == rid:
+            req, self.prefilling = self.prefilling, None
         if req is None or req.finished:
             return False
         self.aborted_requests += 1
@@ -228,10 +230,11 @@ class Engine:
         (a drafter or domain shift hits all sequences at once)."""
         check_alpha(alpha)
         self.mean_alpha = alpha
-        for req in self.running.values():
-            req.alpha = self._draw_alpha()
-        for req in self.waiting.values():
-            req.alpha = self._draw_alpha()
+        for group in (self.running.values(), self.waiting.values(), self.in_prefill.values()):
+            for req in group:
+                req.alpha = self._draw_alpha()
+        if self.prefilling is not None and self.prefilling.rid not in self.in_prefill:
+            self.prefilling.alpha = self._draw_alpha()
 
     def _draw_alpha(self) -> float:
         mean, c = self.mean_alpha, self.config.alpha_concentration
@@ -243,7 +246,8 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self.running) + (1 if self.prefilling is not None else 0)
+        # A chunked prompt is part of the prefill step in flight, if there is one.
+        return len(self.running) + (len(self.in_prefill) or (1 if self.prefilling is not None else 0))
 
     @property
     def num_waiting(self) -> int:
@@ -304,6 +308,7 @@ class Engine:
                 open_chunk = True
         tokens = sum(chunks)
         ms = cfg.profile.prefill_ms(tokens, speculative=cfg.speculative)
+        self.in_prefill = {req.rid: req for req in reqs}
         return Step("prefill", reqs, ms / 1000.0, len(reqs), tokens, now, chunks)
 
     def finish_step(self, step: Step, now: float) -> list[Request]:
@@ -319,6 +324,7 @@ class Engine:
         return touched
 
     def _finish_prefill(self, step: Step, now: float) -> list[Request]:
+        self.in_prefill = {}
         touched = []
         for req, chunk in zip(step.requests, step.chunks):
             if req.finished:
@@ -394,7 +400,6 @@ class Engine:
         req.last_emitted = n
         req.updated = now
         req.output_tokens += n
-        self.generated_tokens += n
         if req.text is not None and req.text.stopped:
             req.matched_stop = req.text.matched_stop
             self._finish(req, "stop", now)

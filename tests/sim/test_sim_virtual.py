@@ -186,3 +186,40 @@ def test_same_seed_same_run():
         return [(r.index, r.finish_time, r.output_tokens) for r in run([spec], arrivals)[0]]
 
     assert once() == once()
+
+
+@pytest.mark.parametrize("where", ["waiting", "prefill step", "chunked between steps", "decoding"])
+def test_abort_frees_the_slot_wherever_the_request_is(where):
+    spec = engine("spec", KIMI, max_running_requests=1)
+    prompt = 20000 if where == "chunked between steps" else 100
+    victim = spec.new_request(prompt, now=0.0, max_new_tokens=50, ignore_eos=True)
+    spec.add(victim)
+    other = spec.new_request(100, now=0.0, max_new_tokens=5, ignore_eos=True)
+    step = spec.begin_step(0.0)
+    if where == "waiting":
+        spec.add(other)
+        spec.add(spec.new_request(100, now=0.0, max_new_tokens=5, ignore_eos=True))
+        victim, other = other, None  # the second request is queued behind the first
+        spec.finish_step(step, step.duration_s)
+        assert spec.num_waiting == 2
+    elif where == "prefill step":
+        assert spec.num_running == 1 and victim.rid in spec.in_prefill
+    elif where == "chunked between steps":
+        spec.finish_step(step, step.duration_s)
+        assert spec.prefilling is victim and spec.num_running == 1
+    else:
+        spec.finish_step(step, step.duration_s)
+        step = spec.begin_step(step.duration_s)
+        assert step.kind == "decode"
+    assert spec.abort(victim.rid, 0.1)
+    assert victim.finish_reason == "abort" and spec.aborted_requests == 1
+    assert not spec.abort(victim.rid, 0.1)  # once only
+    if step is not None and where in ("prefill step", "decoding"):
+        touched = spec.finish_step(step, 0.2)
+        assert victim not in touched  # the step in flight discards its tokens
+    assert victim.rid not in spec.running and victim.rid not in spec.waiting and spec.prefilling is not victim
+    if where != "waiting":
+        assert spec.num_running == 0
+        spec.add(other)
+        nxt = spec.begin_step(0.3)
+        assert nxt.kind == "prefill" and nxt.requests == [other]  # the freed slot is taken at once
