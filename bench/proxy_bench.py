@@ -46,6 +46,7 @@ class Scenario:
 
 SCENARIOS = (
     Scenario("c1-json", 1, False, 3000),
+    Scenario("c1-stream", 1, True, 2000),
     Scenario("c64-json", 64, False, 30000),
     Scenario("c64-stream", 64, True, 10000),
     Scenario("c256-stream", 256, True, 10000),
@@ -121,13 +122,18 @@ def measure(
     }
 
 
-def specroute_cmd(upstream_port: int, port: int) -> tuple[list[str], dict[str, str]]:
+LEAN = {"SPECROUTE_POLICY": "spec", "SPECROUTE_REQUEST_LOG": "false"}
+"""specroute-lean: the static policy (no cost model) and no JSON request log."""
+
+
+def specroute_cmd(upstream_port: int, port: int, extra: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """`specroute serve` with its defaults (goodput policy, request log on) unless `extra` says."""
     env = {
         "SPECROUTE_SPEC_URLS": f"http://127.0.0.1:{upstream_port}",
         "SPECROUTE_BASE_URLS": "",
-        "SPECROUTE_POLICY": "spec",
         "SPECROUTE_PORT": str(port),
         "SPECROUTE_LOG_LEVEL": "warning",
+        **(extra or {}),
     }
     return [sys.executable, "-m", "proxy.cli", "serve"], env
 
@@ -148,15 +154,18 @@ def table(rows: list[tuple[str, str, dict[str, float]]]) -> str:
 def memory_run(upstream_port: int, requests: int) -> str:
     port = free_port()
     cmd, env = specroute_cmd(upstream_port, port)
-    raw = build_request("/v1/chat/completions", BODY)
+    json_raw = build_request("/v1/chat/completions", BODY)
+    stream_raw = build_request("/v1/chat/completions", STREAM_BODY)
     with process(cmd, port, env) as proc:
-        uvloop.run(run(port, raw, 64, 10000, None))  # warm: pools, caches, allocator
+        uvloop.run(run(port, json_raw, 64, 10000, None))  # warm: pools, caches, allocator
+        uvloop.run(run(port, stream_raw, 64, 2000, CHUNKS + 2))
         before = rss_kb(proc.pid)
-        result = uvloop.run(run(port, raw, 64, requests, None))
+        errors = uvloop.run(run(port, json_raw, 64, requests // 2, None)).errors
+        errors += uvloop.run(run(port, stream_raw, 64, requests - requests // 2, CHUNKS + 2)).errors
         after = rss_kb(proc.pid)
     return (
-        f"RSS over {requests:,} requests after a 10,000-request warm-up: {before / 1024:.1f} MiB -> "
-        f"{after / 1024:.1f} MiB (growth {(after - before) / 1024:.2f} MiB), errors {result.errors}"
+        f"RSS over {requests:,} requests (half JSON, half 64-chunk streams, concurrency 64) after a warm-up: "
+        f"{before / 1024:.1f} MiB -> {after / 1024:.1f} MiB (growth {(after - before) / 1024:.2f} MiB), errors {errors}"
     )
 
 
@@ -175,9 +184,10 @@ def main() -> None:
     with process(upstream, upstream_port) as upstream_proc:
         targets: list[tuple[str, list[str] | None, dict[str, str]]] = [("direct", None, {})]
         if not args.no_specroute:
-            port = free_port()
-            cmd, env = specroute_cmd(upstream_port, port)
+            cmd, env = specroute_cmd(upstream_port, 0)
             targets.append(("specroute", cmd, env))
+            cmd, env = specroute_cmd(upstream_port, 0, LEAN)
+            targets.append(("specroute-lean", cmd, env))
         if args.clients:
             for client in CLIENTS:
                 cmd = [sys.executable, "-m", "bench.proxy_minimal", client, str(upstream_port), "{port}"]

@@ -83,6 +83,8 @@ class Handler(asyncio.Protocol):
         self.body = []
         if self.url.endswith(b"/models"):
             self.transport.write(head("200 OK", b"application/json", len(MODELS)) + MODELS)
+        elif not body:  # GET /server_info, /v1/loads, /metrics: a server without load endpoints
+            self.transport.write(head("404 Not Found", b"text/plain", 0))
         elif b'"stream": true' in body or b'"stream":true' in body:
             self.transport.write(head("200 OK", b"text/event-stream", None))
             for chunk in self.chunks:

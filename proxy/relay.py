@@ -61,6 +61,12 @@ class ClientGone(Exception):
     """The client disconnected while its request body was being read."""
 
 
+class ResponseAborted(Exception):
+    """A JSON body was cut short upstream after its first bytes went to the client: returning
+    without completing the response makes uvicorn close the connection, so the client sees a
+    broken response rather than a short one."""
+
+
 class Exchange:
     """One client request's state on the way through."""
 
@@ -185,6 +191,8 @@ class CompletionHandler:
             await exchange.fail(error)
         except ClientGone:
             exchange.client_gone = True
+        except ResponseAborted as aborted:
+            exchange.error_type = str(aborted)  # uvicorn closes the connection: the client sees the break
         except asyncio.CancelledError:
             if not exchange.client_gone:
                 raise  # server shutdown, not our client leaving
@@ -353,8 +361,7 @@ class CompletionHandler:
             exchange.done = True
             await exchange.send({"type": "http.response.body", "body": stream_error_event(message, code=kind), "more_body": False})
             return
-        # A JSON body cut short cannot carry an error: break the connection so the client knows.
-        raise ConnectionAbortedError(f"upstream failed mid-body ({kind})")
+        raise ResponseAborted(kind)
 
 
 async def read_up_to(content: aiohttp.StreamReader, limit: int) -> bytes:

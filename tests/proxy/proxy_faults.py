@@ -5,6 +5,7 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
 
     with FaultServer("status:503") as bad:       # every request gets a 503 (SGLang's flat error)
     with FaultServer("cut:3") as bad:            # 200 SSE, 3 chunks, then the connection drops
+    with FaultServer("cutjson") as bad:          # 200 JSON, a few bytes of it, then the connection drops
     with FaultServer("stall:2") as bad:          # 200 SSE, 2 chunks, then silence
     with FaultServer("hang") as bad:             # reads the request, never answers
     with FaultServer("echo") as bad:             # answers 200 JSON; bad.requests holds what came
@@ -117,6 +118,11 @@ class FaultServer:
             body = json.dumps(COMPLETION).encode()
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                          % (len(body), body))
+        elif kind == "cutjson":  # announces a full JSON body, sends a few bytes, drops the connection
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n{\"id\": ")
+            await writer.drain()
+            writer.transport.abort()
+            return False
         elif kind in ("cut", "stall"):
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             for i in range(int(arg)):

@@ -95,6 +95,15 @@ def test_mid_stream_failure_ends_with_an_error_event_not_a_clean_end() -> None:
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
+def test_json_body_cut_upstream_breaks_the_client_connection() -> None:
+    with FaultServer("cutjson") as cut, running_proxy(spec_urls=[cut.url], policy="spec") as proxy:
+        with pytest.raises(httpx.RemoteProtocolError):
+            httpx.post(proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES})
+        assert posts(cut) == 1
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+        assert httpx.get(proxy.url + "/health").status_code == 200
+
+
 def test_first_token_timeout_is_504_and_closes_the_upstream_request() -> None:
     with FaultServer("hang") as hang, running_proxy(spec_urls=[hang.url], policy="spec", first_token_timeout_s=0.5) as proxy:
         response = httpx.post(proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=30)
