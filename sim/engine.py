@@ -131,6 +131,10 @@ class Request:
             "spec_num_correct_drafts": self.correct_drafts,
             "spec_num_proposed_drafts": verify * num_steps,
             "spec_correct_drafts_histogram": list(self.accept_hist),
+            # DSpark-only fields in SGLang: present, null for EAGLE.
+            "spec_cap_length": None,
+            "spec_block_accept_length": None,
+            "spec_cap_lens_histogram": None,
         }
 
 
@@ -241,6 +245,10 @@ class Engine:
         if mean <= 0.0:
             return 0.0
         return min(self.rng.betavariate(mean * c, (1.0 - mean) * c), 0.999)
+
+    def has_request(self, rid: str) -> bool:
+        return (rid in self.waiting or rid in self.running or rid in self.in_prefill
+                or (self.prefilling is not None and self.prefilling.rid == rid))
 
     # ---- load --------------------------------------------------------------------------
 

@@ -142,7 +142,7 @@ class Twin:
         check_context(prompt_tokens, request.max_new_tokens, self.config.context_length)
         loop = self.running_loop
         rid = request.rid or uuid.uuid4().hex
-        if rid in self.engine.waiting or rid in self.engine.running:
+        if self.engine.has_request(rid):
             raise TwinError(f"Duplicate request id {rid!r}.")
         req = self.engine.new_request(
             prompt_tokens,

@@ -376,3 +376,23 @@ def test_http_and_virtual_clock_run_the_same_engine():
         (times,) = asyncio.run(chunk_times(t, 1, 150))
     assert [n for _, n in times] == virtual
     assert virtual[0] == 1 and sum(virtual) == 150
+
+
+def test_request_id_is_the_response_id_and_must_be_unique_while_running(spec):
+    r = chat(spec, max_tokens=3, extra_body={"rid": "my-request-1"})
+    assert r.id == "my-request-1"
+
+    async def clash():
+        aclient = openai.AsyncOpenAI(base_url=spec.base_url, api_key="unused", max_retries=0)
+        stream = await aclient.chat.completions.create(
+            model="twin", messages=[{"role": "user", "content": "x"}], max_tokens=20000, stream=True,
+            extra_body={"ignore_eos": True, "rid": "busy-rid"})
+        try:
+            with pytest.raises(openai.BadRequestError, match="Duplicate request id"):
+                await aclient.chat.completions.create(model="twin", messages=[{"role": "user", "content": "x"}],
+                                                      max_tokens=3, extra_body={"rid": "busy-rid"})
+        finally:
+            await stream.close()
+            await aclient.close()
+
+    asyncio.run(clash())
