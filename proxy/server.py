@@ -53,6 +53,7 @@ def uvicorn_config(app: SpecrouteApp, settings: Settings) -> uvicorn.Config:
         log_level=settings.log_level,
         access_log=False,  # the telemetry's JSON request log replaces it
         server_header=False,
+        proxy_headers=False,  # no X-Forwarded-* rewriting: the client address is the peer's
         timeout_graceful_shutdown=settings.drain_timeout_s,
         backlog=4096,
     )

@@ -10,6 +10,7 @@ import asyncio
 from typing import Any, Iterable
 
 import aiohttp
+from yarl import URL
 
 from proxy.settings import Settings
 
@@ -42,6 +43,8 @@ class Upstream:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, URL] = {}
+        """Parsed upstream URLs (instances x paths: a handful), so yarl parses each only once."""
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -52,6 +55,7 @@ class Upstream:
         self._session = aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,  # bytes pass through as the upstream sent them
+            cookie_jar=aiohttp.DummyCookieJar(),  # one client's upstream cookies must never reach another
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             timeout=aiohttp.ClientTimeout(total=None),
         )
@@ -76,7 +80,10 @@ class Upstream:
             sock_connect=self.settings.connect_timeout_s,
             sock_read=self.settings.first_token_timeout_s,
         )
-        return await self.session.post(url, data=body, headers=list(headers), timeout=timeout, allow_redirects=False)
+        parsed = self._urls.get(url)
+        if parsed is None:
+            parsed = self._urls[url] = URL(url)
+        return await self.session.post(parsed, data=body, headers=list(headers), timeout=timeout, allow_redirects=False)
 
     async def get_json(self, url: str, headers: Iterable[tuple[str, str]], timeout_s: float) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
