@@ -7,9 +7,8 @@ of the test process so that tests can also look at the router's in-flight counts
 from __future__ import annotations
 
 import threading
-import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import httpx
 import uvicorn
@@ -17,22 +16,10 @@ import uvicorn
 from proxy.app import SpecrouteApp
 from proxy.server import DrainingServer, build_app, uvicorn_config
 from proxy.settings import Settings, load_settings
-from sim.testing import RunningTwin
+from sim.testing import RunningTwin, wait_for
 
 TIME_SCALE = 50.0
 """Twins run 50x faster than the H200 they model: a 16-token answer takes a few ms."""
-
-
-def wait_for(condition: Callable[[], Any], timeout: float = 20.0, interval: float = 0.02, what: str = "") -> Any:
-    """Poll `condition` until it returns something truthy, failing after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what or condition}")
-        time.sleep(interval)
 
 
 class RunningProxy:
@@ -59,7 +46,7 @@ def running_proxy(**overrides: Any) -> Iterator[RunningProxy]:
     server = DrainingServer(config, app)
     thread = threading.Thread(target=server.run, daemon=True)  # uvloop, as `specroute serve`
     thread.start()
-    wait_for(lambda: server.started or not thread.is_alive(), 30, what="the proxy to start")
+    wait_for(lambda: server.started or not thread.is_alive(), "the proxy to start", timeout=30)
     if not server.started:
         raise RuntimeError("the proxy did not start")
     try:
