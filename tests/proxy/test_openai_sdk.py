@@ -126,3 +126,16 @@ def test_pool_api_key_replaces_the_client_key() -> None:
         client.chat.completions.create(model="m", messages=MESSAGES)
         sent = [r for r in upstream.requests if r.method == "POST"][-1]
         assert sent.headers["authorization"] == "Bearer pool-secret"
+
+
+def test_client_sockets_have_nagle_off(proxy: RunningProxy) -> None:
+    """With Nagle on, a stream's small first chunk waits for the client's delayed ACK (~40 ms)."""
+    import socket
+
+    with httpx.stream("POST", proxy.base_url + "/chat/completions", timeout=30,
+                      json={"model": "m", "messages": MESSAGES, "max_tokens": 50, "stream": True}) as response:
+        chunks = response.iter_raw()
+        next(chunks)
+        sockets = [c.transport.get_extra_info("socket") for c in list(proxy.server.server_state.connections)]
+        assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
+        assert list(chunks)
