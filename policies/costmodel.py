@@ -144,7 +144,7 @@ class StepCostModel:
         ratio = step_ms / self.seed_step_ms(batch, model.tokens_per_seq)
         bucket = model.buckets.setdefault(_nearest_bucket(batch), _Bucket())
         bucket.weight = min(bucket.weight + weight, self.memory)
-        bucket.ratio += (ratio - bucket.ratio) * weight / bucket.weight if bucket.weight > 0 else 0.0
+        bucket.ratio += (ratio - bucket.ratio) * weight / bucket.weight
 
     def correction(self, pool: PoolName, batch: float) -> float:
         learned = sorted((b, k) for b, k in self._pools[pool].buckets.items() if k.weight > 0)

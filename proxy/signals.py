@@ -175,7 +175,10 @@ class Signals:
         interval = self.settings.poll_interval_ms / 1000
         while True:
             started = self.clock()
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except Exception:  # a bug in one poll must not stop polling (readings would go stale)
+                log.exception("load poll failed")
             await asyncio.sleep(max(interval - (self.clock() - started), 0.0))
 
     # -- polling --------------------------------------------------------------------------------

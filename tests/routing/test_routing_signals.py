@@ -7,6 +7,7 @@ import httpx
 import pytest
 
 from policies.acceptance import accept_length, alpha_from_accept_length
+from policies.types import Features
 from proxy.routing import Router
 from proxy.settings import load_settings
 from proxy.signals import parse_prometheus, reading_from_get_load, reading_from_loads, reading_from_metrics
@@ -33,7 +34,8 @@ async def stream_one(client: httpx.AsyncClient, url: str, max_tokens: int) -> No
 
 
 def test_signals_learn_poll_and_estimate_acceptance():
-    specs = (TwinSpec("spec", time_scale=TIME_SCALE, seed=3, args=("--mean-alpha", "0.7")),
+    # Real time (scale 2) here: the streams must outlast a few polls of the counters.
+    specs = (TwinSpec("spec", time_scale=2.0, seed=3, args=("--mean-alpha", "0.7")),
              TwinSpec("base", time_scale=TIME_SCALE, seed=4))
     with twins(*specs) as (spec, base):
         settings = load_settings(spec_urls=spec.url, base_urls=base.url, poll_interval_ms=20, stale_ms=2000,
@@ -56,7 +58,7 @@ def test_signals_learn_poll_and_estimate_acceptance():
                     await wait_for(lambda: router.snapshot().pool("spec").running >= 20, 20, "polled spec load")
                     assert not router.snapshot().pool("spec").stale
                     await asyncio.gather(*load)
-                    # The recent-interval gauge on /metrics (read every fifth poll) is the evidence.
+                    # The accept-length gauge and the counters on /metrics (every fifth poll) are the evidence.
                     acceptance = router.fleet.acceptance
                     await wait_for(lambda: acceptance.evidence(time.monotonic()) > 1000, 20, "acceptance evidence")
                     reading = reading_from_metrics((await client.get(spec.url + "/metrics")).text, 0)
@@ -84,6 +86,10 @@ def test_a_dead_instance_turns_stale():
                 await wait_for(lambda: router.snapshot().pool("spec").stale, 10, "the spec pool to turn stale")
                 assert router.state()["pools"]["spec"]["instances"][0]["error"]
                 assert not router.snapshot().pool("base").stale
+                # The policy acts conservatively on a stale spec pool, and says why.
+                decision = router.choose(Features(prompt_tokens=100), None)
+                assert (decision.pool, decision.reason) == ("base", "stale")
+                assert decision.scores["spec.stale"] == 1.0 and decision.scores["spec.age_s"] > 0.3
             finally:
                 await router.stop()
 
