@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from typing import Any
+
+import orjson
 
 LOGGER_NAME = "specroute.request"
 
@@ -25,4 +26,4 @@ def request_logger() -> logging.Logger:
 
 def write(logger: logging.Logger, record: dict[str, Any]) -> None:
     if logger.isEnabledFor(logging.INFO):
-        logger.info(json.dumps(record, separators=(",", ":"), default=str))
+        logger.info(orjson.dumps(record, default=str).decode())

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Any, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -45,6 +45,54 @@ class Metrics:
             n.M_OVERHEAD, "Seconds per request spent in the proxy itself (not waiting on upstream).",
             buckets=n.BUCKETS_OVERHEAD, registry=r)
         self._snapshot_source: Callable[[], Snapshot | None] | None = None
+        # Label children by label values: prometheus_client's labels() takes a lock and builds
+        # tuples on every call; a request needs about eight of them.
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
+    def decided(self, reason: str, pool: str) -> None:
+        self._child(self.decisions, reason, pool).inc()
+
+    def retried(self, pool: str) -> None:
+        self._child(self.retries, pool).inc()
+
+    def failed_over(self, from_pool: str, to_pool: str) -> None:
+        self._child(self.failovers, from_pool, to_pool).inc()
+
+    def in_flight_child(self, pool: str, instance: str) -> Any:
+        return self._child(self.in_flight, pool, instance)
+
+    def finished(
+        self,
+        pool: str,
+        policy: str,
+        outcome: str,
+        duration_s: float,
+        overhead_s: float,
+        ttft_s: float | None,
+        inter_token_s: float | None,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+    ) -> None:
+        """One request's samples (TTFT and inter-token only for streams)."""
+        child = self._child
+        child(self.requests, pool, policy, outcome).inc()
+        child(self.duration, pool).observe(duration_s)
+        self.overhead.observe(overhead_s)
+        if ttft_s is not None:
+            child(self.ttft, pool).observe(ttft_s)
+        if inter_token_s is not None:
+            child(self.inter_token, pool).observe(inter_token_s)
+        if prompt_tokens:
+            child(self.tokens, pool, "input").inc(prompt_tokens)
+        if completion_tokens:
+            child(self.tokens, pool, "output").inc(completion_tokens)
 
     def watch_snapshot(self, source: Callable[[], Snapshot | None]) -> None:
         """Refresh the alpha and snapshot-age gauges from `source` at every scrape."""

@@ -3,7 +3,8 @@
 Span shape (see docs/observability.md): a SERVER span per request, an INTERNAL `specroute.route`
 child for the decision, and one CLIENT span per upstream attempt, named and attributed by the
 OpenTelemetry GenAI conventions and ended when the relayed stream ends. W3C traceparent goes
-upstream from the attempt span, so the backend's own span lands beneath it.
+upstream from the attempt span, so the backend's own span lands beneath it. Spans are plain
+attribute dicts while the request runs and go to the exporter when they end (see tracing.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
 
 from opentelemetry import propagate, trace
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode
 
 from proxy.hooks import RequestHooks
 from proxy.telemetry import logs
@@ -23,27 +24,28 @@ from proxy.telemetry import names as n
 if TYPE_CHECKING:
     from policies.types import Decision, Features
     from proxy.telemetry.service import SpecrouteTelemetry
+    from proxy.telemetry.tracing import Tracing
 
 
 class RequestRecorder(RequestHooks):
     """Called by the request path at fixed points (proxy.hooks.RequestHooks); never per chunk."""
 
     __slots__ = (
-        "_owner", "_endpoint", "_request_id", "_t0", "_t0_ns", "_t_attempt", "_t_first",
-        "_server", "_attempt_span", "_pool", "_instance", "_attempt", "_reason", "_stream",
-        "_model", "_params", "_in_flight",
+        "_owner", "_tracing", "_endpoint", "_request_id", "_t0", "_t0_ns", "_t_attempt", "_t_first",
+        "_pool", "_instance", "_attempt", "_reason", "_stream", "_model", "_params", "_in_flight",
+        "_server", "_parent", "_server_attrs", "_sampled", "_attempt_ctx", "_attempt_start_ns",
+        "_attempt_attrs", "_attempt_events",
     )
 
     def __init__(self, owner: "SpecrouteTelemetry", endpoint: str) -> None:
         self._owner = owner
+        self._tracing: Tracing | None = owner.tracing
         self._endpoint = endpoint
         self._request_id: str | None = None
         self._t0 = time.perf_counter()
         self._t0_ns = time.time_ns()
         self._t_attempt = 0.0
         self._t_first: float | None = None
-        self._server: Span | None = None
-        self._attempt_span: Span | None = None
         self._pool: str | None = None
         self._instance: str | None = None
         self._attempt = 0
@@ -52,28 +54,39 @@ class RequestRecorder(RequestHooks):
         self._model: str | None = None
         self._params: Mapping[str, Any] = {}
         self._in_flight: Any = None
+        # Tracing: contexts always (for propagation), attributes only when sampled.
+        self._server: SpanContext | None = None
+        self._parent: SpanContext | None = None
+        self._server_attrs: dict[str, Any] = {}
+        self._sampled = False
+        self._attempt_ctx: SpanContext | None = None
+        self._attempt_start_ns = 0
+        self._attempt_attrs: dict[str, Any] | None = None
+        self._attempt_events: list[tuple[str, int]] = []
 
     # -- request ---------------------------------------------------------------------------
     def received(self, *, endpoint: str, request_id: str, headers: Mapping[str, str], body_bytes: int) -> None:
         self._request_id = request_id
-        tracer = self._owner.tracer
-        if tracer is None:
+        tracing = self._tracing
+        if tracing is None:
             return
         # The client's own traceparent (if any) becomes the parent: the proxy joins its trace.
-        self._server = tracer.start_span(
-            f"POST {endpoint}",
-            context=propagate.extract(headers),
-            kind=SpanKind.SERVER,
-            start_time=self._t0_ns,
-            attributes={
+        parent_context = None
+        if not tracing.w3c_only or "traceparent" in headers:
+            parent_context = propagate.extract(headers)
+            parent = trace.get_current_span(parent_context).get_span_context()
+            self._parent = parent if parent.is_valid else None
+        self._server = tracing.root_context(self._parent, parent_context, endpoint)
+        self._sampled = self._server.trace_flags.sampled
+        if self._sampled:
+            self._server_attrs = {
                 n.HTTP_REQUEST_METHOD: "POST",
                 n.HTTP_ROUTE: endpoint,
                 n.URL_PATH: endpoint,
                 n.URL_SCHEME: "http",
                 n.USER_AGENT_ORIGINAL: headers.get("user-agent", ""),
                 n.REQUEST_ID: request_id,
-            },
-        )
+            }
 
     def decided(
         self,
@@ -88,9 +101,8 @@ class RequestRecorder(RequestHooks):
         self._stream = features.stream
         self._model = model
         self._params = body if body is not None else {}
-        self._owner.metrics.decisions.labels(decision.reason, decision.pool).inc()
-        server = self._server
-        if server is None or not server.is_recording():
+        self._owner.metrics.decided(decision.reason, decision.pool)
+        if not self._sampled:
             return
         attributes: dict[str, Any] = {
             n.ROUTE_POLICY: self._owner.policy,
@@ -105,35 +117,35 @@ class RequestRecorder(RequestHooks):
         # capacity, reading age and staleness, and the speculative pool's alpha.
         for key, value in decision.scores.items():
             attributes[n.ROUTE_INPUT_PREFIX + key] = value
+        tracing, server = self._tracing, self._server
+        assert tracing is not None and server is not None
         # The decision span covers reading the body, building features and the policy call.
-        span = self._owner.tracer.start_span(  # type: ignore[union-attr]
-            n.SPAN_DECISION,
-            context=trace.set_span_in_context(server),
-            kind=SpanKind.INTERNAL,
-            start_time=self._t0_ns,
-            attributes=attributes,
-        )
-        span.end()
+        tracing.emit(n.SPAN_DECISION, tracing.child_context(server), server, SpanKind.INTERNAL,
+                     self._t0_ns, time.time_ns(), attributes)
 
     # -- attempts --------------------------------------------------------------------------
     def attempt_started(self, *, pool: str, instance: str, attempt: int) -> None:
         metrics = self._owner.metrics
         if attempt > 1:
             if pool == self._pool:
-                metrics.retries.labels(pool).inc()
+                metrics.retried(pool)
             else:
-                metrics.failovers.labels(self._pool or "none", pool).inc()
+                metrics.failed_over(self._pool or "none", pool)
         self._pool, self._instance, self._attempt = pool, instance, attempt
         self._t_attempt = time.perf_counter()
-        self._in_flight = metrics.in_flight.labels(pool, instance)
+        self._in_flight = metrics.in_flight_child(pool, instance)
         self._in_flight.inc()
-        server = self._server
-        if server is None or not server.is_recording():
+        tracing, server = self._tracing, self._server
+        if tracing is None or server is None:
             return
-        operation = n.OPERATION_BY_PATH.get(self._endpoint, "chat")
+        self._attempt_ctx = tracing.child_context(server)
+        if not self._sampled:
+            return
+        self._attempt_start_ns = time.time_ns()
+        self._attempt_events = []
         address, port = self._owner.address_of(instance)
         attributes: dict[str, Any] = {
-            n.GEN_AI_OPERATION_NAME: operation,
+            n.GEN_AI_OPERATION_NAME: n.OPERATION_BY_PATH.get(self._endpoint, "chat"),
             n.GEN_AI_PROVIDER_NAME: n.PROVIDER_SGLANG,
             n.SERVER_ADDRESS: address,
             n.SERVER_PORT: port,
@@ -147,22 +159,20 @@ class RequestRecorder(RequestHooks):
         attributes.update(request_attributes(self._params))
         if self._owner.trace_content:
             attributes.update(content_attributes(self._params))
-        self._attempt_span = self._owner.tracer.start_span(  # type: ignore[union-attr]
-            f"{operation} {self._model}" if self._model else operation,
-            context=trace.set_span_in_context(server),
-            kind=SpanKind.CLIENT,
-            attributes=attributes,
-        )
+        self._attempt_attrs = attributes
 
     def outgoing_headers(self, headers: MutableMapping[str, str]) -> None:
-        span = self._attempt_span
-        if span is not None:
-            propagate.inject(headers, context=trace.set_span_in_context(span))
+        context = self._attempt_ctx
+        if context is None:
+            return
+        if self._tracing.w3c_only:  # type: ignore[union-attr]
+            headers["traceparent"] = "00-%032x-%016x-%02x" % (context.trace_id, context.span_id, context.trace_flags)
+        else:
+            propagate.inject(headers, context=trace.set_span_in_context(NonRecordingSpan(context)))
 
     def upstream_headers(self, *, status: int, headers: Mapping[str, str]) -> None:
-        span = self._attempt_span
-        if span is not None and span.is_recording():
-            span.set_attribute(n.HTTP_RESPONSE_STATUS_CODE, status)
+        if self._attempt_attrs is not None:
+            self._attempt_attrs[n.HTTP_RESPONSE_STATUS_CODE] = status
 
     def response_headers(self, *, upstream_wait_s: float) -> list[tuple[bytes, bytes]]:
         """x-specroute-overhead-ms: the proxy's own time before the response began; and, for a
@@ -170,26 +180,25 @@ class RequestRecorder(RequestHooks):
         overhead_ms = max(time.perf_counter() - self._t0 - upstream_wait_s, 0.0) * 1000
         headers = [(n.OVERHEAD_HEADER_BYTES, b"%.3f" % overhead_ms)]
         server = self._server
-        if server is not None and server.is_recording():
-            context = server.get_span_context()
-            headers.append((n.TRACERESPONSE_HEADER_BYTES,
-                            b"00-%032x-%016x-%02x" % (context.trace_id, context.span_id, context.trace_flags)))
+        if server is not None and self._sampled:
+            headers.append((n.TRACERESPONSE_HEADER_BYTES, b"00-%032x-%016x-01" % (server.trace_id, server.span_id)))
         return headers
 
     def first_chunk(self, data: bytes = b"") -> None:
         self._t_first = now = time.perf_counter()
-        span = self._attempt_span
-        if span is not None and span.is_recording():
-            span.set_attribute(n.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, now - self._t_attempt)
-            span.add_event(n.EVENT_FIRST_TOKEN)
-            # The response's first object (JSON body or first SSE event) opens with its id and
-            # model, as SGLang and vLLM write them; a regex over these bytes, never a parse.
-            response_id = _RESPONSE_ID.search(data)
-            if response_id:
-                span.set_attribute(n.GEN_AI_RESPONSE_ID, response_id.group(1).decode(errors="replace"))
-            response_model = _RESPONSE_MODEL.search(data)
-            if response_model:
-                span.set_attribute(n.GEN_AI_RESPONSE_MODEL, response_model.group(1).decode(errors="replace"))
+        attributes = self._attempt_attrs
+        if attributes is None:
+            return
+        attributes[n.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK] = now - self._t_attempt
+        self._attempt_events.append((n.EVENT_FIRST_TOKEN, time.time_ns()))
+        # The response's first object (JSON body or first SSE event) opens with its id and
+        # model, as SGLang and vLLM write them; a regex over these bytes, never a parse.
+        response_id = _RESPONSE_ID.search(data)
+        if response_id:
+            attributes[n.GEN_AI_RESPONSE_ID] = response_id.group(1).decode(errors="replace")
+        response_model = _RESPONSE_MODEL.search(data)
+        if response_model:
+            attributes[n.GEN_AI_RESPONSE_MODEL] = response_model.group(1).decode(errors="replace")
 
     def attempt_finished(self, *, status: int) -> None:
         # The span stays open until `finished`, which brings usage and finish reasons.
@@ -197,16 +206,25 @@ class RequestRecorder(RequestHooks):
 
     def attempt_failed(self, *, error: str, retryable: bool) -> None:
         self._release_instance()
-        span, self._attempt_span = self._attempt_span, None
-        if span is not None:
-            span.set_attribute(n.ERROR_TYPE, error)
-            span.set_status(Status(StatusCode.ERROR, error))
-            span.end()
+        attributes = self._attempt_attrs
+        if attributes is not None:
+            attributes[n.ERROR_TYPE] = error
+            self._end_attempt(StatusCode.ERROR, error)
+        self._attempt_ctx = None
 
     def _release_instance(self) -> None:
         if self._in_flight is not None:
             self._in_flight.dec()
             self._in_flight = None
+
+    def _end_attempt(self, status: StatusCode, description: str | None) -> None:
+        tracing, context, attributes = self._tracing, self._attempt_ctx, self._attempt_attrs
+        assert tracing is not None and context is not None and attributes is not None
+        model = attributes.get(n.GEN_AI_REQUEST_MODEL)
+        operation = attributes[n.GEN_AI_OPERATION_NAME]
+        tracing.emit(f"{operation} {model}" if model else operation, context, self._server, SpanKind.CLIENT,
+                     self._attempt_start_ns, time.time_ns(), attributes, self._attempt_events, status, description)
+        self._attempt_attrs = None
 
     # -- response --------------------------------------------------------------------------
     def finished(
@@ -229,22 +247,16 @@ class RequestRecorder(RequestHooks):
         outcome = outcome_of(status, error_type)
         pool = self._pool or "none"
         owner = self._owner
-        metrics = owner.metrics
-        metrics.requests.labels(pool, owner.policy, outcome).inc()
-        metrics.duration.labels(pool).observe(duration_s)
-        metrics.overhead.observe(overhead_s)
         ttft_s = None if self._t_first is None else self._t_first - self._t0
-        if self._stream and ttft_s is not None:
-            metrics.ttft.labels(pool).observe(ttft_s)
-            if completion_tokens and completion_tokens > 1:
-                metrics.inter_token.labels(pool).observe((end - self._t_first) / (completion_tokens - 1))  # type: ignore[operator]
-        if prompt_tokens:
-            metrics.tokens.labels(pool, "input").inc(prompt_tokens)
-        if completion_tokens:
-            metrics.tokens.labels(pool, "output").inc(completion_tokens)
-        trace_id = self._trace_id()
-        self._end_spans(status, error_type, prompt_tokens, completion_tokens, finish_reasons, overhead_s)
+        inter_token_s = None
+        if self._stream and self._t_first is not None and completion_tokens and completion_tokens > 1:
+            inter_token_s = (end - self._t_first) / (completion_tokens - 1)
+        owner.metrics.finished(pool, owner.policy, outcome, duration_s, overhead_s,
+                               ttft_s if self._stream else None, inter_token_s, prompt_tokens, completion_tokens)
+        if self._sampled:
+            self._end_spans(status, error_type, prompt_tokens, completion_tokens, finish_reasons, overhead_s)
         if owner.request_log is not None:
+            server = self._server
             logs.write(owner.request_log, {
                 "ts": round(time.time(), 3),
                 "request_id": self._request_id,
@@ -264,7 +276,7 @@ class RequestRecorder(RequestHooks):
                 "duration_ms": round(duration_s * 1000, 3),
                 "overhead_ms": round(overhead_s * 1000, 3),
                 "error_type": error_type,
-                "trace_id": trace_id,
+                "trace_id": "%032x" % server.trace_id if server is not None and self._sampled else None,
             })
 
     def _end_spans(
@@ -276,36 +288,29 @@ class RequestRecorder(RequestHooks):
         finish_reasons: tuple[str, ...],
         overhead_s: float,
     ) -> None:
-        span, self._attempt_span = self._attempt_span, None
-        if span is not None:
-            if span.is_recording():
-                if finish_reasons:
-                    span.set_attribute(n.GEN_AI_RESPONSE_FINISH_REASONS, list(finish_reasons))
-                if prompt_tokens is not None:
-                    span.set_attribute(n.GEN_AI_USAGE_INPUT_TOKENS, prompt_tokens)
-                if completion_tokens is not None:
-                    span.set_attribute(n.GEN_AI_USAGE_OUTPUT_TOKENS, completion_tokens)
-                if error_type:
-                    span.set_attribute(n.ERROR_TYPE, error_type)
-                    span.set_status(Status(StatusCode.ERROR, error_type))
-            span.end()
-        server, self._server = self._server, None
-        if server is not None:
-            if server.is_recording():
-                server.set_attribute(n.HTTP_RESPONSE_STATUS_CODE, status)
-                server.set_attribute(n.OVERHEAD_MS, round(overhead_s * 1000, 3))
-                # HTTP semconv: a SERVER span is an error for 5xx only (4xx is the client's).
-                if status >= 500 or (error_type and status >= 400):
-                    server.set_attribute(n.ERROR_TYPE, error_type or str(status))
-                    server.set_status(Status(StatusCode.ERROR))
-            server.end()
-
-    def _trace_id(self) -> str | None:
-        server = self._server
-        context = server.get_span_context() if server is not None else None
-        if context is None or not context.is_valid:
-            return None
-        return format(context.trace_id, "032x")
+        attributes = self._attempt_attrs
+        if attributes is not None:
+            if finish_reasons:
+                attributes[n.GEN_AI_RESPONSE_FINISH_REASONS] = list(finish_reasons)
+            if prompt_tokens is not None:
+                attributes[n.GEN_AI_USAGE_INPUT_TOKENS] = prompt_tokens
+            if completion_tokens is not None:
+                attributes[n.GEN_AI_USAGE_OUTPUT_TOKENS] = completion_tokens
+            if error_type:
+                attributes[n.ERROR_TYPE] = error_type
+            self._end_attempt(StatusCode.ERROR if error_type else StatusCode.UNSET, error_type)
+        server_attrs = self._server_attrs
+        server_attrs[n.HTTP_RESPONSE_STATUS_CODE] = status
+        server_attrs[n.OVERHEAD_MS] = round(overhead_s * 1000, 3)
+        server_status = StatusCode.UNSET
+        # HTTP semconv: a SERVER span is an error for 5xx only (4xx is the client's).
+        if status >= 500 or (error_type and status >= 400):
+            server_attrs[n.ERROR_TYPE] = error_type or str(status)
+            server_status = StatusCode.ERROR
+        tracing, server = self._tracing, self._server
+        assert tracing is not None and server is not None
+        tracing.emit(f"POST {self._endpoint}", server, self._parent, SpanKind.SERVER, self._t0_ns,
+                     time.time_ns(), server_attrs, (), server_status)
 
 
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,200})"')

@@ -7,7 +7,6 @@ from typing import TYPE_CHECKING, Callable
 from urllib.parse import urlsplit
 
 from fastapi import Response
-from opentelemetry.trace import Tracer
 
 from proxy.hooks import Telemetry
 from proxy.telemetry import logs
@@ -30,10 +29,12 @@ class SpecrouteTelemetry(Telemetry):
     def __init__(self, settings: "Settings", version: str, tracing: Tracing | None = None) -> None:
         self.policy = settings.policy
         self.trace_content = settings.trace_content
-        self.tracing = tracing
         if tracing is None and settings.traces_enabled:
-            tracing = self.tracing = Tracing(settings.otlp_protocol, version)
-        self.tracer: Tracer | None = tracing.tracer if tracing is not None else None
+            tracing = Tracing(settings.otlp_protocol, version)
+        self.tracing = tracing
+        if tracing is not None and not tracing.enabled:  # OTEL_SDK_DISABLED=true
+            tracing.shutdown()
+            self.tracing = None
         self.metrics = Metrics()
         self.request_log: logging.Logger | None = logs.request_logger() if settings.request_log else None
         self._addresses: dict[str, tuple[str, int]] = {}

@@ -1,6 +1,6 @@
 """The per-request recorder on its own: metric samples in the Prometheus text format, the JSON
-log line, span attributes and the prompt opt-in (spans read from the SDK's in-memory exporter;
-the end-to-end path through Jaeger is in test_obs_traces.py)."""
+log line, span attributes and the prompt opt-in (spans decoded from their OTLP bytes by the
+protobuf library; the end-to-end path through Jaeger is in test_obs_traces.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import logging
 from typing import Any, Iterator
 
 import pytest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from google.protobuf.json_format import MessageToDict
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from prometheus_client.parser import text_string_to_metric_families
 
 from policies.types import Decision, Features
@@ -22,6 +24,20 @@ PROMPT = "the secret prompt text"
 BODY = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 32,
         "temperature": 0.25, "top_p": 0.5, "seed": 7, "stream": True}
 FIRST = b'data: {"id":"chatcmpl-abc","object":"chat.completion.chunk","model":"served/m","choices":[]}\n\n'
+
+
+class Decoded(SpanExporter):
+    """Spans as the exporter receives them, parsed back from their wire format."""
+
+    def __init__(self) -> None:
+        self.spans: list[dict[str, Any]] = []
+
+    def export(self, batch: Any) -> SpanExportResult:
+        for encoded in batch:
+            span = MessageToDict(Span.FromString(encoded.data))
+            span["attrs"] = {kv["key"]: next(iter(kv["value"].values())) for kv in span.get("attributes", [])}
+            self.spans.append(span)
+        return SpanExportResult.SUCCESS
 
 
 class Lines(logging.Handler):
@@ -44,7 +60,7 @@ def log_lines() -> Iterator[list[str]]:
         logger.removeHandler(handler)
 
 
-def telemetry(exporter: InMemorySpanExporter | None = None, **settings: Any) -> SpecrouteTelemetry:
+def telemetry(exporter: Decoded | None = None, **settings: Any) -> SpecrouteTelemetry:
     tracing = Tracing("http/protobuf", "test", exporter=exporter) if exporter is not None else None
     return SpecrouteTelemetry(Settings(policy="spec", **settings), "test", tracing=tracing)
 
@@ -121,31 +137,57 @@ def test_one_json_log_line_per_request_without_prompt_text(log_lines: list[str])
 
 
 def test_spans_carry_genai_attributes_and_no_prompt_by_default() -> None:
-    exporter = InMemorySpanExporter()
+    exporter = Decoded()
     t = telemetry(exporter, request_log=False)
     failover_then_stream(t)
     t.tracing.flush()  # type: ignore[union-attr]
-    spans = {(s.name, s.attributes.get(n.ATTEMPT_NUMBER)): s for s in exporter.get_finished_spans()}
+    spans = {(s["name"], s["attrs"].get(n.ATTEMPT_NUMBER)): s for s in exporter.spans}
     server = spans[("POST /v1/chat/completions", None)]
     route = spans[(n.SPAN_DECISION, None)]
-    failed, answered = spans[("chat m", 1)], spans[("chat m", 2)]
-    assert {route.parent.span_id, failed.parent.span_id, answered.parent.span_id} == {server.context.span_id}
-    assert route.attributes["specroute.decision.spec.alpha"] == 0.6
-    assert failed.attributes[n.ERROR_TYPE] == "connect"
-    a = answered.attributes
+    failed, answered = spans[("chat m", "1")], spans[("chat m", "2")]  # int64 as strings in JSON
+    assert server["kind"] == "SPAN_KIND_SERVER" and answered["kind"] == "SPAN_KIND_CLIENT"
+    assert {route["parentSpanId"], failed["parentSpanId"], answered["parentSpanId"]} == {server["spanId"]}
+    assert route["attrs"]["specroute.decision.spec.alpha"] == 0.6
+    assert failed["attrs"][n.ERROR_TYPE] == "connect" and failed["status"]["code"] == "STATUS_CODE_ERROR"
+    a = answered["attrs"]
     assert (a[n.GEN_AI_RESPONSE_ID], a[n.GEN_AI_RESPONSE_MODEL]) == ("chatcmpl-abc", "served/m")
-    assert (a[n.GEN_AI_REQUEST_TEMPERATURE], a[n.GEN_AI_REQUEST_TOP_P], a[n.GEN_AI_REQUEST_SEED]) == (0.25, 0.5, 7)
-    assert tuple(a[n.GEN_AI_RESPONSE_FINISH_REASONS]) == ("stop",)
-    assert [e.name for e in answered.events] == [n.EVENT_FIRST_TOKEN]
+    assert (a[n.GEN_AI_REQUEST_TEMPERATURE], a[n.GEN_AI_REQUEST_TOP_P], a[n.GEN_AI_REQUEST_SEED]) == (0.25, 0.5, "7")
+    assert a[n.GEN_AI_RESPONSE_FINISH_REASONS] == {"values": [{"stringValue": "stop"}]}
+    assert a[n.GEN_AI_REQUEST_STREAM] is True
+    assert [e["name"] for e in answered["events"]] == [n.EVENT_FIRST_TOKEN]
     for span in spans.values():
-        assert PROMPT not in json.dumps(dict(span.attributes))
+        assert PROMPT not in json.dumps(span)
 
 
 def test_prompt_recorded_only_when_opted_in() -> None:
-    exporter = InMemorySpanExporter()
+    exporter = Decoded()
     t = telemetry(exporter, request_log=False, trace_content=True)
     failover_then_stream(t)
     t.tracing.flush()  # type: ignore[union-attr]
-    attempts = [s for s in exporter.get_finished_spans() if s.name == "chat m"]
-    messages = json.loads(attempts[-1].attributes[n.GEN_AI_INPUT_MESSAGES])
+    attempts = [s for s in exporter.spans if s["name"] == "chat m"]
+    messages = json.loads(attempts[-1]["attrs"][n.GEN_AI_INPUT_MESSAGES])
     assert messages == [{"role": "user", "parts": [{"type": "text", "content": PROMPT}]}]
+
+
+def test_span_encoder_writes_what_the_sdk_encoder_writes() -> None:
+    """The hand-written OTLP encoder against the SDK's own, field for field, every value type."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.sdk.trace import Event, ReadableSpan
+    from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
+
+    from proxy.telemetry.otlp import export_request
+
+    tracing = Tracing("http/protobuf", "test", exporter=Decoded())
+    state = TraceState([("vendor", "x1")])
+    parent = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(1), trace_state=state)
+    context = SpanContext(0xABC, 0x123, is_remote=False, trace_flags=TraceFlags(1), trace_state=state)
+    attributes = {"s": "text é", "i": 7, "neg": -3, "f": 0.25, "b": False, "list": ["a", "b"]}
+    mine = tracing.encoder.span("op", context, parent, SpanKind.CLIENT, 10, 20, attributes,
+                                [("first", 15)], StatusCode.ERROR, "boom")
+    sdk = ReadableSpan(name="op", context=context, parent=parent, resource=tracing.resource,
+                       attributes=attributes, events=[Event("first", timestamp=15)], kind=SpanKind.CLIENT,
+                       status=Status(StatusCode.ERROR, "boom"), start_time=10, end_time=20,
+                       instrumentation_scope=tracing.scope)
+    decoded = ExportTraceServiceRequest.FromString(export_request(tracing.resource, tracing.scope, [mine]))
+    assert decoded == encode_spans([sdk])
