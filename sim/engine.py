@@ -181,9 +181,11 @@ class Engine:
         self._interval_accept = 0
         self._interval_forward = 0
         self._interval_correct = 0
-        self.gauges: dict[str, float] = {}
+        self.gauges: dict[str, float] = {"gen_throughput": 0.0}
+        if config.speculative:
+            self.gauges.update(spec_accept_length=0.0, spec_accept_rate=0.0)
         self.load_snapshot: dict = {}
-        self._publish(0.0, refresh_gauges=True)
+        self._publish(0.0, "idle")
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -350,7 +352,7 @@ class Engine:
             if not req.finished:
                 self.running[req.rid] = req
                 self._context_sum += req.context
-        self._publish(now, refresh_gauges=True)
+        self._publish(now, "prefill" if self.has_work else "idle")
         return touched
 
     def _finish_decode(self, step: Step, now: float) -> list[Request]:
@@ -397,9 +399,11 @@ class Engine:
         self.decode_iterations += 1
         it = self.decode_iterations
         if it % cfg.decode_log_interval == 0:
-            self._publish(now, refresh_gauges=True)
-        elif it % cfg.load_publish_interval == 0 or not self.has_work:
-            self._publish(now, refresh_gauges=not self.has_work)
+            self._publish(now, "decode")
+        elif not self.has_work:
+            self._publish(now, "idle")
+        elif it % cfg.load_publish_interval == 0:
+            self._publish(now, None)
         return touched
 
     def _emit(self, req: Request, n: int, now: float) -> None:
@@ -434,27 +438,23 @@ class Engine:
 
     # ---- what the server publishes ---------------------------------------------------------
 
-    def _publish(self, now: float, refresh_gauges: bool) -> None:
-        """Refresh the /v1/loads snapshot (and, on SGLang's log cadence, the metric gauges)."""
+    def _publish(self, now: float, gauges: Literal["prefill", "decode", "idle"] | None) -> None:
+        """Republish the /v1/loads snapshot and, when `gauges` says why, refresh the metric gauges
+        as SGLang's prefill, decode-interval and idle reports do."""
         cfg = self.config
-        if refresh_gauges:
+        if gauges is not None:
+            self.gauges.update(num_running_reqs=self.num_running, num_queue_reqs=self.num_waiting,
+                               token_usage=self.token_usage)
+        if gauges == "decode":
             span = now - self._interval_start
-            previous = self.gauges
-            self.gauges = {
-                "num_running_reqs": self.num_running,
-                "num_queue_reqs": self.num_waiting,
-                "token_usage": self.token_usage,
-                "gen_throughput": (self._interval_tokens / span) if span > 0 and self.has_work else 0.0,
-            }
-            if cfg.speculative:
-                if self._interval_forward:
-                    self.gauges["spec_accept_length"] = self._interval_accept / self._interval_forward
-                    self.gauges["spec_accept_rate"] = self._interval_correct / (self._interval_forward * cfg.num_steps)
-                else:  # spec gauges keep their last value while idle
-                    self.gauges["spec_accept_length"] = previous.get("spec_accept_length", 0.0)
-                    self.gauges["spec_accept_rate"] = previous.get("spec_accept_rate", 0.0)
+            self.gauges["gen_throughput"] = self._interval_tokens / span if span > 0 else 0.0
+            if cfg.speculative and self._interval_forward:
+                self.gauges["spec_accept_length"] = self._interval_accept / self._interval_forward
+                self.gauges["spec_accept_rate"] = self._interval_correct / (self._interval_forward * cfg.num_steps)
             self._interval_start = now
             self._interval_tokens = self._interval_accept = self._interval_forward = self._interval_correct = 0
+        elif gauges == "idle":
+            self.gauges["gen_throughput"] = 0.0  # spec gauges keep their last value while idle
         used = self._context_sum
         snapshot = {
             "timestamp": now,

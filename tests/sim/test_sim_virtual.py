@@ -223,3 +223,27 @@ def test_abort_frees_the_slot_wherever_the_request_is(where):
         spec.add(other)
         nxt = spec.begin_step(0.3)
         assert nxt.kind == "prefill" and nxt.requests == [other]  # the freed slot is taken at once
+
+
+def test_gauges_refresh_on_sglang_cadence():
+    spec = engine("spec", KIMI, seed=6)
+    seen = []
+
+    def observe(step):
+        seen.append((step.kind, spec.decode_iterations, spec.gauges["spec_accept_length"],
+                     spec.gauges["num_running_reqs"], spec.num_running, spec.load_snapshot["num_running_reqs"]))
+
+    arrivals = [Arrival(i * 0.2, 100, max_tokens=100, ignore_eos=True) for i in range(40)]
+    simulate([spec], arrivals, to_first, on_step=observe)
+    previous = 0.0
+    for kind, iteration, accept, gauge_running, running, published in seen:
+        if kind == "prefill":
+            assert gauge_running == running == published  # every prefill batch reports at once
+        if accept != previous:  # the accept-length gauge moves only every 40 decode iterations
+            assert kind == "decode" and iteration % 40 == 0
+            assert 1.0 <= accept <= 4.0
+            previous = accept
+        if kind == "decode" and iteration % 15 == 0:
+            assert published == running  # /v1/loads republished every 15 decode iterations
+    assert previous > 1.0
+    assert spec.gauges["num_running_reqs"] == 0 and spec.gauges["gen_throughput"] == 0.0  # idle at the end
