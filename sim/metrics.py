@@ -1,8 +1,8 @@
 """The twin's /metrics: SGLang's metric names in the Prometheus text format.
 
 Scheduler gauges are read from the engine's last published values, which it refreshes on
-SGLang's cadence (every prefill batch, every `decode_log_interval` decode iterations, and when
-the server goes idle). Tokenizer-side counters count finished requests (labelled
+SGLang's cadence (load gauges after every prefill batch; throughput and acceptance every
+`decode_log_interval` decode iterations; everything when the server goes idle). Tokenizer-side counters count finished requests (labelled
 `is_streaming`, as SGLang's are); the TTFT, ITL and E2E histograms are observed as tokens are
 delivered. All durations are in the twin's simulated
 seconds (wall seconds times --time-scale), which is what the GPU server would report.
