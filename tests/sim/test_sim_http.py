@@ -398,3 +398,36 @@ def test_request_id_is_the_response_id_and_must_be_unique_while_running(spec):
             await aclient.close()
 
     asyncio.run(clash())
+
+
+def test_a_storm_of_clients_that_leave_leaks_no_slot():
+    """120 streams against a 48-slot spec server leave after 0-5 chunks (many while queued), and
+    20 non-streaming clients give up: every request is aborted and every slot comes back."""
+    with twin("spec", "kimi-linear", time_scale=5, seed=8) as t:
+        asyncio.run(_storm(t))
+        wait_for(lambda: (loads(t)["num_running_reqs"], loads(t)["num_waiting_reqs"]) == (0, 0), "all slots free")
+        wait_for(lambda: metric(t, "sglang:num_aborted_requests_total") == 140, "every request aborted")
+        assert (metric(t, "sglang:num_requests_total") or 0) == 0  # none finished on its own
+        assert chat(t, max_tokens=3).usage.completion_tokens == 3  # and the server still serves
+
+
+async def _storm(t):
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 20000, "ignore_eos": True}
+    limits = httpx.Limits(max_connections=200)
+    async with httpx.AsyncClient(base_url=t.url, limits=limits, timeout=httpx.Timeout(30, read=2.0)) as client:
+
+        async def stream(keep: int):
+            async with client.stream("POST", "/v1/chat/completions", json=dict(body, stream=True)) as response:
+                if keep == 0:
+                    return  # leave before the first chunk (queued or in prefill)
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        keep -= 1
+                        if keep == 0:
+                            return
+
+        async def plain():
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post("/v1/chat/completions", json=body)
+
+        await asyncio.gather(*(stream(i % 6) for i in range(120)), *(plain() for _ in range(20)))
