@@ -75,7 +75,8 @@ class Call:
 
     def __init__(self, req: Request, metrics: TwinMetrics, streaming: bool):
         self.req = req
-        self.queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[str, int, bool]] = asyncio.Queue()
+        """One item per engine step: (text, tokens, finished). A slow reader may find several."""
         self.last_time = req.arrival
         self.metrics = metrics
         self.streaming = streaming
@@ -99,7 +100,7 @@ class Call:
             span, self.span = self.span, None
             span.finish(req)
         text = req.text.take(final=req.finished) if req.text is not None else ""
-        self.queue.put_nowait((text, n))
+        self.queue.put_nowait((text, n, req.finished))
 
 
 class Twin:
@@ -196,9 +197,9 @@ class Twin:
 
     async def _drain(self, call: Call, pieces: list[str]) -> None:
         while True:
-            text, _ = await call.queue.get()
+            text, _, done = await call.queue.get()
             pieces.append(text)
-            if call.req.finished:
+            if done:
                 return
 
     def _meta_info(self, req: Request) -> dict[str, Any]:
@@ -220,23 +221,25 @@ class Twin:
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         first = True
+        emitted = 0
         while True:
-            text, n = await call.queue.get()
-            if req.finish_reason == "abort":
+            text, n, done = await call.queue.get()
+            if done and req.finish_reason == "abort":
                 yield sse({"error": {"message": "The request was aborted.", "type": "BadRequestError",
                                      "param": None, "code": 400}})
                 yield b"data: [DONE]\n\n"
                 return
-            if n or req.finished or text:
+            emitted += n
+            if n or done or text:
                 chunk: dict[str, Any] = {
                     "id": req.rid, "object": obj, "created": created, "model": request.model,
-                    "choices": [choice(kind, text, req.finish_reason, req.matched_stop if req.finished else None,
-                                       stream=True, first=first)],
-                    "usage": usage(req.prompt_tokens, req.output_tokens) if continuous else None,
+                    "choices": [choice(kind, text, req.finish_reason if done else None,
+                                       req.matched_stop if done else None, stream=True, first=first)],
+                    "usage": usage(req.prompt_tokens, emitted) if continuous else None,
                 }
                 first = False
                 yield sse(chunk)
-            if req.finished:
+            if done:
                 break
         if self.config.speculative and request.return_spec_tokens_details:
             yield sse({"id": req.rid, "object": obj, "created": created, "model": request.model, "choices": [],
