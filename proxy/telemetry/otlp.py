@@ -27,6 +27,11 @@ _PACK_FIXED64 = struct.Struct("<Q").pack
 _PACK_FIXED32 = struct.Struct("<I").pack
 _SMALL = [bytes((i,)) for i in range(128)]
 _MEMO_LIMIT = 8192
+# Span.flags (field 16, fixed32): SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE, and IS_REMOTE for a remote parent.
+_LOCAL_PARENT = b"\x85\x01" + _PACK_FIXED32(0x100)
+_REMOTE_PARENT = b"\x85\x01" + _PACK_FIXED32(0x300)
+# Span.status (field 15) without a description, by code: unset, ok, error.
+_STATUS = [b"\x7a\x00", b"\x7a\x02\x18\x01", b"\x7a\x02\x18\x02"]
 
 
 def varint(value: int) -> bytes:
@@ -60,9 +65,16 @@ def any_value(value: Any) -> bytes:
     return field(b"\x0a", str(value).encode("utf-8", "replace"))
 
 
-class EncodedSpan:
-    """A finished span in OTLP wire format, as the SDK's BatchSpanProcessor carries it to the
-    exporter (the processor reads only `context`, for the sampled flag)."""
+def double_prefix(tag: bytes, key: str) -> bytes:
+    """Everything of a framed KeyValue with a double value but the value's 8 bytes."""
+    key_field = field(b"\x0a", key.encode())
+    return tag + varint(len(key_field) + 11) + key_field + b"\x12\x09\x21"
+
+
+class EncodedSpans:
+    """One request's finished spans in OTLP wire format (ScopeSpans.spans fields), as the SDK's
+    BatchSpanProcessor carries them to the exporter: one item per request, not per span (the
+    processor reads only `context`, for the sampled flag)."""
 
     __slots__ = ("context", "data")
 
@@ -76,20 +88,30 @@ class SpanEncoder:
 
     def __init__(self) -> None:
         self._pairs: dict[tuple[bytes, str, type, Any], bytes] = {}
+        self._doubles: dict[tuple[bytes, str], bytes] = {}
+        self._heads: dict[tuple[str, SpanKind], bytes] = {}
 
     def attributes(self, tag: bytes, attributes: Mapping[str, Any]) -> bytes:
-        """Attributes as repeated KeyValue fields (key 1, value 2) under `tag`; each framed pair
-        is memoised, so repeating ones (model, pool, route, status...) cost one dict lookup."""
+        """Attributes as repeated KeyValue fields (key 1, value 2) under `tag`. A framed pair is
+        memoised, so repeating ones (model, pool, route, status...) cost one dict lookup; doubles,
+        which rarely repeat, are a memoised prefix and 8 packed bytes."""
         memo = self._pairs
         out = []
         for key, value in attributes.items():
-            # The type is part of the key: True, 1 and 1.0 are equal but encode differently.
-            memo_key = (tag, key, value.__class__, tuple(value) if isinstance(value, list) else value)
+            cls = value.__class__
+            if cls is float:
+                prefix = self._doubles.get((tag, key))
+                if prefix is None:
+                    prefix = self._doubles[(tag, key)] = double_prefix(tag, key)
+                out.append(prefix + _PACK_DOUBLE(value))
+                continue
+            # The type is part of the key: True and 1 are equal but encode differently.
+            memo_key = (tag, key, cls, tuple(value) if cls is list else value)
             encoded = memo.get(memo_key)
             if encoded is None:
                 encoded = field(tag, field(b"\x0a", key.encode()) + field(b"\x12", any_value(value)))
                 if len(memo) >= _MEMO_LIMIT:
-                    memo.clear()  # unique values (ids, timings) would otherwise pile up
+                    memo.clear()  # unique values (ids, counts) would otherwise pile up
                 memo[memo_key] = encoded
             out.append(encoded)
         return b"".join(out)
@@ -106,39 +128,42 @@ class SpanEncoder:
         events: Sequence[tuple[str, int]],
         status: StatusCode,
         description: str | None,
-    ) -> EncodedSpan:
-        """trace.v1.Span; `events` are (name, time) pairs."""
-        parts = [
-            b"\x0a\x10", context.trace_id.to_bytes(16, "big"),
-            b"\x12\x08", context.span_id.to_bytes(8, "big"),
-        ]
+    ) -> bytes:
+        """trace.v1.Span, framed as a ScopeSpans.spans field; `events` are (name, time) pairs."""
+        parts = [b"\x0a\x10", context.trace_id.to_bytes(16, "big"), b"\x12\x08", context.span_id.to_bytes(8, "big")]
         if context.trace_state:
             parts.append(field(b"\x1a", context.trace_state.to_header().encode()))
-        flags = 0x100  # SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE_MASK
+        flags = _LOCAL_PARENT
         if parent is not None:
-            parts.append(b"\x22\x08" + parent.span_id.to_bytes(8, "big"))
+            parts.append(b"\x22\x08")
+            parts.append(parent.span_id.to_bytes(8, "big"))
             if parent.is_remote:
-                flags |= 0x200
-        parts.append(field(b"\x2a", name.encode("utf-8", "replace")))
-        parts.append(b"\x30" + _SMALL[kind.value + 1])  # OTLP kinds are the SDK's + 1
-        parts.append(b"\x39" + _PACK_FIXED64(start_ns))
-        parts.append(b"\x41" + _PACK_FIXED64(end_ns))
+                flags = _REMOTE_PARENT
+        head = self._heads.get((name, kind))
+        if head is None:  # name (5) and kind (6; OTLP kinds are the SDK's + 1)
+            head = self._heads[(name, kind)] = field(b"\x2a", name.encode("utf-8", "replace")) + b"\x30" + _SMALL[kind.value + 1]
+        parts.append(head)
+        parts.append(b"\x39")
+        parts.append(_PACK_FIXED64(start_ns))
+        parts.append(b"\x41")
+        parts.append(_PACK_FIXED64(end_ns))
         parts.append(self.attributes(b"\x4a", attributes))
         for event_name, event_ns in events:
             parts.append(field(b"\x5a", b"\x09" + _PACK_FIXED64(event_ns) + field(b"\x12", event_name.encode())))
-        body = b"\x18" + _SMALL[status.value] if status.value else b""
         if description:
-            body = field(b"\x12", description.encode("utf-8", "replace")) + body
-        parts.append(field(b"\x7a", body))
-        parts.append(b"\x85\x01" + _PACK_FIXED32(flags))  # field 16, fixed32
-        return EncodedSpan(context, b"".join(parts))
+            body = field(b"\x12", description.encode("utf-8", "replace")) + b"\x18" + _SMALL[status.value]
+            parts.append(field(b"\x7a", body))
+        else:
+            parts.append(_STATUS[status.value])
+        parts.append(flags)
+        return field(b"\x12", b"".join(parts))
 
 
-def export_request(resource: Resource, scope: InstrumentationScope, spans: Sequence[EncodedSpan]) -> bytes:
+def export_request(resource: Resource, scope: InstrumentationScope, spans: Sequence[EncodedSpans]) -> bytes:
     """ExportTraceServiceRequest holding one resource's spans of one instrumentation scope."""
     resource_body = SpanEncoder().attributes(b"\x0a", resource.attributes)
     scope_body = field(b"\x0a", scope.name.encode()) + (field(b"\x12", scope.version.encode()) if scope.version else b"")
-    scope_spans = field(b"\x0a", scope_body) + b"".join(field(b"\x12", span.data) for span in spans)
+    scope_spans = field(b"\x0a", scope_body) + b"".join(item.data for item in spans)
     return field(b"\x0a", field(b"\x0a", resource_body) + field(b"\x12", scope_spans))
 
 
@@ -149,7 +174,7 @@ class HttpExporter(SdkHttpExporter):
         super().__init__()
         self.resource, self.scope = resource, scope
 
-    def export(self, spans: Sequence[EncodedSpan]) -> SpanExportResult:  # type: ignore[override]
+    def export(self, spans: Sequence[EncodedSpans]) -> SpanExportResult:  # type: ignore[override]
         if self._shutdown:
             return SpanExportResult.FAILURE
         result = self._client.export(export_request(self.resource, self.scope, spans))
@@ -164,5 +189,5 @@ class GrpcExporter(SdkGrpcExporter):
         super().__init__()
         self.resource, self.scope = resource, scope
 
-    def _translate_data(self, data: Sequence[EncodedSpan]) -> ExportTraceServiceRequest:  # type: ignore[override]
+    def _translate_data(self, data: Sequence[EncodedSpans]) -> ExportTraceServiceRequest:  # type: ignore[override]
         return ExportTraceServiceRequest.FromString(export_request(self.resource, self.scope, data))

@@ -34,7 +34,7 @@ class RequestRecorder(RequestHooks):
         "_owner", "_tracing", "_endpoint", "_request_id", "_t0", "_t0_ns", "_t_attempt", "_t_first",
         "_pool", "_instance", "_attempt", "_reason", "_stream", "_model", "_params", "_in_flight",
         "_server", "_parent", "_server_attrs", "_sampled", "_attempt_ctx", "_attempt_start_ns",
-        "_attempt_attrs", "_attempt_events",
+        "_attempt_attrs", "_attempt_events", "_spans",
     )
 
     def __init__(self, owner: "SpecrouteTelemetry", endpoint: str) -> None:
@@ -63,6 +63,8 @@ class RequestRecorder(RequestHooks):
         self._attempt_start_ns = 0
         self._attempt_attrs: dict[str, Any] | None = None
         self._attempt_events: list[tuple[str, int]] = []
+        self._spans: list[bytes] = []
+        """Finished spans' bytes, submitted together when the request ends."""
 
     # -- request ---------------------------------------------------------------------------
     def received(self, *, endpoint: str, request_id: str, headers: Mapping[str, str], body_bytes: int) -> None:
@@ -120,8 +122,8 @@ class RequestRecorder(RequestHooks):
         tracing, server = self._tracing, self._server
         assert tracing is not None and server is not None
         # The decision span covers reading the body, building features and the policy call.
-        tracing.emit(n.SPAN_DECISION, tracing.child_context(server), server, SpanKind.INTERNAL,
-                     self._t0_ns, time.time_ns(), attributes)
+        self._spans.append(tracing.encode(n.SPAN_DECISION, tracing.child_context(server), server,
+                                          SpanKind.INTERNAL, self._t0_ns, time.time_ns(), attributes))
 
     # -- attempts --------------------------------------------------------------------------
     def attempt_started(self, *, pool: str, instance: str, attempt: int) -> None:
@@ -222,8 +224,9 @@ class RequestRecorder(RequestHooks):
         assert tracing is not None and context is not None and attributes is not None
         model = attributes.get(n.GEN_AI_REQUEST_MODEL)
         operation = attributes[n.GEN_AI_OPERATION_NAME]
-        tracing.emit(f"{operation} {model}" if model else operation, context, self._server, SpanKind.CLIENT,
-                     self._attempt_start_ns, time.time_ns(), attributes, self._attempt_events, status, description)
+        self._spans.append(tracing.encode(
+            f"{operation} {model}" if model else operation, context, self._server, SpanKind.CLIENT,
+            self._attempt_start_ns, time.time_ns(), attributes, self._attempt_events, status, description))
         self._attempt_attrs = None
 
     # -- response --------------------------------------------------------------------------
@@ -309,8 +312,9 @@ class RequestRecorder(RequestHooks):
             server_status = StatusCode.ERROR
         tracing, server = self._tracing, self._server
         assert tracing is not None and server is not None
-        tracing.emit(f"POST {self._endpoint}", server, self._parent, SpanKind.SERVER, self._t0_ns,
-                     time.time_ns(), server_attrs, (), server_status)
+        self._spans.append(tracing.encode(f"POST {self._endpoint}", server, self._parent, SpanKind.SERVER,
+                                          self._t0_ns, time.time_ns(), server_attrs, (), server_status))
+        tracing.submit(server, self._spans)
 
 
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,200})"')

@@ -8,7 +8,8 @@ so the settings object reads it and this module picks the exporter.
 A request knows every attribute of a span when it ends it, so spans are not SDK Span objects
 (validated attribute by attribute, under a lock: about 70 us per span here, three per request,
 against a budget of about 40 us for all of a request's tracing, docs/observability.md): they are
-encoded to OTLP bytes as they end (otlp.py) and handed to the SDK's BatchSpanProcessor.
+encoded to OTLP bytes as they end (otlp.py) and handed to the SDK's BatchSpanProcessor together,
+one item per request, when the request ends.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from typing import Any, Sequence
 
 from opentelemetry import propagate
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import TracerProvider, sampling
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import NoOpTracer, SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
 
-from proxy.telemetry.otlp import GrpcExporter, HttpExporter, SpanEncoder
+from proxy.telemetry.otlp import EncodedSpans, GrpcExporter, HttpExporter, SpanEncoder
 
 log = logging.getLogger("specroute.telemetry")
 
@@ -32,6 +33,7 @@ PROTOCOLS = ("http/protobuf", "grpc")
 SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 W3C_FIELDS = frozenset({"traceparent", "tracestate", "baggage"})
+_NO_STATE = TraceState()
 
 
 def make_exporter(protocol: str, resource: Resource, scope: InstrumentationScope) -> SpanExporter:
@@ -79,15 +81,19 @@ class Tracing:
     def root_context(self, parent: SpanContext | None, parent_context: Any, name: str) -> SpanContext:
         """The SERVER span's context: the client's trace (if it sent one) or a new one, sampled
         as the configured sampler says."""
+        if self.sampler is sampling.DEFAULT_ON:  # the default: the parent's choice, else sampled
+            if parent is None:
+                return SpanContext(random.getrandbits(128) or 1, self.new_span_id(), False, SAMPLED, _NO_STATE)
+            return SpanContext(parent.trace_id, self.new_span_id(), False, parent.trace_flags, parent.trace_state)
         trace_id = parent.trace_id if parent is not None else (random.getrandbits(128) or 1)
         result = self.sampler.should_sample(parent_context, trace_id, name, SpanKind.SERVER)
         flags = SAMPLED if result.decision.is_sampled() else NOT_SAMPLED
-        return SpanContext(trace_id, self.new_span_id(), False, flags, result.trace_state or TraceState())
+        return SpanContext(trace_id, self.new_span_id(), False, flags, result.trace_state or _NO_STATE)
 
     def child_context(self, parent: SpanContext) -> SpanContext:
         return SpanContext(parent.trace_id, self.new_span_id(), False, parent.trace_flags, parent.trace_state)
 
-    def emit(
+    def encode(
         self,
         name: str,
         context: SpanContext,
@@ -99,10 +105,13 @@ class Tracing:
         events: Sequence[tuple[str, int]] = (),
         status: StatusCode = StatusCode.UNSET,
         description: str | None = None,
-    ) -> None:
-        """Encode a finished span and hand it to the batch processor; `events` are (name, time)."""
-        self.processor.on_end(self.encoder.span(  # type: ignore[arg-type]
-            name, context, parent, kind, start_ns, end_ns, attributes, events, status, description))
+    ) -> bytes:
+        """One finished span's OTLP bytes; `events` are (name, time) pairs."""
+        return self.encoder.span(name, context, parent, kind, start_ns, end_ns, attributes, events, status, description)
+
+    def submit(self, context: SpanContext, spans: list[bytes]) -> None:
+        """Hand a request's finished spans to the batch processor (it drops them unless sampled)."""
+        self.processor.on_end(EncodedSpans(context, b"".join(spans)))  # type: ignore[arg-type]
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         return self.provider.force_flush(int(timeout_s * 1000))

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import pytest
 from google.protobuf.json_format import MessageToDict
-from opentelemetry.proto.trace.v1.trace_pb2 import Span
+from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -33,10 +33,11 @@ class Decoded(SpanExporter):
         self.spans: list[dict[str, Any]] = []
 
     def export(self, batch: Any) -> SpanExportResult:
-        for encoded in batch:
-            span = MessageToDict(Span.FromString(encoded.data))
-            span["attrs"] = {kv["key"]: next(iter(kv["value"].values())) for kv in span.get("attributes", [])}
-            self.spans.append(span)
+        for encoded in batch:  # a request's spans, ScopeSpans.spans fields
+            for message in ScopeSpans.FromString(encoded.data).spans:
+                span = MessageToDict(message)
+                span["attrs"] = {kv["key"]: next(iter(kv["value"].values())) for kv in span.get("attributes", [])}
+                self.spans.append(span)
         return SpanExportResult.SUCCESS
 
 
@@ -176,18 +177,19 @@ def test_span_encoder_writes_what_the_sdk_encoder_writes() -> None:
     from opentelemetry.sdk.trace import Event, ReadableSpan
     from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-    from proxy.telemetry.otlp import export_request
+    from proxy.telemetry.otlp import EncodedSpans, export_request
 
     tracing = Tracing("http/protobuf", "test", exporter=Decoded())
     state = TraceState([("vendor", "x1")])
     parent = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(1), trace_state=state)
     context = SpanContext(0xABC, 0x123, is_remote=False, trace_flags=TraceFlags(1), trace_state=state)
     attributes = {"s": "text é", "i": 7, "neg": -3, "f": 0.25, "b": False, "list": ["a", "b"]}
-    mine = tracing.encoder.span("op", context, parent, SpanKind.CLIENT, 10, 20, attributes,
-                                [("first", 15)], StatusCode.ERROR, "boom")
+    mine = tracing.encode("op", context, parent, SpanKind.CLIENT, 10, 20, attributes,
+                          [("first", 15)], StatusCode.ERROR, "boom")
     sdk = ReadableSpan(name="op", context=context, parent=parent, resource=tracing.resource,
                        attributes=attributes, events=[Event("first", timestamp=15)], kind=SpanKind.CLIENT,
                        status=Status(StatusCode.ERROR, "boom"), start_time=10, end_time=20,
                        instrumentation_scope=tracing.scope)
-    decoded = ExportTraceServiceRequest.FromString(export_request(tracing.resource, tracing.scope, [mine]))
+    decoded = ExportTraceServiceRequest.FromString(
+        export_request(tracing.resource, tracing.scope, [EncodedSpans(context, mine)]))
     assert decoded == encode_spans([sdk])
