@@ -3,7 +3,9 @@
 Each is the same raw-ASGI app under uvicorn (httptools + uvloop): read the body, POST it
 upstream, relay status, content-type and body chunks as they arrive. Only the client differs.
 Run: python -m bench.proxy_minimal CLIENT UPSTREAM_PORT PORT
-CLIENT: httpx, httpx-tuned (big pool), httpx-aiohttp, httpx2, aiohttp.
+CLIENT: httpx, httpx-tuned (big pool), httpx-aiohttp, httpx2, aiohttp; and two variants of the
+aiohttp one that change what is around the client: aiohttp+fastapi (the route is a FastAPI
+endpoint returning a StreamingResponse) and aiohttp+h11 (uvicorn on h11 and the asyncio loop).
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import sys
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 
 Relay = Callable[[bytes, str], Awaitable[tuple[int, bytes, AsyncIterator[bytes], Callable[[], Awaitable[None]]]]]
 
@@ -86,11 +91,25 @@ def make_app(relay: Relay) -> Callable[..., Awaitable[None]]:
     return app
 
 
+def make_fastapi_app(relay: Relay) -> Any:
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def completions(request: Request) -> StreamingResponse:
+        status, content_type, body, close = await relay(await request.body(), request.url.path)
+        return StreamingResponse(body, status, media_type=content_type.decode(), background=BackgroundTask(close))
+
+    return app
+
+
 def main() -> None:
     kind, upstream_port, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     base = f"http://127.0.0.1:{upstream_port}"
-    relay = aiohttp_relay(base) if kind == "aiohttp" else httpx_relay(kind, base)
-    uvicorn.run(make_app(relay), host="127.0.0.1", port=port, loop="uvloop", http="httptools",
+    client, _, variant = kind.partition("+")
+    relay = aiohttp_relay(base) if client == "aiohttp" else httpx_relay(client, base)
+    app = make_fastapi_app(relay) if variant == "fastapi" else make_app(relay)
+    loop, http = ("asyncio", "h11") if variant == "h11" else ("uvloop", "httptools")
+    uvicorn.run(app, host="127.0.0.1", port=port, loop=loop, http=http,
                 log_level="warning", access_log=False, backlog=4096)
 
 
