@@ -130,8 +130,9 @@ class VirtualRouter:
                 running=float(snap.get("num_running_reqs", 0)),
                 waiting=float(snap.get("num_waiting_reqs", 0)),
                 max_running=int(snap.get("max_running_requests", 0)) or None,
+                waiting_tokens=float(snap.get("num_waiting_uncached_tokens", 0)),
                 accept_length=view.gauges.get("spec_accept_length") if with_counters else None,
-                accept_steps=GAUGE_INTERVAL_STEPS * max(float(snap.get("num_running_reqs", 0)), 1.0),
+                accept_steps=GAUGE_INTERVAL_STEPS * float(snap.get("num_running_reqs", 0)),
                 tokens_total=float(view.generation_tokens_total) if with_counters else None,
                 verify_total=float(view.spec_verify_calls_total) if with_counters else None,
             ))
@@ -159,7 +160,7 @@ class VirtualRouter:
         if self.keep_snapshots:
             self.snapshots.append((features, snapshot))
         index = POOL_OF_ENGINE.index(decision.pool)
-        self.fleet.on_dispatch(URLS[index], arrival.time)
+        self.fleet.on_dispatch(URLS[index], arrival.time, arrival.prompt_tokens)
         return index
 
     def on_finish(self, record: RequestRecord) -> None:

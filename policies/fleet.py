@@ -33,6 +33,8 @@ class Reading:
     running: float
     waiting: float
     max_running: int | None = None
+    waiting_tokens: float | None = None
+    """Prompt tokens not yet prefilled (/v1/loads num_waiting_uncached_tokens), if reported."""
     accept_length: float | None = None
     """The server's recent-interval accept-length gauge (sglang:spec_accept_length), if read."""
     accept_steps: float = 1.0
@@ -51,8 +53,8 @@ class InstanceSignals:
     reading: Reading | None = None
     local_in_flight: int = 0
     """Our requests on this instance now (the fallback load when it cannot be polled)."""
-    events: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=65536))
-    """(time, +1 dispatch / -1 completion) since the current reading."""
+    events: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=65536))
+    """(time, +1 dispatch / -1 completion, prompt tokens of a dispatch) since the current reading."""
     counters: CounterDelta = field(default_factory=CounterDelta)
     last_gauge: float | None = None
     polled: bool = True
@@ -66,14 +68,21 @@ class InstanceSignals:
             running = float(min(self.local_in_flight, self.max_running))
             return running, self.local_in_flight - running
         since = self.reading.at
-        sent = sum(1 for at, sign in self.events if at >= since and sign > 0)
-        done = sum(1 for at, sign in self.events if at >= since and sign < 0)
+        sent = sum(1 for at, sign, _ in self.events if at >= since and sign > 0)
+        done = sum(1 for at, sign, _ in self.events if at >= since and sign < 0)
         running = self.reading.running - done
         waiting = self.reading.waiting + sent
         if running < 0:  # more completions than the reading had running: they came from the queue
             waiting += running
             running = 0.0
         return running, max(waiting, 0.0)
+
+    def waiting_tokens(self) -> float | None:
+        """The reading's unprefilled prompt tokens plus those of our dispatches since it."""
+        if self.reading is None or not self.polled or self.reading.waiting_tokens is None:
+            return None
+        since = self.reading.at
+        return self.reading.waiting_tokens + sum(t for at, sign, t in self.events if at >= since and sign > 0)
 
     def adjusted_load(self) -> float:
         running, waiting = self.adjusted()
@@ -103,6 +112,8 @@ class FleetState:
         self.acceptance = AcceptanceEstimator(num_draft_tokens, half_life_s)
         self.spec_decode_s = 0.0
         """Mean decode time of recent spec requests (the lag of the server's counters)."""
+        self.mean_output_tokens: float | None = None
+        """Running mean of finished requests' output tokens (the traffic's typical length)."""
 
     def add_instance(self, url: str, pool: PoolName, max_running: int) -> InstanceSignals:
         signals = InstanceSignals(url=url, pool=pool, max_running=max_running)
@@ -133,26 +144,28 @@ class FleetState:
             delta = signals.counters.add(reading.tokens_total, reading.verify_total)
             if delta is not None:
                 self.acceptance.observe_counters(reading.at, *delta, age_s=self.spec_decode_s / 2)
-        # The gauge is refreshed once per decode-log interval: a value seen before adds nothing.
+        # The gauge is refreshed once per decode-log interval: a value seen before adds nothing,
+        # and an idle server's gauge still holds an old interval's value (SGLang keeps it).
         if reading.accept_length is not None and reading.accept_length != signals.last_gauge:
             signals.last_gauge = reading.accept_length
-            self.acceptance.observe_gauge(reading.at, reading.accept_length, reading.accept_steps)
+            if reading.running > 0:
+                self.acceptance.observe_gauge(reading.at, reading.accept_length, reading.accept_steps)
 
     def on_unpolled(self, url: str) -> None:
         """The server has no load endpoint: fall back to our own in-flight count for it."""
         self.instances[url].polled = False
 
-    def on_dispatch(self, url: str, now: float) -> None:
+    def on_dispatch(self, url: str, now: float, prompt_tokens: int = 0) -> None:
         signals = self.instances[url]
         signals.local_in_flight += 1
         if signals.polled:
-            signals.events.append((now, +1))
+            signals.events.append((now, +1, prompt_tokens))
 
     def on_complete(self, url: str, now: float) -> None:
         signals = self.instances[url]
         signals.local_in_flight = max(signals.local_in_flight - 1, 0)
         if signals.polled:
-            signals.events.append((now, -1))
+            signals.events.append((now, -1, 0))
 
     def on_request_evidence(self, now: float, completion_tokens: int, verify_steps: int, age_s: float = 0.0) -> None:
         """A finished spec request's own tokens and verify steps (stream chunks or spec details);
@@ -160,6 +173,12 @@ class FleetState:
         self.acceptance.observe_request(now, completion_tokens, verify_steps, age_s)
         # A running mean of spec requests' decode time: how far the counters lag.
         self.spec_decode_s += 0.1 * (2 * age_s - self.spec_decode_s)
+
+    def on_output(self, tokens: int) -> None:
+        """A finished request's completion tokens (any pool)."""
+        if tokens > 0:
+            mean = self.mean_output_tokens
+            self.mean_output_tokens = float(tokens) if mean is None else mean + 0.02 * (tokens - mean)
 
     def set_health(self, url: str, healthy: bool) -> None:
         self.instances[url].healthy = healthy
@@ -183,7 +202,7 @@ class FleetState:
                 alpha=self.acceptance.alpha() if speculative else None,
                 stale=bool(healthy_ages) and min(healthy_ages) > self.stale_after_s,
             )
-        return Snapshot(pools=pools, cost=cost)
+        return Snapshot(pools=pools, cost=cost, mean_output_tokens=self.mean_output_tokens)
 
     def _instance_state(self, signals: InstanceSignals, now: float) -> InstanceState:
         running, waiting = signals.adjusted()
@@ -194,6 +213,7 @@ class FleetState:
             max_running=signals.max_running,
             healthy=signals.healthy,
             age_s=signals.age(now),
+            waiting_tokens=signals.waiting_tokens(),
         )
 
 
@@ -215,6 +235,8 @@ def learn_from_response(
     `decode_s`. Call it before the completion is counted (on_complete): the batch includes the
     request."""
     signals = fleet.instances[url]
+    if tokens:
+        fleet.on_output(tokens)
     if step_ms is not None and step_ms > 0:
         batch = min(max(signals.adjusted_load(), 1.0), float(signals.max_running))
         cost.observe(signals.pool, batch, step_ms)

@@ -4,6 +4,7 @@ For each pool, on the instance the request would join:
   wait    = requests over the cap ahead of it x (a typical request's time / cap), 0 below the cap
   prefill = the cost model's prefill time for the waiting prompts and this one (FCFS, chunked)
   decode  = output tokens / tau(alpha, k) x step(B + 1, k + 1) on spec, tokens x step(B + 1, 1) on base
+            (output tokens: max_tokens if the request runs to it, else the recent mean, capped)
   others  = what joining costs the B requests already decoding there (our prefill stalls them,
             and each of their steps gets longer),
             weighted by `externality` (1 = count their time like ours, 0 = ignore it)
@@ -39,6 +40,8 @@ class Prediction:
     batch: int
     tokens_per_s: float
     """Pool throughput (tokens/s) at the joined batch, for the batch class."""
+    over_cap: float
+    """How far past the running cap the request is expected to arrive (> 0: it would queue)."""
 
     @property
     def total_s(self) -> float:
@@ -66,13 +69,15 @@ class Goodput:
         self.margin = margin
         self.prefill_chunk_tokens = prefill_chunk_tokens
 
-    def output_tokens(self, features: Features) -> int:
-        """The output length to plan for: max_tokens when the request runs to it, else capped."""
+    def output_tokens(self, features: Features, learned: float | None = None) -> int:
+        """The output length to plan for: max_tokens when the request runs to it, else the
+        recent requests' mean (`learned`) or the configured default, capped by max_tokens."""
+        typical = int(round(learned)) if learned else self.default_output_tokens
         if features.max_tokens is None:
-            return self.default_output_tokens
+            return max(typical, 1)
         if features.ignore_eos:
             return max(features.max_tokens, 1)
-        return max(min(features.max_tokens, self.default_output_tokens), 1)
+        return max(min(features.max_tokens, typical), 1)
 
     def accept_length(self, pool: PoolState) -> tuple[float, int]:
         """(tau, tokens per sequence in a step) for a pool."""
@@ -82,9 +87,10 @@ class Goodput:
         alpha = pool.alpha if pool.alpha is not None else self.default_alpha
         return accept_length(alpha, k), k + 1
 
-    def predict(self, pool: PoolState, instance: InstanceState, features: Features, cost: StepCost) -> Prediction:
+    def predict(self, pool: PoolState, instance: InstanceState, features: Features, cost: StepCost,
+                learned_output: float | None = None) -> Prediction:
         tau, width = self.accept_length(pool)
-        n_out = self.output_tokens(features)
+        n_out = self.output_tokens(features, learned_output)
         cap = max(instance.max_running, 1)
         load = max(instance.load, 0.0)
         waiting = max(instance.waiting, 0.0)
@@ -93,15 +99,19 @@ class Goodput:
         decode_ms = max(n_out - 1, 0) / tau * step_ms
         prompt = max(features.prompt_tokens, 1)
         # SGLang prefills the queue first come, first served, before any decode step: the first
-        # token comes after every waiting prompt (assumed as long as this one) and this one,
-        # prefilled in chunks of `prefill_chunk_tokens`.
-        queued = (waiting + 1) * prompt
+        # token comes after every waiting prompt (their tokens when the server reports them, else
+        # each assumed as long as this one) and this one, in chunks of `prefill_chunk_tokens`.
+        ahead = instance.waiting_tokens if instance.waiting_tokens is not None else waiting * prompt
+        queued = ahead + prompt
         chunks = math.ceil(queued / self.prefill_chunk_tokens)
         prefill_ms = chunks * cost.prefill_ms(pool.name, math.ceil(queued / chunks))
         own_prefill_ms = cost.prefill_ms(pool.name, prompt)
-        # Past the cap, a slot frees every (typical request time / cap): the queue drains at that rate.
+        # Past the cap, a slot frees every (typical request time / cap): the queue drains at that
+        # rate. (Counting the slots running requests free while the prompts ahead are prefilled
+        # admitted too many: the requests still running are the long ones.)
+        typical_ms = decode_ms + own_prefill_ms
         over = load + 1 - cap
-        wait_ms = over * (decode_ms + own_prefill_ms) / cap if over > 0 else 0.0
+        wait_ms = over * typical_ms / cap if over > 0 else 0.0
         others_ms = 0.0
         running = min(max(instance.running, 0.0), cap - 1)
         if running >= 1 and over <= 0:
@@ -116,6 +126,7 @@ class Goodput:
             others_s=self.externality * others_ms / 1000,
             batch=batch,
             tokens_per_s=batch * tau / step_ms * 1000,
+            over_cap=max(over, 0.0),
         )
 
     def decide(self, features: Features, snapshot: Snapshot) -> Decision:
@@ -133,8 +144,9 @@ class Goodput:
             raise ValueError("the goodput policy needs a step-cost model in the snapshot")
         joined_spec, joined_base = spec.least_loaded(), base.least_loaded()
         assert joined_spec is not None and joined_base is not None
-        on_spec = self.predict(spec, joined_spec, features, snapshot.cost)
-        on_base = self.predict(base, joined_base, features, snapshot.cost)
+        learned = snapshot.mean_output_tokens
+        on_spec = self.predict(spec, joined_spec, features, snapshot.cost, learned)
+        on_base = self.predict(base, joined_base, features, snapshot.cost, learned)
         scores = {
             "t_spec_s": round(on_spec.total_s, 6),
             "t_base_s": round(on_base.total_s, 6),
@@ -143,10 +155,10 @@ class Goodput:
             "batch_spec": float(on_spec.batch),
             "batch_base": float(on_base.batch),
         }
-        spec_full = joined_spec.free_slots < 1
+        spec_full = on_spec.over_cap > 0
         if features.request_class == "batch":
             gain_spec = 0.0 if spec_full else self._gain(spec, joined_spec, snapshot.cost)
-            gain_base = 0.0 if joined_base.free_slots < 1 else self._gain(base, joined_base, snapshot.cost)
+            gain_base = 0.0 if on_base.over_cap > 0 else self._gain(base, joined_base, snapshot.cost)
             scores["gain_spec_tok_s"] = round(gain_spec, 3)
             scores["gain_base_tok_s"] = round(gain_base, 3)
             if gain_spec > 0 or gain_base > 0:

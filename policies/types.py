@@ -43,6 +43,8 @@ class InstanceState:
     healthy: bool = True
     age_s: float = 0.0
     """Seconds since this instance's load was last read from the server."""
+    waiting_tokens: float | None = None
+    """Prompt tokens waiting to be prefilled (same adjustment as `waiting`), if known."""
 
     @property
     def load(self) -> float:
@@ -115,6 +117,8 @@ class Snapshot:
     pools: Mapping[str, PoolState]
     cost: StepCost | None = None
     """Step-cost model (learned online, seeded from a profile); None means a policy must not need it."""
+    mean_output_tokens: float | None = None
+    """Mean output tokens of recently finished requests (learned from the streams), if known."""
 
     def pool(self, name: PoolName) -> PoolState | None:
         return self.pools.get(name)

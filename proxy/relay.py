@@ -71,7 +71,7 @@ class Exchange:
     """One client request's state on the way through."""
 
     __slots__ = ("request_id", "send", "hooks", "started", "status", "client_gone", "done", "error_type",
-                 "decision", "instance", "summary", "upstream_wait_s")
+                 "decision", "instance", "summary", "upstream_wait_s", "prompt_tokens")
 
     def __init__(self, request_id: str, send: Send, hooks: RequestHooks) -> None:
         self.request_id = request_id
@@ -88,6 +88,8 @@ class Exchange:
         self.summary = scan.Summary()
         self.upstream_wait_s = 0.0
         """Time spent awaiting upstream servers (connect, headers, chunks): the rest is ours."""
+        self.prompt_tokens = 0
+        """The request's estimated prompt tokens (the routing signals count queued prefill)."""
 
     def routing_headers(self) -> list[tuple[bytes, bytes]]:
         headers = [(b"x-request-id", self.request_id.encode())]
@@ -179,6 +181,7 @@ class CompletionHandler:
             except RoutingInputError as exc:
                 raise ProxyError(400, str(exc), param=exc.header, code="invalid_header") from None
             features = features_of(payload, request_class)
+            exchange.prompt_tokens = features.prompt_tokens
             exchange.decision = self.router.choose(features, override)
             model = payload.get("model")
             exchange.hooks.decided(
@@ -272,7 +275,7 @@ class CompletionHandler:
         hooks.attempt_started(pool=instance.pool, instance=instance.url, attempt=number)
         out = outgoing_headers(headers, instance, exchange.request_id)
         hooks.outgoing_headers(out)
-        attempt = self.router.dispatch(instance)
+        attempt = self.router.dispatch(instance, exchange.prompt_tokens)
         response: aiohttp.ClientResponse | None = None
         began = perf_counter()
         try:
@@ -327,7 +330,7 @@ class CompletionHandler:
         content = response.content
         is_stream = response.content_type == "text/event-stream"
         per_chunk = is_stream and hooks.wants_chunks
-        # The tail's usage also feeds the routing signals' acceptance evidence on spec instances.
+        # The tail's usage also feeds the routing signals (output length; acceptance on spec).
         keep_tail = hooks is not NO_HOOKS or attempt.wants_summary
         tail: deque[bytes] | None = deque(maxlen=4) if keep_tail else None
         await exchange.start(response.status, relayed_headers(response))

@@ -76,7 +76,8 @@ class Attempt:
 
     __slots__ = ("fleet", "instance", "started", "tokens", "open", "signals", "chunks", "last_at", "gaps")
 
-    def __init__(self, fleet: FleetState, instance: Instance, signals: Signals | None = None) -> None:
+    def __init__(self, fleet: FleetState, instance: Instance, signals: Signals | None = None,
+                 prompt_tokens: int = 0) -> None:
         self.fleet = fleet
         self.instance = instance
         self.started = False
@@ -88,7 +89,7 @@ class Attempt:
         self.last_at = 0.0
         self.gaps: list[float] = []
         instance.dispatched_total += 1
-        fleet.on_dispatch(instance.url, time.monotonic())
+        fleet.on_dispatch(instance.url, time.monotonic(), prompt_tokens)
 
     def first_byte(self) -> None:
         if self.open and not self.started:
@@ -106,8 +107,8 @@ class Attempt:
 
     @property
     def wants_summary(self) -> bool:
-        """True when the response's usage tail is acceptance evidence (a spec instance's stream)."""
-        return self.signals is not None and self.instance.pool == "spec"
+        """True when the response's usage tail feeds the signals (output length, acceptance)."""
+        return self.signals is not None
 
     def finished(self, summary: "Summary | None" = None) -> None:
         """The response ended normally; `summary` is its usage tail when the relay kept one."""
@@ -215,6 +216,6 @@ class Router:
         return instance
 
     # -- events -----------------------------------------------------------------------------
-    def dispatch(self, instance: Instance) -> Attempt:
+    def dispatch(self, instance: Instance, prompt_tokens: int = 0) -> Attempt:
         """Start an attempt on `instance`; the caller must end it (finished/failed) on every path."""
-        return Attempt(self.fleet, instance, self.signals)
+        return Attempt(self.fleet, instance, self.signals, prompt_tokens)

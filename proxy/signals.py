@@ -78,6 +78,7 @@ def reading_from_loads(doc: Mapping[str, Any], at: float) -> Reading:
         running=float(sum(e.get("num_running_reqs", 0) for e in loads)),
         waiting=float(sum(e.get("num_waiting_reqs", 0) for e in loads)),
         max_running=int(sum(e.get("max_running_requests", 0) for e in loads)) or None,
+        waiting_tokens=float(sum(e.get("num_waiting_uncached_tokens", 0) for e in loads)),
     )
 
 
@@ -93,7 +94,7 @@ def reading_from_metrics(text: str, at: float) -> Reading:
         at=at, running=running, waiting=waiting,
         max_running=int(m["sglang:max_running_requests"]) if m.get("sglang:max_running_requests") else None,
         accept_length=m.get("sglang:spec_accept_length") or None,
-        accept_steps=GAUGE_INTERVAL_STEPS * max(running, 1.0),
+        accept_steps=GAUGE_INTERVAL_STEPS * running,
         tokens_total=m.get("sglang:generation_tokens_total"),
         verify_total=m.get("sglang:spec_verify_calls_total"),
     )
@@ -262,7 +263,7 @@ class Signals:
         gauge = m.get("sglang:spec_accept_length") or None
         return Reading(
             at=reading.at, running=reading.running, waiting=reading.waiting, max_running=reading.max_running,
-            accept_length=gauge, accept_steps=GAUGE_INTERVAL_STEPS * max(reading.running, 1.0),
+            waiting_tokens=reading.waiting_tokens, accept_length=gauge, accept_steps=GAUGE_INTERVAL_STEPS * reading.running,
             tokens_total=m.get("sglang:generation_tokens_total"),
             verify_total=m["sglang:spec_verify_calls_total"],
         )

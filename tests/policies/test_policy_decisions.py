@@ -121,3 +121,19 @@ def test_goodput_unknown_alpha_uses_the_default():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
     decision = Goodput(default_alpha=0.5).decide(SHORT, snapshot(0, 0, cost, alpha=None))
     assert decision.pool == "spec"
+
+
+def test_goodput_counts_the_queued_prompt_tokens():
+    from dataclasses import replace
+
+    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+    policy = Goodput()
+    small = Features(prompt_tokens=100)
+    snap = snapshot(10, 10, cost)
+    assert policy.decide(small, snap).pool == "spec"
+    # Base has 3 waiting prompts of 100 tokens; spec has 3 waiting prompts of 8,000 tokens each.
+    pools = dict(snap.pools)
+    pools["spec"] = replace(pools["spec"], instances=(replace(pools["spec"].instances[0], waiting=3, waiting_tokens=24000),))
+    pools["base"] = replace(pools["base"], instances=(replace(pools["base"].instances[0], waiting=3, waiting_tokens=300),))
+    decision = policy.decide(small, replace(snap, pools=pools))
+    assert decision.pool == "base" and decision.scores["t_spec_s"] > decision.scores["t_base_s"]

@@ -70,3 +70,25 @@ def test_counters_feed_alpha():
                                                 tokens_total=i * 100 * tau, verify_total=i * 100))
     assert state.snapshot(2.0).pool("spec").alpha == pytest.approx(0.65, abs=1e-3)
     assert state.snapshot(2.0).pool("base").alpha is None
+
+
+def test_queued_prompt_tokens_and_learned_output_length():
+    state = fleet()
+    state.on_reading("http://base", Reading(at=1.0, running=4, waiting=2, waiting_tokens=3000))
+    state.on_dispatch("http://base", 1.05, prompt_tokens=500)
+    base = state.snapshot(1.1).pool("base").instances[0]
+    assert (base.waiting, base.waiting_tokens) == (3, 3500)
+    assert state.snapshot(1.1).mean_output_tokens is None
+    for tokens in (100, 300):
+        state.on_output(tokens)
+    assert 100 < state.snapshot(1.1).mean_output_tokens < 300
+
+
+def test_an_idle_servers_gauge_is_not_evidence():
+    state = fleet()
+    state.on_reading("http://spec", Reading(at=1.0, running=0, waiting=0, accept_length=1.2, accept_steps=0))
+    assert state.snapshot(1.0).pool("spec").alpha is None  # an old interval's value, kept while idle
+    state.on_reading("http://spec", Reading(at=1.1, running=8, waiting=0, accept_length=1.2, accept_steps=320))
+    assert state.snapshot(1.1).pool("spec").alpha is None  # the same value again adds nothing
+    state.on_reading("http://spec", Reading(at=1.2, running=8, waiting=0, accept_length=2.5, accept_steps=320))
+    assert state.snapshot(1.2).pool("spec").alpha == pytest.approx(0.70, abs=0.02)

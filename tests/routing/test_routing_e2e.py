@@ -10,9 +10,9 @@ import asyncio
 import httpx
 import openai
 import pytest
-from proxy_harness import running_proxy, wait_for
+from proxy_harness import running_proxy
 
-from sim.testing import TwinSpec, twins
+from sim.testing import TwinSpec, twins, wait_for
 
 TIME_SCALE = 10.0
 SPEC_CAP = 8
@@ -68,7 +68,7 @@ def test_a_load_ramp_moves_traffic_to_base_and_back(fleet):
             burst = await asyncio.gather(*(ask(client, 600) for _ in range(24)))
             stop.set()
             await watcher
-            await asyncio.to_thread(wait_for, lambda: quiet(proxy), 30, what="the burst to drain")
+            await asyncio.to_thread(wait_for, lambda: quiet(proxy), "the burst to drain", 30)
             after = [await ask(client, 32) for _ in range(3)]
             return before, burst, after
 
