@@ -20,7 +20,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, StatusCode
+from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceState
 
 _PACK_DOUBLE = struct.Struct("<d").pack
 _PACK_FIXED64 = struct.Struct("<Q").pack
@@ -87,15 +87,19 @@ class SpanEncoder:
     """Encodes finished spans on the request path (one event-loop thread: the memo needs no lock)."""
 
     def __init__(self) -> None:
-        self._pairs: dict[tuple[bytes, str, type, Any], bytes] = {}
+        # tag -> key -> value -> framed KeyValue; per key, so no tuple is built per attribute.
+        self._memo: dict[bytes, dict[str, dict[Any, bytes]]] = {}
+        self._memo_size = 0
         self._doubles: dict[tuple[bytes, str], bytes] = {}
         self._heads: dict[tuple[str, SpanKind], bytes] = {}
 
     def attributes(self, tag: bytes, attributes: Mapping[str, Any]) -> bytes:
         """Attributes as repeated KeyValue fields (key 1, value 2) under `tag`. A framed pair is
-        memoised, so repeating ones (model, pool, route, status...) cost one dict lookup; doubles,
-        which rarely repeat, are a memoised prefix and 8 packed bytes."""
-        memo = self._pairs
+        memoised, so repeating ones (model, pool, route, status...) cost two dict lookups;
+        doubles, which rarely repeat, are a memoised prefix and 8 packed bytes."""
+        memo = self._memo.get(tag)
+        if memo is None:
+            memo = self._memo[tag] = {}
         out = []
         for key, value in attributes.items():
             cls = value.__class__
@@ -105,22 +109,31 @@ class SpanEncoder:
                     prefix = self._doubles[(tag, key)] = double_prefix(tag, key)
                 out.append(prefix + _PACK_DOUBLE(value))
                 continue
-            # The type is part of the key: True and 1 are equal but encode differently.
-            memo_key = (tag, key, cls, tuple(value) if cls is list else value)
-            encoded = memo.get(memo_key)
+            values = memo.get(key)
+            if values is None:
+                values = memo[key] = {}
+            # True == 1 as dict keys, but they encode differently: bools and lists get own keys.
+            value_key = value if cls is str or cls is int else (cls, tuple(value) if cls is list else value)
+            encoded = values.get(value_key)
             if encoded is None:
                 encoded = field(tag, field(b"\x0a", key.encode()) + field(b"\x12", any_value(value)))
-                if len(memo) >= _MEMO_LIMIT:
+                self._memo_size += 1
+                if self._memo_size > _MEMO_LIMIT:
                     memo.clear()  # unique values (ids, counts) would otherwise pile up
-                memo[memo_key] = encoded
+                    self._memo_size = 0
+                    values = memo[key] = {}
+                values[value_key] = encoded
             out.append(encoded)
         return b"".join(out)
 
     def span(
         self,
         name: str,
-        context: SpanContext,
-        parent: SpanContext | None,
+        trace_id: int,
+        span_id: int,
+        trace_state: TraceState,
+        parent_id: int | None,
+        parent_remote: bool,
         kind: SpanKind,
         start_ns: int,
         end_ns: int,
@@ -130,15 +143,13 @@ class SpanEncoder:
         description: str | None,
     ) -> bytes:
         """trace.v1.Span, framed as a ScopeSpans.spans field; `events` are (name, time) pairs."""
-        parts = [b"\x0a\x10", context.trace_id.to_bytes(16, "big"), b"\x12\x08", context.span_id.to_bytes(8, "big")]
-        if context.trace_state:
-            parts.append(field(b"\x1a", context.trace_state.to_header().encode()))
-        flags = _LOCAL_PARENT
-        if parent is not None:
+        parts = [b"\x0a\x10", trace_id.to_bytes(16, "big"), b"\x12\x08", span_id.to_bytes(8, "big")]
+        if trace_state:
+            parts.append(field(b"\x1a", trace_state.to_header().encode()))
+        flags = _REMOTE_PARENT if parent_remote else _LOCAL_PARENT
+        if parent_id is not None:
             parts.append(b"\x22\x08")
-            parts.append(parent.span_id.to_bytes(8, "big"))
-            if parent.is_remote:
-                flags = _REMOTE_PARENT
+            parts.append(parent_id.to_bytes(8, "big"))
         head = self._heads.get((name, kind))
         if head is None:  # name (5) and kind (6; OTLP kinds are the SDK's + 1)
             head = self._heads[(name, kind)] = field(b"\x2a", name.encode("utf-8", "replace")) + b"\x30" + _SMALL[kind.value + 1]

@@ -33,7 +33,7 @@ class RequestRecorder(RequestHooks):
     __slots__ = (
         "_owner", "_tracing", "_endpoint", "_request_id", "_t0", "_t0_ns", "_t_attempt", "_t_first",
         "_pool", "_instance", "_attempt", "_reason", "_stream", "_model", "_params", "_in_flight",
-        "_server", "_parent", "_server_attrs", "_sampled", "_attempt_ctx", "_attempt_start_ns",
+        "_server", "_parent", "_server_attrs", "_sampled", "_attempt_id", "_attempt_start_ns",
         "_attempt_attrs", "_attempt_events", "_spans",
     )
 
@@ -59,7 +59,8 @@ class RequestRecorder(RequestHooks):
         self._parent: SpanContext | None = None
         self._server_attrs: dict[str, Any] = {}
         self._sampled = False
-        self._attempt_ctx: SpanContext | None = None
+        self._attempt_id = 0
+        """The current attempt's span id (0: none), also the parent id sent upstream."""
         self._attempt_start_ns = 0
         self._attempt_attrs: dict[str, Any] | None = None
         self._attempt_events: list[tuple[str, int]] = []
@@ -117,13 +118,17 @@ class RequestRecorder(RequestHooks):
             attributes[n.ROUTE_OVERRIDE] = override
         # The policy's predictions and, added by proxy.signals, what it saw: each pool's load,
         # capacity, reading age and staleness, and the speculative pool's alpha.
+        score_keys = self._owner.score_keys
         for key, value in decision.scores.items():
-            attributes[n.ROUTE_INPUT_PREFIX + key] = value
+            name = score_keys.get(key)
+            if name is None:
+                name = score_keys[key] = n.ROUTE_INPUT_PREFIX + key
+            attributes[name] = value
         tracing, server = self._tracing, self._server
         assert tracing is not None and server is not None
         # The decision span covers reading the body, building features and the policy call.
-        self._spans.append(tracing.encode(n.SPAN_DECISION, tracing.child_context(server), server,
-                                          SpanKind.INTERNAL, self._t0_ns, time.time_ns(), attributes))
+        self._spans.append(tracing.encode_child(n.SPAN_DECISION, server, tracing.new_span_id(),
+                                                SpanKind.INTERNAL, self._t0_ns, attributes))
 
     # -- attempts --------------------------------------------------------------------------
     def attempt_started(self, *, pool: str, instance: str, attempt: int) -> None:
@@ -140,7 +145,7 @@ class RequestRecorder(RequestHooks):
         tracing, server = self._tracing, self._server
         if tracing is None or server is None:
             return
-        self._attempt_ctx = tracing.child_context(server)
+        self._attempt_id = tracing.new_span_id()
         if not self._sampled:
             return
         self._attempt_start_ns = time.time_ns()
@@ -164,12 +169,13 @@ class RequestRecorder(RequestHooks):
         self._attempt_attrs = attributes
 
     def outgoing_headers(self, headers: MutableMapping[str, str]) -> None:
-        context = self._attempt_ctx
-        if context is None:
+        server, span_id = self._server, self._attempt_id
+        if server is None or not span_id:
             return
         if self._tracing.w3c_only:  # type: ignore[union-attr]
-            headers["traceparent"] = "00-%032x-%016x-%02x" % (context.trace_id, context.span_id, context.trace_flags)
+            headers["traceparent"] = "00-%032x-%016x-%02x" % (server.trace_id, span_id, server.trace_flags)
         else:
+            context = SpanContext(server.trace_id, span_id, False, server.trace_flags, server.trace_state)
             propagate.inject(headers, context=trace.set_span_in_context(NonRecordingSpan(context)))
 
     def upstream_headers(self, *, status: int, headers: Mapping[str, str]) -> None:
@@ -212,7 +218,7 @@ class RequestRecorder(RequestHooks):
         if attributes is not None:
             attributes[n.ERROR_TYPE] = error
             self._end_attempt(StatusCode.ERROR, error)
-        self._attempt_ctx = None
+        self._attempt_id = 0
 
     def _release_instance(self) -> None:
         if self._in_flight is not None:
@@ -220,13 +226,13 @@ class RequestRecorder(RequestHooks):
             self._in_flight = None
 
     def _end_attempt(self, status: StatusCode, description: str | None) -> None:
-        tracing, context, attributes = self._tracing, self._attempt_ctx, self._attempt_attrs
-        assert tracing is not None and context is not None and attributes is not None
+        tracing, server, attributes = self._tracing, self._server, self._attempt_attrs
+        assert tracing is not None and server is not None and attributes is not None
         model = attributes.get(n.GEN_AI_REQUEST_MODEL)
         operation = attributes[n.GEN_AI_OPERATION_NAME]
-        self._spans.append(tracing.encode(
-            f"{operation} {model}" if model else operation, context, self._server, SpanKind.CLIENT,
-            self._attempt_start_ns, time.time_ns(), attributes, self._attempt_events, status, description))
+        self._spans.append(tracing.encode_child(
+            f"{operation} {model}" if model else operation, server, self._attempt_id, SpanKind.CLIENT,
+            self._attempt_start_ns, attributes, self._attempt_events, status, description))
         self._attempt_attrs = None
 
     # -- response --------------------------------------------------------------------------
@@ -312,8 +318,8 @@ class RequestRecorder(RequestHooks):
             server_status = StatusCode.ERROR
         tracing, server = self._tracing, self._server
         assert tracing is not None and server is not None
-        self._spans.append(tracing.encode(f"POST {self._endpoint}", server, self._parent, SpanKind.SERVER,
-                                          self._t0_ns, time.time_ns(), server_attrs, (), server_status))
+        self._spans.append(tracing.encode_server(f"POST {self._endpoint}", server, self._parent, self._t0_ns,
+                                                 server_attrs, server_status))
         tracing.submit(server, self._spans)
 
 

@@ -38,6 +38,8 @@ class SpecrouteTelemetry(Telemetry):
         self.metrics = Metrics()
         self.request_log: logging.Logger | None = logs.request_logger() if settings.request_log else None
         self._addresses: dict[str, tuple[str, int]] = {}
+        self.score_keys: dict[str, str] = {}
+        """Decision.scores keys -> span attribute names (built once, not per request)."""
 
     def install(self, app: "FastAPI") -> None:
         metrics = self.metrics

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from typing import Any, Sequence
 
 from opentelemetry import propagate
@@ -90,24 +91,30 @@ class Tracing:
         flags = SAMPLED if result.decision.is_sampled() else NOT_SAMPLED
         return SpanContext(trace_id, self.new_span_id(), False, flags, result.trace_state or _NO_STATE)
 
-    def child_context(self, parent: SpanContext) -> SpanContext:
-        return SpanContext(parent.trace_id, self.new_span_id(), False, parent.trace_flags, parent.trace_state)
-
-    def encode(
+    def encode_child(
         self,
         name: str,
-        context: SpanContext,
-        parent: SpanContext | None,
+        server: SpanContext,
+        span_id: int,
         kind: SpanKind,
         start_ns: int,
-        end_ns: int,
         attributes: dict[str, Any],
         events: Sequence[tuple[str, int]] = (),
         status: StatusCode = StatusCode.UNSET,
         description: str | None = None,
     ) -> bytes:
-        """One finished span's OTLP bytes; `events` are (name, time) pairs."""
-        return self.encoder.span(name, context, parent, kind, start_ns, end_ns, attributes, events, status, description)
+        """The OTLP bytes of a span of the request's, ending now, under its SERVER span;
+        `events` are (name, time) pairs."""
+        return self.encoder.span(name, server.trace_id, span_id, server.trace_state, server.span_id, False, kind,
+                                 start_ns, time.time_ns(), attributes, events, status, description)
+
+    def encode_server(self, name: str, server: SpanContext, parent: SpanContext | None, start_ns: int,
+                      attributes: dict[str, Any], status: StatusCode) -> bytes:
+        """The OTLP bytes of the request's SERVER span, ending now, under the client's span if any."""
+        return self.encoder.span(
+            name, server.trace_id, server.span_id, server.trace_state, parent.span_id if parent else None,
+            parent.is_remote if parent else False, SpanKind.SERVER, start_ns, time.time_ns(), attributes, (),
+            status, None)
 
     def submit(self, context: SpanContext, spans: list[bytes]) -> None:
         """Hand a request's finished spans to the batch processor (it drops them unless sampled)."""
