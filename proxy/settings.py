@@ -205,14 +205,13 @@ class Settings(BaseSettings):
     def public_view(self) -> dict[str, Any]:
         """Effective settings by variable name, secrets masked (for `specroute config`)."""
         view: dict[str, Any] = {}
-        for name, info in type(self).model_fields.items():
+        for name in type(self).model_fields:
             value = getattr(self, name)
             if isinstance(value, SecretStr):
                 value = "********"
             elif isinstance(value, list):
                 value = ",".join(value)
-            alias = info.validation_alias
-            view[str(alias.choices[-1]) if isinstance(alias, AliasChoices) else ENV_PREFIX + name.upper()] = value
+            view[variable_name(name)] = value
         return view
 
 
@@ -222,6 +221,13 @@ def load_settings(**overrides: Any) -> Settings:
         return Settings(**overrides)
     except ValidationError as exc:
         raise SettingsError(describe(exc)) from None
+
+
+def variable_name(field: str) -> str:
+    """The environment variable a setting is read from: SPECROUTE_<FIELD>, or for the few
+    standard OTEL_* ones the general variable (the per-signal one wins when both are set)."""
+    alias = Settings.model_fields[field].validation_alias
+    return str(alias.choices[-1]) if isinstance(alias, AliasChoices) else ENV_PREFIX + field.upper()
 
 
 def describe(exc: ValidationError) -> str:
