@@ -13,7 +13,7 @@ import yaml
 from packaging.requirements import Requirement
 
 from deploy_tools import DEPLOY, K8S, K8S_VERSIONS, REPO, Compose, Kubeconform
-from proxy.settings import ENV_PREFIX, Settings
+from proxy.settings import ENV_PREFIX, Settings, variable_name
 
 COMPOSE_FILES = ("docker-compose.yml", "docker-compose.twins.yml")
 MANIFESTS = sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
@@ -37,7 +37,7 @@ def env_example_names() -> set[str]:
 
 
 def setting_names() -> set[str]:
-    return {ENV_PREFIX + name.upper() for name in Settings.model_fields}
+    return {variable_name(name) for name in Settings.model_fields}
 
 
 def seconds(duration: str | int | float) -> float:
