@@ -36,6 +36,7 @@ class ProxyError(Exception):
         type: str | None = None,
         retryable: bool | None = None,
         payload: bytes | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -47,6 +48,8 @@ class ProxyError(Exception):
         """False adds `x-should-retry: false` (the proxy already failed over); None says nothing."""
         self.payload = payload
         """A ready OpenAI-shaped body (an upstream's error, normalised) to send instead."""
+        self.headers = headers or []
+        """Extra response headers (an upstream's retry-after)."""
 
     def body(self) -> bytes:
         return self.payload if self.payload is not None else error_body(self.message, self.type, self.code, self.param)

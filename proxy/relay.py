@@ -55,6 +55,7 @@ NOT_RELAYED = frozenset(
 RETRYABLE = frozenset({CONNECT, DISCONNECTED})
 """Attempt failures worth another instance. Timeouts are not: the next one would wait as long."""
 ERROR_BODY_LIMIT = 64 * 1024
+RETRY_AFTER = frozenset({b"retry-after", b"retry-after-ms"})
 
 
 class ClientGone(Exception):
@@ -71,7 +72,7 @@ class Exchange:
     """One client request's state on the way through."""
 
     __slots__ = ("request_id", "send", "hooks", "started", "status", "client_gone", "done", "error_type",
-                 "decision", "instance", "summary", "upstream_wait_s", "prompt_tokens")
+                 "decision", "instance", "summary", "upstream_wait_s", "prompt_tokens", "streaming")
 
     def __init__(self, request_id: str, send: Send, hooks: RequestHooks) -> None:
         self.request_id = request_id
@@ -89,6 +90,8 @@ class Exchange:
         self.upstream_wait_s = 0.0
         """Time spent awaiting upstream servers (connect, headers, chunks): the rest is ours."""
         self.prompt_tokens = 0
+        self.streaming = False
+        """Whether the response being relayed is an SSE stream (an error can still go in-band)."""
         """The request's estimated prompt tokens (the routing signals count queued prefill)."""
 
     def routing_headers(self) -> list[tuple[bytes, bytes]]:
@@ -113,6 +116,7 @@ class Exchange:
             return
         body = error.body()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += error.headers
         if error.retryable is False:
             headers.append((b"x-should-retry", b"false"))
         await self.start(error.status, headers)
@@ -198,7 +202,8 @@ class CompletionHandler:
             exchange.error_type = str(aborted)  # uvicorn closes the connection: the client sees the break
         except asyncio.CancelledError:
             if not exchange.client_gone:
-                raise  # server shutdown, not our client leaving
+                await self.interrupted(exchange)
+                raise  # the server is stopping (drain timeout passed), not our client leaving
             task.uncancel()
         finally:
             if watcher is not None:
@@ -213,6 +218,17 @@ class CompletionHandler:
                 client_disconnected=exchange.client_gone,
                 upstream_wait_s=exchange.upstream_wait_s,
             )
+
+    async def interrupted(self, exchange: Exchange) -> None:
+        """The server cancelled this request at the end of its drain: tell the client so (a 503 the
+        SDK may retry elsewhere, or an in-band error event) instead of dropping the connection."""
+        if not exchange.started:
+            await exchange.fail(ProxyError(503, "the proxy is shutting down; retry", code="shutting_down"))
+        elif exchange.streaming and not exchange.done:
+            exchange.done = True
+            exchange.error_type = "shutting_down"
+            message = stream_error_event("the proxy is shutting down; the response is incomplete", code="shutting_down")
+            await exchange.send({"type": "http.response.body", "body": message, "more_body": False})
 
     async def read_body(self, headers: dict[str, str], receive: Receive) -> bytes:
         content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
@@ -312,7 +328,8 @@ class CompletionHandler:
                     response.close()  # unread bytes: drop the connection, which ends the upstream request
 
     async def upstream_error(self, exchange: Exchange, response: aiohttp.ClientResponse, attempt: Attempt) -> ProxyError | None:
-        """An upstream 4xx/5xx: 5xx may go to another instance; 4xx is the client's to see."""
+        """An upstream 4xx/5xx: 5xx may go to another instance; 4xx is the client's to see
+        (with the upstream's retry-after, which the SDKs honour)."""
         raw = await read_up_to(response.content, ERROR_BODY_LIMIT)
         payload = normalise_upstream_error(response.status, raw)
         retryable = response.status >= 500
@@ -321,14 +338,16 @@ class CompletionHandler:
             exchange.hooks.attempt_failed(error=f"status_{response.status}", retryable=True)
         else:
             exchange.hooks.attempt_finished(status=response.status)
-        return ProxyError(response.status, "upstream error", code=str(response.status), retryable=retryable, payload=payload)
+        relayed = [(name.lower(), value) for name, value in response.raw_headers if name.lower() in RETRY_AFTER]
+        return ProxyError(response.status, "upstream error", code=str(response.status), retryable=retryable,
+                          payload=payload, headers=relayed)
 
     async def relay(self, exchange: Exchange, response: aiohttp.ClientResponse, attempt: Attempt, first: bytes) -> None:
         """Send the response on as it arrives; counts SSE events, never parses chunks."""
         hooks = exchange.hooks
         send = exchange.send
         content = response.content
-        is_stream = response.content_type == "text/event-stream"
+        is_stream = exchange.streaming = response.content_type == "text/event-stream"
         per_chunk = is_stream and hooks.wants_chunks
         # The tail's usage also feeds the routing signals (output length; acceptance on spec).
         keep_tail = hooks is not NO_HOOKS or attempt.wants_summary

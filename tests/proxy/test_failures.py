@@ -76,6 +76,16 @@ def test_gives_up_after_failover_and_tells_the_sdk_not_to_retry() -> None:
         assert proxy.in_flight() == 0
 
 
+def test_upstream_429_reaches_the_sdk_with_its_retry_after() -> None:
+    with FaultServer("status:429") as limited, running_proxy(spec_urls=[limited.url], policy="spec") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.chat.completions.create(model="m", messages=MESSAGES)
+        assert caught.value.response.headers["retry-after"] == "1"
+        assert error_of(caught.value.response)["type"] == "rate_limit_error"
+        assert posts(limited) == 1  # a 4xx is the client's answer, not a reason to fail over
+
+
 def test_mid_stream_failure_ends_with_an_error_event_not_a_clean_end() -> None:
     with FaultServer("cut:3") as cut, running_proxy(spec_urls=[cut.url], policy="spec") as proxy:
         with httpx.stream("POST", proxy.base_url + "/chat/completions",
@@ -159,6 +169,32 @@ def test_client_disconnect_before_the_first_byte_frees_the_upstream_slot(slow_tw
         wait_for(lambda: twin_running(slow_twin) == 1, timeout=10, what="the request to reach the twin")
     wait_for(lambda: twin_running(slow_twin) == 0, timeout=5, what="the twin to drop the request")
     wait_for(lambda: slow_proxy.in_flight() == 0, timeout=5, what="in-flight released")
+
+
+def test_requests_still_running_when_the_drain_ends_are_told_so(slow_twin) -> None:
+    """SIGTERM's drain (here 0.5 s) ends: a stream gets an error event, a request still waiting
+    for its first byte a 503 the SDK can retry elsewhere; neither connection is just dropped."""
+    with FaultServer("hang") as hang, running_proxy(spec_urls=[hang.url], base_urls=[slow_twin.url],
+                                                     drain_timeout_s=0.5) as proxy:
+        stream = httpx.stream("POST", proxy.base_url + "/chat/completions", timeout=30, headers={"x-specroute-pool": "base"},
+                              json={"model": "m", "messages": MESSAGES, "max_tokens": 4000, "stream": True})
+        response = stream.__enter__()
+        chunks = response.iter_raw()
+        assert next(chunks).startswith(b"data: ")
+        waiting: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: waiting.append(httpx.post(
+            proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES},
+            headers={"x-specroute-pool": "spec"}, timeout=30)))
+        waiter.start()
+        wait_for(lambda: posts(hang) == 1, what="the second request to reach its upstream")
+        proxy.app.draining = True
+        proxy.server.should_exit = True
+        rest = b"".join(chunks)
+        stream.__exit__(None, None, None)
+        assert rest.endswith(b"data: [DONE]\n\n") and b'"code":"shutting_down"' in rest
+        waiter.join(30)
+        assert waiting[0].status_code == 503 and error_of(waiting[0])["code"] == "shutting_down"
+    wait_for(lambda: twin_running(slow_twin) == 0, timeout=5, what="the twin to drop the cut stream")
 
 
 def test_sglang_flat_error_is_normalised(proxy: RunningProxy) -> None:
