@@ -1,0 +1,100 @@
+"""What tracing every request costs the proxy: throughput and CPU per request, tracing off vs on.
+
+    .venv/bin/python -m bench.obs_trace_cost            # 3 rounds, off / http / grpc interleaved
+    .venv/bin/python -m bench.obs_trace_cost --quick    # fewer requests (a smoke run)
+
+The proxy runs in front of bench.proxy_upstream (the fast fake upstream of the proxy benchmark);
+"on" exports every request's spans (server, decision, attempt: 3 per request, sampler always_on)
+to a real Jaeger v2 on this machine, over OTLP http/protobuf or grpc. Jaeger shares the 2 cores,
+so the figures are an upper bound on the proxy's own cost. Configurations run interleaved, round
+after round, so background load on the machine falls on all of them; the table gives the median
+and the best round of each (noise only ever lowers throughput and raises CPU, so the best rounds
+are the least disturbed). docs/observability.md records the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.proxy_bench import SCENARIOS, free_port, measure, process, specroute_cmd
+from tests.observability.obs_jaeger import Jaeger, jaeger_binary
+
+CONFIGS = ("off", "http/protobuf", "grpc")
+MEASURED = ("c64-json", "c64-stream")
+
+
+def tracing_env(config: str, jaeger: Jaeger) -> dict[str, str]:
+    if config == "off":
+        return {"SPECROUTE_TRACES": "false"}
+    endpoint = jaeger.otlp_grpc_endpoint if config == "grpc" else jaeger.otlp_http_endpoint
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": config,
+        "OTEL_TRACES_SAMPLER": "always_on",
+        "OTEL_SERVICE_NAME": "specroute-bench",
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a tenth of the requests, one round")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    scale, rounds = (0.1, 1) if args.quick else (0.2, args.rounds)
+    scenarios = [s for s in SCENARIOS if s.name in MEASURED]
+    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        jaeger = Jaeger(jaeger_binary(), Path(tmp))
+        try:
+            upstream_port = free_port()
+            upstream = [sys.executable, "-m", "bench.proxy_upstream", str(upstream_port), "64"]
+            with process(upstream, upstream_port):
+                for round_number in range(rounds):
+                    for config in CONFIGS:
+                        port = free_port()
+                        cmd, env = specroute_cmd(upstream_port, port)
+                        with process(cmd, port, {**env, **tracing_env(config, jaeger)}) as proxy:
+                            for scenario in scenarios:
+                                m = measure(port, scenario, scale, proxy.pid)
+                                results.setdefault((config, scenario.name), []).append(m)
+                                print(f"round {round_number + 1} {config:>13} {scenario.name:>10}: "
+                                      f"{m['rate']:,.0f} req/s, {m['cpu_us']:,.0f} us CPU/req, "
+                                      f"p50 {m['p50_ms']:.2f} ms, errors {m['errors']:.0f}", flush=True)
+        finally:
+            jaeger.stop()
+
+    print()
+    print("| scenario | tracing | req/s median (best) | vs off | CPU us/req median (best) | vs off (best) | errors |")
+    print("|---|---|---|---|---|---|---|")
+    for scenario in scenarios:
+        off = summary(results[("off", scenario.name)])
+        for config in CONFIGS:
+            runs = results[(config, scenario.name)]
+            m = summary(runs)
+            errors = sum(r["errors"] for r in runs)
+            print(f"| {scenario.name} | {config} | {m['rate']:,.0f} ({m['best_rate']:,.0f}) "
+                  f"| {change(m['rate'], off['rate'])} ({change(m['best_rate'], off['best_rate'])}) "
+                  f"| {m['cpu']:,.0f} ({m['best_cpu']:,.0f}) "
+                  f"| {change(m['cpu'], off['cpu'])} ({change(m['best_cpu'], off['best_cpu'])}) | {errors:.0f} |")
+
+
+def summary(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {
+        "rate": statistics.median(r["rate"] for r in runs),
+        "best_rate": max(r["rate"] for r in runs),
+        "cpu": statistics.median(r["cpu_us"] for r in runs),
+        "best_cpu": min(r["cpu_us"] for r in runs),
+    }
+
+
+def change(value: float, base: float) -> str:
+    return f"{(value / base - 1) * 100:+.1f} %"
+
+
+if __name__ == "__main__":
+    main()
