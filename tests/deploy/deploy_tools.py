@@ -19,10 +19,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+import httpx
+import openai
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -198,3 +202,63 @@ class Service:
                 self.process.kill()
                 self.process.wait(10)
         return self.process.returncode
+
+
+def start_proxy(workdir: Path, name: str = "specroute", **environment: str) -> Service:
+    """`specroute serve` on a free loopback port with these SPECROUTE_* settings, once ready."""
+    service = {
+        "command": ["specroute", "serve"],
+        "environment": {"SPECROUTE_HOST": "127.0.0.1", "SPECROUTE_PORT": "0", **environment},
+    }
+    proxy = Service.start(name, service, workdir, PROXY_READY)
+    poll(lambda: ready_status(proxy) == 200, 30, f"{name} to be ready")
+    return proxy
+
+
+def ready_status(proxy: Service) -> int | None:
+    """GET /ready on a new connection: its status, or None when no connection is accepted."""
+    try:
+        return httpx.get(proxy.url + "/ready", timeout=2).status_code
+    except httpx.TransportError:
+        return None
+
+
+class Stream(threading.Thread):
+    """One streamed completion that runs to max_tokens (ignore_eos), read with the OpenAI SDK in a thread."""
+
+    def __init__(self, proxy: Service, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.max_tokens = max_tokens
+        self.client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.answered = threading.Event()
+        """Set when the response headers arrived (the request is on a server, maybe queued)."""
+        self.first_chunk = threading.Event()
+        self.text = ""
+        self.finish_reason: str | None = None
+        self.error: Exception | None = None
+        self.finished_at = float("inf")
+        self.pool: str | None = None
+        """The pool the proxy chose (its x-specroute-pool response header)."""
+
+    def run(self) -> None:
+        try:
+            response = self.client.chat.completions.with_raw_response.create(
+                model="any",
+                messages=[{"role": "user", "content": "Tell me a long story."}],
+                max_tokens=self.max_tokens,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            self.pool = response.headers.get("x-specroute-pool")
+            self.answered.set()
+            for chunk in response.parse():
+                self.first_chunk.set()
+                for choice in chunk.choices:
+                    self.text += choice.delta.content or ""
+                    self.finish_reason = choice.finish_reason or self.finish_reason
+        except Exception as exc:  # kept for the assertions: a cut stream must not look complete
+            self.error = exc
+        finally:
+            self.finished_at = time.monotonic()
+            self.answered.set()
+            self.first_chunk.set()

@@ -9,16 +9,14 @@ its upstream request is cancelled, so the process still exits within the timeout
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Iterator
 
 import httpx
-import openai
 import pytest
 
-from deploy_tools import PROXY_READY, Service, poll, stopped_cleanly
+from deploy_tools import Service, Stream, poll, ready_status, start_proxy, stopped_cleanly
 from sim.testing import RunningTwin, twin
 
 TOKENS = 60
@@ -32,65 +30,11 @@ def slow_twin() -> Iterator[RunningTwin]:
         yield running
 
 
-def start_proxy(upstream: str, drain_s: float, workdir: Path) -> Service:
-    service = {
-        "command": ["specroute", "serve"],
-        "environment": {
-            "SPECROUTE_HOST": "127.0.0.1",
-            "SPECROUTE_PORT": "0",
-            "SPECROUTE_SPEC_URLS": upstream,
-            "SPECROUTE_POLICY": "spec",
-            "SPECROUTE_DRAIN_TIMEOUT_S": str(drain_s),
-        },
-    }
-    proxy = Service.start("specroute", service, workdir, PROXY_READY)
-    poll(lambda: ready_status(proxy) == 200, 30, "the proxy to be ready")
-    return proxy
-
-
-def ready_status(proxy: Service) -> int | None:
-    """GET /ready on a new connection: its status, or None when no connection is accepted."""
-    try:
-        return httpx.get(proxy.url + "/ready", timeout=2).status_code
-    except httpx.TransportError:
-        return None
-
-
-class Stream(threading.Thread):
-    """One streamed completion read to its end with the OpenAI SDK, in a thread."""
-
-    def __init__(self, proxy: Service) -> None:
-        super().__init__(daemon=True)
-        self.client = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        self.first_chunk = threading.Event()
-        self.text = ""
-        self.finish_reason: str | None = None
-        self.error: Exception | None = None
-
-    def run(self) -> None:
-        try:
-            stream = self.client.chat.completions.create(
-                model="any",
-                messages=[{"role": "user", "content": "Tell me a long story."}],
-                max_tokens=TOKENS,
-                stream=True,
-                extra_body={"ignore_eos": True},
-            )
-            for chunk in stream:
-                self.first_chunk.set()
-                for choice in chunk.choices:
-                    self.text += choice.delta.content or ""
-                    self.finish_reason = choice.finish_reason or self.finish_reason
-        except Exception as exc:  # kept for the assertions: a cut stream must not look complete
-            self.error = exc
-        finally:
-            self.first_chunk.set()
-
-
 def test_sigterm_drains_a_running_stream_to_completion(slow_twin: RunningTwin, tmp_path: Path) -> None:
-    proxy = start_proxy(slow_twin.url, drain_s=30, workdir=tmp_path)
+    proxy = start_proxy(tmp_path, SPECROUTE_SPEC_URLS=slow_twin.url, SPECROUTE_POLICY="spec",
+                        SPECROUTE_DRAIN_TIMEOUT_S="30")
     try:
-        stream = Stream(proxy)
+        stream = Stream(proxy, TOKENS)
         stream.start()
         assert stream.first_chunk.wait(30) and stream.error is None
         proxy.process.send_signal(signal.SIGTERM)
@@ -108,9 +52,10 @@ def test_sigterm_drains_a_running_stream_to_completion(slow_twin: RunningTwin, t
 
 
 def test_a_stream_longer_than_the_drain_is_cut_and_freed(slow_twin: RunningTwin, tmp_path: Path) -> None:
-    proxy = start_proxy(slow_twin.url, drain_s=0.5, workdir=tmp_path)
+    proxy = start_proxy(tmp_path, SPECROUTE_SPEC_URLS=slow_twin.url, SPECROUTE_POLICY="spec",
+                        SPECROUTE_DRAIN_TIMEOUT_S="0.5")
     try:
-        stream = Stream(proxy)
+        stream = Stream(proxy, TOKENS)
         stream.start()
         assert stream.first_chunk.wait(30) and stream.error is None
         stopped_at = time.monotonic()
