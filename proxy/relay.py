@@ -314,7 +314,7 @@ class CompletionHandler:
             attempt.failed(kind)
             hooks.attempt_failed(error=kind, retryable=kind in RETRYABLE and not exchange.started)
             if exchange.started:
-                await self.end_with_error(exchange, response, kind)
+                await self.end_with_error(exchange, kind)
                 return None
             if kind in RETRYABLE:
                 return ProxyError(502, f"upstream {instance.pool} server failed ({kind})", code=kind, retryable=True)
@@ -327,7 +327,7 @@ class CompletionHandler:
                 else:
                     response.close()  # unread bytes: drop the connection, which ends the upstream request
 
-    async def upstream_error(self, exchange: Exchange, response: aiohttp.ClientResponse, attempt: Attempt) -> ProxyError | None:
+    async def upstream_error(self, exchange: Exchange, response: aiohttp.ClientResponse, attempt: Attempt) -> ProxyError:
         """An upstream 4xx/5xx: 5xx may go to another instance; 4xx is the client's to see
         (with the upstream's retry-after, which the SDKs honour)."""
         raw = await read_up_to(response.content, ERROR_BODY_LIMIT)
@@ -375,10 +375,10 @@ class CompletionHandler:
         attempt.finished(exchange.summary if tail is not None else None)
         hooks.attempt_finished(status=response.status)
 
-    async def end_with_error(self, exchange: Exchange, response: aiohttp.ClientResponse | None, kind: str) -> None:
+    async def end_with_error(self, exchange: Exchange, kind: str) -> None:
         """The upstream failed after bytes reached the client: say so in-band, never end clean."""
         exchange.error_type = kind
-        if response is not None and response.content_type == "text/event-stream":
+        if exchange.streaming:
             message = f"upstream failed mid-stream ({kind}); the response is incomplete"
             exchange.done = True
             await exchange.send({"type": "http.response.body", "body": stream_error_event(message, code=kind), "more_body": False})
