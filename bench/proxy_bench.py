@@ -27,7 +27,7 @@ import uvloop
 from bench.proxy_loadgen import build_request, percentile, run
 
 CHUNKS = 64
-CLIENTS = ("httpx", "httpx-tuned", "httpx-aiohttp", "httpx2", "aiohttp", "aiohttp+fastapi", "aiohttp+h11")
+CLIENTS = ("httpx", "httpx-tuned", "httpx-aiohttp", "httpx2", "aiohttp", "aiohttp+fastapi", "aiohttp+h11", "raw")
 BODY = json.dumps(
     {"model": "bench-model", "messages": [{"role": "user", "content": "Say ok."}], "max_tokens": 16}
 ).encode()

@@ -5,7 +5,8 @@ upstream, relay status, content-type and body chunks as they arrive. Only the cl
 Run: python -m bench.proxy_minimal CLIENT UPSTREAM_PORT PORT
 CLIENT: httpx, httpx-tuned (big pool), httpx-aiohttp, httpx2, aiohttp; and two variants of the
 aiohttp one that change what is around the client: aiohttp+fastapi (the route is a FastAPI
-endpoint returning a StreamingResponse) and aiohttp+h11 (uvicorn on h11 and the asyncio loop).
+endpoint returning a StreamingResponse) and aiohttp+h11 (uvicorn on h11 and the asyncio loop);
+and raw, a bare client on asyncio protocols, as a yardstick for what any library costs.
 """
 
 from __future__ import annotations
@@ -69,6 +70,65 @@ def aiohttp_relay(base: str) -> Relay:
     return relay
 
 
+def raw_relay(port: int) -> Relay:
+    """A bare HTTP/1.1 client on asyncio protocols and httptools: the floor under any library
+    (no TLS, no timeouts, no backpressure: not a candidate, a yardstick)."""
+    import asyncio
+
+    import httptools
+
+    class Conn(asyncio.Protocol):
+        def __init__(self) -> None:
+            self.parser = httptools.HttpResponseParser(self)
+            self.queue: asyncio.Queue[bytes] = asyncio.Queue()
+            self.head: asyncio.Future[tuple[int, bytes]] | None = None
+            self.content_type = b""
+
+        def connection_made(self, transport: Any) -> None:
+            self.transport = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.parser.feed_data(data)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if name.lower() == b"content-type":
+                self.content_type = value
+
+        def on_headers_complete(self) -> None:
+            assert self.head is not None
+            self.head.set_result((self.parser.get_status_code(), self.content_type))
+
+        def on_body(self, body: bytes) -> None:
+            self.queue.put_nowait(body)
+
+        def on_message_complete(self) -> None:
+            self.queue.put_nowait(b"")
+
+    idle: list[Conn] = []
+
+    async def relay(body: bytes, path: str):  # type: ignore[no-untyped-def]
+        if idle:
+            conn = idle.pop()
+        else:
+            _, conn = await asyncio.get_running_loop().create_connection(Conn, "127.0.0.1", port)
+        conn.head = asyncio.get_running_loop().create_future()
+        conn.transport.write(b"POST %s HTTP/1.1\r\nhost: up\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+        status, content_type = await conn.head
+
+        async def chunks() -> AsyncIterator[bytes]:
+            while chunk := await conn.queue.get():
+                yield chunk
+            idle.append(conn)
+
+        async def release() -> None:
+            pass
+
+        return status, content_type, chunks(), release
+
+    return relay
+
+
 def make_app(relay: Relay) -> Callable[..., Awaitable[None]]:
     async def app(scope: dict[str, Any], receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -106,7 +166,10 @@ def main() -> None:
     kind, upstream_port, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     base = f"http://127.0.0.1:{upstream_port}"
     client, _, variant = kind.partition("+")
-    relay = aiohttp_relay(base) if client == "aiohttp" else httpx_relay(client, base)
+    if client == "raw":
+        relay = raw_relay(upstream_port)
+    else:
+        relay = aiohttp_relay(base) if client == "aiohttp" else httpx_relay(client, base)
     app = make_fastapi_app(relay) if variant == "fastapi" else make_app(relay)
     loop, http = ("asyncio", "h11") if variant == "h11" else ("uvloop", "httptools")
     uvicorn.run(app, host="127.0.0.1", port=port, loop=loop, http=http,
