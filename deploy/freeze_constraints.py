@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import re
+import tomllib
+from pathlib import Path
 
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
+ROOT = Path(__file__).resolve().parents[1]
 HEADER = "# Exact runtime pins for deploy/Dockerfile; regenerate with deploy/freeze_constraints.py.\n"
 
 
@@ -21,8 +24,9 @@ def normalise(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def runtime_closure(root: str = "specroute") -> dict[str, str]:
-    """{package: installed version} for every runtime requirement reachable from `root`."""
+def runtime_closure(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, str]:
+    """{package: installed version} for every requirement reachable from pyproject's
+    [project] dependencies (pyproject, not the installed metadata, which may be older)."""
     environment = default_environment()
     found: dict[str, str] = {}
     visited: set[tuple[str, tuple[str, ...]]] = set()
@@ -32,19 +36,20 @@ def runtime_closure(root: str = "specroute") -> dict[str, str]:
             return True
         return any(requirement.marker.evaluate({**environment, "extra": extra}) for extra in ("", *extras))
 
-    def walk(name: str, extras: tuple[str, ...]) -> None:
-        if (normalise(name), extras) in visited:
+    def walk(requirement: Requirement, extras: tuple[str, ...] = ()) -> None:
+        if not applies(requirement, extras):
             return
-        visited.add((normalise(name), extras))
-        distribution = metadata.distribution(name)
-        found[normalise(name)] = distribution.version
+        key = (normalise(requirement.name), tuple(sorted(requirement.extras)))
+        if key in visited:
+            return
+        visited.add(key)
+        distribution = metadata.distribution(requirement.name)
+        found[normalise(requirement.name)] = distribution.version
         for line in distribution.requires or []:
-            requirement = Requirement(line)
-            if applies(requirement, extras):
-                walk(requirement.name, tuple(sorted(requirement.extras)))
+            walk(Requirement(line), key[1])
 
-    walk(root, ())
-    found.pop(normalise(root))
+    for line in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
+        walk(Requirement(line))
     return found
 
 

@@ -16,7 +16,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from deploy_tools import Service, Stream, poll, ready_status, start_proxy, stopped_cleanly
+from deploy_tools import Stream, poll, ready_status, start_proxy, stopped_cleanly
 from sim.testing import RunningTwin, twin
 
 TOKENS = 60
