@@ -31,10 +31,10 @@ class SpecrouteTelemetry(Telemetry):
         self.trace_content = settings.trace_content
         if tracing is None and settings.traces_enabled:
             tracing = Tracing(settings.otlp_protocol, version)
-        self.tracing = tracing
         if tracing is not None and not tracing.enabled:  # OTEL_SDK_DISABLED=true
-            tracing.shutdown()
-            self.tracing = None
+            tracing.provider.shutdown()
+            tracing = None
+        self.tracing = tracing
         self.metrics = Metrics()
         self.request_log: logging.Logger | None = logs.request_logger() if settings.request_log else None
         self._addresses: dict[str, tuple[str, int]] = {}
@@ -44,8 +44,9 @@ class SpecrouteTelemetry(Telemetry):
     def install(self, app: "FastAPI") -> None:
         metrics = self.metrics
 
+        # async: rendering reads the fleet snapshot, which only the event loop may touch.
         @app.get("/metrics", include_in_schema=False)
-        def prometheus_metrics() -> Response:
+        async def prometheus_metrics() -> Response:
             return Response(metrics.render(), media_type=metrics.content_type)
 
     def watch_snapshot(self, source: Callable[[], "Snapshot | None"]) -> None:

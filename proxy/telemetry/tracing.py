@@ -66,7 +66,8 @@ class Tracing:
         self.sampler = self.provider.sampler
         self.resource = self.provider.resource
         self.scope = InstrumentationScope("specroute", version)
-        self.processor = BatchSpanProcessor(exporter or make_exporter(protocol, self.resource, self.scope))
+        self.processor = BatchSpanProcessor(
+            exporter or (make_exporter(protocol, self.resource, self.scope) if self.enabled else SpanExporter()))
         self.provider.add_span_processor(self.processor)
         self.encoder = SpanEncoder()
         self.protocol = protocol

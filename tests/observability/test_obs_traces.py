@@ -18,6 +18,8 @@ import openai
 import pytest
 from obs_jaeger import Jaeger, by_name, poll
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from sim.testing import RunningTwin, TwinSpec, twins
 
 SERVER, INTERNAL_KIND, SERVER_KIND, CLIENT_KIND = "POST /v1/chat/completions", 1, 2, 3
@@ -166,8 +168,20 @@ def test_streaming_and_json_requests_are_traced_through_proxy_and_twin(
         assert float(raw.headers["x-specroute-overhead-ms"]) >= 0
         spans = jaeger.wait_for_spans(trace_id_of(raw.headers), full_trace)
         check_trace(spans, spec, stream=False, response_id=completion.id)
-        assert "parentSpanId" not in one(spans, name=SERVER) or not one(spans, name=SERVER)["parentSpanId"]
+        assert not one(spans, name=SERVER).get("parentSpanId")
         assert service in jaeger.services()
+
+        # The same two requests in the Prometheus text format.
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(httpx.get(p.url + "/metrics", timeout=10).text)
+                   for s in family.samples}
+        assert samples[("specroute_requests_total", (("outcome", "ok"), ("policy", "spec"), ("pool", "spec")))] == 2
+        assert samples[("specroute_time_to_first_token_seconds_count", (("pool", "spec"),))] == 1  # streams only
+        assert samples[("specroute_request_duration_seconds_count", (("pool", "spec"),))] == 2
+        assert samples[("specroute_overhead_seconds_count", ())] == 2
+        assert samples[("specroute_in_flight_requests", (("instance", spec.url), ("pool", "spec")))] == 0
+        assert ("specroute_snapshot_age_seconds", (("pool", "spec"),)) in samples
+        assert [line["trace_id"] for line in p.log_lines()] == [trace_id, trace_id_of(raw.headers)]
 
 
 def check_trace(spans: list[dict[str, Any]], spec: RunningTwin, *, stream: bool, response_id: str) -> None:
