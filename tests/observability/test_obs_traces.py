@@ -17,7 +17,6 @@ import httpx
 import openai
 import pytest
 from obs_jaeger import Jaeger, by_name, poll
-
 from prometheus_client.parser import text_string_to_metric_families
 
 from sim.testing import RunningTwin, TwinSpec, twins
