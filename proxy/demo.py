@@ -6,6 +6,10 @@ it stops (Ctrl-C or SIGTERM, after its drain), the twins are stopped too.
 
 from __future__ import annotations
 
+import signal
+import sys
+from types import FrameType
+
 import httpx
 
 from proxy.settings import load_settings
@@ -34,7 +38,14 @@ def banner(port: int, model: str, spec_url: str, base_url: str) -> str:
     )
 
 
+def _stop(signum: int, frame: FrameType | None) -> None:
+    sys.exit(0)
+
+
 def run_demo(port: int, profile: str, time_scale: float) -> int:
+    # uvicorn re-raises the stop signal once it has drained; unwinding (instead of dying on the
+    # default handler) is what lets the `twins` block below stop both twins.
+    signal.signal(signal.SIGTERM, _stop)
     specs = (
         TwinSpec("spec", profile=profile, time_scale=time_scale, seed=1),
         TwinSpec("base", profile=profile, time_scale=time_scale, seed=2),
@@ -44,5 +55,8 @@ def run_demo(port: int, profile: str, time_scale: float) -> int:
         print(banner(port, served_model(spec.url), spec.url, base.url), flush=True)
         from proxy.server import serve
 
-        serve(settings)
+        try:
+            serve(settings)
+        except KeyboardInterrupt:
+            print("specroute demo: stopped", file=sys.stderr)  # Ctrl-C is how the demo ends
     return 0
