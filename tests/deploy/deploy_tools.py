@@ -23,12 +23,16 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import openai
 
 REPO = Path(__file__).resolve().parents[2]
+# The observability tests' helpers (a real Jaeger, poll) serve here too.
+sys.path.insert(0, str(REPO / "tests" / "observability"))
+from obs_jaeger import Jaeger, jaeger_binary, poll  # noqa: E402,F401
+
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 HERE = Path(__file__).resolve().parent
@@ -122,18 +126,6 @@ class Kubeconform:
 
 TWIN_READY = re.compile(r"specroute-twin listening on http://127\.0\.0\.1:(\d+)")
 PROXY_READY = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
-
-
-def poll(condition: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    """condition()'s first truthy value; AssertionError after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 def image_environment() -> dict[str, str]:

@@ -8,6 +8,7 @@ its upstream request is cancelled, so the process still exits within the timeout
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from deploy_tools import Stream, poll, ready_status, start_proxy, stopped_cleanly
+from deploy_tools import Service, Stream, poll, ready_status, start_proxy, stopped_cleanly
 from sim.testing import RunningTwin, twin
 
 TOKENS = 60
@@ -30,13 +31,22 @@ def slow_twin() -> Iterator[RunningTwin]:
         yield running
 
 
-def test_sigterm_drains_a_running_stream_to_completion(slow_twin: RunningTwin, tmp_path: Path) -> None:
-    proxy = start_proxy(tmp_path, SPECROUTE_SPEC_URLS=slow_twin.url, SPECROUTE_POLICY="spec",
-                        SPECROUTE_DRAIN_TIMEOUT_S="30")
+@contextlib.contextmanager
+def stream_in_flight(twin_url: str, drain_s: str, workdir: Path) -> Iterator[tuple[Service, Stream]]:
+    """A proxy with this drain timeout, and a stream through it that has begun to arrive."""
+    proxy = start_proxy(workdir, SPECROUTE_SPEC_URLS=twin_url, SPECROUTE_POLICY="spec",
+                        SPECROUTE_DRAIN_TIMEOUT_S=drain_s)
     try:
         stream = Stream(proxy, TOKENS)
         stream.start()
-        assert stream.first_chunk.wait(30) and stream.error is None
+        assert stream.first_chunk.wait(30) and stream.error is None, stream.error
+        yield proxy, stream
+    finally:
+        proxy.stop()
+
+
+def test_sigterm_drains_a_running_stream_to_completion(slow_twin: RunningTwin, tmp_path: Path) -> None:
+    with stream_in_flight(slow_twin.url, "30", tmp_path) as (proxy, stream):
         proxy.process.send_signal(signal.SIGTERM)
         # Not ready at once; then the listener closes (uvicorn checks for the signal every
         # 0.1 s) while the stream still runs.
@@ -47,17 +57,10 @@ def test_sigterm_drains_a_running_stream_to_completion(slow_twin: RunningTwin, t
         assert stream.error is None and stream.finish_reason == "length"
         assert proxy.process.wait(30) is not None
         assert stopped_cleanly(proxy.process.returncode, proxy.log()), proxy.log()
-    finally:
-        proxy.stop()
 
 
 def test_a_stream_longer_than_the_drain_is_cut_and_freed(slow_twin: RunningTwin, tmp_path: Path) -> None:
-    proxy = start_proxy(tmp_path, SPECROUTE_SPEC_URLS=slow_twin.url, SPECROUTE_POLICY="spec",
-                        SPECROUTE_DRAIN_TIMEOUT_S="0.5")
-    try:
-        stream = Stream(proxy, TOKENS)
-        stream.start()
-        assert stream.first_chunk.wait(30) and stream.error is None
+    with stream_in_flight(slow_twin.url, "0.5", tmp_path) as (proxy, stream):
         stopped_at = time.monotonic()
         proxy.process.send_signal(signal.SIGTERM)
         proxy.process.wait(15)  # 0.5 s of drain, then cancellation and exit
@@ -69,5 +72,3 @@ def test_a_stream_longer_than_the_drain_is_cut_and_freed(slow_twin: RunningTwin,
         # The cancelled request left the twin: its GPU slot is free again.
         poll(lambda: httpx.get(slow_twin.url + "/v1/loads", timeout=2).json()["loads"][0]["num_running_reqs"] == 0,
              10, "the twin to drop the cancelled request")
-    finally:
-        proxy.stop()

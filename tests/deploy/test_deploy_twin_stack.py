@@ -11,17 +11,13 @@ tests use, on free ports, standing in for the jaeger container.
 from __future__ import annotations
 
 import secrets
-import sys
 from typing import Iterator
 
 import httpx
 import openai
 import pytest
 
-from deploy_tools import PROXY_READY, REPO, TWIN_READY, Compose, Service, poll, stopped_cleanly
-
-sys.path.insert(0, str(REPO / "tests" / "observability"))
-from obs_jaeger import Jaeger, jaeger_binary  # noqa: E402  (the observability tests' real Jaeger)
+from deploy_tools import PROXY_READY, TWIN_READY, Compose, Jaeger, Service, jaeger_binary, poll, stopped_cleanly
 
 TWINS = "docker-compose.twins.yml"
 
