@@ -95,7 +95,8 @@ def reading_from_metrics(text: str, at: float) -> Reading:
         max_running=int(m["sglang:max_running_requests"]) if m.get("sglang:max_running_requests") else None,
         accept_length=m.get("sglang:spec_accept_length") or None,
         accept_steps=GAUGE_INTERVAL_STEPS * running,
-        tokens_total=m.get("sglang:generation_tokens_total"),
+        # A labelled counter has no sample until its first child exists (no request finished).
+        tokens_total=m.get("sglang:generation_tokens_total", 0.0) if "sglang:spec_verify_calls_total" in m else None,
         verify_total=m.get("sglang:spec_verify_calls_total"),
     )
 
@@ -264,7 +265,7 @@ class Signals:
         return Reading(
             at=reading.at, running=reading.running, waiting=reading.waiting, max_running=reading.max_running,
             waiting_tokens=reading.waiting_tokens, accept_length=gauge, accept_steps=GAUGE_INTERVAL_STEPS * reading.running,
-            tokens_total=m.get("sglang:generation_tokens_total"),
+            tokens_total=m.get("sglang:generation_tokens_total", 0.0),  # no sample before a request finished
             verify_total=m["sglang:spec_verify_calls_total"],
         )
 
