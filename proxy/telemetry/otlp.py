@@ -12,7 +12,7 @@ the SDK exporters' own.
 from __future__ import annotations
 
 import struct
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as SdkGrpcExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as SdkHttpExporter
@@ -92,6 +92,17 @@ class SpanEncoder:
         self._memo_size = 0
         self._doubles: dict[tuple[bytes, str], bytes] = {}
         self._heads: dict[tuple[str, SpanKind], bytes] = {}
+        self._blocks: dict[tuple[Any, ...], bytes] = {}
+
+    def block(self, key: tuple[Any, ...], attributes: Callable[[], Mapping[str, Any]]) -> bytes:
+        """Encoded span attributes that are the same for every request with this `key` (a route,
+        a model and its sampling parameters on one instance...): one lookup for all of them."""
+        block = self._blocks.get(key)
+        if block is None:
+            if len(self._blocks) >= _MEMO_LIMIT:
+                self._blocks.clear()
+            block = self._blocks[key] = self.attributes(b"\x4a", attributes())
+        return block
 
     def attributes(self, tag: bytes, attributes: Mapping[str, Any]) -> bytes:
         """Attributes as repeated KeyValue fields (key 1, value 2) under `tag`. A framed pair is
@@ -137,12 +148,14 @@ class SpanEncoder:
         kind: SpanKind,
         start_ns: int,
         end_ns: int,
+        static: bytes,
         attributes: Mapping[str, Any],
         events: Sequence[tuple[str, int]],
         status: StatusCode,
         description: str | None,
     ) -> bytes:
-        """trace.v1.Span, framed as a ScopeSpans.spans field; `events` are (name, time) pairs."""
+        """trace.v1.Span, framed as a ScopeSpans.spans field: `static` attributes from block(),
+        then `attributes`; `events` are (name, time) pairs."""
         parts = [b"\x0a\x10", trace_id.to_bytes(16, "big"), b"\x12\x08", span_id.to_bytes(8, "big")]
         if trace_state:
             parts.append(field(b"\x1a", trace_state.to_header().encode()))
@@ -158,6 +171,7 @@ class SpanEncoder:
         parts.append(_PACK_FIXED64(start_ns))
         parts.append(b"\x41")
         parts.append(_PACK_FIXED64(end_ns))
+        parts.append(static)
         parts.append(self.attributes(b"\x4a", attributes))
         for event_name, event_ns in events:
             parts.append(field(b"\x5a", b"\x09" + _PACK_FIXED64(event_ns) + field(b"\x12", event_name.encode())))

@@ -32,9 +32,10 @@ class RequestRecorder(RequestHooks):
 
     __slots__ = (
         "_owner", "_tracing", "_endpoint", "_request_id", "_t0", "_t0_ns", "_t_attempt", "_t_first",
-        "_pool", "_instance", "_attempt", "_reason", "_stream", "_model", "_params", "_in_flight",
-        "_server", "_parent", "_server_attrs", "_sampled", "_attempt_id", "_attempt_start_ns",
-        "_attempt_attrs", "_attempt_events", "_spans",
+        "_pool", "_instance", "_attempt", "_reason", "_stream", "_model", "_in_flight",
+        "_server", "_parent", "_server_static", "_server_attrs", "_sampled", "_attempt_id",
+        "_attempt_start_ns", "_attempt_static", "_attempt_attrs", "_attempt_events", "_spans",
+        "_body", "_params",
     )
 
     def __init__(self, owner: "SpecrouteTelemetry", endpoint: str) -> None:
@@ -52,12 +53,16 @@ class RequestRecorder(RequestHooks):
         self._reason: str | None = None
         self._stream = False
         self._model: str | None = None
-        self._params: Mapping[str, Any] = {}
+        self._body: Mapping[str, Any] = {}
+        self._params: dict[str, Any] = {}
+        """GenAI request attributes (max_tokens, temperature, top_p, ...) from the body."""
         self._in_flight: Any = None
         # Tracing: contexts always (for propagation), attributes only when sampled.
         self._server: SpanContext | None = None
         self._parent: SpanContext | None = None
+        self._server_static = b""
         self._server_attrs: dict[str, Any] = {}
+        self._attempt_static = b""
         self._sampled = False
         self._attempt_id = 0
         """The current attempt's span id (0: none), also the parent id sent upstream."""
@@ -82,14 +87,15 @@ class RequestRecorder(RequestHooks):
         self._server = tracing.root_context(self._parent, parent_context, endpoint)
         self._sampled = self._server.trace_flags.sampled
         if self._sampled:
-            self._server_attrs = {
+            user_agent = headers.get("user-agent", "")
+            self._server_static = tracing.encoder.block(("server", endpoint, user_agent), lambda: {
                 n.HTTP_REQUEST_METHOD: "POST",
                 n.HTTP_ROUTE: endpoint,
                 n.URL_PATH: endpoint,
                 n.URL_SCHEME: "http",
-                n.USER_AGENT_ORIGINAL: headers.get("user-agent", ""),
-                n.REQUEST_ID: request_id,
-            }
+                n.USER_AGENT_ORIGINAL: user_agent,
+            })
+            self._server_attrs = {n.REQUEST_ID: request_id}
 
     def decided(
         self,
@@ -103,19 +109,16 @@ class RequestRecorder(RequestHooks):
         self._reason = decision.reason
         self._stream = features.stream
         self._model = model
-        self._params = body if body is not None else {}
         self._owner.metrics.decided(decision.reason, decision.pool)
         if not self._sampled:
             return
-        attributes: dict[str, Any] = {
-            n.ROUTE_POLICY: self._owner.policy,
-            n.ROUTE_POOL: decision.pool,
-            n.ROUTE_REASON: decision.reason,
-            n.ROUTE_PROMPT_TOKENS: features.prompt_tokens,
-            n.ROUTE_REQUEST_CLASS: features.request_class,
-        }
-        if override is not None:
-            attributes[n.ROUTE_OVERRIDE] = override
+        self._body = body if body is not None else {}
+        self._params = request_attributes(self._body)
+        policy = self._owner.policy
+        static = self._tracing.encoder.block(  # type: ignore[union-attr]
+            ("route", policy, decision.pool, decision.reason, features.request_class, override),
+            lambda: route_attributes(policy, decision.pool, decision.reason, features.request_class, override))
+        attributes: dict[str, Any] = {n.ROUTE_PROMPT_TOKENS: features.prompt_tokens}
         # The policy's predictions and, added by proxy.signals, what it saw: each pool's load,
         # capacity, reading age and staleness, and the speculative pool's alpha.
         score_keys = self._owner.score_keys
@@ -128,7 +131,7 @@ class RequestRecorder(RequestHooks):
         assert tracing is not None and server is not None
         # The decision span covers reading the body, building features and the policy call.
         self._spans.append(tracing.encode_child(n.SPAN_DECISION, server, tracing.new_span_id(),
-                                                SpanKind.INTERNAL, self._t0_ns, attributes))
+                                                SpanKind.INTERNAL, self._t0_ns, static, attributes))
 
     # -- attempts --------------------------------------------------------------------------
     def attempt_started(self, *, pool: str, instance: str, attempt: int) -> None:
@@ -150,23 +153,13 @@ class RequestRecorder(RequestHooks):
             return
         self._attempt_start_ns = time.time_ns()
         self._attempt_events = []
-        address, port = self._owner.address_of(instance)
-        attributes: dict[str, Any] = {
-            n.GEN_AI_OPERATION_NAME: n.OPERATION_BY_PATH.get(self._endpoint, "chat"),
-            n.GEN_AI_PROVIDER_NAME: n.PROVIDER_SGLANG,
-            n.SERVER_ADDRESS: address,
-            n.SERVER_PORT: port,
-            n.GEN_AI_REQUEST_STREAM: self._stream,
-            n.ROUTE_POOL: pool,
-            n.ATTEMPT_INSTANCE: instance,
-            n.ATTEMPT_NUMBER: attempt,
-        }
-        if self._model:
-            attributes[n.GEN_AI_REQUEST_MODEL] = self._model
-        attributes.update(request_attributes(self._params))
-        if self._owner.trace_content:
-            attributes.update(content_attributes(self._params))
-        self._attempt_attrs = attributes
+        model, stream, params = self._model, self._stream, self._params
+        endpoint = self._endpoint
+        self._attempt_static = tracing.encoder.block(
+            ("attempt", endpoint, model, pool, instance, attempt, stream, *params.items()),
+            lambda: attempt_attributes(endpoint, model, pool, instance, attempt, stream, params,
+                                       self._owner.address_of(instance)))
+        self._attempt_attrs = content_attributes(self._body) if self._owner.trace_content else {}
 
     def outgoing_headers(self, headers: MutableMapping[str, str]) -> None:
         server, span_id = self._server, self._attempt_id
@@ -228,11 +221,11 @@ class RequestRecorder(RequestHooks):
     def _end_attempt(self, status: StatusCode, description: str | None) -> None:
         tracing, server, attributes = self._tracing, self._server, self._attempt_attrs
         assert tracing is not None and server is not None and attributes is not None
-        model = attributes.get(n.GEN_AI_REQUEST_MODEL)
-        operation = attributes[n.GEN_AI_OPERATION_NAME]
+        operation = n.OPERATION_BY_PATH.get(self._endpoint, "chat")
         self._spans.append(tracing.encode_child(
-            f"{operation} {model}" if model else operation, server, self._attempt_id, SpanKind.CLIENT,
-            self._attempt_start_ns, attributes, self._attempt_events, status, description))
+            f"{operation} {self._model}" if self._model else operation, server, self._attempt_id,
+            SpanKind.CLIENT, self._attempt_start_ns, self._attempt_static, attributes, self._attempt_events,
+            status, description))
         self._attempt_attrs = None
 
     # -- response --------------------------------------------------------------------------
@@ -319,7 +312,7 @@ class RequestRecorder(RequestHooks):
         tracing, server = self._tracing, self._server
         assert tracing is not None and server is not None
         self._spans.append(tracing.encode_server(f"POST {self._endpoint}", server, self._parent, self._t0_ns,
-                                                 server_attrs, server_status))
+                                                 self._server_static, server_attrs, server_status))
         tracing.submit(server, self._spans)
 
 
@@ -344,6 +337,41 @@ _REQUEST_PARAMS = (
     ("top_p", n.GEN_AI_REQUEST_TOP_P, float),
     ("seed", n.GEN_AI_REQUEST_SEED, int),
 )
+
+
+def route_attributes(policy: str, pool: str, reason: str, request_class: str, override: str | None) -> dict[str, Any]:
+    attributes = {n.ROUTE_POLICY: policy, n.ROUTE_POOL: pool, n.ROUTE_REASON: reason,
+                  n.ROUTE_REQUEST_CLASS: request_class}
+    if override is not None:
+        attributes[n.ROUTE_OVERRIDE] = override
+    return attributes
+
+
+def attempt_attributes(
+    endpoint: str,
+    model: str | None,
+    pool: str,
+    instance: str,
+    attempt: int,
+    stream: bool,
+    params: Mapping[str, Any],
+    address: tuple[str, int],
+) -> dict[str, Any]:
+    """The attempt span's attributes known when it starts (GenAI conventions, then ours)."""
+    attributes: dict[str, Any] = {
+        n.GEN_AI_OPERATION_NAME: n.OPERATION_BY_PATH.get(endpoint, "chat"),
+        n.GEN_AI_PROVIDER_NAME: n.PROVIDER_SGLANG,
+        n.SERVER_ADDRESS: address[0],
+        n.SERVER_PORT: address[1],
+        n.GEN_AI_REQUEST_STREAM: stream,
+        n.ROUTE_POOL: pool,
+        n.ATTEMPT_INSTANCE: instance,
+        n.ATTEMPT_NUMBER: attempt,
+    }
+    if model:
+        attributes[n.GEN_AI_REQUEST_MODEL] = model
+    attributes.update(params)
+    return attributes
 
 
 def request_attributes(body: Mapping[str, Any]) -> dict[str, Any]:

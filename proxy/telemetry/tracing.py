@@ -99,23 +99,24 @@ class Tracing:
         span_id: int,
         kind: SpanKind,
         start_ns: int,
+        static: bytes,
         attributes: dict[str, Any],
         events: Sequence[tuple[str, int]] = (),
         status: StatusCode = StatusCode.UNSET,
         description: str | None = None,
     ) -> bytes:
         """The OTLP bytes of a span of the request's, ending now, under its SERVER span;
-        `events` are (name, time) pairs."""
+        `static` comes from encoder.block(), `events` are (name, time) pairs."""
         return self.encoder.span(name, server.trace_id, span_id, server.trace_state, server.span_id, False, kind,
-                                 start_ns, time.time_ns(), attributes, events, status, description)
+                                 start_ns, time.time_ns(), static, attributes, events, status, description)
 
     def encode_server(self, name: str, server: SpanContext, parent: SpanContext | None, start_ns: int,
-                      attributes: dict[str, Any], status: StatusCode) -> bytes:
+                      static: bytes, attributes: dict[str, Any], status: StatusCode) -> bytes:
         """The OTLP bytes of the request's SERVER span, ending now, under the client's span if any."""
         return self.encoder.span(
             name, server.trace_id, server.span_id, server.trace_state, parent.span_id if parent else None,
-            parent.is_remote if parent else False, SpanKind.SERVER, start_ns, time.time_ns(), attributes, (),
-            status, None)
+            parent.is_remote if parent else False, SpanKind.SERVER, start_ns, time.time_ns(), static, attributes,
+            (), status, None)
 
     def submit(self, context: SpanContext, spans: list[bytes]) -> None:
         """Hand a request's finished spans to the batch processor (it drops them unless sampled)."""

@@ -184,7 +184,9 @@ def test_span_encoder_writes_what_the_sdk_encoder_writes() -> None:
     parent = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(1), trace_state=state)
     context = SpanContext(0xABC, 0x123, is_remote=False, trace_flags=TraceFlags(1), trace_state=state)
     attributes = {"s": "text é", "i": 7, "neg": -3, "f": 0.25, "b": False, "list": ["a", "b"]}
-    mine = tracing.encoder.span("op", 0xABC, 0x123, state, 0xDEF, True, SpanKind.CLIENT, 10, 20, attributes,
+    static = tracing.encoder.block(("test",), lambda: {"s": "text é", "i": 7})
+    dynamic = {"neg": -3, "f": 0.25, "b": False, "list": ["a", "b"]}
+    mine = tracing.encoder.span("op", 0xABC, 0x123, state, 0xDEF, True, SpanKind.CLIENT, 10, 20, static, dynamic,
                                 [("first", 15)], StatusCode.ERROR, "boom")
     sdk = ReadableSpan(name="op", context=context, parent=parent, resource=tracing.resource,
                        attributes=attributes, events=[Event("first", timestamp=15)], kind=SpanKind.CLIENT,
