@@ -3,7 +3,8 @@
 On SIGTERM the proxy turns not-ready at once (its readiness probe fails: 503, or the connection
 is refused once the listener closed) and takes no new connection, while a running stream goes on
 to its last token; a stream longer than SPECROUTE_DRAIN_TIMEOUT_S is cut when the drain ends and
-its upstream request is cancelled, so the process still exits within the timeout.
+its client gets an error event (`shutting_down`), its upstream request is cancelled, and the
+process still exits within the timeout.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import openai
 import pytest
 
 from deploy_tools import Service, Stream, poll, ready_status, start_proxy, stopped_cleanly
@@ -67,7 +69,10 @@ def test_a_stream_longer_than_the_drain_is_cut_and_freed(slow_twin: RunningTwin,
         exited_after = time.monotonic() - stopped_at
         stream.join(30)
         assert not stream.is_alive()
+        # The client is told, with an OpenAI-style error event, not left with a silent end.
         assert stream.finish_reason != "length", "a cut stream must not end like a complete one"
+        assert isinstance(stream.error, openai.APIError) and not isinstance(stream.error, openai.APIConnectionError)
+        assert stream.error.code == "shutting_down", stream.error
         assert exited_after < 10, exited_after
         # The cancelled request left the twin: its GPU slot is free again.
         poll(lambda: httpx.get(slow_twin.url + "/v1/loads", timeout=2).json()["loads"][0]["num_running_reqs"] == 0,
