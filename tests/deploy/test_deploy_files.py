@@ -137,6 +137,15 @@ def test_every_setting_reaches_the_proxy_container(compose: Compose) -> None:
     environment = compose.config("docker-compose.yml")["services"]["specroute"]["environment"]
     missing = sorted(setting_names() - set(environment))
     assert not missing, f"list these in the specroute service's environment: {missing}"
+    # The proxy ignores unknown SPECROUTE_* variables, so a misspelt one would pass silently.
+    assert not sorted(n for n in environment if n.startswith(ENV_PREFIX) and n not in setting_names())
+
+
+def test_proxy_configmap_names_only_real_settings() -> None:
+    data = k8s_documents()[("ConfigMap", "specroute")]["data"]
+    unknown = sorted(n for n in data if n not in setting_names() and not n.startswith("OTEL_"))
+    assert not unknown, unknown
+    Settings(**{field: data[variable_name(field)] for field in Settings.model_fields if variable_name(field) in data})
 
 
 # ---- Dockerfile -------------------------------------------------------------------------------
