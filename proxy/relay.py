@@ -44,7 +44,7 @@ REQUEST_ID = "x-request-id"
 NOT_FORWARDED = frozenset(
     {
         "host", "connection", "keep-alive", "proxy-authorization", "proxy-connection", "te",
-        "trailer", "transfer-encoding", "upgrade", "content-length", "accept-encoding",
+        "trailer", "transfer-encoding", "upgrade", "content-length", "accept-encoding", "expect",
         "x-specroute-pool", "x-specroute-class",
     }
 )

@@ -139,3 +139,24 @@ def test_client_sockets_have_nagle_off(proxy: RunningProxy) -> None:
         sockets = [c.transport.get_extra_info("socket") for c in list(proxy.server.server_state.connections)]
         assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
         assert list(chunks)
+
+
+def test_expect_100_continue_is_answered_by_the_proxy_not_forwarded() -> None:
+    """curl sends `Expect: 100-continue` with bodies over 1 KB; the upstream must not see it."""
+    import socket
+
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 2000 + b'"}]}'
+    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % len(body))
+            assert sock.recv(1024).startswith(b"HTTP/1.1 100 Continue")
+            sock.sendall(body)
+            answer = b""
+            while b'"usage"' not in answer:
+                part = sock.recv(65536)
+                assert part, answer
+                answer += part
+        assert answer.startswith(b"HTTP/1.1 200 OK")
+        sent = [r for r in upstream.requests if r.method == "POST"][-1]
+        assert sent.body == body and "expect" not in sent.headers
