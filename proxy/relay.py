@@ -95,10 +95,14 @@ class Exchange:
         """The request's estimated prompt tokens (the routing signals count queued prefill)."""
 
     def routing_headers(self) -> list[tuple[bytes, bytes]]:
+        """Where the request went: the pool and server of the last attempt, and why."""
         headers = [(b"x-request-id", self.request_id.encode())]
         if self.decision is not None:
-            headers.append((b"x-specroute-pool", self.decision.pool.encode()))
-            headers.append((b"x-specroute-reason", self.decision.reason.encode()))
+            pool, reason = self.decision.pool, self.decision.reason
+            if self.instance is not None and self.instance.pool != pool:
+                pool, reason = self.instance.pool, reason + "+failover"
+            headers.append((b"x-specroute-pool", pool.encode()))
+            headers.append((b"x-specroute-reason", reason.encode()))
         if self.instance is not None:
             headers.append((b"x-specroute-backend", self.instance.url.encode()))
         return headers

@@ -42,7 +42,8 @@ def test_connect_error_fails_over_to_the_other_pool(twin_pair) -> None:
         raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=3)
         assert raw.parse().usage.completion_tokens == 3
         assert raw.headers["x-specroute-backend"] == base.url
-        assert raw.headers["x-specroute-pool"] == "spec"  # the decision; the backend says where it ran
+        assert raw.headers["x-specroute-pool"] == "base"  # where it ran, not where it was first sent
+        assert raw.headers["x-specroute-reason"] == "static+failover"
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
