@@ -64,6 +64,14 @@ class Sampler(threading.Thread):
         while not self.stop.wait(0.02):
             self.max_load = max(self.max_load, spec_load(self.server))
 
+    def __enter__(self) -> "Sampler":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop.set()
+        self.join(5)
+
 
 @pytest.fixture
 def fleet() -> Iterator[tuple[RunningTwin, RunningTwin]]:
@@ -109,9 +117,7 @@ def spec_counts(streams: list[Stream]) -> list[int]:
 def test_two_proxies_keep_the_spec_pool_under_its_cap_together(fleet, tmp_path: Path) -> None:
     spec, base = fleet
     streams: list[Stream] = []
-    sampler = Sampler(spec)
-    with two_proxies(spec, base, tmp_path, SPECROUTE_POLL_INTERVAL_MS="50") as proxies:
-        sampler.start()
+    with Sampler(spec) as sampler, two_proxies(spec, base, tmp_path, SPECROUTE_POLL_INTERVAL_MS="50") as proxies:
         for n in range(REQUESTS):
             streams.append(Stream(proxies[n % 2], TOKENS))
             streams[-1].start()
@@ -123,8 +129,6 @@ def test_two_proxies_keep_the_spec_pool_under_its_cap_together(fleet, tmp_path: 
         dispatched_at = time.monotonic()
         for stream in streams:
             stream.join(120)
-        sampler.stop.set()
-        sampler.join(5)
         for proxy in proxies:
             assert stopped_cleanly(proxy.stop(), proxy.log()), proxy.log()
 
@@ -141,19 +145,15 @@ def test_without_fresh_backend_readings_each_proxy_fills_the_cap_alone(fleet, tm
     own count, and together they overfill the spec server. So the shared reading is what works."""
     spec, base = fleet
     streams: list[Stream] = []
-    sampler = Sampler(spec)
     frozen = {"SPECROUTE_POLL_INTERVAL_MS": "60000", "SPECROUTE_STALE_MS": "600000",
               "SPECROUTE_DRAIN_TIMEOUT_S": "0"}  # no need to wait for the queued streams
-    with two_proxies(spec, base, tmp_path, **frozen) as proxies:
-        sampler.start()
+    with Sampler(spec) as sampler, two_proxies(spec, base, tmp_path, **frozen) as proxies:
         for n in range(REQUESTS):
             streams.append(Stream(proxies[n % 2], TOKENS))
             streams[-1].start()
             # Only until the proxy has routed it: the spec server may queue it.
             poll(lambda: decisions(proxies[n % 2]) == n // 2 + 1, 10, "the proxy to route the request")
         poll(lambda: sampler.max_load > CAP, 10, "the spec server to be overfilled")
-        sampler.stop.set()
-        sampler.join(5)
         decided = [recent_pools(proxy) for proxy in proxies]
     assert [pools.count("spec") for pools in decided] == [CAP, CAP], decided
 
