@@ -172,6 +172,18 @@ def test_dockerfile_is_small_non_root_pinned_and_checked() -> None:
     assert 'CMD ["specroute", "serve"]' in text
 
 
+def test_build_context_holds_exactly_what_the_image_copies() -> None:
+    """deploy/Dockerfile.dockerignore lets through each COPY source (and so no .venv)."""
+    copied = set()
+    for line in (DEPLOY / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY ") and "--from=" not in line:
+            copied.update(source.rstrip("/") for source in line.split()[1:-1])
+    allowed = {line[1:].rstrip("/") for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    assert copied == allowed
+    assert all((REPO / source).exists() for source in copied)
+
+
 def test_image_pins_every_runtime_dependency() -> None:
     pins = {}
     for line in (DEPLOY / "constraints.txt").read_text().splitlines():
