@@ -47,6 +47,31 @@ def test_connect_error_fails_over_to_the_other_pool(twin_pair) -> None:
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
+def test_connect_timeout_fails_over(twin_pair) -> None:
+    """A server whose accept queue is full drops new SYNs: connecting hangs until the timeout."""
+    _, base = twin_pair
+    with socket.socket() as blackhole:
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen(0)
+        url = f"http://127.0.0.1:{blackhole.getsockname()[1]}"
+        fillers = []
+        for _ in range(3):  # fill the accept queue; nobody ever accepts
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(blackhole.getsockname())
+            fillers.append(filler)
+        try:
+            with running_proxy(spec_urls=[url], base_urls=[base.url], policy="spec", connect_timeout_s=0.5) as proxy:
+                client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+                raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2)
+                assert raw.headers["x-specroute-backend"] == base.url
+                assert proxy.app.router.pools["spec"].instances[0].failed_total == 1
+                wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+        finally:
+            for filler in fillers:
+                filler.close()
+
+
 def test_5xx_retried_on_another_instance_of_the_same_pool_first(twin_pair) -> None:
     spec, base = twin_pair
     with FaultServer("status:503") as bad, running_proxy(
