@@ -4,9 +4,10 @@
     .venv/bin/python -m bench.obs_trace_cost --quick    # fewer requests (a smoke run)
 
 The proxy runs in front of bench.proxy_upstream (the fast fake upstream of the proxy benchmark);
-"on" exports every request's spans (server, decision, attempt: 3 per request, sampler always_on)
-to a real Jaeger v2 on this machine, over OTLP http/protobuf or grpc. Jaeger shares the 2 cores,
-so the figures are an upper bound on the proxy's own cost. Configurations run interleaved, round
+tracing exports every request's spans (server, decision, attempt: 3 per request, sampler
+always_on) over OTLP to a real Jaeger v2 on this machine (http/protobuf and grpc: Jaeger's own CPU
+shares the 2 cores, so these are upper bounds), and over http to bench.otlp_sink, a receiver that
+stores nothing ("sink": the proxy's own cost of tracing). Configurations run interleaved, round
 after round, so background load on the machine falls on all of them; the table gives the median
 and the best round of each (noise only ever lowers throughput and raises CPU, so the best rounds
 are the least disturbed). docs/observability.md records the figures.
@@ -23,17 +24,18 @@ from pathlib import Path
 from bench.proxy_bench import SCENARIOS, free_port, measure, process, specroute_cmd
 from tests.observability.obs_jaeger import Jaeger, jaeger_binary
 
-CONFIGS = ("off", "http/protobuf", "grpc")
+CONFIGS = ("off", "sink", "http/protobuf", "grpc")
 MEASURED = ("c64-json", "c64-stream")
 
 
-def tracing_env(config: str, jaeger: Jaeger) -> dict[str, str]:
+def tracing_env(config: str, jaeger: Jaeger, sink_port: int) -> dict[str, str]:
     if config == "off":
         return {"SPECROUTE_TRACES": "false"}
-    endpoint = jaeger.otlp_grpc_endpoint if config == "grpc" else jaeger.otlp_http_endpoint
+    endpoints = {"grpc": jaeger.otlp_grpc_endpoint, "http/protobuf": jaeger.otlp_http_endpoint,
+                 "sink": f"http://127.0.0.1:{sink_port}"}
     return {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoint,
-        "OTEL_EXPORTER_OTLP_PROTOCOL": config,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": endpoints[config],
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc" if config == "grpc" else "http/protobuf",
         "OTEL_TRACES_SAMPLER": "always_on",
         "OTEL_SERVICE_NAME": "specroute-bench",
     }
@@ -51,14 +53,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         jaeger = Jaeger(jaeger_binary(), Path(tmp))
         try:
-            upstream_port = free_port()
+            upstream_port, sink_port = free_port(), free_port()
             upstream = [sys.executable, "-m", "bench.proxy_upstream", str(upstream_port), "64"]
-            with process(upstream, upstream_port):
+            sink = [sys.executable, "-m", "bench.otlp_sink", str(sink_port)]
+            with process(upstream, upstream_port), process(sink, sink_port):
                 for round_number in range(rounds):
                     for config in CONFIGS:
                         port = free_port()
                         cmd, env = specroute_cmd(upstream_port, port)
-                        with process(cmd, port, {**env, **tracing_env(config, jaeger)}) as proxy:
+                        with process(cmd, port, {**env, **tracing_env(config, jaeger, sink_port)}) as proxy:
                             for scenario in scenarios:
                                 m = measure(port, scenario, scale, proxy.pid)
                                 results.setdefault((config, scenario.name), []).append(m)

@@ -22,11 +22,15 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceState
 
+from proxy.telemetry import names as n
+
 _PACK_DOUBLE = struct.Struct("<d").pack
 _PACK_FIXED64 = struct.Struct("<Q").pack
 _PACK_FIXED32 = struct.Struct("<I").pack
 _SMALL = [bytes((i,)) for i in range(128)]
-_MEMO_LIMIT = 8192
+_MEMO_LIMIT = 4096
+# Attributes whose values never repeat: not memoised (they would only crowd out the ones that do).
+_UNIQUE = frozenset({n.REQUEST_ID, n.GEN_AI_RESPONSE_ID, n.GEN_AI_INPUT_MESSAGES})
 # Span.flags (field 16, fixed32): SPAN_FLAGS_CONTEXT_HAS_IS_REMOTE, and IS_REMOTE for a remote parent.
 _LOCAL_PARENT = b"\x85\x01" + _PACK_FIXED32(0x100)
 _REMOTE_PARENT = b"\x85\x01" + _PACK_FIXED32(0x300)
@@ -119,6 +123,9 @@ class SpanEncoder:
                 if prefix is None:
                     prefix = self._doubles[(tag, key)] = double_prefix(tag, key)
                 out.append(prefix + _PACK_DOUBLE(value))
+                continue
+            if key in _UNIQUE:
+                out.append(field(tag, field(b"\x0a", key.encode()) + field(b"\x12", any_value(value))))
                 continue
             values = memo.get(key)
             if values is None:
