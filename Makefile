@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install bench clean jaeger
+.PHONY: run test install bench clean jaeger kubeconform
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,11 @@ run: $(STAMP)
 jaeger:
 	bash tests/support/build_jaeger.sh >/dev/null
 
-test: $(STAMP) jaeger
+# kubeconform (tests/deploy's Kubernetes manifest validator) built once into ~/.cache/specroute.
+kubeconform:
+	bash tests/deploy/build_kubeconform.sh >/dev/null
+
+test: $(STAMP) jaeger kubeconform
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
