@@ -11,7 +11,6 @@ runs in this process. Prints a Markdown table; docs/benchmarks.md records the fi
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import socket

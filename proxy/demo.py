@@ -52,11 +52,11 @@ def run_demo(port: int, profile: str, time_scale: float) -> int:
     )
     with twins(*specs) as (spec, base):
         settings = load_settings(host="127.0.0.1", port=port, spec_urls=[spec.url], base_urls=[base.url])
-        print(banner(port, served_model(spec.url), spec.url, base.url), flush=True)
+        text = banner(port, served_model(spec.url), spec.url, base.url)
         from proxy.server import serve
 
         try:
-            serve(settings)
+            serve(settings, on_ready=lambda: print(text, flush=True))
         except KeyboardInterrupt:
             print("specroute demo: stopped", file=sys.stderr)  # Ctrl-C is how the demo ends
     return 0

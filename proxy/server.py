@@ -8,7 +8,9 @@ On SIGTERM or SIGINT: /ready turns 503 at once, the listening socket closes, run
 from __future__ import annotations
 
 import logging
+import socket
 from types import FrameType
+from typing import Callable
 
 import uvicorn
 
@@ -31,9 +33,16 @@ def build_app(settings: Settings) -> SpecrouteApp:
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, telling the app it is draining the moment a stop signal arrives."""
 
-    def __init__(self, config: uvicorn.Config, app: SpecrouteApp) -> None:
+    def __init__(self, config: uvicorn.Config, app: SpecrouteApp, on_ready: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.specroute = app
+        self.on_ready = on_ready
+        """Called once the app has started and the socket is listening (the demo's banner)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None:
+            self.on_ready()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.specroute.draining:
@@ -59,8 +68,8 @@ def uvicorn_config(app: SpecrouteApp, settings: Settings) -> uvicorn.Config:
     )
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings, on_ready: Callable[[], None] | None = None) -> None:
     """Run until stopped (blocks). Settings must already be valid (proxy.settings.load_settings)."""
     settings.require_upstreams()
     app = build_app(settings)
-    DrainingServer(uvicorn_config(app, settings), app).run()
+    DrainingServer(uvicorn_config(app, settings), app, on_ready).run()
