@@ -21,6 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sim.testing import RunningTwin, TwinSpec, twins
 
+# The first test may build Jaeger from source (about 6 minutes on 2 cores) when `make jaeger` has
+# not run yet; the suite-wide 300 s bound would stop it half-way.
+pytestmark = pytest.mark.timeout(1200)
+
 SERVER, INTERNAL_KIND, SERVER_KIND, CLIENT_KIND = "POST /v1/chat/completions", 1, 2, 3
 MODEL = "specroute/twin"
 PROMPT = "Tell me about speculative decoding, briefly."
