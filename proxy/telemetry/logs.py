@@ -1,29 +1,23 @@
-"""One JSON line per request on the "specroute.request" logger. Never a prompt or a completion."""
+"""One JSON line per request on stdout. Never a prompt or a completion.
+
+Written straight to the stream, not through `logging`: a LogRecord per request (caller lookup,
+thread and process names, a lock, a flush) cost about ten times the line itself, a few percent
+of the proxy's CPU per request. Each line is one write of well under PIPE_BUF bytes, so lines from
+one process never interleave.
+"""
 
 from __future__ import annotations
 
-import logging
 import sys
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
-LOGGER_NAME = "specroute.request"
 
+class RequestLog:
+    def __init__(self, stream: BinaryIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stdout.buffer
 
-def request_logger() -> logging.Logger:
-    """The request logger, writing bare JSON lines to stdout unless the host app configured it."""
-    logger = logging.getLogger(LOGGER_NAME)
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.INFO)
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stdout)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False  # the line is already complete; root handlers would re-wrap it
-    return logger
-
-
-def write(logger: logging.Logger, record: dict[str, Any]) -> None:
-    if logger.isEnabledFor(logging.INFO):
-        logger.info(orjson.dumps(record, default=str).decode())
+    def write(self, record: dict[str, Any]) -> None:
+        self.stream.write(orjson.dumps(record, default=str, option=orjson.OPT_APPEND_NEWLINE))
+        self.stream.flush()

@@ -18,7 +18,6 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, StatusCode
 
 from proxy.hooks import RequestHooks
-from proxy.telemetry import logs
 from proxy.telemetry import names as n
 
 if TYPE_CHECKING:
@@ -259,7 +258,7 @@ class RequestRecorder(RequestHooks):
             self._end_spans(status, error_type, prompt_tokens, completion_tokens, finish_reasons, overhead_s)
         if owner.request_log is not None:
             server = self._server
-            logs.write(owner.request_log, {
+            owner.request_log.write({
                 "ts": round(time.time(), 3),
                 "request_id": self._request_id,
                 "endpoint": self._endpoint,

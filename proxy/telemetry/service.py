@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 from fastapi import Response
 
 from proxy.hooks import Telemetry
-from proxy.telemetry import logs
+from proxy.telemetry.logs import RequestLog
 from proxy.telemetry.metrics import Metrics
 from proxy.telemetry.request import RequestRecorder
 from proxy.telemetry.tracing import Tracing
@@ -36,7 +36,7 @@ class SpecrouteTelemetry(Telemetry):
             tracing = None
         self.tracing = tracing
         self.metrics = Metrics()
-        self.request_log: logging.Logger | None = logs.request_logger() if settings.request_log else None
+        self.request_log = RequestLog() if settings.request_log else None
         self._addresses: dict[str, tuple[str, int]] = {}
         self.score_keys: dict[str, str] = {}
         """Decision.scores keys -> span attribute names (built once, not per request)."""

@@ -4,11 +4,10 @@ protobuf library; the end-to-end path through Jaeger is in test_obs_traces.py)."
 
 from __future__ import annotations
 
+import io
 import json
-import logging
-from typing import Any, Iterator
+from typing import Any
 
-import pytest
 from google.protobuf.json_format import MessageToDict
 from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -18,6 +17,7 @@ from policies.types import Decision, Features
 from proxy.settings import Settings
 from proxy.telemetry import SpecrouteTelemetry
 from proxy.telemetry import names as n
+from proxy.telemetry.logs import RequestLog
 from proxy.telemetry.tracing import Tracing
 
 PROMPT = "the secret prompt text"
@@ -39,26 +39,6 @@ class Decoded(SpanExporter):
                 span["attrs"] = {kv["key"]: next(iter(kv["value"].values())) for kv in span.get("attributes", [])}
                 self.spans.append(span)
         return SpanExportResult.SUCCESS
-
-
-class Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@pytest.fixture
-def log_lines() -> Iterator[list[str]]:
-    handler = Lines()
-    logger = logging.getLogger("specroute.request")
-    logger.addHandler(handler)
-    try:
-        yield handler.lines
-    finally:
-        logger.removeHandler(handler)
 
 
 def telemetry(exporter: Decoded | None = None, **settings: Any) -> SpecrouteTelemetry:
@@ -125,9 +105,12 @@ def test_histograms_use_the_genai_bucket_boundaries() -> None:
                                   10.24, 20.48, 40.96, 81.92)
 
 
-def test_one_json_log_line_per_request_without_prompt_text(log_lines: list[str]) -> None:
+def test_one_json_log_line_per_request_without_prompt_text() -> None:
     t = telemetry()
+    stream = io.BytesIO()
+    t.request_log = RequestLog(stream)
     failover_then_stream(t)
+    log_lines = stream.getvalue().decode().splitlines()
     assert len(log_lines) == 1
     assert PROMPT not in log_lines[0]
     line = json.loads(log_lines[0])
