@@ -172,6 +172,8 @@ class SpanEncoder:
             parts.append(parent_id.to_bytes(8, "big"))
         head = self._heads.get((name, kind))
         if head is None:  # name (5) and kind (6; OTLP kinds are the SDK's + 1)
+            if len(self._heads) >= _MEMO_LIMIT:
+                self._heads.clear()  # names carry the client's model name: keep them bounded
             head = self._heads[(name, kind)] = field(b"\x2a", name.encode("utf-8", "replace")) + b"\x30" + _SMALL[kind.value + 1]
         parts.append(head)
         parts.append(b"\x39")
