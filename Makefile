@@ -29,8 +29,9 @@ kubeconform:
 test: $(STAMP) jaeger kubeconform
 	$(BIN)/python -m pytest
 
+# Every benchmark whose figures docs/ records (long); `python -m bench` lists them.
 bench: $(STAMP)
-	$(BIN)/python -m bench
+	$(BIN)/python -m bench all
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,51 @@
+"""Run the benchmarks: `python -m bench` lists them, `python -m bench NAME [ARGS]` runs one,
+`python -m bench all` runs the ones whose figures docs/ records, one after another.
+
+Each benchmark is also runnable on its own as `python -m bench.NAME`; its docstring says how and
+which page of docs/ records its figures.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> what it measures; the order is the order of `all`.
+BENCHMARKS = {
+    "sim_virtual": "the twin's virtual clock: 10,000 requests at ~100 streams (docs/twin.md)",
+    "sim_speedup": "the twin against the design tables, spec/base speed by batch (docs/twin.md)",
+    "sim_http": "the HTTP twin: 200+ streams, its CPU and decode-rate error (docs/twin.md)",
+    "proxy_bench": "the proxy against a direct call, concurrency 1/64/256 (docs/benchmarks.md)",
+    "proxy_parts": "where the proxy's CPU goes, parts switched off (docs/benchmarks.md)",
+    "obs_trace_cost": "tracing every request against tracing off (docs/observability.md)",
+    "routing": "the routing policies on the virtual clock; rewrites docs/routing.md",
+}
+
+
+def run(name: str, args: list[str]) -> None:
+    module = importlib.import_module(f"bench.{name}")
+    sys.argv = [f"python -m bench.{name}", *args]
+    module.main()
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "list"):
+        print(__doc__)
+        for name, what in BENCHMARKS.items():
+            print(f"  {name:15} {what}")
+        return 0
+    name, args = argv[0], argv[1:]
+    if name == "all":
+        for each in BENCHMARKS:
+            print(f"\n## bench.{each}\n", flush=True)
+            run(each, args)
+        return 0
+    if name not in BENCHMARKS:
+        print(f"unknown benchmark {name!r}; `python -m bench` lists them", file=sys.stderr)
+        return 2
+    run(name, args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
