@@ -136,7 +136,7 @@ def execute(job: Job) -> dict[str, Any]:
         # really delivered in each phase: routing has settled once it decides the same.
         before = effective_alpha([r for r in result.records if r.finish_time < DROP_AT_S], setup.num_steps)
         after = effective_alpha([r for r in result.records if r.arrival >= DROP_AT_S], setup.num_steps)
-        shadow = make_policy(job.policy)
+        shadow = make_policy(job.policy, setup.slo)
         out["decisions"] = []
         for (t, pool, _, alpha), (features, snapshot) in zip(result.decisions, result.snapshots):
             told = shadow.decide(features, with_alpha(snapshot, before if t < DROP_AT_S else after))

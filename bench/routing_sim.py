@@ -76,9 +76,12 @@ class Split:
         return Decision(pool=pool, reason="split")
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, slo: Slo | None = None) -> Policy:
+    """A policy by name; goodput is told the fleet's SLO (SPECROUTE_SLO_* in the proxy)."""
     if name.startswith("split-"):
         return Split(float(name.removeprefix("split-")))
+    if name == "goodput" and slo is not None:
+        return registry.create(name, {"slo_ttft_s": slo.ttft_s, "slo_tpot_ms": slo.tpot_s * 1000})
     return registry.create(name)
 
 
@@ -230,7 +233,7 @@ class RunResult:
 def run(setup: Setup, workload: Workload, policy_name: str, keep_snapshots: bool = False,
         poll_interval_s: float = 0.1) -> RunResult:
     engines = setup.engines()
-    router = VirtualRouter(make_policy(policy_name), setup, poll_interval_s=poll_interval_s,
+    router = VirtualRouter(make_policy(policy_name, setup.slo), setup, poll_interval_s=poll_interval_s,
                            keep_snapshots=keep_snapshots)
     router.attach(engines)
     sent = len(workload.arrivals)

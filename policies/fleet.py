@@ -23,6 +23,28 @@ from policies.types import InstanceState, PoolName, PoolState, Snapshot, StepCos
 if TYPE_CHECKING:
     from policies.costmodel import StepCostModel
 
+# The window of the dispatch rates: about how long a burst of prefills keeps stalling the decode
+# steps of the requests already running.
+RATE_WINDOW_S = 2.0
+
+
+@dataclass(slots=True)
+class EventRate:
+    """Events (or amounts) per second, exponentially weighted over RATE_WINDOW_S."""
+
+    weighted: float = 0.0
+    at: float = 0.0
+
+    def add(self, now: float, amount: float = 1.0) -> None:
+        self.weighted = self._decayed(now) + amount
+        self.at = max(now, self.at)
+
+    def per_s(self, now: float) -> float:
+        return self._decayed(now) / RATE_WINDOW_S
+
+    def _decayed(self, now: float) -> float:
+        return self.weighted * math.exp(-max(now - self.at, 0.0) / RATE_WINDOW_S)
+
 
 @dataclass(frozen=True, slots=True)
 class Reading:
@@ -59,6 +81,10 @@ class InstanceSignals:
     last_gauge: float | None = None
     polled: bool = True
     """False when the server answers no load endpoint: its load is our own in-flight count."""
+    prompt_tokens_sent: EventRate = field(default_factory=EventRate)
+    """Prompt tokens this router sent here per second (their prefill stalls the decode)."""
+    sent: EventRate = field(default_factory=EventRate)
+    """Requests this router sent here per second."""
 
     def adjusted(self) -> tuple[float, float]:
         """(running, waiting): the reading, less completions since it and plus dispatches since
@@ -158,6 +184,8 @@ class FleetState:
     def on_dispatch(self, url: str, now: float, prompt_tokens: int = 0) -> None:
         signals = self.instances[url]
         signals.local_in_flight += 1
+        signals.prompt_tokens_sent.add(now, prompt_tokens)
+        signals.sent.add(now)
         if signals.polled:
             signals.events.append((now, +1, prompt_tokens))
 
@@ -214,6 +242,8 @@ class FleetState:
             healthy=signals.healthy,
             age_s=signals.age(now),
             waiting_tokens=signals.waiting_tokens(),
+            prompt_tokens_per_s=signals.prompt_tokens_sent.per_s(now),
+            dispatches_per_s=signals.sent.per_s(now),
         )
 
 

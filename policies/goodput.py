@@ -10,6 +10,20 @@ For each pool, on the instance the request would join:
             weighted by `externality` (1 = count their time like ours, 0 = ignore it)
 and picks the smaller sum. Counting the others' slowdown is what keeps the fleet near the best
 mean latency instead of each request grabbing the faster pool until it is no longer faster.
+Taking the spec pool's last free slot also costs the *slot price*: the next request then has to
+go to base, where a prompt of the recent mean length costs the requests running there its
+prefill. So when spec is about full its slots go to the long prompts (whose prefill would stall
+base's large batch most) and short prompts go to base.
+
+Prefills stall decode (SGLang runs them before the next decode step): at the rate this router has
+sent prompts to an instance, a share `busy` of its time goes to prefill, and the time per output
+token there is step / tau / (1 - busy). That is the predicted TPOT.
+
+With a service-level objective (`slo_ttft_s`, `slo_tpot_ms`; 0 = none) a `latency` request that
+meets it on one pool only goes there (`slo-spec`, `slo-base`); one that can meet it queued on a
+full spec pool may queue there (and then competes on cost); and the slowdown imposed on the
+others is weighted by 1 / (1 - TPOT / target) (a pool near its TPOT target is hurt much more by
+one more prefill). Without an SLO:
 
 Request classes:
 - `latency` never queues on the spec pool past its cap (`spec-full` sends it to base);
@@ -28,6 +42,12 @@ from policies.acceptance import accept_length
 from policies.registry import register
 from policies.types import Decision, Features, InstanceState, PoolState, Snapshot, StepCost
 
+# Past this share of time spent prefilling, a server's decode is predicted 10x slower; the cap
+# keeps a burst's prediction finite.
+MAX_PREFILL_SHARE = 0.9
+# A pool at (or past) 95 % of its TPOT target weighs the slowdown it suffers 20x, not infinitely.
+MAX_TPOT_SHARE = 0.95
+
 
 @dataclass(frozen=True, slots=True)
 class Prediction:
@@ -42,6 +62,12 @@ class Prediction:
     """Pool throughput (tokens/s) at the joined batch, for the batch class."""
     over_cap: float
     """How far past the running cap the request is expected to arrive (> 0: it would queue)."""
+    tpot_s: float = 0.0
+    """Predicted seconds per output token: the decode step / tau, stretched by the prefills."""
+
+    @property
+    def ttft_s(self) -> float:
+        return self.wait_s + self.prefill_s
 
     @property
     def total_s(self) -> float:
@@ -62,12 +88,20 @@ class Goodput:
         externality: float = 1.0,
         margin: float = 0.0,
         prefill_chunk_tokens: int = 8192,
+        slo_ttft_s: float = 0.0,
+        slo_tpot_ms: float = 0.0,
     ):
         self.default_output_tokens = default_output_tokens
         self.default_alpha = default_alpha
         self.externality = externality
         self.margin = margin
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.slo_ttft_s = slo_ttft_s
+        self.slo_tpot_ms = slo_tpot_ms
+
+    @property
+    def slo_aware(self) -> bool:
+        return self.slo_ttft_s > 0 or self.slo_tpot_ms > 0
 
     def output_tokens(self, features: Features, learned: float | None = None) -> int:
         """The output length to plan for: max_tokens when the request runs to it, else the
@@ -87,6 +121,15 @@ class Goodput:
         alpha = pool.alpha if pool.alpha is not None else self.default_alpha
         return accept_length(alpha, k), k + 1
 
+    def prefill_share(self, pool: PoolState, instance: InstanceState, cost: StepCost) -> float:
+        """The share of the instance's time its prefills take, at the rate prompts were sent to it
+        lately (each prefilled alone, at the recent mean length: they mostly arrive one by one)."""
+        if instance.dispatches_per_s <= 0:
+            return 0.0
+        mean_prompt = max(int(instance.prompt_tokens_per_s / instance.dispatches_per_s), 1)
+        busy = instance.dispatches_per_s * cost.prefill_ms(pool.name, mean_prompt) / 1000
+        return min(busy, MAX_PREFILL_SHARE)
+
     def predict(self, pool: PoolState, instance: InstanceState, features: Features, cost: StepCost,
                 learned_output: float | None = None) -> Prediction:
         tau, width = self.accept_length(pool)
@@ -96,6 +139,9 @@ class Goodput:
         waiting = max(instance.waiting, 0.0)
         batch = int(min(load + 1, cap))
         step_ms = cost.decode_step_ms(pool.name, batch, width)
+        tpot_ms = step_ms / tau / (1 - self.prefill_share(pool, instance, cost))
+        # The own decode is costed unstretched: the prefills stall both pools' decodes alike, and
+        # what joining adds to them is in `others`.
         decode_ms = max(n_out - 1, 0) / tau * step_ms
         prompt = max(features.prompt_tokens, 1)
         # SGLang prefills the queue first come, first served, before any decode step: the first
@@ -107,9 +153,10 @@ class Goodput:
         prefill_ms = chunks * cost.prefill_ms(pool.name, math.ceil(queued / chunks))
         own_prefill_ms = cost.prefill_ms(pool.name, prompt)
         # Past the cap, a slot frees every (typical request time / cap): the queue drains at that
-        # rate. (Counting the slots running requests free while the prompts ahead are prefilled
-        # admitted too many: the requests still running are the long ones.)
-        typical_ms = decode_ms + own_prefill_ms
+        # rate. A typical request holds its slot for its decode at the stretched TPOT. (Counting
+        # the slots running requests free while the prompts ahead are prefilled admitted too
+        # many: the requests still running are the long ones.)
+        typical_ms = max(n_out - 1, 0) * tpot_ms + own_prefill_ms
         over = load + 1 - cap
         wait_ms = over * typical_ms / cap if over > 0 else 0.0
         others_ms = 0.0
@@ -123,10 +170,11 @@ class Goodput:
             wait_s=wait_ms / 1000,
             prefill_s=prefill_ms / 1000,
             decode_s=decode_ms / 1000,
-            others_s=self.externality * others_ms / 1000,
+            others_s=self.externality * self.pressure(tpot_ms) * others_ms / 1000,
             batch=batch,
             tokens_per_s=batch * tau / step_ms * 1000,
             over_cap=max(over, 0.0),
+            tpot_s=tpot_ms / 1000,
         )
 
     def decide(self, features: Features, snapshot: Snapshot) -> Decision:
@@ -154,6 +202,8 @@ class Goodput:
             "cost_base_s": round(on_base.cost_s, 6),
             "batch_spec": float(on_spec.batch),
             "batch_base": float(on_base.batch),
+            "tpot_spec_ms": round(on_spec.tpot_s * 1000, 3),
+            "tpot_base_ms": round(on_base.tpot_s * 1000, 3),
         }
         spec_full = on_spec.over_cap > 0
         if features.request_class == "batch":
@@ -164,11 +214,49 @@ class Goodput:
             if gain_spec > 0 or gain_base > 0:
                 pool = "spec" if gain_spec > gain_base else "base"
                 return Decision(pool=pool, reason=f"throughput-{pool}", scores=scores)
-        elif spec_full:
-            return Decision(pool="base", reason="spec-full", scores=scores)
-        if on_spec.cost_s * (1 + self.margin) < on_base.cost_s:
+        else:
+            if self.slo_aware:
+                meets_spec, meets_base = self.meets_slo(on_spec), self.meets_slo(on_base)
+                scores["slo_spec"], scores["slo_base"] = float(meets_spec), float(meets_base)
+                if spec_full and meets_spec:
+                    spec_full = False  # queued on spec it still meets its target: it may wait
+                elif meets_spec != meets_base:
+                    pool = "spec" if meets_spec else "base"
+                    return Decision(pool=pool, reason=f"slo-{pool}", scores=scores)
+            if spec_full:
+                return Decision(pool="base", reason="spec-full", scores=scores)
+        price = 0.0
+        if joined_spec.load + 1 >= joined_spec.max_running:
+            price = self.slot_price(snapshot, base, joined_base, features)
+            scores["slot_price_s"] = round(price, 6)
+        if (on_spec.cost_s + price) * (1 + self.margin) < on_base.cost_s:
             return Decision(pool="spec", reason="spec-sooner", scores=scores)
         return Decision(pool="base", reason="base-sooner", scores=scores)
+
+    def slot_price(self, snapshot: Snapshot, base: PoolState, joined_base: InstanceState,
+                   features: Features) -> float:
+        """What taking the spec pool's last free slot costs: the next request then goes to base,
+        where a prompt of the recent mean length costs the requests running there its prefill."""
+        sent = sum(i.dispatches_per_s for p in snapshot.pools.values() for i in p.healthy_instances)
+        tokens = sum(i.prompt_tokens_per_s for p in snapshot.pools.values() for i in p.healthy_instances)
+        if sent <= 0 or snapshot.cost is None:
+            return 0.0
+        typical = Features(prompt_tokens=max(int(tokens / sent), 1), max_tokens=features.max_tokens,
+                           ignore_eos=features.ignore_eos)
+        return self.predict(base, joined_base, typical, snapshot.cost, snapshot.mean_output_tokens).others_s
+
+    def meets_slo(self, p: Prediction) -> bool:
+        """Whether a prediction meets the configured targets (a target of 0 is not checked)."""
+        ttft_ok = self.slo_ttft_s <= 0 or p.ttft_s <= self.slo_ttft_s
+        tpot_ok = self.slo_tpot_ms <= 0 or p.tpot_s * 1000 <= self.slo_tpot_ms
+        return ttft_ok and tpot_ok
+
+    def pressure(self, tpot_ms: float) -> float:
+        """How much a pool's running requests mind being slowed: 1 without a TPOT target, else
+        1 / (1 - TPOT / target) (near its target, a little more delay makes them miss it)."""
+        if self.slo_tpot_ms <= 0:
+            return 1.0
+        return 1 / (1 - min(tpot_ms / self.slo_tpot_ms, MAX_TPOT_SHARE))
 
     def _gain(self, pool: PoolState, instance: InstanceState, cost: StepCost) -> float:
         """Tokens/s the pool's instance adds by taking one more sequence into its batch."""
@@ -187,5 +275,8 @@ def goodput(
     externality: float = 1.0,
     margin: float = 0.0,
     prefill_chunk_tokens: int = 8192,
+    slo_ttft_s: float = 0.0,
+    slo_tpot_ms: float = 0.0,
 ) -> Goodput:
-    return Goodput(default_output_tokens, default_alpha, externality, margin, prefill_chunk_tokens)
+    return Goodput(default_output_tokens, default_alpha, externality, margin, prefill_chunk_tokens,
+                   slo_ttft_s, slo_tpot_ms)

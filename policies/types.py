@@ -45,6 +45,11 @@ class InstanceState:
     """Seconds since this instance's load was last read from the server."""
     waiting_tokens: float | None = None
     """Prompt tokens waiting to be prefilled (same adjustment as `waiting`), if known."""
+    prompt_tokens_per_s: float = 0.0
+    """Prompt tokens this router sent the instance per second lately (exponentially weighted):
+    its prefill work, which stalls the decode of everything running there."""
+    dispatches_per_s: float = 0.0
+    """Requests this router sent the instance per second lately (same weighting)."""
 
     @property
     def load(self) -> float:

@@ -74,6 +74,12 @@ class Settings(BaseSettings):
     goodput_externality: float = Field(
         1.0, ge=0, description="goodput policy: weight of the slowdown a request causes the batch it joins."
     )
+    goodput_slo_ttft_s: float = Field(
+        0.0, ge=0, description="goodput policy: time-to-first-token target in seconds (0: none); see SLO-aware routing."
+    )
+    goodput_slo_tpot_ms: float = Field(
+        0.0, ge=0, description="goodput policy: time-per-output-token target in milliseconds (0: none)."
+    )
 
     # Request path
     connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to open an upstream connection.")
@@ -193,6 +199,8 @@ class Settings(BaseSettings):
                 "default_output_tokens": self.goodput_output_tokens,
                 "default_alpha": self.goodput_default_alpha,
                 "externality": self.goodput_externality,
+                "slo_ttft_s": self.goodput_slo_ttft_s,
+                "slo_tpot_ms": self.goodput_slo_tpot_ms,
             }
         return {}
 

@@ -137,3 +137,67 @@ def test_goodput_counts_the_queued_prompt_tokens():
     pools["base"] = replace(pools["base"], instances=(replace(pools["base"].instances[0], waiting=3, waiting_tokens=300),))
     decision = policy.decide(small, replace(snap, pools=pools))
     assert decision.pool == "base" and decision.scores["t_spec_s"] > decision.scores["t_base_s"]
+
+
+def _with(snap, name, **changes):
+    """The snapshot with the named pool's one instance changed."""
+    from dataclasses import replace
+
+    pools = dict(snap.pools)
+    pools[name] = replace(pools[name], instances=(replace(pools[name].instances[0], **changes),))
+    return replace(snap, pools=pools)
+
+
+def test_goodput_predicts_tpot_stretched_by_the_prefills_sent():
+    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+    policy = Goodput()
+    quiet = snapshot(10, 100, cost)
+    busy = _with(quiet, "base", dispatches_per_s=20.0, prompt_tokens_per_s=20_000.0)
+    calm, loaded = (policy.decide(SHORT, s).scores["tpot_base_ms"] for s in (quiet, busy))
+    share = 20 * cost.prefill_ms("base", 1000) / 1000  # of base's time spent prefilling
+    assert loaded == pytest.approx(calm / (1 - share), rel=1e-3)
+
+
+def test_goodput_slo_sends_a_request_where_it_can_meet_its_targets():
+    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+    # Base prefills 30 prompts/s of 1,000 tokens: its decode is stretched past a 50 ms TPOT.
+    snap = _with(snapshot(46, 200, cost), "base", dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
+    plain = Goodput().decide(SHORT, snap)
+    aware = Goodput(slo_ttft_s=1.0, slo_tpot_ms=50.0).decide(SHORT, snap)
+    assert aware.scores["tpot_base_ms"] > 50 > aware.scores["tpot_spec_ms"]
+    assert (aware.pool, aware.reason) == ("spec", "slo-spec")
+    assert aware.scores["slo_spec"] == 1.0 and aware.scores["slo_base"] == 0.0
+    assert "slo_spec" not in plain.scores  # without targets there is no SLO check
+
+
+def test_goodput_slo_may_queue_on_spec_within_the_ttft_target_but_not_past_it():
+    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+    policy = Goodput(slo_ttft_s=1.0, slo_tpot_ms=50.0)
+    pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
+    long_prompt = Features(prompt_tokens=4000)  # its prefill would stall base's 200 requests most
+    short_queue = _with(snapshot(50, 200, cost), "base", **pressed)  # 2 waiting past spec's cap
+    decision = policy.decide(long_prompt, short_queue)
+    assert decision.pool == "spec" and decision.scores["slo_spec"] == 1.0
+    long_queue = _with(snapshot(48 + 200, 200, cost), "base", **pressed)  # far past its TTFT
+    decision = policy.decide(long_prompt, long_queue)
+    assert decision.scores["slo_spec"] == 0.0 and decision.pool == "base"
+    # Without targets a latency request never queues past the cap.
+    assert Goodput().decide(long_prompt, short_queue).reason == "spec-full"
+
+
+def test_goodput_gives_the_last_spec_slot_to_a_long_prompt():
+    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+    policy = Goodput(slo_ttft_s=1.0, slo_tpot_ms=50.0)
+    # Spec has one free slot; recent prompts averaged 1,000 tokens; base runs 200 requests.
+    snap = snapshot(47, 200, cost)
+    snap = _with(snap, "base", dispatches_per_s=20.0, prompt_tokens_per_s=20_000.0)
+    snap = _with(snap, "spec", dispatches_per_s=10.0, prompt_tokens_per_s=10_000.0)
+    short, long = Features(prompt_tokens=200), Features(prompt_tokens=4000)
+    on_short, on_long = policy.decide(short, snap), policy.decide(long, snap)
+    assert on_short.scores["slot_price_s"] == pytest.approx(on_long.scores["slot_price_s"])
+    assert on_short.scores["slot_price_s"] > 0
+    assert (on_short.pool, on_long.pool) == ("base", "spec")
+    # With free slots to spare there is no price, and the short prompt takes one.
+    roomy = _with(snap, "spec", running=20.0)
+    assert "slot_price_s" not in policy.decide(short, roomy).scores
+    assert policy.decide(short, roomy).pool == "spec"

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from policies.acceptance import accept_length
@@ -92,3 +94,19 @@ def test_an_idle_servers_gauge_is_not_evidence():
     assert state.snapshot(1.1).pool("spec").alpha is None  # the same value again adds nothing
     state.on_reading("http://spec", Reading(at=1.2, running=8, waiting=0, accept_length=2.5, accept_steps=320))
     assert state.snapshot(1.2).pool("spec").alpha == pytest.approx(0.70, abs=0.02)
+
+
+def test_dispatch_rates_follow_what_was_sent_and_fade():
+    from policies.fleet import RATE_WINDOW_S
+
+    state = fleet()
+    for i in range(40):  # 20 requests/s of 1,000 prompt tokens for 2 s
+        state.on_dispatch("http://base", i * 0.05, prompt_tokens=1000)
+    base = state.snapshot(2.0).pool("base").instances[0]
+    spec = state.snapshot(2.0).pool("spec").instances[0]
+    assert base.prompt_tokens_per_s / base.dispatches_per_s == pytest.approx(1000)
+    # An exponentially weighted rate over a 2 s window, after 2 s of a steady 20/s: 1 - 1/e of it.
+    assert base.dispatches_per_s == pytest.approx(20 * (1 - math.exp(-2.0 / RATE_WINDOW_S)), rel=0.05)
+    assert (spec.dispatches_per_s, spec.prompt_tokens_per_s) == (0.0, 0.0)
+    later = state.snapshot(2.0 + 3 * RATE_WINDOW_S).pool("base").instances[0]
+    assert later.dispatches_per_s < 0.06 * base.dispatches_per_s  # nothing sent since: it fades

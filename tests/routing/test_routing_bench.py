@@ -19,4 +19,6 @@ def test_goodput_speculates_when_quiet_and_spills_over_when_busy():
     assert on_quiet["goodput"]["mean_e2e_s"] < on_quiet["base"]["mean_e2e_s"]
     on_busy = run(setup, busy, "goodput")
     assert 0.2 < on_busy.summary()["spec_share"] < 0.9  # both pools working
-    assert {reason for _, _, reason, _ in on_busy.decisions} >= {"spec-sooner", "spec-full"}
+    reasons = {reason for _, _, reason, _ in on_busy.decisions}
+    assert "spec-sooner" in reasons
+    assert reasons & {"spec-full", "base-sooner", "slo-base"}  # spilled over to base on purpose
