@@ -247,7 +247,8 @@ def analyse(results: list[dict[str, Any]]) -> dict[str, Any]:
         drops.append({"setup": key[0], "runs": runs, "reached_s": reached, "agreement": agreement,
                       "strict_s": strict, "alphas": alphas, "decisions": decisions})
         if reached is None or reached > 10.0 or agreement < 0.9:
-            misses.append(f"{key[0]} acceptance drop: estimate settled after {reached} s, then {agreement:.0%} of "
+            misses.append(f"{key[0]} acceptance drop: estimate settled after "
+                          f"{'never' if reached is None else f'{reached:.1f}'} s, then {agreement:.0%} of "
                           "decisions as with the true alpha (target <= 10 s, >= 90 %)")
     return {"rows": rows, "saturation": saturation, "drops": drops, "misses": misses}
 
