@@ -37,6 +37,9 @@ extensions:
         memory:
           max_traces: 10000
   jaeger_query:
+    # Jaeger's query service traces itself to localhost:4317 unless told not to: that would send
+    # spans into another test's collector and spend 10 s at exit on a timed-out export.
+    enable_tracing: false
     storage:
       traces: memstore
     http:
