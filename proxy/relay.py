@@ -56,6 +56,8 @@ RETRYABLE = frozenset({CONNECT, DISCONNECTED})
 """Attempt failures worth another instance. Timeouts are not: the next one would wait as long."""
 ERROR_BODY_LIMIT = 64 * 1024
 RETRY_AFTER = frozenset({b"retry-after", b"retry-after-ms"})
+ERROR_EVENT_SEND_S = 1.0
+"""How long the closing error event of a failed stream may wait for the client to read."""
 
 
 class ClientGone(Exception):
@@ -301,16 +303,19 @@ class CompletionHandler:
         try:
             if remaining_s <= 0:
                 raise asyncio.TimeoutError()
-            response = await self.upstream.post(instance.url + path, out.items(), body, remaining_s)
-            hooks.upstream_headers(status=response.status, headers=response.headers)
-            if response.status >= 400:
-                return await self.upstream_error(exchange, response, attempt)
-            first = await response.content.readany()
-            exchange.upstream_wait_s += perf_counter() - began
-            began = 0.0
-            attempt.first_byte()
-            await self.relay(exchange, response, attempt, first)
-            return None
+            # aiohttp's own total timer only fires inside its reads; this one also ends a relay
+            # blocked on a client that stopped reading.
+            async with asyncio.timeout(remaining_s):
+                response = await self.upstream.post(instance.url + path, out.items(), body, remaining_s)
+                hooks.upstream_headers(status=response.status, headers=response.headers)
+                if response.status >= 400:
+                    return await self.upstream_error(exchange, response, attempt)
+                first = await response.content.readany()
+                exchange.upstream_wait_s += perf_counter() - began
+                began = 0.0
+                attempt.first_byte()
+                await self.relay(exchange, response, attempt, first)
+                return None
         except UPSTREAM_ERRORS as exc:
             if began:
                 exchange.upstream_wait_s += perf_counter() - began
@@ -388,8 +393,14 @@ class CompletionHandler:
         if exchange.streaming:
             message = f"upstream failed mid-stream ({kind}); the response is incomplete"
             exchange.done = True
-            await exchange.send({"type": "http.response.body", "body": stream_error_event(message, code=kind), "more_body": False})
-            return
+            try:
+                # Bounded: a client that stopped reading would block this send for ever.
+                async with asyncio.timeout(ERROR_EVENT_SEND_S):
+                    await exchange.send({"type": "http.response.body", "body": stream_error_event(message, code=kind),
+                                         "more_body": False})
+                return
+            except TimeoutError:
+                pass
         raise ResponseAborted(kind)
 
 

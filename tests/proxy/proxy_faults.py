@@ -8,12 +8,14 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
     with FaultServer("cutjson") as bad:          # 200 JSON, a few bytes of it, then the connection drops
     with FaultServer("stall:2") as bad:          # 200 SSE, 2 chunks, then silence
     with FaultServer("hang") as bad:             # reads the request, never answers
+    with FaultServer("flood") as bad:            # 200 SSE, chunks as fast as they are read, never ending
     with FaultServer("echo") as bad:             # answers 200 JSON; bad.requests holds what came
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 from dataclasses import dataclass, field
@@ -137,6 +139,11 @@ class FaultServer:
         elif kind == "hang":
             await self._until_closed(reader)
             return False
+        elif kind == "flood":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for i in itertools.count():
+                writer.write(sse_chunk(i))
+                await writer.drain()  # ends with ConnectionError once the proxy drops the connection
         await writer.drain()
         return True
 

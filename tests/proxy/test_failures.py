@@ -266,3 +266,21 @@ def test_bad_input_gets_openai_errors_while_others_are_served(twin_pair) -> None
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
         assert client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2).choices
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_a_client_that_stops_reading_is_cut_at_the_total_timeout() -> None:
+    """A stalled reader blocks the relay in its send to the client, where no upstream read timer
+    runs: the total deadline must still end the request and close its upstream request."""
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
+    with FaultServer("flood") as flood, running_proxy(spec_urls=[flood.url], policy="spec", total_timeout_s=2.0,
+                                                      connect_timeout_s=0.5) as proxy:
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills fast: the relay blocks
+            sock.settimeout(10)
+            sock.connect(("127.0.0.1", proxy.port))
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            assert sock.recv(64).startswith(b"HTTP/1.1 200")
+            # The client keeps its connection open and reads nothing more.
+            wait_for(lambda: flood.open_connections == 0, timeout=30, what="the proxy to drop its upstream connection")
+            wait_for(lambda: proxy.in_flight() == 0, timeout=5, what="in-flight released")
