@@ -60,7 +60,8 @@ def any_value(value: Any) -> bytes:
         return field(b"\x0a", value.encode("utf-8", "replace"))
     if isinstance(value, bool):
         return b"\x10\x01" if value else b"\x10\x00"
-    if isinstance(value, int):
+    # Beyond int64 (a client's "max_tokens": 1e30) an int goes as text: a longer varint corrupts the batch.
+    if isinstance(value, int) and -(1 << 63) <= value < (1 << 63):
         return b"\x18" + varint(value)
     if isinstance(value, float):
         return b"\x21" + _PACK_DOUBLE(value)

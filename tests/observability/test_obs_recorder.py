@@ -178,3 +178,26 @@ def test_span_encoder_writes_what_the_sdk_encoder_writes() -> None:
     decoded = ExportTraceServiceRequest.FromString(
         export_request(tracing.resource, tracing.scope, [EncodedSpans(context, mine)]))
     assert decoded == encode_spans([sdk])
+
+
+def test_numbers_beyond_int64_in_a_body_do_not_corrupt_the_export() -> None:
+    """A client's `"max_tokens": 1e30` or `"seed": 1e20` becomes an int attribute; written as an
+    over-long varint it made the whole OTLP batch unreadable, other requests' spans included."""
+    exporter = Decoded()
+    t = telemetry(exporter, request_log=False)
+    hooks = t.request_hooks("/v1/chat/completions")
+    hooks.received(endpoint="/v1/chat/completions", request_id="req-big", headers={}, body_bytes=99)
+    hooks.decided(decision=Decision("spec", "static", {}), features=Features(prompt_tokens=10, max_tokens=None, stream=False),
+                  model="m", override=None, body=BODY | {"max_tokens": 1e30, "seed": 1e20, "stream": False})
+    hooks.attempt_started(pool="spec", instance="http://127.0.0.1:1", attempt=1)
+    hooks.first_chunk(b"{}")
+    hooks.attempt_finished(status=200)
+    hooks.finished(status=200, error_type=None, prompt_tokens=10, completion_tokens=10**21,
+                   finish_reasons=("stop",), client_disconnected=False, upstream_wait_s=0.0)
+    failover_then_stream(t)  # another request in the same batch
+    t.tracing.flush()  # type: ignore[union-attr]
+    attempt = next(s for s in exporter.spans if s["name"] == "chat m" and s["attrs"].get(n.ATTEMPT_NUMBER) == "1"
+                   and n.GEN_AI_REQUEST_MAX_TOKENS in s["attrs"] and s["attrs"][n.GEN_AI_REQUEST_SEED] != "7")
+    assert attempt["attrs"][n.GEN_AI_REQUEST_MAX_TOKENS] == str(int(1e30))
+    assert attempt["attrs"][n.GEN_AI_USAGE_OUTPUT_TOKENS] == str(10**21)
+    assert len([s for s in exporter.spans if s["name"] == "POST /v1/chat/completions"]) == 2
