@@ -6,6 +6,7 @@ from typing import Annotated, Any
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from yarl import URL
 
 ENV_PREFIX = "SPECROUTE_"
 
@@ -21,6 +22,7 @@ class Settings(BaseSettings):
         env_file_encoding="utf-8",
         extra="ignore",
         validate_default=True,
+        allow_inf_nan=False,  # an infinite timeout crashed every request (aiohttp rounds deadlines)
     )
 
     # Listening
@@ -139,6 +141,16 @@ class Settings(BaseSettings):
         for url in urls:
             if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
                 raise ValueError(f"{url!r} is not an http:// or https:// URL")
+            try:
+                parsed = URL(url)
+            except ValueError as exc:
+                raise ValueError(f"{url!r} is not a valid URL ({exc})") from None
+            if parsed.user is not None or parsed.password is not None:
+                # The URL shows in x-specroute-backend, /v1/specroute/state, logs and traces.
+                shown = str(parsed.with_user(None))
+                raise ValueError(f"{shown!r} carries credentials; set SPECROUTE_SPEC_API_KEY/SPECROUTE_BASE_API_KEY instead")
+            if parsed.query_string or parsed.fragment:
+                raise ValueError(f"{url!r} has a query or fragment; give the server's base URL")
         return [url.rstrip("/") for url in urls]
 
     @field_validator("log_level")

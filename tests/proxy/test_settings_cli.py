@@ -27,6 +27,12 @@ def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
         ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_POLICY": "fastest"}, "SPECROUTE_POLICY"),
         ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_CHUNK_TIMEOUT_S": "-1"}, "SPECROUTE_CHUNK_TIMEOUT_S"),
         ({}, "SPECROUTE_SPEC_URLS"),  # no upstream at all
+        # Accepted once, then every request answered a plain-text 500:
+        ({"SPECROUTE_SPEC_URLS": "http://:30000"}, "SPECROUTE_SPEC_URLS"),
+        ({"SPECROUTE_BASE_URLS": "http://gpu-a:300000"}, "SPECROUTE_BASE_URLS"),
+        ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_TOTAL_TIMEOUT_S": "inf"}, "SPECROUTE_TOTAL_TIMEOUT_S"),
+        # Credentials in a URL would reach every client in x-specroute-backend:
+        ({"SPECROUTE_BASE_URLS": "http://user:secret@gpu-a:30000"}, "SPECROUTE_BASE_URLS"),
     ],
 )
 def test_a_wrong_setting_stops_serve_with_one_line_naming_it(env: dict[str, str], variable: str, tmp_path: Path) -> None:
@@ -35,6 +41,7 @@ def test_a_wrong_setting_stops_serve_with_one_line_naming_it(env: dict[str, str]
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr  # no traceback
     assert variable in lines[0] and lines[0].startswith("specroute: ")
+    assert "secret" not in lines[0]
 
 
 def test_config_prints_effective_settings_with_secrets_masked(tmp_path: Path) -> None:
