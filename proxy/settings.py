@@ -256,8 +256,17 @@ def describe(exc: ValidationError) -> str:
         location = error.get("loc") or ()
         message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
         if location:
-            name = str(location[0])  # a field name, or the OTEL_* variable of an aliased field
-            lines.append(f"{name if name.startswith('OTEL_') else ENV_PREFIX + name.upper()}: {message}")
+            name = str(location[0])  # a field name, or the first OTEL_* variable of an aliased field
+            if name.startswith("OTEL_"):
+                # Pydantic names the first alias; the user may have set the other one.
+                name = " or ".join(
+                    str(choice) for field in Settings.model_fields.values()
+                    if isinstance(field.validation_alias, AliasChoices) and name in field.validation_alias.choices
+                    for choice in field.validation_alias.choices
+                ) or name
+            else:
+                name = ENV_PREFIX + name.upper()
+            lines.append(f"{name}: {message}")
         else:
             lines.append(message)
     return "invalid setting " + "; ".join(lines)
