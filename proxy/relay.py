@@ -180,7 +180,7 @@ class CompletionHandler:
         watcher: asyncio.Task[None] | None = None
         try:
             if scope["method"] != "POST":
-                raise ProxyError(405, f"use POST for {scope['path']}", code="method_not_allowed")
+                raise ProxyError(405, f"use POST for {scope['path']}", code="method_not_allowed", headers=[(b"allow", b"POST")])
             body = await self.read_body(headers, receive)
             exchange.hooks.received(
                 endpoint=scope["path"], request_id=exchange.request_id, headers=headers, body_bytes=len(body)

@@ -261,6 +261,7 @@ def test_bad_input_gets_openai_errors_while_others_are_served(twin_pair) -> None
             assert response.status_code == status, response.text
             assert error_of(response)["code"] == code
             assert response.headers["x-request-id"]
+        assert httpx.head(url).headers["allow"] == "POST"  # RFC 9110: a 405 says what is allowed
         other.join(60)
         assert stream_done.is_set()
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
