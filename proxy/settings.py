@@ -153,6 +153,14 @@ class Settings(BaseSettings):
                 raise ValueError(f"{url!r} has a query or fragment; give the server's base URL")
         return [url.rstrip("/") for url in urls]
 
+    @field_validator("host")
+    @classmethod
+    def _check_host(cls, value: str) -> str:
+        if not value.strip():
+            # uvicorn would listen on every interface: that must be asked for by name.
+            raise ValueError("must not be empty (0.0.0.0 listens on every interface)")
+        return value.strip()
+
     @field_validator("log_level")
     @classmethod
     def _check_log_level(cls, value: str) -> str:

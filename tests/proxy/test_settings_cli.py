@@ -32,6 +32,8 @@ def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
         ({"SPECROUTE_BASE_URLS": "http://gpu-a:300000"}, "SPECROUTE_BASE_URLS"),
         ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_TOTAL_TIMEOUT_S": "inf"}, "SPECROUTE_TOTAL_TIMEOUT_S"),
         ({"SPECROUTE_BASE_URLS": "http://a:1", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_PROTOCOL"),
+        # An empty host made uvicorn listen on every interface:
+        ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_HOST": ""}, "SPECROUTE_HOST"),
         # Credentials in a URL would reach every client in x-specroute-backend:
         ({"SPECROUTE_BASE_URLS": "http://user:secret@gpu-a:30000"}, "SPECROUTE_BASE_URLS"),
     ],
