@@ -23,7 +23,8 @@ class RequestHooks:
     """Set True to be called for every relayed chunk (costs a call per chunk)."""
 
     def received(self, *, endpoint: str, request_id: str, headers: Mapping[str, str], body_bytes: int) -> None:
-        """The request was read; `headers` are the client's (lower-case names)."""
+        """The request's headers arrived, before its body is read or anything refused; `headers`
+        are the client's (lower-case names), `body_bytes` its declared Content-Length (0: none)."""
 
     def decided(
         self,

@@ -178,13 +178,14 @@ class CompletionHandler:
         task = asyncio.current_task()
         assert task is not None
         watcher: asyncio.Task[None] | None = None
+        # Before anything can be refused: a 405/413/415 is logged and traced under its request id too.
+        declared = headers.get("content-length", "")
+        exchange.hooks.received(endpoint=scope["path"], request_id=exchange.request_id, headers=headers,
+                                body_bytes=int(declared) if declared.isdecimal() else 0)
         try:
             if scope["method"] != "POST":
                 raise ProxyError(405, f"use POST for {scope['path']}", code="method_not_allowed", headers=[(b"allow", b"POST")])
             body = await self.read_body(headers, receive)
-            exchange.hooks.received(
-                endpoint=scope["path"], request_id=exchange.request_id, headers=headers, body_bytes=len(body)
-            )
             payload = parse_object(body)
             try:
                 override, request_class = read_overrides(headers)

@@ -3,6 +3,7 @@ client disconnects that free the upstream slot, and OpenAI-shaped errors for bad
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from typing import Iterator
@@ -285,3 +286,21 @@ def test_a_client_that_stops_reading_is_cut_at_the_total_timeout() -> None:
             # The client keeps its connection open and reads nothing more.
             wait_for(lambda: flood.open_connections == 0, timeout=30, what="the proxy to drop its upstream connection")
             wait_for(lambda: proxy.in_flight() == 0, timeout=5, what="in-flight released")
+
+
+def test_a_rejected_request_is_logged_under_the_request_id_it_was_answered_with(twin_pair, capfd) -> None:
+    """405/415/413 answers carry x-request-id; their log line must carry it too, or a user
+    holding the id from the response cannot find the line."""
+    spec, base = twin_pair
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], request_log=True) as proxy:
+        url = proxy.base_url + "/chat/completions"
+        assert httpx.get(url, headers={"x-request-id": "rejected-405"}).status_code == 405
+        assert httpx.post(url, content=b"{}", headers={"x-request-id": "rejected-415"}).status_code == 415
+        seen: list[str] = []
+
+        def logged() -> bool:
+            seen.append(capfd.readouterr().out)
+            lines = [json.loads(line) for line in "".join(seen).splitlines() if line.startswith("{")]
+            return {"rejected-405", "rejected-415"} <= {line["request_id"] for line in lines}
+
+        wait_for(logged, timeout=10, what="log lines with the request ids")
