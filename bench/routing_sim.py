@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 from policies import registry
-from policies.acceptance import alpha_from_accept_length
+from policies.acceptance import DEFAULT_HALF_LIFE_S, alpha_from_accept_length
 from policies.costmodel import StepCostModel, seed_from_profile
 from policies.fleet import FleetState, Reading, learn_from_response
 from policies.types import Decision, Features, Policy, PoolName, Snapshot
@@ -93,7 +93,7 @@ class VirtualRouter:
     setup: Setup
     poll_interval_s: float = 0.1
     stale_s: float = 1.0
-    half_life_s: float = 2.0
+    half_life_s: float = DEFAULT_HALF_LIFE_S
     keep_snapshots: bool = False
     """Keep each decision's features and snapshot (to replay them against other alphas)."""
     fleet: FleetState = field(init=False)

@@ -17,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from policies.acceptance import AcceptanceEstimator, CounterDelta
+from policies.acceptance import DEFAULT_HALF_LIFE_S, AcceptanceEstimator, CounterDelta
 from policies.types import InstanceState, PoolName, PoolState, Snapshot, StepCost
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ class FleetState:
     def __init__(
         self,
         stale_after_s: float = 1.0,
-        half_life_s: float = 2.0,
+        half_life_s: float = DEFAULT_HALF_LIFE_S,
         num_draft_tokens: int = 3,
     ):
         self.stale_after_s = stale_after_s

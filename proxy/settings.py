@@ -8,6 +8,8 @@ from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
+from policies.acceptance import DEFAULT_HALF_LIFE_S
+
 ENV_PREFIX = "SPECROUTE_"
 
 
@@ -54,7 +56,7 @@ class Settings(BaseSettings):
         1000, ge=1, description="A load reading older than this is stale: the policy then routes conservatively."
     )
     acceptance_half_life_s: float = Field(
-        2.0, gt=0, description="Half-life in seconds of the spec pool's acceptance estimate."
+        DEFAULT_HALF_LIFE_S, gt=0, description="Half-life in seconds of the spec pool's acceptance estimate."
     )
     num_draft_tokens: int = Field(
         3, ge=0, le=64, description="Draft tokens per verify step assumed until /server_info says otherwise."
