@@ -78,6 +78,7 @@ class Prediction:
         return self.total_s + self.others_s
 
 
+@register("goodput")
 class Goodput:
     name = "goodput"
 
@@ -266,17 +267,3 @@ class Goodput:
         rate_after = after * tau / cost.decode_step_ms(pool.name, after, width)
         rate_now = running * tau / cost.decode_step_ms(pool.name, running, width) if running else 0.0
         return (rate_after - rate_now) * 1000
-
-
-@register("goodput")
-def goodput(
-    default_output_tokens: int = 256,
-    default_alpha: float = 0.5,
-    externality: float = 1.0,
-    margin: float = 0.0,
-    prefill_chunk_tokens: int = 8192,
-    slo_ttft_s: float = 0.0,
-    slo_tpot_ms: float = 0.0,
-) -> Goodput:
-    return Goodput(default_output_tokens, default_alpha, externality, margin, prefill_chunk_tokens,
-                   slo_ttft_s, slo_tpot_ms)
