@@ -87,6 +87,10 @@ class Tracing:
             if parent is None:
                 return SpanContext(random.getrandbits(128) or 1, self.new_span_id(), False, SAMPLED, _NO_STATE)
             return SpanContext(parent.trace_id, self.new_span_id(), False, parent.trace_flags, parent.trace_state)
+        if self.sampler is sampling.ALWAYS_ON:  # OTEL_TRACES_SAMPLER=always_on: sampled, whatever the parent
+            if parent is None:
+                return SpanContext(random.getrandbits(128) or 1, self.new_span_id(), False, SAMPLED, _NO_STATE)
+            return SpanContext(parent.trace_id, self.new_span_id(), False, SAMPLED, parent.trace_state)
         trace_id = parent.trace_id if parent is not None else (random.getrandbits(128) or 1)
         result = self.sampler.should_sample(parent_context, trace_id, name, SpanKind.SERVER)
         flags = SAMPLED if result.decision.is_sampled() else NOT_SAMPLED

@@ -201,3 +201,29 @@ def test_numbers_beyond_int64_in_a_body_do_not_corrupt_the_export() -> None:
     assert attempt["attrs"][n.GEN_AI_REQUEST_MAX_TOKENS] == str(int(1e30))
     assert attempt["attrs"][n.GEN_AI_USAGE_OUTPUT_TOKENS] == str(10**21)
     assert len([s for s in exporter.spans if s["name"] == "POST /v1/chat/completions"]) == 2
+
+
+def test_root_context_fast_paths_decide_as_the_sdk_samplers() -> None:
+    """The request path skips the sampler call for the default and always_on samplers; what it
+    decides must be what the SDK's sampler decides, for a new trace and under a client's
+    sampled or unsampled traceparent (its tracestate kept)."""
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import sampling
+    from opentelemetry.trace import SpanContext, TraceFlags, TraceState
+
+    tracing = Tracing("http/protobuf", "test", exporter=Decoded())
+    state = TraceState([("vendor", "x")])
+    parents = [None] + [SpanContext(0xABC, 0xDEF, True, TraceFlags(flags), state) for flags in (0, 1)]
+    try:
+        for sampler in (sampling.DEFAULT_ON, sampling.ALWAYS_ON):
+            tracing.sampler = sampler
+            for parent in parents:
+                parent_context = None if parent is None else trace.set_span_in_context(trace.NonRecordingSpan(parent))
+                got = tracing.root_context(parent, parent_context, "/v1/chat/completions")
+                want = sampler.should_sample(parent_context, got.trace_id, "/v1/chat/completions")
+                assert got.trace_flags.sampled == want.decision.is_sampled(), (sampler, parent)
+                assert got.trace_state == (want.trace_state or TraceState()), (sampler, parent)
+                if parent is not None:
+                    assert got.trace_id == parent.trace_id and got.span_id != parent.span_id
+    finally:
+        tracing.shutdown()
