@@ -82,6 +82,12 @@ class FaultServer:
         ready.set()
         async with server:
             await self._stop.wait()
+        # Connections still open (a hung or flooding answer) end here, on a loop that still runs,
+        # not when the closed loop's leftovers are collected.
+        handlers = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        for task in handlers:
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         posted = False
