@@ -11,24 +11,14 @@ tests use, on free ports, standing in for the jaeger container.
 from __future__ import annotations
 
 import secrets
-from typing import Iterator
 
 import httpx
 import openai
 import pytest
 
-from deploy_tools import PROXY_READY, TWIN_READY, Compose, Jaeger, Service, jaeger_binary, poll, stopped_cleanly
+from deploy_tools import PROXY_READY, TWIN_READY, Compose, Jaeger, Service, poll, stopped_cleanly
 
 TWINS = "docker-compose.twins.yml"
-
-
-@pytest.fixture(scope="module")
-def jaeger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jaeger]:
-    server = Jaeger(jaeger_binary(), tmp_path_factory.mktemp("jaeger"))
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def served_model_name(command: list[str]) -> str:
