@@ -101,7 +101,16 @@ class InstanceSignals:
         if running < 0:  # more completions than the reading had running: they came from the queue
             waiting += running
             running = 0.0
-        return running, max(waiting, 0.0)
+        waiting = max(waiting, 0.0)
+        # The server frees a slot just before its last chunk reaches us, so a poll answered in
+        # between no longer counts a request whose completion we then subtract again. Our own
+        # open requests are a floor: the server holds at least those.
+        missing = self.local_in_flight - (running + waiting)
+        if missing > 0:
+            to_running = min(missing, max(self.max_running - running, 0.0))
+            running += to_running
+            waiting += missing - to_running
+        return running, waiting
 
     def waiting_tokens(self) -> float | None:
         """The reading's unprefilled prompt tokens plus those of our dispatches since it."""

@@ -43,6 +43,18 @@ def test_load_past_the_cap_is_waiting_and_never_negative():
     assert spec_load(state, 1.02).load == 0
 
 
+def test_a_completion_the_reading_already_missed_does_not_hide_a_dispatch():
+    # The server freed the slot and answered a poll before our stream saw its last chunk:
+    # the reading says 0 and the completion that follows must not cancel a new dispatch.
+    state = fleet()
+    state.on_dispatch("http://spec", 0.5)
+    state.on_reading("http://spec", Reading(at=1.0, running=0, waiting=0))
+    state.on_complete("http://spec", 1.01)
+    for i in range(9):
+        state.on_dispatch("http://spec", 1.02 + i * 0.001)
+    assert spec_load(state, 1.05).load == 9  # not 8: all nine of ours are open
+
+
 def test_a_reading_overtaken_by_a_newer_one_is_ignored():
     state = fleet()
     state.on_reading("http://spec", Reading(at=2.0, running=5, waiting=0))
