@@ -150,7 +150,8 @@ class VirtualRouter:
             if self._steps % 4 == 0:
                 signals = self.fleet.instances[URLS[step.engine]]
                 batch = min(max(signals.adjusted_load(), 1.0), float(signals.max_running))
-                self.cost.observe(POOL_OF_ENGINE[step.engine], batch, step.duration_s * 1000)
+                self.cost.observe(POOL_OF_ENGINE[step.engine], batch, step.duration_s * 1000,
+                                  now=step.start + step.duration_s)
 
     def route(self, arrival: Arrival, views: Sequence[EngineView]) -> int:
         self._poll_until(arrival.time)

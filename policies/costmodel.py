@@ -3,7 +3,9 @@
 A seed curve (from the profile SPECROUTE_PROFILE names, else a generic dense-model prior) gives
 the shape; observed step times (inter-token latency of the streams, one chunk per engine step)
 correct it per pool and batch-size bucket. A policy only reads this object (the `StepCost`
-protocol); the proxy and the simulator feed it.
+protocol, through `at(now)`: what the model predicts at that moment); the proxy and the
+simulator feed it. A learned correction loses trust with its age (a half-life), so a pool that
+stopped being observed returns to its seed curve and is tried again.
 
 A spec step drafts k tokens and verifies k+1: step(B, T=k+1) = k * draft(B) + target(B, k+1).
 """
@@ -83,17 +85,42 @@ def seed_from_profile(name_or_path: str, context: float = 1024.0) -> ProfileSeed
 # Batch sizes at which corrections are learned; an observation updates its nearest bucket.
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
+# Seconds after which a learned correction that got no new observation keeps half its trust
+# (SPECROUTE_COSTMODEL_HALF_LIFE_S; docs/routing.md, "Step-cost model", says why 8 s).
+DEFAULT_HALF_LIFE_S = 8.0
+
 
 @dataclass(slots=True)
 class _Bucket:
     ratio: float = 1.0
     weight: float = 0.0
+    """Observations' worth of trust as of `at`; it halves every half-life after."""
+    at: float = 0.0
+    """When the bucket was last fed."""
+
+    def trust(self, now: float, half_life_s: float) -> float:
+        age = now - self.at
+        return self.weight if age <= 0 else self.weight * 2.0 ** (-age / half_life_s)
 
 
 @dataclass(slots=True)
 class _PoolModel:
     tokens_per_seq: int
     buckets: dict[int, _Bucket] = field(default_factory=dict)
+    xs: list[float] = field(default_factory=list)
+    """log(batch) of the learned buckets, ascending (read per decision: kept, not sorted then)."""
+    learned: list[_Bucket] = field(default_factory=list)
+    """The learned buckets in the order of `xs`."""
+
+    def bucket(self, batch: int, now: float) -> _Bucket:
+        bucket = self.buckets.get(batch)
+        if bucket is None:
+            bucket = self.buckets[batch] = _Bucket(at=now)
+            x = math.log(batch)
+            i = bisect.bisect_left(self.xs, x)
+            self.xs.insert(i, x)
+            self.learned.insert(i, bucket)
+        return bucket
 
 
 class StepCostModel:
@@ -102,7 +129,12 @@ class StepCostModel:
     Each bucket keeps a running mean of observed/seed step-time ratios; the running mean forgets
     (its weight is capped at `memory` observations) so a changed server is followed. Between
     learned buckets the correction is interpolated in log-batch; past them the nearest one holds.
-    `prior_weight` observations' worth of trust stays with the seed.
+    `prior_weight` observations' worth of trust stays with the seed; a bucket's own trust halves
+    every `half_life_s` without observations, so its correction returns toward 1 (the seed).
+
+    Nothing here reads a clock: `observe(..., now=)` stamps the bucket it feeds, and `at(now)`
+    (called by the snapshot builder) gives the model as it predicts at that time. Calls without
+    `now` use the latest time the model was told.
     """
 
     def __init__(
@@ -111,10 +143,16 @@ class StepCostModel:
         num_draft_tokens: int = 3,
         memory: float = 200.0,
         prior_weight: float = 2.0,
+        half_life_s: float = DEFAULT_HALF_LIFE_S,
     ):
+        if not half_life_s > 0:
+            raise ValueError(f"half_life_s must be positive, not {half_life_s!r}")
         self.seed: Seed = seed or AffineSeed()
         self.memory = memory
         self.prior_weight = prior_weight
+        self.half_life_s = half_life_s
+        self.now = 0.0
+        """The latest time the model was told (by `observe` or `at`)."""
         self._pools: dict[str, _PoolModel] = {
             "spec": _PoolModel(tokens_per_seq=num_draft_tokens + 1),
             "base": _PoolModel(tokens_per_seq=1),
@@ -136,48 +174,80 @@ class StepCostModel:
             step += (tokens_per_seq - 1) * self.seed.draft_ms(b)
         return step
 
-    def observe(self, pool: PoolName, batch: float, step_ms: float, weight: float = 1.0) -> None:
-        """One observed engine step (or a mean of `weight` steps) at this batch size."""
+    def observe(self, pool: PoolName, batch: float, step_ms: float, weight: float = 1.0,
+                now: float | None = None) -> None:
+        """One observed engine step (or a mean of `weight` steps) at this batch size, at `now`."""
         if batch < 1 or step_ms <= 0 or not math.isfinite(step_ms) or weight <= 0:
             return
+        now = self._tell(now)
         model = self._pools[pool]
         ratio = step_ms / self.seed_step_ms(batch, model.tokens_per_seq)
-        bucket = model.buckets.setdefault(_nearest_bucket(batch), _Bucket())
-        bucket.weight = min(bucket.weight + weight, self.memory)
+        bucket = model.bucket(_nearest_bucket(batch), now)
+        bucket.weight = min(bucket.trust(now, self.half_life_s) + weight, self.memory)
         bucket.ratio += (ratio - bucket.ratio) * weight / bucket.weight
+        bucket.at = max(bucket.at, now)
 
-    def correction(self, pool: PoolName, batch: float) -> float:
-        learned = sorted((b, k) for b, k in self._pools[pool].buckets.items() if k.weight > 0)
-        if not learned:
+    def at(self, now: float) -> "StepCostAt":
+        """The model as it predicts at `now` (what a Snapshot carries; the StepCost protocol)."""
+        return StepCostAt(self, self._tell(now))
+
+    def _tell(self, now: float | None) -> float:
+        if now is None:
+            return self.now
+        if now > self.now:
+            self.now = now
+        return now
+
+    def correction(self, pool: PoolName, batch: float, now: float | None = None) -> float:
+        model = self._pools[pool]
+        xs, learned = model.xs, model.learned
+        if not xs:
             return 1.0
-        x = math.log(max(batch, 1.0))
-        xs = [math.log(b) for b, _ in learned]
+        now = self.now if now is None else now
+        x = math.log(batch) if batch > 1 else 0.0
         i = bisect.bisect_left(xs, x)
-        if i == 0 or i >= len(learned):
-            near = learned[0][1] if i == 0 else learned[-1][1]
-            return self._trusted(near)
-        lo, hi = learned[i - 1][1], learned[i][1]
+        if i == 0 or i >= len(xs):
+            return self._trusted(learned[0] if i == 0 else learned[-1], now)
         t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return self._trusted(lo) * (1 - t) + self._trusted(hi) * t
+        return self._trusted(learned[i - 1], now) * (1 - t) + self._trusted(learned[i], now) * t
 
-    def _trusted(self, bucket: _Bucket) -> float:
-        return (self.prior_weight + bucket.ratio * bucket.weight) / (self.prior_weight + bucket.weight)
+    def _trusted(self, bucket: _Bucket, now: float) -> float:
+        weight = bucket.trust(now, self.half_life_s)
+        return (self.prior_weight + bucket.ratio * weight) / (self.prior_weight + weight)
 
-    # StepCost protocol (what policies read)
+    # StepCost protocol (what policies read; a snapshot carries `at(now)` instead)
 
-    def decode_step_ms(self, pool: PoolName, batch: int, tokens_per_seq: int) -> float:
+    def decode_step_ms(self, pool: PoolName, batch: int, tokens_per_seq: int, now: float | None = None) -> float:
         batch = max(batch, 1)
-        return self.seed_step_ms(batch, tokens_per_seq) * self.correction(pool, batch)
+        return self.seed_step_ms(batch, tokens_per_seq) * self.correction(pool, batch, now)
 
     def prefill_ms(self, pool: PoolName, tokens: int) -> float:
         return self.seed.prefill_ms(max(tokens, 1), self._pools[pool].tokens_per_seq > 1)
 
-    def estimates(self, batches: tuple[int, ...] = (1, 8, 32, 48, 64, 128, 256)) -> dict[str, dict[str, float]]:
+    def estimates(self, batches: tuple[int, ...] = (1, 8, 32, 48, 64, 128, 256),
+                  now: float | None = None) -> dict[str, dict[str, float]]:
         """Predicted step ms per pool at a few batch sizes (for /v1/specroute/state)."""
         return {
-            pool: {str(b): round(self.decode_step_ms(pool, b, model.tokens_per_seq), 3) for b in batches}  # type: ignore[arg-type]
+            pool: {str(b): round(self.decode_step_ms(pool, b, model.tokens_per_seq, now), 3) for b in batches}  # type: ignore[arg-type]
             for pool, model in self._pools.items()
         }
+
+
+class StepCostAt:
+    """A StepCostModel's predictions at one moment: learned corrections weighed by their trust
+    at `now`. Cheap to make (one per snapshot); it reads the model, it copies nothing."""
+
+    __slots__ = ("model", "now")
+
+    def __init__(self, model: StepCostModel, now: float):
+        self.model = model
+        self.now = now
+
+    def decode_step_ms(self, pool: PoolName, batch: int, tokens_per_seq: int) -> float:
+        return self.model.decode_step_ms(pool, batch, tokens_per_seq, self.now)
+
+    def prefill_ms(self, pool: PoolName, tokens: int) -> float:
+        return self.model.prefill_ms(pool, tokens)
 
 
 def _nearest_bucket(batch: float) -> int:

@@ -15,13 +15,10 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from policies.acceptance import DEFAULT_HALF_LIFE_S, AcceptanceEstimator, CounterDelta
+from policies.costmodel import StepCostModel
 from policies.types import InstanceState, PoolName, PoolState, Snapshot, StepCost
-
-if TYPE_CHECKING:
-    from policies.costmodel import StepCostModel
 
 # The window of the dispatch rates: about how long a burst of prefills keeps stalling the decode
 # steps of the requests already running.
@@ -223,6 +220,10 @@ class FleetState:
     # -- the snapshot ---------------------------------------------------------------------------
 
     def snapshot(self, now: float, cost: StepCost | None = None) -> Snapshot:
+        """The fleet at `now`; a learned cost model is read as it predicts at `now` (its
+        corrections' trust aged to then)."""
+        if isinstance(cost, StepCostModel):
+            cost = cost.at(now)
         pools: dict[str, PoolState] = {}
         for name in ("spec", "base"):
             members = [s for s in self.instances.values() if s.pool == name]
@@ -258,7 +259,7 @@ class FleetState:
 
 def learn_from_response(
     fleet: FleetState,
-    cost: "StepCostModel",
+    cost: StepCostModel,
     url: str,
     now: float,
     *,
@@ -278,7 +279,7 @@ def learn_from_response(
         fleet.on_output(tokens)
     if step_ms is not None and step_ms > 0:
         batch = min(max(signals.adjusted_load(), 1.0), float(signals.max_running))
-        cost.observe(signals.pool, batch, step_ms)
+        cost.observe(signals.pool, batch, step_ms, now=now)
     if signals.pool != "spec":
         return
     if tokens and verify_steps:

@@ -1,6 +1,9 @@
 import pytest
 
 from policies.costmodel import AffineSeed, StepCostModel, seed_from_profile
+from policies.fleet import FleetState, Reading, learn_from_response
+from policies.goodput import Goodput
+from policies.types import Features
 
 
 def test_seed_is_the_twin_profile():
@@ -45,3 +48,77 @@ def test_bad_observations_are_ignored():
 def test_unknown_profile_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown profile"):
         seed_from_profile("no-such-profile")
+
+
+# -- learned corrections lose trust with age (a pool avoided on an inflated reading is retried) --
+
+HALF_LIFE_S = 8.0
+
+
+def inflated_spec(model, factor=3.0, n=300, until=10.0):
+    """`n` observations at batch 1, `factor` x the seed, fed until `until` seconds."""
+    seed = model.seed_step_ms(1, 4)
+    for i in range(n):
+        model.observe("spec", 1, factor * seed, now=until * (i + 1) / n)
+
+
+def test_an_unobserved_bucket_returns_to_the_seed():
+    model = StepCostModel(AffineSeed(), num_draft_tokens=3, half_life_s=HALF_LIFE_S)
+    inflated_spec(model)
+    assert model.at(10.0).decode_step_ms("spec", 1, 4) == pytest.approx(3 * model.seed_step_ms(1, 4), rel=0.02)
+    corrections = [model.correction("spec", 1, 10.0 + n * HALF_LIFE_S) for n in (1, 4, 8, 12)]
+    assert corrections == sorted(corrections, reverse=True)  # it only returns
+    assert corrections[0] > 2.9  # one half-life: still trusted
+    assert corrections[2] < 1.6  # 200 observations' worth at 3x, after 8 half-lives: 0.8 left
+    assert corrections[3] == pytest.approx(1.0, abs=0.05)
+    assert model.at(10.0 + 12 * HALF_LIFE_S).decode_step_ms("spec", 1, 4) == pytest.approx(model.seed_step_ms(1, 4), rel=0.05)
+    # reading at a time does not move the learning: a later observation re-learns from there
+    model.observe("spec", 1, 3 * model.seed_step_ms(1, 4), now=10.0 + 12 * HALF_LIFE_S)
+    assert 1.5 < model.correction("spec", 1, 10.0 + 12 * HALF_LIFE_S) < 2.0  # 1 observation vs prior_weight 2
+
+
+def test_a_bucket_being_fed_keeps_its_learned_value():
+    model = StepCostModel(AffineSeed(), num_draft_tokens=3, half_life_s=HALF_LIFE_S)
+    seed = model.seed_step_ms(32, 4)
+    for i in range(600):  # one observation a second for ten minutes (75 half-lives)
+        model.observe("spec", 32, 2.0 * seed, now=float(i))
+        if i >= 30:  # learned within half a minute, and held: about 11 observations' worth vs 2
+            assert model.at(i + 0.99).decode_step_ms("spec", 32, 4) > 1.8 * seed
+    assert 1.8 < model.correction("spec", 32, 600.0) <= 2.0
+
+
+def test_aging_without_a_clock_changes_nothing():
+    """Calls without `now` stay at the latest time the model was told: no decay in between."""
+    model = StepCostModel(AffineSeed(), num_draft_tokens=3, half_life_s=1.0)
+    for _ in range(100):
+        model.observe("base", 8, 2.0 * model.seed_step_ms(8, 1))
+    assert model.correction("base", 8) == pytest.approx(2.0, abs=0.02)
+    with pytest.raises(ValueError, match="half_life_s"):
+        StepCostModel(half_life_s=0)
+
+
+def test_goodput_returns_to_an_avoided_spec_pool_once_its_inflated_steps_age():
+    """Spec's steps were observed 3x slow (CPU contention): goodput sends a quiet request to
+    base, and spec gets no observations; some half-lives later it is tried again."""
+    fleet = FleetState(stale_after_s=1.0, num_draft_tokens=3)
+    fleet.add_instance("http://spec", "spec", 48)
+    fleet.add_instance("http://base", "base", 256)
+    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3, half_life_s=HALF_LIFE_S)
+    for i in range(300):  # 200 observations' worth (the memory) at 3x on spec, at the seed on base
+        now = i * 0.02
+        learn_from_response(fleet, cost, "http://spec", now, step_ms=3 * cost.seed_step_ms(1, 4))
+        learn_from_response(fleet, cost, "http://base", now, step_ms=cost.seed_step_ms(1, 1))
+    policy = Goodput()
+    request = Features(prompt_tokens=500)
+
+    def quiet(now):
+        for url in ("http://spec", "http://base"):
+            fleet.on_reading(url, Reading(at=now, running=0, waiting=0))
+        return fleet.snapshot(now, cost)
+
+    assert policy.decide(request, quiet(6.0)).pool == "base"
+    assert policy.decide(request, quiet(6.0 + 2 * HALF_LIFE_S)).pool == "base"
+    decision = policy.decide(request, quiet(6.0 + 10 * HALF_LIFE_S))
+    assert decision.pool == "spec", decision
+    # the same model, read at an earlier moment, still predicts spec slow
+    assert policy.decide(request, fleet.snapshot(6.0, cost)).pool == "base"
