@@ -9,6 +9,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
 from policies.acceptance import DEFAULT_HALF_LIFE_S
+from policies.costmodel import DEFAULT_HALF_LIFE_S as COSTMODEL_HALF_LIFE_S
 
 ENV_PREFIX = "SPECROUTE_"
 
@@ -63,6 +64,10 @@ class Settings(BaseSettings):
     )
     profile: str | None = Field(
         None, description="Step-time profile seeding the cost model: a built-in name (h200-llama8b, kimi-linear, kimi-moe) or a JSON path."
+    )
+    costmodel_half_life_s: float = Field(
+        COSTMODEL_HALF_LIFE_S, gt=0,
+        description="Half-life in seconds of a learned step-time correction's trust without new observations (it returns to the profile's).",
     )
     state_decisions: int = Field(
         64, ge=1, le=10_000, description="Recent routing decisions kept for GET /v1/specroute/state."

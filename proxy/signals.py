@@ -141,7 +141,8 @@ class Signals:
         self.clock = clock
         if seed is None and settings.profile:
             seed = seed_from_profile(settings.profile)
-        self.cost = StepCostModel(seed, num_draft_tokens=settings.num_draft_tokens)
+        self.cost = StepCostModel(seed, num_draft_tokens=settings.num_draft_tokens,
+                                  half_life_s=settings.costmodel_half_life_s)
         self.by_url: dict[str, Instance] = {i.url: i for pool in pools.values() for i in pool.instances}
         self.probe: dict[str, str | None] = {}
         """Which load endpoint each instance answers (None: none, local counts only)."""
@@ -337,7 +338,8 @@ class Signals:
             },
             "cost_model": {
                 "profile": self.settings.profile,
-                "decode_step_ms": self.cost.estimates(),
+                "decode_step_ms": self.cost.estimates(now=self.clock()),
+                "half_life_s": self.settings.costmodel_half_life_s,
             },
             "decisions": list(self.decisions),
         }
