@@ -208,27 +208,39 @@ class RunResult:
         return [r for r in self.records if r.arrival >= self.warmup_s]
 
     def summary(self) -> dict[str, float]:
-        rs = self.measured()
-        if not rs:
-            return {}
-        e2e = sorted(r.e2e for r in rs)
-        start = min(r.arrival for r in rs)
-        end = max(r.finish_time for r in rs)
-        span = max(end - start, 1e-9)
+        return summarize([self])
+
+
+def summarize(results: Sequence[RunResult]) -> dict[str, float]:
+    """One summary of several runs of the same cell (other seeds), their requests pooled:
+    means and p99 over every measured request, rates over the runs' summed windows."""
+    measured = [(r, r.measured()) for r in results]
+    rs = [rec for _, recs in measured for rec in recs]
+    if not rs:
+        return {}
+    e2e = sorted(r.e2e for r in rs)
+    span = window = 0.0
+    for result, recs in measured:
+        if not recs:
+            continue
+        start = min(r.arrival for r in recs)
+        run_span = max(max(r.finish_time for r in recs) - start, 1e-9)
+        span += run_span
         # Open arrivals: SLO goodput per second of the arrival window, the same for every policy;
         # a closed loop's window is its own makespan.
-        window = span if self.closed else max(max(r.arrival for r in rs) - start, 1e-9)
-        return {
-            "requests": float(len(rs)),
-            "mean_e2e_s": statistics.fmean(e2e),
-            "p99_e2e_s": e2e[min(int(0.99 * len(e2e)), len(e2e) - 1)],
-            "mean_ttft_s": statistics.fmean(r.ttft for r in rs),
-            "mean_tpot_ms": 1000 * statistics.fmean(r.tpot for r in rs),
-            "throughput_tok_s": sum(r.output_tokens for r in rs) / span,
-            "slo_goodput_rps": sum(1 for r in rs if self.slo.met(r)) / window,
-            "slo_attainment": sum(1 for r in rs if self.slo.met(r)) / len(rs),
-            "spec_share": sum(1 for r in rs if r.engine == 0) / len(rs),
-        }
+        window += run_span if result.closed else max(max(r.arrival for r in recs) - start, 1e-9)
+    met = sum(1 for result, recs in measured for r in recs if result.slo.met(r))
+    return {
+        "requests": float(len(rs)),
+        "mean_e2e_s": statistics.fmean(e2e),
+        "p99_e2e_s": e2e[min(int(0.99 * len(e2e)), len(e2e) - 1)],
+        "mean_ttft_s": statistics.fmean(r.ttft for r in rs),
+        "mean_tpot_ms": 1000 * statistics.fmean(r.tpot for r in rs),
+        "throughput_tok_s": sum(r.output_tokens for r in rs) / span,
+        "slo_goodput_rps": met / window,
+        "slo_attainment": met / len(rs),
+        "spec_share": sum(1 for r in rs if r.engine == 0) / len(rs),
+    }
 
 
 def run(setup: Setup, workload: Workload, policy_name: str, keep_snapshots: bool = False,

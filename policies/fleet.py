@@ -23,6 +23,8 @@ from policies.types import InstanceState, PoolName, PoolState, Snapshot, StepCos
 # The window of the dispatch rates: about how long a burst of prefills keeps stalling the decode
 # steps of the requests already running.
 RATE_WINDOW_S = 2.0
+# Finished requests the mean output length covers (a moving mean over about as many after that).
+OUTPUT_MEMORY = 50
 
 
 @dataclass(slots=True)
@@ -145,6 +147,7 @@ class FleetState:
         self.spec_decode_s = 0.0
         """Mean decode time of recent spec requests (the lag of the server's counters)."""
         self.mean_output_tokens: float | None = None
+        self.output_samples = 0
         """Running mean of finished requests' output tokens (the traffic's typical length)."""
 
     def add_instance(self, url: str, pool: PoolName, max_running: int) -> InstanceSignals:
@@ -211,8 +214,11 @@ class FleetState:
     def on_output(self, tokens: int) -> None:
         """A finished request's completion tokens (any pool)."""
         if tokens > 0:
-            mean = self.mean_output_tokens
-            self.mean_output_tokens = float(tokens) if mean is None else mean + 0.02 * (tokens - mean)
+            # The plain mean of the first OUTPUT_MEMORY responses, then a moving one over about
+            # as many (output lengths are heavy-tailed: a few samples say little).
+            self.output_samples = min(self.output_samples + 1, OUTPUT_MEMORY)
+            mean = self.mean_output_tokens or 0.0
+            self.mean_output_tokens = mean + (tokens - mean) / self.output_samples
 
     def set_health(self, url: str, healthy: bool) -> None:
         self.instances[url].healthy = healthy
@@ -240,7 +246,8 @@ class FleetState:
                 alpha=self.acceptance.alpha() if speculative else None,
                 stale=bool(healthy_ages) and min(healthy_ages) > self.stale_after_s,
             )
-        return Snapshot(pools=pools, cost=cost, mean_output_tokens=self.mean_output_tokens)
+        return Snapshot(pools=pools, cost=cost, mean_output_tokens=self.mean_output_tokens,
+                        output_samples=self.output_samples)
 
     def _instance_state(self, signals: InstanceSignals, now: float) -> InstanceState:
         running, waiting = signals.adjusted()

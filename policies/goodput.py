@@ -47,6 +47,9 @@ from policies.types import Decision, Features, InstanceState, PoolState, Snapsho
 MAX_PREFILL_SHARE = 0.9
 # A pool at (or past) 95 % of its TPOT target weighs the slowdown it suffers 20x, not infinitely.
 MAX_TPOT_SHARE = 0.95
+# The configured output length counts as this many responses against the learned mean: the first
+# few responses of a heavy-tailed length distribution say little about the next.
+OUTPUT_PRIOR_SAMPLES = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +107,13 @@ class Goodput:
     def slo_aware(self) -> bool:
         return self.slo_ttft_s > 0 or self.slo_tpot_ms > 0
 
-    def output_tokens(self, features: Features, learned: float | None = None) -> int:
+    def output_tokens(self, features: Features, learned: float | None = None, samples: int = 0) -> int:
         """The output length to plan for: max_tokens when the request runs to it, else the
-        recent requests' mean (`learned`) or the configured default, capped by max_tokens."""
-        typical = int(round(learned)) if learned else self.default_output_tokens
+        recent requests' mean (`learned`, over `samples` responses) weighed against the
+        configured default as OUTPUT_PRIOR_SAMPLES responses' worth, capped by max_tokens."""
+        typical = self.default_output_tokens
+        if learned and samples > 0:
+            typical = int(round((OUTPUT_PRIOR_SAMPLES * typical + samples * learned) / (OUTPUT_PRIOR_SAMPLES + samples)))
         if features.max_tokens is None:
             return max(typical, 1)
         if features.ignore_eos:
@@ -132,9 +138,9 @@ class Goodput:
         return min(busy, MAX_PREFILL_SHARE)
 
     def predict(self, pool: PoolState, instance: InstanceState, features: Features, cost: StepCost,
-                learned_output: float | None = None) -> Prediction:
+                n_out: int) -> Prediction:
+        """`n_out`: the output tokens planned for (`output_tokens`)."""
         tau, width = self.accept_length(pool)
-        n_out = self.output_tokens(features, learned_output)
         cap = max(instance.max_running, 1)
         load = max(instance.load, 0.0)
         waiting = max(instance.waiting, 0.0)
@@ -193,9 +199,9 @@ class Goodput:
             raise ValueError("the goodput policy needs a step-cost model in the snapshot")
         joined_spec, joined_base = spec.least_loaded(), base.least_loaded()
         assert joined_spec is not None and joined_base is not None
-        learned = snapshot.mean_output_tokens
-        on_spec = self.predict(spec, joined_spec, features, snapshot.cost, learned)
-        on_base = self.predict(base, joined_base, features, snapshot.cost, learned)
+        n_out = self.output_tokens(features, snapshot.mean_output_tokens, snapshot.output_samples)
+        on_spec = self.predict(spec, joined_spec, features, snapshot.cost, n_out)
+        on_base = self.predict(base, joined_base, features, snapshot.cost, n_out)
         scores = {
             "t_spec_s": round(on_spec.total_s, 6),
             "t_base_s": round(on_base.total_s, 6),
@@ -244,7 +250,8 @@ class Goodput:
             return 0.0
         typical = Features(prompt_tokens=max(int(tokens / sent), 1), max_tokens=features.max_tokens,
                            ignore_eos=features.ignore_eos)
-        return self.predict(base, joined_base, typical, snapshot.cost, snapshot.mean_output_tokens).others_s
+        n_out = self.output_tokens(typical, snapshot.mean_output_tokens, snapshot.output_samples)
+        return self.predict(base, joined_base, typical, snapshot.cost, n_out).others_s
 
     def meets_slo(self, p: Prediction) -> bool:
         """Whether a prediction meets the configured targets (a target of 0 is not checked)."""

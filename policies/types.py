@@ -124,6 +124,8 @@ class Snapshot:
     """Step-cost model (learned online, seeded from a profile); None means a policy must not need it."""
     mean_output_tokens: float | None = None
     """Mean output tokens of recently finished requests (learned from the streams), if known."""
+    output_samples: int = 0
+    """How many finished requests that mean covers (capped): a policy weighs it against its prior."""
 
     def pool(self, name: PoolName) -> PoolState | None:
         return self.pools.get(name)

@@ -201,3 +201,13 @@ def test_goodput_gives_the_last_spec_slot_to_a_long_prompt():
     roomy = _with(snap, "spec", running=20.0)
     assert "slot_price_s" not in policy.decide(short, roomy).scores
     assert policy.decide(short, roomy).pool == "spec"
+
+
+def test_goodput_weighs_a_few_responses_output_length_against_its_default():
+    policy = Goodput(default_output_tokens=256)
+    plain = Features(prompt_tokens=100)
+    assert policy.output_tokens(plain) == 256  # nothing learned yet
+    assert policy.output_tokens(plain, learned=20, samples=1) == 235  # one short answer says little
+    assert policy.output_tokens(plain, learned=20, samples=50) == 59  # fifty say more
+    assert policy.output_tokens(Features(prompt_tokens=100, max_tokens=30), learned=20, samples=1) == 30
+    assert policy.output_tokens(Features(prompt_tokens=100, max_tokens=900, ignore_eos=True), 20, 50) == 900

@@ -95,7 +95,12 @@ def test_queued_prompt_tokens_and_learned_output_length():
     assert state.snapshot(1.1).mean_output_tokens is None
     for tokens in (100, 300):
         state.on_output(tokens)
-    assert 100 < state.snapshot(1.1).mean_output_tokens < 300
+    snap = state.snapshot(1.1)
+    assert (snap.mean_output_tokens, snap.output_samples) == (200, 2)  # a plain mean at first
+    for _ in range(500):
+        state.on_output(1000)
+    snap = state.snapshot(1.1)
+    assert snap.output_samples == 50 and snap.mean_output_tokens == pytest.approx(1000, abs=1)  # then it moves
 
 
 def test_an_idle_servers_gauge_is_not_evidence():

@@ -58,14 +58,17 @@ def test_signals_learn_poll_and_estimate_acceptance():
                     await wait_for(lambda: router.snapshot().pool("spec").running >= 20, 20, "polled spec load")
                     assert not router.snapshot().pool("spec").stale
                     await asyncio.gather(*load)
-                    # The accept-length gauge and the counters on /metrics (every fifth poll) are the evidence.
-                    acceptance = router.fleet.acceptance
-                    await wait_for(lambda: acceptance.evidence(time.monotonic()) > 500, 20, "acceptance evidence")
                     reading = reading_from_metrics((await client.get(spec.url + "/metrics")).text, 0)
-                # The server's own ratio (per-request alphas vary around 0.7, so it is not exactly 0.7).
+                # The server's own ratio over every stream (per-request alphas vary around 0.7).
                 served = alpha_from_accept_length(reading.tokens_total / reading.verify_total, 3)
-                assert router.snapshot().pool("spec").alpha == pytest.approx(served, abs=0.05)
                 assert 0.55 < served < 0.75
+                # The accept-length gauge and the counters on /metrics (every fifth poll) are the
+                # evidence; the counters count finished streams, so the estimate agrees once the
+                # polls after the last stream have read them (an early gauge alone may be off).
+                acceptance = router.fleet.acceptance
+                await wait_for(lambda: acceptance.evidence(time.monotonic()) > 500, 20, "acceptance evidence")
+                await wait_for(lambda: abs(router.snapshot().pool("spec").alpha - served) <= 0.05, 20,
+                               f"the alpha estimate to come within 0.05 of the served {served:.3f}")
             finally:
                 await router.stop()
 
