@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Callable
-from urllib.parse import urlsplit
 
 from fastapi import Response
 
@@ -37,9 +36,6 @@ class SpecrouteTelemetry(Telemetry):
         self.tracing = tracing
         self.metrics = Metrics()
         self.request_log = RequestLog() if settings.request_log else None
-        self._addresses: dict[str, tuple[str, int]] = {}
-        self.score_keys: dict[str, str] = {}
-        """Decision.scores keys -> span attribute names (built once, not per request)."""
 
     def install(self, app: "FastAPI") -> None:
         metrics = self.metrics
@@ -63,12 +59,3 @@ class SpecrouteTelemetry(Telemetry):
     async def stop(self) -> None:
         if self.tracing is not None:
             self.tracing.shutdown()
-
-    def address_of(self, url: str) -> tuple[str, int]:
-        """server.address and server.port of an upstream base URL (parsed once per instance)."""
-        address = self._addresses.get(url)
-        if address is None:
-            parts = urlsplit(url)
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-            address = self._addresses[url] = (parts.hostname or "", port)
-        return address

@@ -7,32 +7,31 @@ so the settings object reads it and this module picks the exporter.
 
 A request knows every attribute of a span when it ends it, so spans are not SDK Span objects
 (validated attribute by attribute, under a lock: about 70 us per span here, three per request,
-against a budget of about 40 us for all of a request's tracing, docs/observability.md): they are
-encoded to OTLP bytes as they end (otlp.py) and handed to the SDK's BatchSpanProcessor together,
-one item per request, when the request ends.
+against a budget of about 40 us for all of a request's tracing, docs/observability.md): the
+request hands one RequestTrace (spans.py) to the SDK's BatchSpanProcessor when it ends, and the
+processor's thread writes the OTLP bytes (spans.EncodingExporter) before the SDK's exporter
+sends them.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-import time
-from typing import Any, Sequence
+from typing import Any
 
 from opentelemetry import propagate
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import TracerProvider, sampling
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import NoOpTracer, SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
+from opentelemetry.trace import NoOpTracer, SpanContext, SpanKind, TraceState
 
-from proxy.telemetry.otlp import EncodedSpans, GrpcExporter, HttpExporter, SpanEncoder
+from proxy.telemetry.otlp import GrpcExporter, HttpExporter
+from proxy.telemetry.spans import EncodingExporter, RequestTrace, SpanWriter
 
 log = logging.getLogger("specroute.telemetry")
 
 PROTOCOLS = ("http/protobuf", "grpc")
-SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 W3C_FIELDS = frozenset({"traceparent", "tracestate", "baggage"})
 _NO_STATE = TraceState()
 
@@ -66,10 +65,11 @@ class Tracing:
         self.sampler = self.provider.sampler
         self.resource = self.provider.resource
         self.scope = InstrumentationScope("specroute", version)
-        self.processor = BatchSpanProcessor(
-            exporter or (make_exporter(protocol, self.resource, self.scope) if self.enabled else SpanExporter()))
+        self.writer = SpanWriter()
+        self.processor = BatchSpanProcessor(EncodingExporter(
+            exporter or (make_exporter(protocol, self.resource, self.scope) if self.enabled else SpanExporter()),
+            self.writer))
         self.provider.add_span_processor(self.processor)
-        self.encoder = SpanEncoder()
         self.protocol = protocol
         # With the default OTEL_PROPAGATORS (tracecontext,baggage) the request path writes and
         # reads traceparent itself, which costs a fifth of the propagator API's calls; the client's
@@ -80,51 +80,24 @@ class Tracing:
     def new_span_id() -> int:
         return random.getrandbits(64) or 1
 
-    def root_context(self, parent: SpanContext | None, parent_context: Any, name: str) -> SpanContext:
-        """The SERVER span's context: the client's trace (if it sent one) or a new one, sampled
-        as the configured sampler says."""
+    def root_context(self, parent: SpanContext | None, parent_context: Any, name: str) -> tuple[int, int, bool, TraceState]:
+        """The SERVER span's trace id, span id, sampled flag and trace state: the client's trace
+        (if it sent one) or a new one, sampled as the configured sampler says."""
         if self.sampler is sampling.DEFAULT_ON:  # the default: the parent's choice, else sampled
             if parent is None:
-                return SpanContext(random.getrandbits(128) or 1, self.new_span_id(), False, SAMPLED, _NO_STATE)
-            return SpanContext(parent.trace_id, self.new_span_id(), False, parent.trace_flags, parent.trace_state)
+                return random.getrandbits(128) or 1, self.new_span_id(), True, _NO_STATE
+            return parent.trace_id, self.new_span_id(), parent.trace_flags.sampled, parent.trace_state
         if self.sampler is sampling.ALWAYS_ON:  # OTEL_TRACES_SAMPLER=always_on: sampled, whatever the parent
             if parent is None:
-                return SpanContext(random.getrandbits(128) or 1, self.new_span_id(), False, SAMPLED, _NO_STATE)
-            return SpanContext(parent.trace_id, self.new_span_id(), False, SAMPLED, parent.trace_state)
+                return random.getrandbits(128) or 1, self.new_span_id(), True, _NO_STATE
+            return parent.trace_id, self.new_span_id(), True, parent.trace_state
         trace_id = parent.trace_id if parent is not None else (random.getrandbits(128) or 1)
         result = self.sampler.should_sample(parent_context, trace_id, name, SpanKind.SERVER)
-        flags = SAMPLED if result.decision.is_sampled() else NOT_SAMPLED
-        return SpanContext(trace_id, self.new_span_id(), False, flags, result.trace_state or _NO_STATE)
+        return trace_id, self.new_span_id(), result.decision.is_sampled(), result.trace_state or _NO_STATE
 
-    def encode_child(
-        self,
-        name: str,
-        server: SpanContext,
-        span_id: int,
-        kind: SpanKind,
-        start_ns: int,
-        static: bytes,
-        attributes: dict[str, Any],
-        events: Sequence[tuple[str, int]] = (),
-        status: StatusCode = StatusCode.UNSET,
-        description: str | None = None,
-    ) -> bytes:
-        """The OTLP bytes of a span of the request's, ending now, under its SERVER span;
-        `static` comes from encoder.block(), `events` are (name, time) pairs."""
-        return self.encoder.span(name, server.trace_id, span_id, server.trace_state, server.span_id, False, kind,
-                                 start_ns, time.time_ns(), static, attributes, events, status, description)
-
-    def encode_server(self, name: str, server: SpanContext, parent: SpanContext | None, start_ns: int,
-                      static: bytes, attributes: dict[str, Any], status: StatusCode) -> bytes:
-        """The OTLP bytes of the request's SERVER span, ending now, under the client's span if any."""
-        return self.encoder.span(
-            name, server.trace_id, server.span_id, server.trace_state, parent.span_id if parent else None,
-            parent.is_remote if parent else False, SpanKind.SERVER, start_ns, time.time_ns(), static, attributes,
-            (), status, None)
-
-    def submit(self, context: SpanContext, spans: list[bytes]) -> None:
-        """Hand a request's finished spans to the batch processor (it drops them unless sampled)."""
-        self.processor.on_end(EncodedSpans(context, b"".join(spans)))  # type: ignore[arg-type]
+    def submit(self, trace: RequestTrace) -> None:
+        """Hand a sampled request's spans to the batch processor (written in its thread)."""
+        self.processor.on_end(trace)  # type: ignore[arg-type]
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         return self.provider.force_flush(int(timeout_s * 1000))

@@ -166,10 +166,10 @@ def test_span_encoder_writes_what_the_sdk_encoder_writes() -> None:
     state = TraceState([("vendor", "x1")])
     parent = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(1), trace_state=state)
     context = SpanContext(0xABC, 0x123, is_remote=False, trace_flags=TraceFlags(1), trace_state=state)
-    attributes = {"s": "text é", "i": 7, "neg": -3, "f": 0.25, "b": False, "list": ["a", "b"]}
-    static = tracing.encoder.block(("test",), lambda: {"s": "text é", "i": 7})
-    dynamic = {"neg": -3, "f": 0.25, "b": False, "list": ["a", "b"]}
-    mine = tracing.encoder.span("op", 0xABC, 0x123, state, 0xDEF, True, SpanKind.CLIENT, 10, 20, static, dynamic,
+    attributes = {"s": "text é", "i": 7, "neg": -3, "f": 0.25, "b": False, "list": ["a", "b"], n.REQUEST_ID: "id é" * 40}
+    static = tracing.writer.encoder.block(("test",), lambda: {"s": "text é", "i": 7})
+    dynamic = {"neg": -3, "f": 0.25, "b": False, "list": ["a", "b"], n.REQUEST_ID: "id é" * 40}  # a long unique one
+    mine = tracing.writer.encoder.span("op", 0xABC, 0x123, state, 0xDEF, True, SpanKind.CLIENT, 10, 20, static, dynamic,
                                 [("first", 15)], StatusCode.ERROR, "boom")
     sdk = ReadableSpan(name="op", context=context, parent=parent, resource=tracing.resource,
                        attributes=attributes, events=[Event("first", timestamp=15)], kind=SpanKind.CLIENT,
@@ -219,11 +219,24 @@ def test_root_context_fast_paths_decide_as_the_sdk_samplers() -> None:
             tracing.sampler = sampler
             for parent in parents:
                 parent_context = None if parent is None else trace.set_span_in_context(trace.NonRecordingSpan(parent))
-                got = tracing.root_context(parent, parent_context, "/v1/chat/completions")
-                want = sampler.should_sample(parent_context, got.trace_id, "/v1/chat/completions")
-                assert got.trace_flags.sampled == want.decision.is_sampled(), (sampler, parent)
-                assert got.trace_state == (want.trace_state or TraceState()), (sampler, parent)
+                trace_id, span_id, sampled, trace_state = tracing.root_context(parent, parent_context, "/v1/chat/completions")
+                want = sampler.should_sample(parent_context, trace_id, "/v1/chat/completions")
+                assert sampled == want.decision.is_sampled(), (sampler, parent)
+                assert trace_state == (want.trace_state or TraceState()), (sampler, parent)
                 if parent is not None:
-                    assert got.trace_id == parent.trace_id and got.span_id != parent.span_id
+                    assert trace_id == parent.trace_id and span_id != parent.span_id
     finally:
         tracing.shutdown()
+
+
+def test_numbers_write_what_the_attribute_encoder_writes() -> None:
+    """SpanEncoder.numbers (one struct call per layout of a decision's scores) against the
+    one-by-one encoder, which the test above checks against the SDK: floats and bools, a layout
+    seen before, and a mapping with an int (no layout: one by one)."""
+    from proxy.telemetry.otlp import SpanEncoder
+
+    encoder = SpanEncoder()
+    for scores in ({"load": 3.0, "stale": True, "alpha": 0.6}, {"load": 1.5, "stale": False, "alpha": -0.0},
+                   {"load": 2, "stale": True}, {}):
+        want = SpanEncoder().attributes(b"\x4a", {"p." + key: value for key, value in scores.items()})
+        assert encoder.numbers(b"\x4a", "p.", scores) == want, scores
