@@ -7,9 +7,8 @@ costs (attribute dicts, type checks, regexes, the wire format) happens here, a b
 at a time. Measured inside the proxy, the same encoding cost about three times as much on the
 event loop, between a request's other work, as in a loop of its own (docs/observability.md).
 
-The records are tuples of strings, numbers and tuples (the scores dict holds floats only), so
-the garbage collector stops tracking them at its first pass over the young generation: a batch
-waiting in the queue does not feed the full collections (45 ms each in this process).
+A record holds strings, numbers, bytes and the decision's scores, nothing of the request's own
+objects: the queue keeps no prompt, body or connection alive until the export.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from proxy.telemetry.otlp import (
     EncodedSpans,
     SpanEncoder,
     context_fields,
+    head_fields,
     raw_span,
     status_fields,
     trace_field,
@@ -52,7 +52,8 @@ _REQUEST_PARAMS = (
 )
 _MEMO_LIMIT = 4096
 _ATTRIBUTES = b"\x4a"  # Span.attributes (9)
-_SERVER = object()  # the server span's key among the span names
+_SERVER = object()  # the server span's key among the span heads
+_DECISION_HEAD = head_fields(n.SPAN_DECISION, SpanKind.INTERNAL)
 
 
 def request_params(body: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -121,7 +122,7 @@ class RequestTrace(NamedTuple):
     overhead_s: float
     ended: float
 
-    # Not a field: what the batch processor reads (see SAMPLED_CONTEXT).
+    # Not a field: all the batch processor reads of an item (see SAMPLED_CONTEXT).
     context = SAMPLED_CONTEXT
 
 
@@ -133,7 +134,7 @@ class SpanWriter:
         self.encoder = SpanEncoder()
         self._addresses: dict[str, tuple[str, int]] = {}
         self._params: dict[tuple[Any, ...], tuple[dict[str, Any], tuple[Any, ...]]] = {}
-        self._names: dict[tuple[str, Any], str] = {}
+        self._heads: dict[tuple[str, Any], bytes] = {}
 
     def spans(self, t: RequestTrace) -> bytes:
         """The request's spans (decision, attempts, server) as ScopeSpans.spans fields."""
@@ -152,7 +153,7 @@ class SpanWriter:
                           + encoder.numbers(_ATTRIBUTES, n.ROUTE_INPUT_PREFIX, t.scores))
             # The decision span covers reading the body, building features and the policy call.
             out.append(raw_span(trace, random.getrandbits(64) or 1, under_server,
-                                encoder.head(n.SPAN_DECISION, SpanKind.INTERNAL), start_ns,
+                                _DECISION_HEAD, start_ns,
                                 start_ns + int((t.decided - start) * 1e9), attributes, STATUS_UNSET))
         last = len(t.attempts) - 1
         for i, attempt in enumerate(t.attempts):
@@ -173,7 +174,7 @@ class SpanWriter:
         attributes = (static + encoder.string(_ATTRIBUTES, n.REQUEST_ID, t.request_id)
                       + encoder.double(_ATTRIBUTES, n.OVERHEAD_MS, round(t.overhead_s * 1000, 3)))
         out.append(raw_span(trace, t.span_id, context_fields(t.trace_state, t.parent_id),
-                            encoder.head(self._server_name(endpoint), SpanKind.SERVER), start_ns,
+                            self._head(endpoint, _SERVER), start_ns,
                             start_ns + int((t.ended - start) * 1e9), attributes,
                             status_fields(StatusCode.ERROR if failed else StatusCode.UNSET, None, t.parent_remote)))
         return b"".join(out)
@@ -211,25 +212,24 @@ class SpanWriter:
         # What the response said, as one block: it repeats from request to request.
         attributes += encoder.block(("outcome", a.status, response_model, *usage, error),
                                     lambda: outcome_attributes(a.status, response_model, *usage, error))
-        return raw_span(trace, a.span_id, context, encoder.head(self._attempt_name(t.endpoint, t.model), SpanKind.CLIENT),
+        return raw_span(trace, a.span_id, context, self._head(t.endpoint, t.model),
                         start_ns + int((a.started - start) * 1e9), start_ns + int((a.ended - start) * 1e9),
                         attributes, events + status_fields(StatusCode.ERROR if error else StatusCode.UNSET, error, False))
 
-    def _attempt_name(self, endpoint: str, model: str | None) -> str:
-        """`{gen_ai.operation.name} {gen_ai.request.model}`, the GenAI conventions' span name."""
-        name = self._names.get((endpoint, model))
-        if name is None:
-            if len(self._names) >= _MEMO_LIMIT:
-                self._names.clear()
-            operation = n.OPERATION_BY_PATH.get(endpoint, "chat")
-            name = self._names[(endpoint, model)] = f"{operation} {model}" if model else operation
-        return name
-
-    def _server_name(self, endpoint: str) -> str:
-        name = self._names.get((endpoint, _SERVER))
-        if name is None:
-            name = self._names[(endpoint, _SERVER)] = f"POST {endpoint}"
-        return name
+    def _head(self, endpoint: str, model: Any) -> bytes:
+        """Name and kind of the SERVER span (`model` _SERVER) or of an attempt span, named
+        `{gen_ai.operation.name} {gen_ai.request.model}` by the GenAI conventions."""
+        head = self._heads.get((endpoint, model))
+        if head is None:
+            if len(self._heads) >= _MEMO_LIMIT:
+                self._heads.clear()  # names carry the client's model name: keep them bounded
+            if model is _SERVER:
+                head = head_fields(f"POST {endpoint}", SpanKind.SERVER)
+            else:
+                operation = n.OPERATION_BY_PATH.get(endpoint, "chat")
+                head = head_fields(f"{operation} {model}" if model else operation, SpanKind.CLIENT)
+            self._heads[(endpoint, model)] = head
+        return head
 
     def _request_attributes(self, params: tuple[Any, ...]) -> tuple[dict[str, Any], tuple[Any, ...]]:
         """request_attributes() of request_params(), and their items (a memo key)."""
