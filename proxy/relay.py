@@ -366,20 +366,32 @@ class CompletionHandler:
         hooks.first_chunk(first)
         expect_chunk_gaps(response, self.settings.chunk_timeout_s)
         chunk = first
+        partial = b""
         while chunk:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if is_stream:
-                events = scan.content_events(chunk)
-                attempt.chunk(events)
-                if per_chunk:
-                    hooks.chunk(size=len(chunk), events=events, tokens=events)
-            if tail is not None:
-                tail.append(chunk)
+                # The client only ever gets whole events: an event split across reads waits for
+                # its end, so an upstream that fails mid-event leaves no half event before ours.
+                if partial:
+                    chunk, partial = partial + chunk, b""
+                if not chunk.endswith(b"\n\n"):
+                    chunk, partial = scan.split_at_event_end(chunk)
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                if is_stream:
+                    events = scan.content_events(chunk)
+                    attempt.chunk(events)
+                    if per_chunk:
+                        hooks.chunk(size=len(chunk), events=events, tokens=events)
+                if tail is not None:
+                    tail.append(chunk)
             began = perf_counter()
             chunk = await content.readany()
             exchange.upstream_wait_s += perf_counter() - began
         exchange.done = True
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        # The upstream ended cleanly after an unterminated event: it goes on as it came.
+        await send({"type": "http.response.body", "body": partial, "more_body": False})
+        if partial and tail is not None:
+            tail.append(partial)
         if tail is not None:
             # Usage, spec details and the last finish reason sit in the last few hundred bytes;
             # 4 KB keeps the scan ~12 us (16 KB: ~54 us). Earlier choices' reasons of a long n>1

@@ -26,6 +26,20 @@ def content_events(chunk: bytes) -> int:
     return events
 
 
+# What ends an SSE event (a blank line), by line ending.
+EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+
+
+def split_at_event_end(chunk: bytes) -> tuple[bytes, bytes]:
+    """(the whole SSE events at the start of `chunk`, the unterminated rest)."""
+    end = 0
+    for boundary in EVENT_ENDS:
+        at = chunk.rfind(boundary)
+        if at >= 0:
+            end = max(end, at + len(boundary))
+    return chunk[:end], chunk[end:]
+
+
 @dataclass(frozen=True, slots=True)
 class Summary:
     prompt_tokens: int | None = None

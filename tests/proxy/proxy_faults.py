@@ -6,6 +6,8 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
     with FaultServer("status:503") as bad:       # every request gets a 503 (SGLang's flat error, retry-after: 1)
     with FaultServer("cut:3") as bad:            # 200 SSE, 3 chunks, then the connection drops
     with FaultServer("cutjson") as bad:          # 200 JSON, a few bytes of it, then the connection drops
+    with FaultServer("cutmid:3") as bad:         # 200 SSE, 3 chunks and half of a 4th, then the connection drops
+    with FaultServer("split:3") as bad:          # 200 SSE, 3 events, each split across two writes, then [DONE]
     with FaultServer("stall:2") as bad:          # 200 SSE, 2 chunks, then silence
     with FaultServer("hang") as bad:             # reads the request, never answers
     with FaultServer("flood") as bad:            # 200 SSE, chunks as fast as they are read, never ending
@@ -29,11 +31,18 @@ COMPLETION = {
 }
 
 
-def sse_chunk(i: int) -> bytes:
+def sse_event(i: int) -> bytes:
     event = {"id": "fault-1", "object": "chat.completion.chunk", "created": 0, "model": "fault",
              "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
-    data = b"data: " + json.dumps(event).encode() + b"\n\n"
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+def http_chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+def sse_chunk(i: int) -> bytes:
+    return http_chunk(sse_event(i))
 
 
 @dataclass
@@ -142,6 +151,19 @@ class FaultServer:
                 return False
             await self._until_closed(reader)
             return False
+        elif kind in ("cutmid", "split"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for i in range(int(arg) + (kind == "cutmid")):
+                event = sse_event(i)
+                halves = (event[:len(event) // 2], event[len(event) // 2:])
+                for half in halves[:1] if kind == "cutmid" and i == int(arg) else halves:
+                    writer.write(http_chunk(half))
+                    await writer.drain()
+                    await asyncio.sleep(0.01)  # two TCP segments: the proxy reads them apart
+            if kind == "cutmid":
+                writer.transport.abort()
+                return False
+            writer.write(http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         elif kind == "hang":
             await self._until_closed(reader)
             return False

@@ -132,6 +132,30 @@ def test_mid_stream_failure_ends_with_an_error_event_not_a_clean_end() -> None:
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
+def test_an_event_cut_in_half_upstream_never_reaches_the_client() -> None:
+    with FaultServer("cutmid:3") as cut, running_proxy(spec_urls=[cut.url], policy="spec") as proxy:
+        with httpx.stream("POST", proxy.base_url + "/chat/completions",
+                          json={"model": "m", "messages": MESSAGES, "stream": True}) as response:
+            body = response.read()
+        events = [e for e in body.split(b"\n\n") if e]
+        assert len(events) == 5, body  # 3 whole events, the error, [DONE]: no half of the 4th
+        assert all(e.startswith(b"data: {") for e in events[:4]) and events[4] == b"data: [DONE]"
+        assert b"upstream_disconnected" in events[3] and b't3 ' not in body
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        with pytest.raises(openai.APIError, match="mid-stream"):  # our error, not a JSON decode error
+            for _ in client.chat.completions.create(model="m", messages=MESSAGES, stream=True):
+                pass
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_events_split_across_reads_are_relayed_whole() -> None:
+    with FaultServer("split:3") as split, running_proxy(spec_urls=[split.url], policy="spec") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        stream = client.chat.completions.create(model="m", messages=MESSAGES, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream) == "t0 t1 t2 "
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
 def test_json_body_cut_upstream_breaks_the_client_connection() -> None:
     with FaultServer("cutjson") as cut, running_proxy(spec_urls=[cut.url], policy="spec") as proxy:
         with pytest.raises(httpx.RemoteProtocolError):
