@@ -200,7 +200,10 @@ class CompletionHandler:
                 model=model if isinstance(model, str) else None, override=override, body=payload,
             )
             watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, task, exchange))
-            await self.forward(exchange, scope["path"], headers, body, pinned=override is not None)
+            target = scope["path"]
+            if scope.get("query_string"):  # e.g. an SDK's extra_query: passed on as the client sent it
+                target += "?" + scope["query_string"].decode("latin-1")
+            await self.forward(exchange, target, headers, body, pinned=override is not None)
         except ProxyError as error:
             await exchange.fail(error)
         except ClientGone:

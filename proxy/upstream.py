@@ -82,7 +82,10 @@ class Upstream:
         )
         parsed = self._urls.get(url)
         if parsed is None:
-            parsed = self._urls[url] = URL(url)
+            if "?" in url:  # a client's query: not cached (its values are the client's to vary)
+                parsed = URL(url, encoded=True)
+            else:
+                parsed = self._urls[url] = URL(url)
         return await self.session.post(parsed, data=body, headers=list(headers), timeout=timeout, allow_redirects=False)
 
     async def get_json(self, url: str, headers: Iterable[tuple[str, str]], timeout_s: float) -> Any:

@@ -120,6 +120,15 @@ def test_body_and_headers_reach_the_backend_unchanged() -> None:
         assert sent.headers["x-request-id"] == answer.headers["x-request-id"]
 
 
+def test_the_query_string_reaches_the_backend_as_sent() -> None:
+    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                       extra_query={"api-version": "2024-10-21", "tag": "a b&c"})
+        sent = [r for r in upstream.requests if r.method == "POST"][-1]
+        assert sent.path == "/v1/chat/completions?api-version=2024-10-21&tag=a+b%26c"
+
+
 def test_pool_api_key_replaces_the_client_key() -> None:
     with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec", spec_api_key="pool-secret") as proxy:
         client = openai.OpenAI(base_url=proxy.base_url, api_key="client-key", max_retries=0)
