@@ -1,18 +1,18 @@
-"""OTLP protobuf for finished spans, written on the request path, and the SDK's two OTLP
-exporters sending it.
+"""OTLP protobuf for finished spans, written on the event loop, and the SDK's two OTLP exporters
+sending it.
 
 The SDK's encoder builds a protobuf object per attribute and costs 75-100 us per span here, about
 three times the whole budget for tracing a request (docs/observability.md). This one writes the
 wire format directly (opentelemetry/proto/trace/v1/trace.proto, common/v1/common.proto), reusing
-the bytes of the attribute pairs that repeat from request to request, when a span ends; the batch
-processor then only moves bytes. Transport, retries, headers, TLS and endpoint resolution stay
-the SDK exporters' own.
+the bytes of the attribute pairs that repeat from request to request; spans.py drives it for a
+batch of requests at a time, and the batch processor then only moves bytes. Transport, retries,
+headers, TLS and endpoint resolution stay the SDK exporters' own.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as SdkGrpcExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as SdkHttpExporter
@@ -106,16 +106,36 @@ def number_layout(tag: bytes, prefix: str, keys: Sequence[str], kinds: Sequence[
     return struct.Struct("".join(formats)).pack, args
 
 
+MAX_REQUEST_BYTES = 1 << 20
+"""Spans per export request, at most (a collector's gRPC receive limit is 4 MiB by default)."""
+
+
 class EncodedSpans:
-    """One request's finished spans in OTLP wire format (ScopeSpans.spans fields), as the SDK's
-    BatchSpanProcessor carries them to the exporter: one item per request, not per span (the
-    processor reads only `context`, for the sampled flag)."""
+    """Requests' finished spans in OTLP wire format, as the SDK's BatchSpanProcessor carries them
+    to the exporter: one item per batch of requests, `parts` one request's spans each
+    (ScopeSpans.spans fields). The processor reads only `context`, for the sampled flag."""
 
-    __slots__ = ("context", "data")
+    __slots__ = ("context", "parts")
 
-    def __init__(self, context: SpanContext, data: bytes) -> None:
+    def __init__(self, context: SpanContext, parts: list[bytes]) -> None:
         self.context = context
-        self.data = data
+        self.parts = parts
+
+
+def chunks(items: Sequence[EncodedSpans], limit: int = MAX_REQUEST_BYTES) -> Iterator[list[bytes]]:
+    """The items' requests' spans in runs of at most `limit` bytes (or one request), for one
+    export request each."""
+    chunk: list[bytes] = []
+    size = 0
+    for item in items:
+        for part in item.parts:
+            if chunk and size + len(part) > limit:
+                yield chunk
+                chunk, size = [], 0
+            chunk.append(part)
+            size += len(part)
+    if chunk:
+        yield chunk
 
 
 class SpanEncoder:
@@ -296,12 +316,12 @@ def raw_span(trace: bytes, span_id: int, context: bytes, head: bytes, start_ns: 
     return b"\x12" + length(len(body)) + body
 
 
-def export_request(resource: Resource, scope: InstrumentationScope, spans: Sequence[EncodedSpans]) -> bytes:
-    """ExportTraceServiceRequest holding one resource's spans of one instrumentation scope."""
+def export_request(resource: Resource, scope: InstrumentationScope, data: Sequence[bytes]) -> bytes:
+    """ExportTraceServiceRequest holding one resource's spans of one instrumentation scope;
+    `data` are ScopeSpans.spans fields."""
     resource_field = field(b"\x0a", SpanEncoder().attributes(b"\x0a", resource.attributes))
     scope_body = field(b"\x0a", scope.name.encode()) + (field(b"\x12", scope.version.encode()) if scope.version else b"")
     scope_field = field(b"\x0a", scope_body)
-    data = [item.data for item in spans]
     # Framed from the lengths, then joined once: the spans (about 1 MB a batch) are copied once.
     scope_spans = len(scope_field) + sum(map(len, data))
     scope_spans_head = b"\x12" + varint(scope_spans)
@@ -310,7 +330,7 @@ def export_request(resource: Resource, scope: InstrumentationScope, spans: Seque
 
 
 class HttpExporter(SdkHttpExporter):
-    """OTLP over http/protobuf, for spans encoded on the request path."""
+    """OTLP over http/protobuf, for spans already encoded (one request per chunks())."""
 
     def __init__(self, resource: Resource, scope: InstrumentationScope) -> None:
         super().__init__()
@@ -319,17 +339,23 @@ class HttpExporter(SdkHttpExporter):
     def export(self, spans: Sequence[EncodedSpans]) -> SpanExportResult:  # type: ignore[override]
         if self._shutdown:
             return SpanExportResult.FAILURE
-        result = self._client.export(export_request(self.resource, self.scope, spans))
-        return SpanExportResult.SUCCESS if result.success else SpanExportResult.FAILURE
+        results = [self._client.export(export_request(self.resource, self.scope, chunk)).success
+                   for chunk in chunks(spans)]
+        return SpanExportResult.SUCCESS if all(results) else SpanExportResult.FAILURE
 
 
 class GrpcExporter(SdkGrpcExporter):
-    """OTLP over grpc, for spans encoded on the request path (the message is parsed from the
-    bytes, in C, for the SDK's stub)."""
+    """OTLP over grpc, for spans already encoded (one request per chunks(); the message is
+    parsed from the bytes, in C, for the SDK's stub)."""
 
     def __init__(self, resource: Resource, scope: InstrumentationScope) -> None:
         super().__init__()
         self.resource, self.scope = resource, scope
 
-    def _translate_data(self, data: Sequence[EncodedSpans]) -> ExportTraceServiceRequest:  # type: ignore[override]
+    def export(self, spans: Sequence[EncodedSpans]) -> SpanExportResult:  # type: ignore[override]
+        export = super().export  # not in the comprehension: its own scope has no super()
+        results = [export(chunk) for chunk in chunks(spans)]  # type: ignore[arg-type]
+        return SpanExportResult.SUCCESS if all(r is SpanExportResult.SUCCESS for r in results) else SpanExportResult.FAILURE
+
+    def _translate_data(self, data: Sequence[bytes]) -> ExportTraceServiceRequest:  # type: ignore[override]
         return ExportTraceServiceRequest.FromString(export_request(self.resource, self.scope, data))

@@ -1,11 +1,13 @@
-"""A traced request as the request path notes it, and its OTLP spans, written in the batch
-processor's export thread.
+"""A traced request as the request path notes it, and its OTLP spans, written a batch of
+requests at a time.
 
 The request path only notes values it has at hand (ids, clock readings, strings and numbers it
 read anyway) and, when the request ends, packs them into one `RequestTrace`. Everything that
-costs (attribute dicts, type checks, regexes, the wire format) happens here, a batch of requests
-at a time. Measured inside the proxy, the same encoding cost about three times as much on the
-event loop, between a request's other work, as in a loop of its own (docs/observability.md).
+costs (attribute dicts, type checks, regexes, the wire format) happens here, for a batch of
+requests in one loop (tracing.Tracing.submit): measured inside the proxy, writing each request's
+spans as it ended cost about three times as much, between a request's other work, and writing
+them in the batch processor's thread cost more again, its CPU contending with the event loop's
+for the GIL (docs/observability.md).
 
 A record holds strings, numbers, bytes and the decision's scores, nothing of the request's own
 objects: the queue keeps no prompt, body or connection alive until the export.
@@ -19,13 +21,11 @@ import re
 from typing import Any, Mapping, NamedTuple, Sequence
 from urllib.parse import urlsplit
 
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
 
 from proxy.telemetry import names as n
 from proxy.telemetry.otlp import (
     STATUS_UNSET,
-    EncodedSpans,
     SpanEncoder,
     context_fields,
     head_fields,
@@ -37,7 +37,7 @@ from proxy.telemetry.otlp import (
 log = logging.getLogger("specroute.telemetry")
 
 # The batch processor reads only `context.trace_flags.sampled` of an item; only sampled
-# requests are handed to it, so every record shows it this one context.
+# requests are handed to it, so every item shows it this one context.
 SAMPLED_CONTEXT = SpanContext(1, 1, False, TraceFlags(TraceFlags.SAMPLED), TraceState())
 FIRST_BYTES = 2048
 """How much of an attempt's first chunk is kept for its response id and model (they open it)."""
@@ -122,13 +122,11 @@ class RequestTrace(NamedTuple):
     overhead_s: float
     ended: float
 
-    # Not a field: all the batch processor reads of an item (see SAMPLED_CONTEXT).
-    context = SAMPLED_CONTEXT
 
 
 class SpanWriter:
-    """Writes RequestTraces as OTLP spans. The batch processor calls it from one thread at a
-    time (its export lock), so the encoder's memo needs no lock of its own."""
+    """Writes RequestTraces as OTLP spans, on the event loop's thread only (the encoder's memo
+    has no lock)."""
 
     def __init__(self) -> None:
         self.encoder = SpanEncoder()
@@ -255,36 +253,6 @@ class SpanWriter:
             port = parts.port or (443 if parts.scheme == "https" else 80)
             address = self._addresses[url] = (parts.hostname or "", port)
         return address
-
-
-class EncodingExporter(SpanExporter):
-    """In front of an OTLP exporter: turns each RequestTrace of a batch into its spans' bytes
-    (EncodedSpans, what the OTLP exporters of otlp.py send), in the batch processor's thread."""
-
-    def __init__(self, exporter: SpanExporter, writer: SpanWriter) -> None:
-        self.exporter = exporter
-        self.writer = writer
-
-    def export(self, batch: Sequence[RequestTrace]) -> SpanExportResult:  # type: ignore[override]
-        spans = self.writer.spans
-        encoded = []
-        failed: list[RequestTrace] = []
-        for item in batch:
-            try:
-                encoded.append(EncodedSpans(SAMPLED_CONTEXT, spans(item)))
-            except Exception:  # a bug must cost one request's spans, not the batch's
-                if not failed:
-                    log.exception("could not encode the spans of request %s", item.request_id)
-                failed.append(item)
-        if len(failed) > 1:
-            log.error("could not encode the spans of %d requests of one batch; dropped", len(failed))
-        return self.exporter.export(encoded) if encoded else SpanExportResult.SUCCESS  # type: ignore[arg-type]
-
-    def shutdown(self) -> None:
-        self.exporter.shutdown()
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.exporter.force_flush(timeout_millis)
 
 
 def outcome_attributes(status: int | None, response_model: bytes | None, finish_reasons: tuple[str, ...],

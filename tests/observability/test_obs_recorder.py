@@ -33,8 +33,8 @@ class Decoded(SpanExporter):
         self.spans: list[dict[str, Any]] = []
 
     def export(self, batch: Any) -> SpanExportResult:
-        for encoded in batch:  # a request's spans, ScopeSpans.spans fields
-            for message in ScopeSpans.FromString(encoded.data).spans:
+        for encoded in batch:  # requests' spans, ScopeSpans.spans fields each
+            for message in ScopeSpans.FromString(b"".join(encoded.parts)).spans:
                 span = MessageToDict(message)
                 span["attrs"] = {kv["key"]: next(iter(kv["value"].values())) for kv in span.get("attributes", [])}
                 self.spans.append(span)
@@ -160,7 +160,7 @@ def test_span_encoder_writes_what_the_sdk_encoder_writes() -> None:
     from opentelemetry.sdk.trace import Event, ReadableSpan
     from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 
-    from proxy.telemetry.otlp import EncodedSpans, export_request
+    from proxy.telemetry.otlp import export_request
 
     tracing = Tracing("http/protobuf", "test", exporter=Decoded())
     state = TraceState([("vendor", "x1")])
@@ -176,7 +176,7 @@ def test_span_encoder_writes_what_the_sdk_encoder_writes() -> None:
                        status=Status(StatusCode.ERROR, "boom"), start_time=10, end_time=20,
                        instrumentation_scope=tracing.scope)
     decoded = ExportTraceServiceRequest.FromString(
-        export_request(tracing.resource, tracing.scope, [EncodedSpans(context, mine)]))
+        export_request(tracing.resource, tracing.scope, [mine]))
     assert decoded == encode_spans([sdk])
 
 
@@ -240,3 +240,32 @@ def test_numbers_write_what_the_attribute_encoder_writes() -> None:
                    {"load": 2, "stale": True}, {}):
         want = SpanEncoder().attributes(b"\x4a", {"p." + key: value for key, value in scores.items()})
         assert encoder.numbers(b"\x4a", "p.", scores) == want, scores
+
+
+def test_spans_wait_for_their_batch_on_the_loop_and_a_flush_sends_them() -> None:
+    """On an event loop a finished request's spans are written with the next ones (or after
+    tracing.FLUSH_S); flush() writes and exports what is pending at once."""
+    import asyncio
+
+    exporter = Decoded()
+    t = telemetry(exporter, request_log=False)
+
+    async def one_request() -> None:
+        failover_then_stream(t)
+        assert exporter.spans == []  # pending: written with the batch, or by its timer
+        t.tracing.flush()  # type: ignore[union-attr]
+
+    asyncio.run(one_request())
+    assert len([s for s in exporter.spans if s["name"] == "POST /v1/chat/completions"]) == 1
+    t.tracing.shutdown()  # type: ignore[union-attr]
+
+
+def test_export_requests_are_cut_between_requests() -> None:
+    """A batch goes out in export requests of at most MAX_REQUEST_BYTES of spans (a collector's
+    gRPC limit is 4 MiB), never splitting one request's spans."""
+    from proxy.telemetry.otlp import EncodedSpans, chunks
+    from proxy.telemetry.spans import SAMPLED_CONTEXT
+
+    items = [EncodedSpans(SAMPLED_CONTEXT, [b"a" * 400, b"b" * 400]), EncodedSpans(SAMPLED_CONTEXT, [b"c" * 900])]
+    assert [[len(p) for p in chunk] for chunk in chunks(items, limit=1000)] == [[400, 400], [900]]
+    assert [[len(p) for p in chunk] for chunk in chunks(items, limit=100)] == [[400], [400], [900]]
