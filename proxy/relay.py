@@ -55,6 +55,8 @@ NOT_RELAYED = frozenset(
 RETRYABLE = frozenset({CONNECT, DISCONNECTED})
 """Attempt failures worth another instance. Timeouts are not: the next one would wait as long."""
 ERROR_BODY_LIMIT = 64 * 1024
+MAX_MODEL_CHARS = 256
+"""The longest model name the log line and the spans carry (the body goes upstream whole)."""
 RETRY_AFTER = frozenset({b"retry-after", b"retry-after-ms"})
 ERROR_EVENT_SEND_S = 1.0
 """How long the closing error event of a failed stream may wait for the client to read."""
@@ -74,7 +76,8 @@ class Exchange:
     """One client request's state on the way through."""
 
     __slots__ = ("request_id", "send", "hooks", "started", "status", "client_gone", "done", "error_type",
-                 "decision", "instance", "summary", "upstream_wait_s", "prompt_tokens", "streaming")
+                 "decision", "instance", "summary", "upstream_wait_s", "prompt_tokens", "streaming",
+                 "asked_stream")
 
     def __init__(self, request_id: str, send: Send, hooks: RequestHooks) -> None:
         self.request_id = request_id
@@ -94,7 +97,9 @@ class Exchange:
         self.prompt_tokens = 0
         self.streaming = False
         """Whether the response being relayed is an SSE stream (an error can still go in-band)."""
-        """The request's estimated prompt tokens (the routing signals count queued prefill)."""
+        self.asked_stream = False
+        """Whether the client asked for a stream: a JSON answer's headers come only once it is
+        complete, so only a stream's first byte is held to the first-token timeout."""
 
     def routing_headers(self) -> list[tuple[bytes, bytes]]:
         """Where the request went: the pool and server of the last attempt, and why."""
@@ -193,11 +198,13 @@ class CompletionHandler:
                 raise ProxyError(400, str(exc), param=exc.header, code="invalid_header") from None
             features = features_of(payload, request_class)
             exchange.prompt_tokens = features.prompt_tokens
+            exchange.asked_stream = features.stream
             exchange.decision = self.router.choose(features, override)
             model = payload.get("model")
             exchange.hooks.decided(
                 decision=exchange.decision, features=features,
-                model=model if isinstance(model, str) else None, override=override, body=payload,
+                # Bounded: the name goes into the log line and the spans, and a client chooses it.
+                model=model[:MAX_MODEL_CHARS] if isinstance(model, str) else None, override=override, body=payload,
             )
             watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, task, exchange))
             target = scope["path"]
@@ -287,8 +294,9 @@ class CompletionHandler:
         if failure is not None:
             if len(tried) > 1:
                 failure.retryable = False  # the proxy already failed over: the SDK must not multiply
-            else:
-                failure.retryable = None
+            elif failure.retryable:
+                failure.retryable = None  # one server failed: the SDK's own retry may find another
+            # else: a timeout (the generation would run again) or a 4xx: x-should-retry: false
             raise failure
 
     async def attempt(
@@ -310,7 +318,8 @@ class CompletionHandler:
             # aiohttp's own total timer only fires inside its reads; this one also ends a relay
             # blocked on a client that stopped reading.
             async with asyncio.timeout(remaining_s):
-                response = await self.upstream.post(instance.url + path, out.items(), body, remaining_s)
+                response = await self.upstream.post(instance.url + path, out.items(), body, remaining_s,
+                                                    first_byte_limited=exchange.asked_stream)
                 hooks.upstream_headers(status=response.status, headers=response.headers)
                 if response.status >= 400:
                     return await self.upstream_error(exchange, response, attempt)
@@ -321,9 +330,9 @@ class CompletionHandler:
                 await self.relay(exchange, response, attempt, first)
                 return None
         except UPSTREAM_ERRORS as exc:
-            if began:
-                exchange.upstream_wait_s += perf_counter() - began
             kind = classify(exc, attempt.started)
+            if kind == CONNECT:
+                self.router.unreachable(instance)
             attempt.failed(kind)
             hooks.attempt_failed(error=kind, retryable=kind in RETRYABLE and not exchange.started)
             if exchange.started:
@@ -333,6 +342,10 @@ class CompletionHandler:
                 return ProxyError(502, f"upstream {instance.pool} server failed ({kind})", code=kind, retryable=True)
             return ProxyError(504, f"upstream {instance.pool} server timed out ({kind})", code=kind, retryable=False)
         finally:
+            # Waiting on the upstream until it answered, failed or this task was cancelled (the
+            # client left, the drain ended) is not the proxy's overhead.
+            if began:
+                exchange.upstream_wait_s += perf_counter() - began
             attempt.finished()  # no-op when the attempt already failed
             if response is not None:
                 if response.content.at_eof():
@@ -352,7 +365,8 @@ class CompletionHandler:
         else:
             exchange.hooks.attempt_finished(status=response.status)
         relayed = [(name.lower(), value) for name, value in response.raw_headers if name.lower() in RETRY_AFTER]
-        return ProxyError(response.status, "upstream error", code=str(response.status), retryable=retryable,
+        # A 4xx is the client's to act on: the SDK retries a 429 (after its retry-after), not a 400.
+        return ProxyError(response.status, "upstream error", code=str(response.status), retryable=retryable or None,
                           payload=payload, headers=relayed)
 
     async def relay(self, exchange: Exchange, response: aiohttp.ClientResponse, attempt: Attempt, first: bytes) -> None:
@@ -388,8 +402,10 @@ class CompletionHandler:
                 if tail is not None:
                     tail.append(chunk)
             began = perf_counter()
-            chunk = await content.readany()
-            exchange.upstream_wait_s += perf_counter() - began
+            try:
+                chunk = await content.readany()
+            finally:  # cancelled while waiting (client gone, drain over): still upstream time
+                exchange.upstream_wait_s += perf_counter() - began
         exchange.done = True
         # The upstream ended cleanly after an unterminated event: it goes on as it came.
         await send({"type": "http.response.body", "body": partial, "more_body": False})

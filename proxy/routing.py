@@ -216,6 +216,10 @@ class Router:
         return instance
 
     # -- events -----------------------------------------------------------------------------
+    def unreachable(self, instance: Instance) -> None:
+        """A connection to `instance` failed: skip it until a load poll reaches it again."""
+        self.fleet.set_health(instance.url, False)
+
     def dispatch(self, instance: Instance, prompt_tokens: int = 0) -> Attempt:
         """Start an attempt on `instance`; the caller must end it (finished/failed) on every path."""
         return Attempt(self.fleet, instance, self.signals, prompt_tokens)

@@ -93,7 +93,7 @@ class Settings(BaseSettings):
     # Request path
     connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to open an upstream connection.")
     first_token_timeout_s: float = Field(
-        120.0, gt=0, description="Seconds from sending a request to the upstream's first byte (504 after)."
+        120.0, gt=0, description="Seconds from sending a streamed request to the upstream's first byte (504 after); a non-streamed one is held to the total timeout."
     )
     chunk_timeout_s: float = Field(
         60.0, gt=0, description="Longest gap in seconds between two chunks of an upstream response."

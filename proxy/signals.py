@@ -1,11 +1,19 @@
 """Live signals: poll each instance's load, learn step costs and acceptance, build snapshots.
 
-Per instance, at start: GET /server_info (which instances speculate, max_running_requests, the
-draft settings). Then every SPECROUTE_POLL_INTERVAL_MS one load probe, the first of these that
-the server answers: GET /v1/loads (SGLang 0.5.15+), GET /metrics (Prometheus text; SGLang with
---enable-metrics, or vLLM), GET /get_load (older SGLang). A server that answers none is counted
-by the proxy's own in-flight requests only. Spec instances that expose /metrics also give the
-token and verify-call counters, whose increments are the windowed accept length.
+Per instance, once it answers: GET /server_info (which instances speculate,
+max_running_requests, the draft settings). Then every SPECROUTE_POLL_INTERVAL_MS one load probe,
+the first of these that the server answers: GET /v1/loads (SGLang 0.5.15+), GET /metrics
+(Prometheus text; SGLang with --enable-metrics, or vLLM), GET /get_load (older SGLang). A server
+that answers none is counted by the proxy's own in-flight requests only (and checked for life on
+GET /health). Spec instances that expose /metrics also give the token and verify-call counters,
+whose increments are the windowed accept length.
+
+Health: an instance the proxy cannot connect to (at start, on UNREACHABLE_AFTER polls in a row,
+or on a request's connect error) is unhealthy, and skipped, until a poll reaches it again; one
+not reached yet is learned again every RELEARN_EVERY polls (GPU servers often start minutes after
+the proxy). A probe that keeps answering with an error status is learned again too (the server
+behind the URL changed). Each instance is polled on its own loop, so a dead or slow host does
+not delay the readings of the others.
 
 All routing arithmetic lives in policies/ (fleet.FleetState builds the Snapshot); this module
 only does the I/O and feeds it.
@@ -36,6 +44,17 @@ METRICS_EVERY = 5
 """On a spec instance polled through /v1/loads, read /metrics' counters every this many polls."""
 GAUGE_INTERVAL_STEPS = 40
 """Decode iterations behind sglang:spec_accept_length (SGLang's --decode-log-interval default)."""
+UNREACHABLE_AFTER = 3
+"""Failed connections in a row after which a polled instance is marked unhealthy."""
+RELEARN_EVERY = 10
+"""Polls between two tries to learn an instance not reached yet (1 s at the default interval)."""
+REPROBE_AFTER = 10
+"""Error answers in a row from an instance's load probe after which it is learned again."""
+LIVENESS_EVERY = 5
+"""Polls between two GET /health of an instance that answers no load probe."""
+# A connection that cannot be made (refused, unresolvable, or not accepted in time): the host
+# is down, not merely slow (a slow answer only ages the reading).
+CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
 
 def parse_prometheus(text: str, wanted: frozenset[str]) -> dict[str, float]:
@@ -149,9 +168,13 @@ class Signals:
         self.info: dict[str, dict[str, Any]] = {}
         self.decisions: deque[dict[str, Any]] = deque(maxlen=settings.state_decisions)
         self.poll_errors: dict[str, str] = {}
+        self.unlearned: set[str] = set(self.by_url)
+        """Instances not reached yet: learned again every RELEARN_EVERY polls, not polled."""
+        self._polls: dict[str, int] = dict.fromkeys(self.by_url, 0)
+        self._failures: dict[str, int] = dict.fromkeys(self.by_url, 0)
+        """Consecutive failed polls per instance (connection failures, or error answers)."""
         self._client: httpx.AsyncClient | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._polls = 0
+        self._tasks: list[asyncio.Task[None]] = []
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -160,29 +183,40 @@ class Signals:
         self._client = httpx.AsyncClient(timeout=timeout, trust_env=False)
         await asyncio.gather(*(self._learn(url) for url in self.by_url))
         await self.poll_once()
-        self._task = asyncio.create_task(self._loop(), name="specroute-signals")
+        self._tasks = [asyncio.create_task(self._loop(url), name=f"specroute-signals {url}") for url in self.by_url]
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
             try:
-                await self._task
+                await task
             except asyncio.CancelledError:
                 pass
-            self._task = None
+        self._tasks = []
         if self._client is not None:
             await self._client.aclose()
             self._client = None
 
-    async def _loop(self) -> None:
+    async def _loop(self, url: str) -> None:
         interval = self.settings.poll_interval_ms / 1000
         while True:
-            started = self.clock()
+            await asyncio.sleep(interval)
             try:
-                await self.poll_once()
+                await self._tick(url)
             except Exception:  # a bug in one poll must not stop polling (readings would go stale)
-                log.exception("load poll failed")
-            await asyncio.sleep(max(interval - (self.clock() - started), 0.0))
+                log.exception("load poll of %s failed", url)
+
+    async def _tick(self, url: str) -> None:
+        """One poll period of one instance: learn it, poll its load, or check it is alive."""
+        polls = self._polls[url] = self._polls[url] + 1
+        if url in self.unlearned:
+            if polls % RELEARN_EVERY == 0:
+                await self._learn(url)
+        elif self.probe.get(url) is not None:
+            await self._poll(url)
+        elif polls % LIVENESS_EVERY == 0:
+            await self._liveness(url)
 
     # -- polling --------------------------------------------------------------------------------
 
@@ -195,10 +229,20 @@ class Signals:
         return await self._client.get(url + path, headers=self._headers(url))
 
     async def _learn(self, url: str) -> None:
-        """GET /server_info once, then find the first load probe the server answers."""
+        """GET /server_info, then find the first load probe the server answers. An instance that
+        cannot be reached stays unlearned (and unhealthy) and is tried again later."""
         try:
             response = await self._get(url, "/server_info")
-            if response.status_code == 200:
+        except CONNECT_ERRORS as exc:
+            self._unreachable(url, f"server_info: {type(exc).__name__}")
+            return
+        except httpx.HTTPError as exc:  # it answered, slowly or badly: learn what it has
+            self.poll_errors[url] = f"server_info: {type(exc).__name__}"
+            response = None
+        self.unlearned.discard(url)
+        self._reached(url)
+        try:
+            if response is not None and response.status_code == 200:
                 facts = server_info_facts(response.json())
                 self.info[url] = facts
                 instance = self.by_url[url]
@@ -210,14 +254,17 @@ class Signals:
                 if facts["speculative"] != (instance.pool == "spec"):
                     log.warning("%s is in the %s pool but /server_info says speculative=%s",
                                 url, instance.pool, facts["speculative"])
-        except (httpx.HTTPError, ValueError) as exc:
+        except (ValueError, TypeError, AttributeError) as exc:
             self.poll_errors[url] = f"server_info: {type(exc).__name__}"
         for path in LOAD_PROBES:
             try:
                 response = await self._get(url, path)
+            except CONNECT_ERRORS as exc:
+                self._unreachable(url, f"{path}: {type(exc).__name__}")
+                return
             except httpx.HTTPError as exc:
                 self.poll_errors[url] = f"{path}: {type(exc).__name__}"
-                self.probe[url] = LOAD_PROBES[0]  # unreachable now: keep trying the best probe
+                self.probe[url] = LOAD_PROBES[0]  # answering badly now: keep trying the best probe
                 return
             if response.status_code == 200:
                 self.probe[url] = path
@@ -225,9 +272,44 @@ class Signals:
         self.probe[url] = None
         self.fleet.on_unpolled(url)
 
+    def _unreachable(self, url: str, error: str) -> None:
+        """No connection to `url`: unhealthy, and learned again (it may come back as anything)."""
+        self.poll_errors[url] = error
+        self.unlearned.add(url)
+        self.fleet.set_health(url, False)
+
+    def _reached(self, url: str) -> None:
+        """The instance answered (whatever it said): it is up."""
+        self.fleet.set_health(url, True)
+
+    async def _liveness(self, url: str) -> None:
+        """An instance with no load probe: any answer on /health means it is up."""
+        try:
+            await self._get(url, "/health")
+        except CONNECT_ERRORS as exc:
+            self._failed(url, f"/health: {type(exc).__name__}", connect=True)
+            return
+        except httpx.HTTPError as exc:
+            self.poll_errors[url] = f"/health: {type(exc).__name__}"
+            return
+        self.poll_errors.pop(url, None)
+        self._failures[url] = 0
+        self._reached(url)
+
+    def _failed(self, url: str, error: str, connect: bool) -> None:
+        """A failed poll: connection failures in a row make the instance unreachable; error
+        answers in a row send it back to be learned (the server behind the URL changed)."""
+        self.poll_errors[url] = error
+        failures = self._failures[url] = self._failures[url] + 1
+        if connect and failures >= UNREACHABLE_AFTER:
+            self._unreachable(url, error)
+        elif not connect and failures >= REPROBE_AFTER:
+            self._failures[url] = 0
+            self.unlearned.add(url)
+
     async def poll_once(self) -> None:
-        self._polls += 1
-        await asyncio.gather(*(self._poll(url) for url, path in self.probe.items() if path is not None))
+        """Every instance once (at start, and in tests); the background loops do the rest."""
+        await asyncio.gather(*(self._tick(url) for url in self.by_url))
 
     async def _poll(self, url: str) -> None:
         path = self.probe[url]
@@ -235,19 +317,30 @@ class Signals:
         at = self.clock()
         try:
             response = await self._get(url, path)
-            response.raise_for_status()
+        except CONNECT_ERRORS as exc:
+            self._failed(url, f"{path}: {type(exc).__name__}", connect=True)
+            return
+        except httpx.HTTPError as exc:  # it is up (it accepted the connection), but slow or broken
+            self.poll_errors[url] = f"{path}: {type(exc).__name__}"
+            return
+        self._reached(url)
+        if response.status_code != 200:
+            self._failed(url, f"{path}: HTTP {response.status_code}", connect=False)
+            return
+        try:
             if path == "/v1/loads":
                 reading = reading_from_loads(response.json(), at)
             elif path == "/metrics":
                 reading = reading_from_metrics(response.text, at)
             else:
                 reading = reading_from_get_load(response.json(), at)
-            if path == "/v1/loads" and self.fleet.instances[url].pool == "spec" and self._polls % METRICS_EVERY == 1:
+            if path == "/v1/loads" and self.fleet.instances[url].pool == "spec" and self._polls[url] % METRICS_EVERY == 1:
                 reading = await self._with_counters(url, reading)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             # The reading ages and turns stale; routing acts on that (see policies/fleet.py).
             self.poll_errors[url] = f"{path}: {type(exc).__name__}"
             return
+        self._failures[url] = 0
         self.poll_errors.pop(url, None)
         self.fleet.on_reading(url, reading)
 
@@ -321,6 +414,7 @@ class Signals:
                         {
                             "url": i.url, "running": i.running, "waiting": i.waiting,
                             "max_running": i.max_running, "healthy": i.healthy,
+                            "reached": i.url not in self.unlearned,
                             "age_s": None if math.isinf(i.age_s) else round(i.age_s, 3),
                             "probe": self.probe.get(i.url), "error": self.poll_errors.get(i.url),
                             "server_info": self.info.get(i.url),

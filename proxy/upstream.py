@@ -72,13 +72,16 @@ class Upstream:
         return self._session
 
     async def post(
-        self, url: str, headers: Iterable[tuple[str, str]], body: bytes, total_s: float
+        self, url: str, headers: Iterable[tuple[str, str]], body: bytes, total_s: float,
+        first_byte_limited: bool = True,
     ) -> aiohttp.ClientResponse:
-        """Send a POST; returns once the status line and headers are in (body unread)."""
+        """Send a POST; returns once the status line and headers are in (body unread).
+        `first_byte_limited`: the wait for them is held to the first-token timeout (a stream);
+        otherwise only the total timeout bounds it (a JSON answer's headers come when it is done)."""
         timeout = aiohttp.ClientTimeout(
             total=total_s,
             sock_connect=self.settings.connect_timeout_s,
-            sock_read=self.settings.first_token_timeout_s,
+            sock_read=self.settings.first_token_timeout_s if first_byte_limited else None,
         )
         parsed = self._urls.get(url)
         if parsed is None:

@@ -232,11 +232,14 @@ def test_failover_shows_two_sibling_attempt_spans(
     jaeger: Jaeger, fleet: tuple[RunningTwin, RunningTwin], tmp_path: Path
 ) -> None:
     _, base = fleet
-    with socket.socket() as dead:  # bound, never listening: connections to it are refused
-        dead.bind(("127.0.0.1", 0))
-        dead_url = f"http://127.0.0.1:{dead.getsockname()[1]}"
-        env = proxy_env(jaeger, "http/protobuf", "specroute-failover", dead_url, base.url)
+    # A spec server that dies after the proxy learned it (one already down at start is skipped
+    # without an attempt); polls far apart, so the request meets it before a poll does.
+    with twins(TwinSpec("spec", time_scale=10)) as (doomed,):
+        env = proxy_env(jaeger, "http/protobuf", "specroute-failover", doomed.url, base.url)
+        env["SPECROUTE_POLL_INTERVAL_MS"] = "60000"
         with proxy(tmp_path, "failover", env) as p:
+            doomed.process.terminate()
+            doomed.process.wait(10)
             trace_id = new_trace_id()
             completion = p.client.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=12,

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from proxy_faults import FaultServer
-from proxy_harness import RunningProxy, running_proxy, twin_running, wait_for
+from proxy_harness import TIME_SCALE, RunningProxy, running_proxy, twin_running, wait_for
 
 from sim.testing import RunningTwin, twin
 
@@ -36,20 +36,41 @@ def dead_url() -> str:
         return f"http://127.0.0.1:{sock.getsockname()[1]}"  # closed again: connections are refused
 
 
-def test_connect_error_fails_over_to_the_other_pool(twin_pair) -> None:
+def test_a_server_down_at_start_is_skipped_without_an_attempt(twin_pair) -> None:
     _, base = twin_pair
     with running_proxy(spec_urls=[dead_url()], base_urls=[base.url], policy="spec") as proxy:
+        assert not proxy.app.router.pools["spec"].instances[0].healthy
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
         raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=3)
         assert raw.parse().usage.completion_tokens == 3
-        assert raw.headers["x-specroute-backend"] == base.url
-        assert raw.headers["x-specroute-pool"] == "base"  # where it ran, not where it was first sent
-        assert raw.headers["x-specroute-reason"] == "static+failover"
-        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+        assert (raw.headers["x-specroute-pool"], raw.headers["x-specroute-reason"]) == ("base", "unavailable")
+        assert proxy.app.router.pools["spec"].instances[0].dispatched_total == 0
+        assert httpx.get(proxy.url + "/ready").status_code == 200  # base takes work
 
 
-def test_connect_timeout_fails_over(twin_pair) -> None:
-    """A server whose accept queue is full drops new SYNs: connecting hangs until the timeout."""
+def test_a_server_that_dies_fails_over_then_is_skipped(twin_pair) -> None:
+    _, base = twin_pair
+    with twin("spec", time_scale=TIME_SCALE) as doomed:
+        # Polls far apart: the first request meets the dead server before any poll does.
+        with running_proxy(spec_urls=[doomed.url], base_urls=[base.url], policy="spec", poll_interval_ms=60_000) as proxy:
+            doomed.process.terminate()
+            doomed.process.wait(10)
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+            raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=3)
+            assert raw.parse().usage.completion_tokens == 3
+            assert raw.headers["x-specroute-backend"] == base.url
+            assert raw.headers["x-specroute-pool"] == "base"  # where it ran, not where it was first sent
+            assert raw.headers["x-specroute-reason"] == "static+failover"
+            spec = proxy.app.router.pools["spec"].instances[0]
+            assert (spec.failed_total, spec.healthy) == (1, False)
+            raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=3)
+            assert raw.headers["x-specroute-reason"] == "unavailable" and spec.dispatched_total == 1  # skipped
+            wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_a_blackholed_server_costs_no_connect_timeout_per_request(twin_pair) -> None:
+    """A server whose accept queue is full drops new SYNs: connecting hangs until the timeout.
+    Found unreachable by the poller, it is skipped instead of costing each request the wait."""
     _, base = twin_pair
     with socket.socket() as blackhole:
         blackhole.bind(("127.0.0.1", 0))
@@ -63,10 +84,13 @@ def test_connect_timeout_fails_over(twin_pair) -> None:
             fillers.append(filler)
         try:
             with running_proxy(spec_urls=[url], base_urls=[base.url], policy="spec", connect_timeout_s=0.5) as proxy:
+                state = httpx.get(proxy.url + "/v1/specroute/state").json()["pools"]["spec"]["instances"][0]
+                assert not state["healthy"] and "ConnectTimeout" in state["error"]
                 client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
-                raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2)
-                assert raw.headers["x-specroute-backend"] == base.url
-                assert proxy.app.router.pools["spec"].instances[0].failed_total == 1
+                for _ in range(3):
+                    raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2)
+                    assert raw.headers["x-specroute-backend"] == base.url
+                assert proxy.app.router.pools["spec"].instances[0].dispatched_total == 0
                 wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
         finally:
             for filler in fillers:
@@ -109,6 +133,7 @@ def test_upstream_429_reaches_the_sdk_with_its_retry_after() -> None:
         with pytest.raises(openai.RateLimitError) as caught:
             client.chat.completions.create(model="m", messages=MESSAGES)
         assert caught.value.response.headers["retry-after"] == "1"
+        assert "x-should-retry" not in caught.value.response.headers  # the SDK's own retry applies
         assert error_of(caught.value.response)["type"] == "rate_limit_error"
         assert posts(limited) == 1  # a 4xx is the client's answer, not a reason to fail over
 
@@ -167,12 +192,22 @@ def test_json_body_cut_upstream_breaks_the_client_connection() -> None:
 
 def test_first_token_timeout_is_504_and_closes_the_upstream_request() -> None:
     with FaultServer("hang") as hang, running_proxy(spec_urls=[hang.url], policy="spec", first_token_timeout_s=0.5) as proxy:
-        response = httpx.post(proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=30)
+        response = httpx.post(proxy.base_url + "/chat/completions", timeout=30,
+                              json={"model": "m", "messages": MESSAGES, "stream": True})
         assert response.status_code == 504
         assert error_of(response)["code"] == "first_token_timeout"
+        assert response.headers["x-should-retry"] == "false"  # the SDK would only wait as long again
         assert posts(hang) == 1  # a timeout is not retried: the next server would wait as long
         wait_for(lambda: hang.open_connections == 0, what="the proxy to drop its upstream connection")
         assert proxy.in_flight() == 0
+
+
+def test_a_json_answer_may_take_longer_than_the_first_token_timeout(slow_twin) -> None:
+    # A non-streamed answer's headers come when it is complete: only the total timeout bounds it.
+    with running_proxy(base_urls=[slow_twin.url], policy="base", first_token_timeout_s=0.3) as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=100)
+        assert reply.usage.completion_tokens == 100  # about 0.7 s in real time
 
 
 @pytest.mark.parametrize("setting", [{"chunk_timeout_s": 0.5}, {"total_timeout_s": 1.0, "connect_timeout_s": 0.5}])

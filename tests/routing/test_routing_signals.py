@@ -1,6 +1,9 @@
 """proxy/signals.py against real twin servers on 127.0.0.1: learning, polling, acceptance."""
 
 import asyncio
+import contextlib
+import signal
+import socket
 import time
 
 import httpx
@@ -11,7 +14,7 @@ from policies.types import Features
 from proxy.routing import Router
 from proxy.settings import load_settings
 from proxy.signals import parse_prometheus, reading_from_get_load, reading_from_loads, reading_from_metrics
-from sim.testing import TwinSpec, twins
+from sim.testing import TwinSpec, twin, twins
 
 TIME_SCALE = 10.0
 
@@ -75,7 +78,7 @@ def test_signals_learn_poll_and_estimate_acceptance():
         asyncio.run(scenario())
 
 
-def test_a_dead_instance_turns_stale():
+def test_a_hung_instance_turns_stale_and_a_dead_one_unhealthy():
     with twins(TwinSpec("spec", time_scale=TIME_SCALE), TwinSpec("base", time_scale=TIME_SCALE)) as (spec, base):
         settings = load_settings(spec_urls=spec.url, base_urls=base.url, poll_interval_ms=20, stale_ms=300)
         router = Router.from_settings(settings)
@@ -84,19 +87,64 @@ def test_a_dead_instance_turns_stale():
             await router.start()
             try:
                 assert not router.snapshot().pool("spec").stale
+                # Hung (SIGSTOP): the kernel still accepts connections, nothing answers.
+                spec.process.send_signal(signal.SIGSTOP)
+                try:
+                    await wait_for(lambda: router.snapshot().pool("spec").stale, 10, "the spec pool to turn stale")
+                    await wait_for(lambda: router.state()["pools"]["spec"]["instances"][0]["error"], 10,
+                                   "a poll to time out")
+                    assert router.snapshot().pool("spec").available  # slow is not dead
+                    assert not router.snapshot().pool("base").stale
+                    # The policy acts conservatively on a stale spec pool, and says why.
+                    decision = router.choose(Features(prompt_tokens=100), None)
+                    assert (decision.pool, decision.reason) == ("base", "stale")
+                    assert decision.scores["spec.stale"] == 1.0 and decision.scores["spec.age_s"] > 0.3
+                finally:
+                    spec.process.send_signal(signal.SIGCONT)
+                await wait_for(lambda: not router.snapshot().pool("spec").stale, 10, "fresh readings again")
+                # Dead: connections are refused; after a few polls it is skipped.
                 spec.process.terminate()
                 await asyncio.to_thread(spec.process.wait, 10)
-                await wait_for(lambda: router.snapshot().pool("spec").stale, 10, "the spec pool to turn stale")
-                assert router.state()["pools"]["spec"]["instances"][0]["error"]
-                assert not router.snapshot().pool("base").stale
-                # The policy acts conservatively on a stale spec pool, and says why.
+                await wait_for(lambda: not router.snapshot().pool("spec").available, 10, "the spec pool to turn unhealthy")
+                assert router.ready  # base still takes work
                 decision = router.choose(Features(prompt_tokens=100), None)
-                assert (decision.pool, decision.reason) == ("base", "stale")
-                assert decision.scores["spec.stale"] == 1.0 and decision.scores["spec.age_s"] > 0.3
+                assert (decision.pool, decision.reason) == ("base", "spec-down")
             finally:
                 await router.stop()
 
         asyncio.run(scenario())
+
+
+def test_an_instance_down_at_start_is_skipped_then_learned_once_it_answers():
+    # A port bound but not listening refuses connections: the spec server is not up yet.
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    with twins(TwinSpec("base", time_scale=TIME_SCALE)) as (base,), contextlib.ExitStack() as later:
+        settings = load_settings(spec_urls=f"http://127.0.0.1:{port}", base_urls=base.url, poll_interval_ms=20)
+        router = Router.from_settings(settings)
+
+        async def scenario():
+            await router.start()
+            try:
+                spec_state = router.state()["pools"]["spec"]["instances"][0]
+                assert (spec_state["healthy"], spec_state["reached"]) == (False, False)
+                assert (router.choose(Features(prompt_tokens=100), None).reason) == "spec-down"
+                holder.close()
+                await asyncio.to_thread(later.enter_context, twin("spec", time_scale=TIME_SCALE, args=("--port", str(port))))
+                await wait_for(lambda: router.state()["pools"]["spec"]["instances"][0]["healthy"], 10,
+                               "the spec server to be reached")
+                await wait_for(lambda: not router.snapshot().pool("spec").stale, 10, "its first reading")
+                spec_state = router.state()["pools"]["spec"]["instances"][0]
+                assert spec_state["probe"] == "/v1/loads" and spec_state["server_info"]["speculative"]
+                assert router.choose(Features(prompt_tokens=100), None).pool == "spec"
+            finally:
+                await router.stop()
+
+        try:
+            asyncio.run(scenario())
+        finally:
+            holder.close()
 
 
 def test_parsers_cover_each_probe():
