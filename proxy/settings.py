@@ -26,6 +26,7 @@ class Settings(BaseSettings):
         extra="ignore",
         validate_default=True,
         allow_inf_nan=False,  # an infinite timeout crashed every request (aiohttp rounds deadlines)
+        env_ignore_empty=True,  # `NAME=` (an uncommented .env.example line) means unset, not ""
     )
 
     # Listening
@@ -158,6 +159,8 @@ class Settings(BaseSettings):
                 raise ValueError(f"{shown!r} carries credentials; set SPECROUTE_SPEC_API_KEY/SPECROUTE_BASE_API_KEY instead")
             if parsed.query_string or parsed.fragment:
                 raise ValueError(f"{url!r} has a query or fragment; give the server's base URL")
+            if not parsed.host or any(c.isspace() for c in url):
+                raise ValueError(f"{url!r} is not a valid URL (no host, or a space in it)")
         return [url.rstrip("/") for url in urls]
 
     @field_validator("host")
@@ -244,10 +247,21 @@ class Settings(BaseSettings):
             value = getattr(self, name)
             if isinstance(value, SecretStr):
                 value = "********"
+            elif name == "otlp_endpoint" and value:
+                value = without_password(value)
             elif isinstance(value, list):
                 value = ",".join(value)
             view[variable_name(name)] = value
         return view
+
+
+def without_password(url: str) -> str:
+    """`url` with any password in it masked (an OTLP endpoint may carry basic-auth credentials)."""
+    try:
+        parsed = URL(url)
+    except ValueError:
+        return url
+    return str(parsed.with_password("********")) if parsed.password else url
 
 
 def load_settings(**overrides: Any) -> Settings:

@@ -32,8 +32,9 @@ def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
         ({"SPECROUTE_BASE_URLS": "http://gpu-a:300000"}, "SPECROUTE_BASE_URLS"),
         ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_TOTAL_TIMEOUT_S": "inf"}, "SPECROUTE_TOTAL_TIMEOUT_S"),
         ({"SPECROUTE_BASE_URLS": "http://a:1", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_PROTOCOL"),
-        # An empty host made uvicorn listen on every interface:
-        ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_HOST": ""}, "SPECROUTE_HOST"),
+        # A blank host made uvicorn listen on every interface (an empty one means unset: 127.0.0.1):
+        ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_HOST": " "}, "SPECROUTE_HOST"),
+        ({"SPECROUTE_BASE_URLS": "http://gpu a:30000"}, "SPECROUTE_BASE_URLS"),
         # Credentials in a URL would reach every client in x-specroute-backend:
         ({"SPECROUTE_BASE_URLS": "http://user:secret@gpu-a:30000"}, "SPECROUTE_BASE_URLS"),
     ],
@@ -56,6 +57,22 @@ def test_config_prints_effective_settings_with_secrets_masked(tmp_path: Path) ->
     assert rows["SPECROUTE_MAX_ATTEMPTS"] == "2"  # from the environment
     assert rows["SPECROUTE_SPEC_API_KEY"] == rows["SPECROUTE_BASE_API_KEY"] == "********"
     assert "secret" not in result.stdout
+
+
+def test_an_empty_value_means_unset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What an uncommented `NAME=` line of deploy/.env.example gives.
+    (tmp_path / ".env").write_text("SPECROUTE_BASE_URLS=http://a:1\nSPECROUTE_TRACES=\nSPECROUTE_HOST=\n"
+                                   "SPECROUTE_BASE_API_KEY=\nSPECROUTE_PROFILE=\n")
+    monkeypatch.chdir(tmp_path)
+    settings = load_settings()
+    assert (settings.traces, settings.host, settings.base_api_key, settings.profile) == (None, "127.0.0.1", None, None)
+
+
+def test_config_masks_a_password_in_the_otlp_endpoint(tmp_path: Path) -> None:
+    env = {"SPECROUTE_BASE_URLS": "http://a:1", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://user:hunter2@collector:4318"}
+    result = run(["config"], env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "hunter2" not in result.stdout and "collector:4318" in result.stdout
 
 
 def test_environment_wins_over_dotenv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
