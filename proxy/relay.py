@@ -219,8 +219,10 @@ class CompletionHandler:
             exchange.error_type = str(aborted)  # uvicorn closes the connection: the client sees the break
         except asyncio.CancelledError:
             if not exchange.client_gone:
+                # The server is stopping (its drain timeout passed), not our client leaving: the
+                # client is told, and the response is complete, so this request ends normally
+                # (re-raising only made uvicorn log the cancellation as an application error).
                 await self.interrupted(exchange)
-                raise  # the server is stopping (drain timeout passed), not our client leaving
             task.uncancel()
         finally:
             if watcher is not None:
