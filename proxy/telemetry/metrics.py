@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -37,6 +36,8 @@ class Metrics:
                            ["pool"], registry=r)
         self.snapshot_age = Gauge(n.M_SNAPSHOT_AGE, "Age in seconds of the freshest load reading per pool.",
                                   ["pool"], registry=r)
+        self.healthy = Gauge(n.M_HEALTHY, "1 when the proxy can reach an upstream instance, else 0.",
+                             ["pool", "instance"], registry=r)
         self.retries = Counter(n.M_RETRIES, "Upstream attempts repeated within the same pool.",
                                ["pool"], registry=r)
         self.failovers = Counter(n.M_FAILOVERS, "Upstream attempts moved to the other pool.",
@@ -102,8 +103,10 @@ class Metrics:
         for name, pool in snapshot.pools.items():
             if pool.alpha is not None:
                 self.alpha.labels(name).set(pool.alpha)
-            if math.isfinite(pool.age_s):  # infinite until the pool's first load reading
-                self.snapshot_age.labels(name).set(pool.age_s)
+            # +Inf until the pool's first load reading: an age alert fires for a pool never read.
+            self.snapshot_age.labels(name).set(pool.age_s)
+            for instance in pool.instances:
+                self.healthy.labels(name, instance.url).set(1.0 if instance.healthy else 0.0)
 
     def render(self) -> bytes:
         if self._snapshot_source is not None:

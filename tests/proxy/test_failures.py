@@ -46,6 +46,19 @@ def test_a_server_down_at_start_is_skipped_without_an_attempt(twin_pair) -> None
         assert (raw.headers["x-specroute-pool"], raw.headers["x-specroute-reason"]) == ("base", "unavailable")
         assert proxy.app.router.pools["spec"].instances[0].dispatched_total == 0
         assert httpx.get(proxy.url + "/ready").status_code == 200  # base takes work
+        metrics = httpx.get(proxy.url + "/metrics").text
+        dead = proxy.app.router.pools["spec"].instances[0].url
+        assert f'specroute_upstream_healthy{{instance="{dead}",pool="spec"}} 0.0' in metrics
+        assert f'specroute_upstream_healthy{{instance="{base.url}",pool="base"}} 1.0' in metrics
+        assert 'specroute_snapshot_age_seconds{pool="spec"} +Inf' in metrics  # never read: an age alert fires
+
+
+def test_ready_is_503_when_no_upstream_can_be_reached() -> None:
+    with running_proxy(spec_urls=[dead_url()], base_urls=[dead_url()]) as proxy:
+        ready = httpx.get(proxy.url + "/ready")
+        assert ready.status_code == 503
+        response = httpx.post(proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES})
+        assert response.status_code == 503 and error_of(response)["code"] == "no_upstream"
 
 
 def test_a_server_that_dies_fails_over_then_is_skipped(twin_pair) -> None:
