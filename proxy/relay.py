@@ -136,7 +136,13 @@ class Exchange:
 
 
 def request_headers(scope: Scope) -> dict[str, str]:
-    return {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+    """The request's headers by lower-case name; a repeated one is joined with ", " (RFC 9110
+    5.3), so none is lost on the way upstream and two routing headers that disagree are refused."""
+    headers: dict[str, str] = {}
+    for raw_name, raw_value in scope["headers"]:
+        name, value = raw_name.decode("latin-1").lower(), raw_value.decode("latin-1")
+        headers[name] = f"{headers[name]}, {value}" if name in headers else value
+    return headers
 
 
 def request_id_of(headers: dict[str, str]) -> str:

@@ -120,6 +120,18 @@ def test_body_and_headers_reach_the_backend_unchanged() -> None:
         assert sent.headers["x-request-id"] == answer.headers["x-request-id"]
 
 
+def test_repeated_headers_are_joined_not_dropped() -> None:
+    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        answer = httpx.post(proxy.base_url + "/chat/completions", json=body,
+                            headers=[("x-custom", "a"), ("x-custom", "b")])
+        assert answer.status_code == 200
+        assert [r for r in upstream.requests if r.method == "POST"][-1].headers["x-custom"] == "a, b"
+        twice = httpx.post(proxy.base_url + "/chat/completions", json=body,
+                           headers=[("x-specroute-pool", "spec"), ("x-specroute-pool", "base")])
+        assert twice.status_code == 400 and twice.json()["error"]["param"] == "x-specroute-pool"
+
+
 def test_the_query_string_reaches_the_backend_as_sent() -> None:
     with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
