@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any, Sequence
 
-from proxy.settings import SettingsError, load_settings
+from proxy.settings import SettingsError, load_settings, share_dotenv_otel
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_demo(port=args.port, profile=args.profile, time_scale=args.time_scale)
         overrides: dict[str, Any] = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         settings = load_settings(**overrides)
+        share_dotenv_otel()
         from proxy.server import serve
 
         serve(settings)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Any
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
@@ -253,6 +254,17 @@ class Settings(BaseSettings):
                 value = ",".join(value)
             view[variable_name(name)] = value
         return view
+
+
+def share_dotenv_otel(path: str = ".env") -> None:
+    """Put the .env file's OTEL_* variables into the process environment, where the
+    OpenTelemetry SDK reads them (it reads no .env file), so that traces go where
+    `specroute config` says. The environment still wins; called once, at `specroute serve`."""
+    from dotenv import dotenv_values
+
+    for name, value in dotenv_values(path).items():
+        if name.startswith("OTEL_") and value and not os.environ.get(name):  # empty = unset
+            os.environ[name] = value
 
 
 def without_password(url: str) -> str:

@@ -39,7 +39,7 @@ def free_port() -> int:
 class Proxy:
     """`specroute serve` as a user runs it: a process configured by environment variables."""
 
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, env: dict[str, str], log_path: Path, cwd: Path | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -47,7 +47,7 @@ class Proxy:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "proxy.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)],
             env={**os.environ, "SPECROUTE_LOG_LEVEL": "warning", **env},
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
         )
         poll(self._ready, 60, "specroute to answer /health")
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -226,6 +226,24 @@ def check_trace(spans: list[dict[str, Any]], spec: RunningTwin, *, stream: bool,
     assert backend["attrs"]["gen_ai.usage.completion_tokens"] == 12
     for span in spans:
         assert PROMPT not in json.dumps(span["attrs"]), "prompt text on a span without the opt-in"
+
+
+def test_otel_variables_in_a_dotenv_file_are_honoured(jaeger: Jaeger, fleet: tuple[RunningTwin, RunningTwin],
+                                                       tmp_path: Path) -> None:
+    spec, base = fleet
+    env = proxy_env(jaeger, "grpc", "specroute-dotenv", spec.url, base.url)
+    dotenv = {name: env.pop(name) for name in list(env) if name.startswith("OTEL_")}
+    (tmp_path / ".env").write_text("".join(f"{name}={value}\n" for name, value in dotenv.items()))
+    clean = {name: "" for name in os.environ if name.startswith("OTEL_")}  # empty: unset for both readers
+    running = Proxy({**clean, **env}, tmp_path / "dotenv.log", cwd=tmp_path)
+    try:
+        trace_id = new_trace_id()
+        running.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
+                                               extra_headers={"traceparent": client_traceparent(trace_id)})
+        spans = jaeger.wait_for_spans(trace_id, lambda s: any(x["service"] == "specroute-dotenv" for x in s))
+    finally:
+        running.stop()
+    assert one(spans, name=SERVER)["service"] == "specroute-dotenv"
 
 
 def test_failover_shows_two_sibling_attempt_spans(
