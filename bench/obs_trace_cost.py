@@ -1,16 +1,19 @@
 """What tracing every request costs the proxy: throughput and CPU per request, tracing off vs on.
 
-    .venv/bin/python -m bench.obs_trace_cost            # 3 rounds, off / http / grpc interleaved
-    .venv/bin/python -m bench.obs_trace_cost --quick    # fewer requests (a smoke run)
+    flock /tmp/specroute-bench.lock .venv/bin/python -m bench.obs_trace_cost   # 8 rounds
+    .venv/bin/python -m bench.obs_trace_cost --quick    # fewer requests, one round (a smoke run)
 
 The proxy runs in front of bench.proxy_upstream (the fast fake upstream of the proxy benchmark);
 tracing exports every request's spans (server, decision, attempt: 3 per request, sampler
 always_on) over OTLP to a real Jaeger v2 on this machine (http/protobuf and grpc: Jaeger's own CPU
 shares the 2 cores, so these are upper bounds), and over http to bench.otlp_sink, a receiver that
 stores nothing ("sink": the proxy's own cost of tracing). Configurations run interleaved, round
-after round, so background load on the machine falls on all of them; the table gives the median
-and the best round of each (noise only ever lowers throughput and raises CPU, so the best rounds
-are the least disturbed). docs/observability.md records the figures.
+after round, in reverse order every other round, so background load on the machine falls on all
+of them alike; the table gives the median and the best round of each (noise only ever lowers
+throughput and raises CPU, so the best rounds are the least disturbed), and the median of each
+round's change against that round's tracing-off run (a pair measured a minute apart, so slow
+swings in the machine's load cancel). CPU is the proxy process's (all its threads, from /proc).
+docs/observability.md records the figures.
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ def tracing_env(config: str, jaeger: Jaeger, sink_port: int) -> dict[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tenth of the requests, one round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--scale", type=float, default=0.2, help="of the proxy benchmark's request counts")
     args = parser.parse_args()
-    scale, rounds = (0.1, 1) if args.quick else (0.2, args.rounds)
+    scale, rounds = (0.1, 1) if args.quick else (args.scale, args.rounds)
     scenarios = [s for s in SCENARIOS if s.name in MEASURED]
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
 
@@ -58,7 +62,7 @@ def main() -> None:
             sink = [sys.executable, "-m", "bench.otlp_sink", str(sink_port)]
             with process(upstream, upstream_port), process(sink, sink_port):
                 for round_number in range(rounds):
-                    for config in CONFIGS:
+                    for config in CONFIGS if round_number % 2 == 0 else CONFIGS[::-1]:
                         port = free_port()
                         cmd, env = specroute_cmd(upstream_port, port)
                         with process(cmd, port, {**env, **tracing_env(config, jaeger, sink_port)}) as proxy:
@@ -72,18 +76,23 @@ def main() -> None:
             jaeger.stop()
 
     print()
-    print("| scenario | tracing | req/s median (best) | vs off | CPU us/req median (best) | vs off (best) | errors |")
+    print("| scenario | tracing | req/s median (best) | vs off: medians (best; paired) "
+          "| CPU us/req median (best) | vs off: medians (best; paired) | errors |")
     print("|---|---|---|---|---|---|---|")
     for scenario in scenarios:
-        off = summary(results[("off", scenario.name)])
+        off_runs = results[("off", scenario.name)]
+        off = summary(off_runs)
         for config in CONFIGS:
             runs = results[(config, scenario.name)]
             m = summary(runs)
             errors = sum(r["errors"] for r in runs)
+            paired_rate = statistics.median(r["rate"] / o["rate"] - 1 for r, o in zip(runs, off_runs)) * 100
+            paired_cpu = statistics.median(r["cpu_us"] / o["cpu_us"] - 1 for r, o in zip(runs, off_runs)) * 100
             print(f"| {scenario.name} | {config} | {m['rate']:,.0f} ({m['best_rate']:,.0f}) "
-                  f"| {change(m['rate'], off['rate'])} ({change(m['best_rate'], off['best_rate'])}) "
+                  f"| {change(m['rate'], off['rate'])} ({change(m['best_rate'], off['best_rate'])}; {paired_rate:+.1f} %) "
                   f"| {m['cpu']:,.0f} ({m['best_cpu']:,.0f}) "
-                  f"| {change(m['cpu'], off['cpu'])} ({change(m['best_cpu'], off['best_cpu'])}) | {errors:.0f} |")
+                  f"| {change(m['cpu'], off['cpu'])} ({change(m['best_cpu'], off['best_cpu'])}; {paired_cpu:+.1f} %) "
+                  f"| {errors:.0f} |")
 
 
 def summary(runs: list[dict[str, float]]) -> dict[str, float]:
