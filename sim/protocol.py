@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 DEFAULT_MODEL_NAME = "default"
 
@@ -26,6 +26,44 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class ToolChoiceName(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str | None = None
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: ToolChoiceName
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str = DEFAULT_MODEL_NAME
@@ -39,6 +77,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     rid: str | None = None
     return_spec_tokens_details: bool = False
+    response_format: ResponseFormat | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -47,8 +86,8 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | Literal["auto", "required", "none"] | None = None
     return_meta_info: bool = False
 
     @property
@@ -106,21 +145,22 @@ def check_sampling(request: ChatCompletionRequest | CompletionRequest) -> None:
         raise TwinError(f"top_p must be in (0, 1], got {request.top_p}.")
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
+
+
 def unsupported_features(request: ChatCompletionRequest | CompletionRequest) -> None:
-    """The twin does not pretend: features it cannot imitate get a clear 400."""
-    found = []
-    if request.n != 1:
-        found.append("n != 1")
+    """The twin does not pretend: features it cannot imitate get a clear 400; values that make no
+    sense (n < 1, a negative logprobs count, a tool_choice naming no given tool) get one too."""
+    if request.n < 1:
+        raise TwinError(f"n must be at least 1, got {request.n}.")
     if isinstance(request, ChatCompletionRequest):
-        if request.logprobs or request.top_logprobs:
-            found.append("logprobs")
-        if request.tools:
-            found.append("tools")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            found.append("response_format")
+        check_logprobs("top_logprobs", request.top_logprobs)
+        check_tools(request)
     else:
-        if request.logprobs:
-            found.append("logprobs")
+        check_logprobs("logprobs", request.logprobs)
+    check_response_format(request.response_format)
+    found = []
+    if isinstance(request, CompletionRequest):
         if request.echo:
             found.append("echo")
         if request.best_of not in (None, 1):
@@ -132,6 +172,53 @@ def unsupported_features(request: ChatCompletionRequest | CompletionRequest) -> 
             found.append("batched prompts")
     if found:
         raise TwinError(f"The SGLang twin does not support {', '.join(found)}.")
+
+
+def check_logprobs(name: str, value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise TwinError(f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {value}.")
+
+
+def check_tools(request: ChatCompletionRequest) -> None:
+    choice = request.tool_choice
+    if choice is None or choice in ("auto", "none"):
+        return
+    names = [tool.function.name for tool in request.tools or ()]
+    if not names:
+        raise TwinError("tool_choice requires tools: no tools were given.")
+    if isinstance(choice, ToolChoice) and choice.function.name not in names:
+        raise TwinError(f"Tool '{choice.function.name}' not found in tools list.")
+
+
+def check_response_format(fmt: ResponseFormat | None) -> None:
+    if fmt is None or fmt.type != "json_schema":
+        return
+    schema = json_schema_of(fmt)
+    if schema is None:
+        raise TwinError("response_format of type json_schema needs a json_schema with a schema.")
+    kind = schema.get("type", "object")
+    if kind != "object" and not (isinstance(kind, list) and "object" in kind):
+        raise TwinError("The SGLang twin does not support a json_schema whose top-level type is not object.")
+
+
+def json_schema_of(fmt: ResponseFormat) -> dict[str, Any] | None:
+    """The schema of a json_schema response format; SGLang also takes it as response_format.schema."""
+    if fmt.json_schema is not None and fmt.json_schema.schema_ is not None:
+        return fmt.json_schema.schema_
+    schema = (fmt.model_extra or {}).get("schema")
+    return schema if isinstance(schema, dict) else None
+
+
+def forced_tool(request: ChatCompletionRequest | CompletionRequest) -> Tool | None:
+    """The function a request forces a call to: tool_choice "required" (the first tool) or named."""
+    if not isinstance(request, ChatCompletionRequest) or not request.tools:
+        return None
+    choice = request.tool_choice
+    if choice == "required":
+        return request.tools[0]
+    if isinstance(choice, ToolChoice):
+        return next(t for t in request.tools if t.function.name == choice.function.name)
+    return None
 
 
 def stop_strings(request: ChatCompletionRequest | CompletionRequest) -> tuple[str, ...]:
@@ -150,22 +237,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         "prompt_tokens_details": None,
         "reasoning_tokens": 0,
     }
-
-
-def choice(kind: str, text: str, finish_reason: str | None, matched_stop: Any, *, stream: bool,
-           first: bool = False) -> dict[str, Any]:
-    if kind == "chat":
-        if stream:
-            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-            body: dict[str, Any] = {"index": 0, "delta": delta}
-        else:
-            body = {"index": 0, "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}}
-    else:
-        body = {"index": 0, "text": text}
-    body["logprobs"] = None
-    body["finish_reason"] = finish_reason
-    body["matched_stop"] = matched_stop
-    return body
 
 
 def object_name(kind: str, stream: bool) -> str:

@@ -31,12 +31,12 @@ from sim.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     TwinError,
-    choice,
     object_name,
     parse_request,
     stop_strings,
     usage,
 )
+from sim.shape import ChoiceShape
 from sim.tracing import TwinSpan, TwinTracer
 
 log = logging.getLogger("sim.server")
@@ -69,14 +69,18 @@ class TwinOptions:
 
 
 class Call:
-    """One HTTP request's view of its engine request: a queue the engine loop fills per step."""
+    """One choice's view of its engine request: the engine loop puts one item per step into a
+    queue (shared by the n choices of one HTTP request)."""
 
-    __slots__ = ("req", "queue", "last_time", "metrics", "streaming", "span")
+    __slots__ = ("req", "queue", "index", "shape", "last_time", "metrics", "streaming", "span")
 
-    def __init__(self, req: Request, metrics: TwinMetrics, streaming: bool):
+    def __init__(self, req: Request, metrics: TwinMetrics, streaming: bool, shape: ChoiceShape,
+                 queue: asyncio.Queue[tuple[int, str, int, bool]] | None = None):
         self.req = req
-        self.queue: asyncio.Queue[tuple[str, int, bool]] = asyncio.Queue()
-        """One item per engine step: (text, tokens, finished). A slow reader may find several."""
+        self.queue: asyncio.Queue[tuple[int, str, int, bool]] = queue if queue is not None else asyncio.Queue()
+        """One item per engine step: (choice index, text, tokens, finished). A slow reader may find several."""
+        self.shape = shape
+        self.index = shape.index
         self.last_time = req.arrival
         self.metrics = metrics
         self.streaming = streaming
@@ -100,7 +104,7 @@ class Call:
             span, self.span = self.span, None
             span.finish(req)
         text = req.text.take(final=req.finished) if req.text is not None else ""
-        self.queue.put_nowait((text, n, req.finished))
+        self.queue.put_nowait((self.index, text, n, req.finished))
 
 
 class Twin:
@@ -143,64 +147,103 @@ class Twin:
         check_context(prompt_tokens, request.max_new_tokens, self.config.context_length)
         loop = self.running_loop
         rid = request.rid or uuid.uuid4().hex
-        if self.engine.has_request(rid):
-            raise TwinError(f"Duplicate request id {rid!r}.")
-        req = self.engine.new_request(
-            prompt_tokens,
-            now=loop.now(),
-            max_new_tokens=request.max_new_tokens,
-            ignore_eos=request.ignore_eos,
-            rid=rid,
-            stop=stop_strings(request),
-            text_seed=request.seed,
-        )
-        call = Call(req, self.metrics, request.stream)
-        if self.tracer is not None:
-            call.span = self.tracer.start(req, parent)
-        loop.submit(req)
-        if request.stream:
-            return SseResponse(self._stream(kind, request, call), on_disconnect=lambda: loop.abort(rid))
-        return await self._complete(kind, request, call, http.receive)
+        # n > 1: one engine request per choice, as SGLang runs n sequences.
+        rids = [rid] if request.n == 1 else [f"{rid}-{i}" for i in range(request.n)]
+        for r in rids:
+            if self.engine.has_request(r):
+                raise TwinError(f"Duplicate request id {r!r}.")
+        queue: asyncio.Queue[tuple[int, str, int, bool]] = asyncio.Queue()
+        calls = []
+        for index, r in enumerate(rids):
+            shape = ChoiceShape(request, index, rid)
+            req = self.engine.new_request(
+                prompt_tokens,
+                now=loop.now(),
+                max_new_tokens=request.max_new_tokens,
+                ignore_eos=request.ignore_eos,
+                output_len=shape.output_len,
+                rid=r,
+                stop=stop_strings(request),
+                text_seed=request.seed + index if request.seed is not None else None,
+            )
+            shape.bind(req.target_len, req.ends_by_length)
+            call = Call(req, self.metrics, request.stream, shape, queue)
+            if self.tracer is not None:
+                call.span = self.tracer.start(req, parent)
+            calls.append(call)
+        for call in calls:
+            loop.submit(call.req)
 
-    async def _complete(self, kind: str, request: ChatCompletionRequest | CompletionRequest, call: Call,
-                        receive: Receive) -> Response:
-        req = call.req
-        pieces: list[str] = []
-        finished = asyncio.ensure_future(self._drain(call, pieces))
+        def abort_all() -> None:
+            for r in rids:
+                loop.abort(r)
+
+        if request.stream:
+            return SseResponse(self._stream(kind, request, calls, rid), on_disconnect=abort_all)
+        return await self._complete(kind, request, calls, rid, http.receive, abort_all)
+
+    async def _complete(self, kind: str, request: ChatCompletionRequest | CompletionRequest, calls: list[Call],
+                        rid: str, receive: Receive, abort_all: Callable[[], None]) -> Response:
+        pieces: list[list[str]] = [[] for _ in calls]
+        finished = asyncio.ensure_future(self._drain(calls, pieces))
         gone = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await asyncio.wait({finished, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not finished.done():
-                self.running_loop.abort(req.rid)
+                abort_all()
                 finished.cancel()
-        if req.finish_reason == "abort":
+        reqs = [call.req for call in calls]
+        if any(req.finish_reason == "abort" for req in reqs):
+            abort_all()
             raise TwinError("The request was aborted.", status=400)
+        choices = [call.shape.render(kind, got, call.req.finish_reason, call.req.matched_stop, stream=False)
+                   for call, got in zip(calls, pieces)]
         response: dict[str, Any] = {
-            "id": req.rid,
+            "id": rid,
             "object": object_name(kind, stream=False),
             "created": int(time.time()),
             "model": request.model,
-            "choices": [choice(kind, "".join(pieces), req.finish_reason, req.matched_stop, stream=False)],
-            "usage": usage(req.prompt_tokens, req.output_tokens),
+            "choices": choices,
+            "usage": usage(reqs[0].prompt_tokens, sum(req.output_tokens for req in reqs)),
         }
-        if self.config.speculative:
-            details = req.spec_details(self.config.num_steps)
-            if request.return_spec_tokens_details:
-                response["sglext"] = {"spec_tokens_details": details}
-            if kind == "chat" and getattr(request, "return_meta_info", False):
-                response["choices"][0]["meta_info"] = self._meta_info(req) | details
-        elif kind == "chat" and getattr(request, "return_meta_info", False):
-            response["choices"][0]["meta_info"] = self._meta_info(req)
+        meta = kind == "chat" and getattr(request, "return_meta_info", False)
+        if self.config.speculative and request.return_spec_tokens_details:
+            response["sglext"] = {"spec_tokens_details": self._spec_details(reqs)}
+        if meta:
+            for body, req in zip(choices, reqs):
+                body["meta_info"] = self._meta_info(req)
+                if self.config.speculative:
+                    body["meta_info"] |= req.spec_details(self.config.num_steps)
         return JSONResponse(response)
 
-    async def _drain(self, call: Call, pieces: list[str]) -> None:
-        while True:
-            text, _, done = await call.queue.get()
-            pieces.append(text)
-            if done:
+    def _spec_details(self, reqs: list[Request]) -> dict[str, Any]:
+        """sglext.spec_tokens_details of a request; with n > 1, summed over its sequences."""
+        k = self.config.num_steps
+        if len(reqs) == 1:
+            return reqs[0].spec_details(k)
+        parts = [req.spec_details(k) for req in reqs]
+        total = parts[0]
+        for part in parts[1:]:
+            for key in ("spec_verify_ct", "spec_num_correct_drafts", "spec_num_proposed_drafts"):
+                total[key] += part[key]
+            hists = [h for h in (total["spec_correct_drafts_histogram"], part["spec_correct_drafts_histogram"]) if h]
+            total["spec_correct_drafts_histogram"] = [sum(col) for col in zip(*hists)] if hists else []
+        verify = total["spec_verify_ct"]
+        total["spec_accept_length"] = sum(req.output_tokens for req in reqs) / verify if verify else 0.0
+        total["spec_accept_rate"] = total["spec_num_correct_drafts"] / (verify * k) if verify else 0.0
+        return total
+
+    async def _drain(self, calls: list[Call], pieces: list[list[str]]) -> None:
+        remaining = len(calls)
+        while remaining:
+            index, text, _, done = await calls[0].queue.get()
+            req = calls[index].req
+            if done and req.finish_reason == "abort":
                 return
+            pieces[index] += calls[index].shape.feed(text, done, req.finish_reason)
+            remaining -= done
 
     def _meta_info(self, req: Request) -> dict[str, Any]:
         return {
@@ -213,40 +256,47 @@ class Twin:
         }
 
     async def _stream(self, kind: str, request: ChatCompletionRequest | CompletionRequest,
-                      call: Call) -> AsyncIterator[bytes]:
-        req = call.req
+                      calls: list[Call], rid: str) -> AsyncIterator[bytes]:
+        reqs = [call.req for call in calls]
         created = int(time.time())
         obj = object_name(kind, stream=True)
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
-        first = True
+        first = [True] * len(calls)
         emitted = 0
-        while True:
-            text, n, done = await call.queue.get()
+        remaining = len(calls)
+        prompt_tokens = reqs[0].prompt_tokens
+        while remaining:
+            index, text, n, done = await calls[0].queue.get()
+            call = calls[index]
+            req = call.req
             if done and req.finish_reason == "abort":
+                for other in reqs:
+                    self.running_loop.abort(other.rid)
                 yield sse({"error": {"message": "The request was aborted.", "type": "BadRequestError",
                                      "param": None, "code": 400}})
                 yield b"data: [DONE]\n\n"
                 return
             emitted += n
-            if n or done or text:
+            pieces = call.shape.feed(text, done, req.finish_reason)
+            if n or done or pieces:
                 chunk: dict[str, Any] = {
-                    "id": req.rid, "object": obj, "created": created, "model": request.model,
-                    "choices": [choice(kind, text, req.finish_reason if done else None,
-                                       req.matched_stop if done else None, stream=True, first=first)],
-                    "usage": usage(req.prompt_tokens, emitted) if continuous else None,
+                    "id": rid, "object": obj, "created": created, "model": request.model,
+                    "choices": [call.shape.render(kind, pieces, req.finish_reason if done else None,
+                                                  req.matched_stop if done else None, stream=True,
+                                                  first=first[index])],
+                    "usage": usage(prompt_tokens, emitted) if continuous else None,
                 }
-                first = False
+                first[index] = False
                 yield sse(chunk)
-            if done:
-                break
+            remaining -= done
         if self.config.speculative and request.return_spec_tokens_details:
-            yield sse({"id": req.rid, "object": obj, "created": created, "model": request.model, "choices": [],
-                       "sglext": {"spec_tokens_details": req.spec_details(self.config.num_steps)}})
+            yield sse({"id": rid, "object": obj, "created": created, "model": request.model, "choices": [],
+                       "sglext": {"spec_tokens_details": self._spec_details(reqs)}})
         if include_usage:
-            yield sse({"id": req.rid, "object": obj, "created": created, "model": request.model, "choices": [],
-                       "usage": usage(req.prompt_tokens, req.output_tokens)})
+            yield sse({"id": rid, "object": obj, "created": created, "model": request.model, "choices": [],
+                       "usage": usage(prompt_tokens, sum(req.output_tokens for req in reqs))})
         yield b"data: [DONE]\n\n"
 
     # ---- other endpoints ------------------------------------------------------------------

@@ -143,10 +143,21 @@ def test_same_seed_same_text(base):
     ({"model": "twin"}, "messages"),
     ({"messages": "hello"}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n != 1"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n must be at least 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": "x"}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice requires tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes",
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function", "function": {"name": "g"}},
+      "tools": [{"type": "function", "function": {"name": "f"}}]}, "Tool 'g' not found"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "json_schema"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "array"}}}},
+     "top-level type is not object"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "at least 0"),
 ])
 def test_bad_requests_get_sglang_400(spec, body, fragment):
@@ -157,8 +168,21 @@ def test_bad_requests_get_sglang_400(spec, body, fragment):
 
 
 def test_sdk_raises_bad_request(spec):
-    with pytest.raises(openai.BadRequestError, match="n != 1"):
-        chat(spec, n=2)
+    with pytest.raises(openai.BadRequestError, match="n must be at least 1"):
+        chat(spec, n=0)
+
+
+@pytest.mark.parametrize("body,fragment", [
+    ({"prompt": "x", "logprobs": -1}, "logprobs must be between"),
+    ({"prompt": "x", "echo": True}, "does not support echo"),
+    ({"prompt": "x", "best_of": 2}, "does not support best_of"),
+    ({"prompt": "x", "suffix": "y"}, "does not support suffix"),
+    ({"prompt": ["x", "y"]}, "does not support batched prompts"),
+    ({"prompt": "x", "n": 0}, "n must be at least 1"),
+])
+def test_bad_completions_get_sglang_400(spec, body, fragment):
+    r = httpx.post(spec.url + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 400 and fragment in r.json()["message"]
 
 
 def test_wrong_content_type_and_bad_json(spec):

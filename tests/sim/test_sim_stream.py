@@ -8,6 +8,7 @@ from sim.lengths import parse_output_lengths
 from sim.profile import load_profile
 from sim.protocol import parse_request
 from sim.server import Call, Twin, TwinOptions
+from sim.shape import ChoiceShape
 
 
 def run_to_completion(twin, req):
@@ -25,13 +26,13 @@ def test_a_stream_whose_steps_all_queued_sends_every_token_and_one_finish():
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     request = parse_request("chat", body)
     req = twin.engine.new_request(5, now=0.0, max_new_tokens=100, stop=())
-    call = Call(req, twin.metrics, streaming=True)
+    call = Call(req, twin.metrics, True, ChoiceShape(request, 0, req.rid))
     twin.engine.add(req)
     run_to_completion(twin, req)  # the reader has not read anything yet: all steps are queued
     assert call.queue.qsize() > 10
 
     async def read():
-        return [chunk async for chunk in twin._stream("chat", request, call)]
+        return [chunk async for chunk in twin._stream("chat", request, [call], req.rid)]
 
     events = [e.removeprefix(b"data: ").strip() for e in asyncio.run(read())]
     assert events[-1] == b"[DONE]"
