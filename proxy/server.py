@@ -7,6 +7,7 @@ On SIGTERM or SIGINT: /ready turns 503 at once, the listening socket closes, run
 
 from __future__ import annotations
 
+import gc
 import logging
 import socket
 from types import FrameType
@@ -30,6 +31,21 @@ def build_app(settings: Settings) -> SpecrouteApp:
     return app
 
 
+# The cyclic collector's thresholds (Python's default is 700, 10, 10: a young collection about
+# once per request here, each pass costing tens of microseconds, and older ones in proportion).
+GC_THRESHOLDS = (7000, 20, 20)
+
+
+def tune_gc() -> None:
+    """Once started: the objects of start-up (modules, settings, the app) move out of the
+    collector's sight (gc.freeze), and collections run ten times less often. A request's
+    garbage is freed by reference counting; the collector only finds cycles. In the proxy
+    benchmark this raised c64 throughput by about a fifth (docs/benchmarks.md)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, telling the app it is draining the moment a stop signal arrives."""
 
@@ -41,6 +57,7 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
+        tune_gc()
         if self.started and self.on_ready is not None:
             self.on_ready()
 
