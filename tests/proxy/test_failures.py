@@ -383,3 +383,23 @@ def test_a_rejected_request_is_logged_under_the_request_id_it_was_answered_with(
             return {"rejected-405", "rejected-415"} <= {line["request_id"] for line in lines}
 
         wait_for(logged, timeout=10, what="log lines with the request ids")
+
+
+def test_a_huge_model_name_stays_out_of_the_log_line(capfd) -> None:
+    """The client chooses the model string: it goes upstream whole, but the log line and the
+    spans carry at most 256 characters of it (a 5 MB name made a 5 MB line)."""
+    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec", request_log=True) as proxy:
+        name = "m" * 1_000_000
+        response = httpx.post(proxy.base_url + "/chat/completions", timeout=30,
+                              json={"model": name, "messages": MESSAGES}, headers={"x-request-id": "huge-model"})
+        assert response.status_code == 200
+        assert json.loads([r for r in upstream.requests if r.method == "POST"][-1].body)["model"] == name
+        seen: list[str] = []
+
+        def logged() -> list[dict]:
+            seen.append(capfd.readouterr().out)
+            return [json.loads(line) for line in "".join(seen).splitlines()
+                    if line.startswith("{") and '"huge-model"' in line]
+
+        line = wait_for(logged, timeout=10, what="the request's log line")[0]
+        assert len(json.dumps(line)) < 4096 and line["model"] == "m" * 256
