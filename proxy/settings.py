@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -124,6 +124,11 @@ class Settings(BaseSettings):
     )
     trace_content: bool = Field(
         False, description="Opt-in: put prompts on trace spans (gen_ai.input.messages). Off by default."
+    )
+    trace_export: Literal["process", "inline"] = Field(
+        "process",
+        description="Where spans are encoded and exported: a child process (the event loop only hands "
+        "each batch of requests over) or inline (on the event loop, and the SDK's export thread).",
     )
     request_log: bool = Field(True, description="Write one JSON line per request to stdout.")
     otlp_endpoint: str | None = Field(

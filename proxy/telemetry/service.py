@@ -29,9 +29,9 @@ class SpecrouteTelemetry(Telemetry):
         self.policy = settings.policy
         self.trace_content = settings.trace_content
         if tracing is None and settings.traces_enabled:
-            tracing = Tracing(settings.otlp_protocol, version)
+            tracing = Tracing(settings.otlp_protocol, version, export_process=settings.trace_export == "process")
         if tracing is not None and not tracing.enabled:  # OTEL_SDK_DISABLED=true
-            tracing.provider.shutdown()
+            tracing.shutdown()
             tracing = None
         self.tracing = tracing
         self.metrics = Metrics()
@@ -54,6 +54,7 @@ class SpecrouteTelemetry(Telemetry):
 
     async def start(self) -> None:
         if self.tracing is not None:
+            self.tracing.start()
             log.info("exporting traces over OTLP %s", self.tracing.protocol)
 
     async def stop(self) -> None:

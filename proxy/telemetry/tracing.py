@@ -8,9 +8,11 @@ so the settings object reads it and this module picks the exporter.
 A request knows every attribute of a span when it ends it, so spans are not SDK Span objects
 (validated attribute by attribute, under a lock: about 70 us per span here, three per request,
 against a budget of about 40 us for all of a request's tracing, docs/observability.md): a
-request hands one RequestTrace (spans.py) over when it ends; every BATCH of them (or FLUSH_S after
-the first of a batch) are written to OTLP bytes in one loop on the event loop and go to the SDK's
-BatchSpanProcessor as one item, whose thread only sends bytes.
+request hands one RequestTrace (spans.py) over when it ends, and every BATCH of them (or FLUSH_S
+after the first of a batch) go to the span export as one list. The export writes them to OTLP
+bytes and hands those to the SDK's BatchSpanProcessor as one item, whose thread only sends
+bytes: in a child process by default (export_process.py: the event loop only pickles the batch
+into a pipe), or in this process (LocalExport: on the event loop; SPECROUTE_TRACE_EXPORT=inline).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Any
+from typing import Any, Protocol, Sequence
 
 from opentelemetry import propagate
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
@@ -36,8 +38,8 @@ PROTOCOLS = ("http/protobuf", "grpc")
 W3C_FIELDS = frozenset({"traceparent", "tracestate", "baggage"})
 _NO_STATE = TraceState()
 BATCH = 64
-"""Requests whose spans are written together: one loop over them keeps the encoder's code and
-memo in cache (about a third of the CPU of writing each as it ends, measured in the proxy)."""
+"""Requests handed to the export together: one pickle (or one loop of the encoder, whose code and
+memo then stay in cache: a third of the CPU of writing each request as it ends)."""
 FLUSH_S = 0.1
 """The longest a finished request's spans wait for the rest of their batch."""
 
@@ -59,11 +61,61 @@ def make_resource(version: str) -> Resource:
     return resource
 
 
-class Tracing:
-    """Owns one TracerProvider (never the global one, so several apps can live in one process),
-    its sampler, and the batch processor that exports to the OTLP endpoint."""
+class SpanExport(Protocol):
+    """Where batches of finished requests go to become OTLP spans and leave."""
 
-    def __init__(self, protocol: str, version: str, exporter: SpanExporter | None = None) -> None:
+    def start(self) -> None: ...
+
+    def send(self, batch: Sequence[RequestTrace]) -> None: ...
+
+    def flush(self, timeout_s: float) -> bool: ...
+
+    def shutdown(self, timeout_s: float) -> None: ...
+
+
+class LocalExport:
+    """Writes batches to OTLP bytes in this process (on the caller's thread: the encoder's memo
+    has no lock) and hands each to the SDK's BatchSpanProcessor as one item."""
+
+    def __init__(self, exporter: SpanExporter) -> None:
+        self.writer = SpanWriter()
+        self.processor = BatchSpanProcessor(exporter)
+
+    def start(self) -> None:
+        pass
+
+    def send(self, batch: Sequence[RequestTrace]) -> None:
+        spans = self.writer.spans
+        parts = []
+        failed = 0
+        for trace in batch:
+            try:
+                parts.append(spans(trace))
+            except Exception:  # a bug must cost one request's spans, not the batch's
+                if not failed:
+                    log.exception("could not write the spans of request %s", trace.request_id)
+                failed += 1
+        if failed > 1:
+            log.error("could not write the spans of %d requests of one batch; dropped", failed)
+        if parts:
+            self.processor.on_end(EncodedSpans(SAMPLED_CONTEXT, parts))  # type: ignore[arg-type]
+
+    def flush(self, timeout_s: float) -> bool:
+        return self.processor.force_flush(int(timeout_s * 1000))
+
+    def shutdown(self, timeout_s: float) -> None:
+        if not self.flush(timeout_s):
+            log.warning("some spans were not exported within %.0f s at shutdown", timeout_s)
+        self.processor.shutdown()
+
+
+class Tracing:
+    """Owns one TracerProvider (never the global one, so several apps can live in one process)
+    for its sampler and resource, the batching of finished requests, and the span export: a
+    child process (`export_process`, the default outside tests) or this process."""
+
+    def __init__(self, protocol: str, version: str, exporter: SpanExporter | None = None, *,
+                 export_process: bool = False) -> None:
         # The sampler comes from OTEL_TRACES_SAMPLER(_ARG); atexit is replaced by shutdown().
         self.provider = TracerProvider(resource=make_resource(version), shutdown_on_exit=False)
         # OTEL_SDK_DISABLED=true: the provider hands out no-op tracers; so does nothing here.
@@ -71,10 +123,14 @@ class Tracing:
         self.sampler = self.provider.sampler
         self.resource = self.provider.resource
         self.scope = InstrumentationScope("specroute", version)
-        self.writer = SpanWriter()
-        self.processor = BatchSpanProcessor(
-            exporter or (make_exporter(protocol, self.resource, self.scope) if self.enabled else SpanExporter()))
-        self.provider.add_span_processor(self.processor)
+        self.export: SpanExport
+        if export_process and exporter is None and self.enabled:
+            from proxy.telemetry.export_process import ProcessExport  # imports tracing: not at the top
+
+            self.export = ProcessExport(protocol, version)
+        else:
+            self.export = LocalExport(
+                exporter or (make_exporter(protocol, self.resource, self.scope) if self.enabled else SpanExporter()))
         self._pending: list[RequestTrace] = []
         self._timer: asyncio.TimerHandle | None = None
         self.protocol = protocol
@@ -117,32 +173,25 @@ class Tracing:
             self._timer = loop.call_later(FLUSH_S, self.write_pending)
 
     def write_pending(self) -> None:
-        """Write the pending requests' spans and hand them to the batch processor as one item."""
+        """Hand the pending requests to the export as one batch."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         pending, self._pending = self._pending, []
-        spans = self.writer.spans
-        parts = []
-        failed = 0
-        for trace in pending:
-            try:
-                parts.append(spans(trace))
-            except Exception:  # a bug must cost one request's spans, not the batch's
-                if not failed:
-                    log.exception("could not write the spans of request %s", trace.request_id)
-                failed += 1
-        if failed > 1:
-            log.error("could not write the spans of %d requests of one batch; dropped", failed)
-        if parts:
-            self.processor.on_end(EncodedSpans(SAMPLED_CONTEXT, parts))  # type: ignore[arg-type]
+        if pending:
+            self.export.send(pending)
+
+    def start(self) -> None:
+        """Start the export (its child process): called once the server starts."""
+        self.export.start()
 
     def flush(self, timeout_s: float = 10.0) -> bool:
+        """Export what is pending; True when it is out (a child process: when it has it)."""
         self.write_pending()
-        return self.provider.force_flush(int(timeout_s * 1000))
+        return self.export.flush(timeout_s)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Export what is queued, then stop the exporter (called at server shutdown)."""
-        if not self.flush(timeout_s):
-            log.warning("some spans were not exported within %.0f s at shutdown", timeout_s)
+        """Export what is queued, then stop the export (called at server shutdown)."""
+        self.write_pending()
+        self.export.shutdown(timeout_s)
         self.provider.shutdown()

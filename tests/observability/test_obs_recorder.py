@@ -18,7 +18,7 @@ from proxy.settings import Settings
 from proxy.telemetry import SpecrouteTelemetry
 from proxy.telemetry import names as n
 from proxy.telemetry.logs import RequestLog
-from proxy.telemetry.tracing import Tracing
+from proxy.telemetry.tracing import LocalExport, Tracing
 
 PROMPT = "the secret prompt text"
 BODY = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 32,
@@ -163,13 +163,15 @@ def test_span_encoder_writes_what_the_sdk_encoder_writes() -> None:
     from proxy.telemetry.otlp import export_request
 
     tracing = Tracing("http/protobuf", "test", exporter=Decoded())
+    assert isinstance(tracing.export, LocalExport)
+    encoder = tracing.export.writer.encoder
     state = TraceState([("vendor", "x1")])
     parent = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(1), trace_state=state)
     context = SpanContext(0xABC, 0x123, is_remote=False, trace_flags=TraceFlags(1), trace_state=state)
     attributes = {"s": "text é", "i": 7, "neg": -3, "f": 0.25, "b": False, "list": ["a", "b"], n.REQUEST_ID: "id é" * 40}
-    static = tracing.writer.encoder.block(("test",), lambda: {"s": "text é", "i": 7})
+    static = encoder.block(("test",), lambda: {"s": "text é", "i": 7})
     dynamic = {"neg": -3, "f": 0.25, "b": False, "list": ["a", "b"], n.REQUEST_ID: "id é" * 40}  # a long unique one
-    mine = tracing.writer.encoder.span("op", 0xABC, 0x123, state, 0xDEF, True, SpanKind.CLIENT, 10, 20, static, dynamic,
+    mine = encoder.span("op", 0xABC, 0x123, state, 0xDEF, True, SpanKind.CLIENT, 10, 20, static, dynamic,
                                 [("first", 15)], StatusCode.ERROR, "boom")
     sdk = ReadableSpan(name="op", context=context, parent=parent, resource=tracing.resource,
                        attributes=attributes, events=[Event("first", timestamp=15)], kind=SpanKind.CLIENT,

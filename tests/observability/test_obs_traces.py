@@ -335,3 +335,65 @@ def test_spans_are_flushed_at_shutdown(jaeger: Jaeger, fleet: tuple[RunningTwin,
         assert not [s for s in jaeger.spans(trace_id) if s["service"] == "specroute-flush"]
     # proxy() sent SIGTERM and waited for the exit
     jaeger.wait_for_spans(trace_id, full_trace)
+
+
+def traced_request(t: Any, trace_id: str) -> None:
+    """One request's hook calls, under a client's sampled traceparent of `trace_id`."""
+    from policies.types import Decision, Features
+
+    hooks = t.request_hooks("/v1/chat/completions")
+    hooks.received(endpoint="/v1/chat/completions", request_id="req-" + trace_id[:8],
+                   headers={"traceparent": client_traceparent(trace_id)}, body_bytes=99)
+    hooks.decided(decision=Decision("spec", "static", {"spec.load": 1.0}),
+                  features=Features(prompt_tokens=10, max_tokens=4, stream=False), model=MODEL, override=None,
+                  body={"model": MODEL, "max_tokens": 4})
+    hooks.attempt_started(pool="spec", instance="http://127.0.0.1:1", attempt=1)
+    hooks.first_chunk(b'{"id":"chatcmpl-1","model":"m"}')
+    hooks.attempt_finished(status=200)
+    hooks.finished(status=200, error_type=None, prompt_tokens=10, completion_tokens=4, finish_reasons=("stop",),
+                   client_disconnected=False)
+
+
+def test_a_killed_export_process_costs_spans_not_the_proxy_and_is_replaced(
+    jaeger: Jaeger, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Spans are written and exported by a child process (SPECROUTE_TRACE_EXPORT=process, the
+    default). Killed, it costs the batch handed over after its death (logged), never the request
+    path; the next batch starts a new one (RESTART_S after the last start; 0 here)."""
+    from proxy.settings import Settings
+    from proxy.telemetry import SpecrouteTelemetry
+    from proxy.telemetry import export_process
+    from proxy.telemetry.tracing import Tracing
+
+    monkeypatch.setattr(export_process, "RESTART_S", 0.0)
+    for name, value in {"OTEL_EXPORTER_OTLP_ENDPOINT": jaeger.otlp_http_endpoint,
+                        "OTEL_SERVICE_NAME": "specroute-restart", "OTEL_BSP_SCHEDULE_DELAY": "100"}.items():
+        monkeypatch.setenv(name, value)  # the child reads them from the environment it inherits
+    tracing = Tracing("http/protobuf", "test", export_process=True)
+    export = tracing.export
+    assert isinstance(export, export_process.ProcessExport)
+    t = SpecrouteTelemetry(Settings(policy="spec", request_log=False), "test", tracing=tracing)
+    tracing.start()
+    try:
+        first = new_trace_id()
+        traced_request(t, first)
+        assert tracing.flush()
+        spans = jaeger.wait_for_spans(first, lambda s: len(s) == 3)
+        assert {s["service"] for s in spans} == {"specroute-restart"}
+        old = export.child
+        assert old is not None
+        old.kill()
+        old.wait(10)
+        lost = new_trace_id()
+        traced_request(t, lost)
+        tracing.flush()  # the pipe is broken: this batch is dropped
+        assert any("span export process ended" in r.getMessage() for r in caplog.records)
+        after = new_trace_id()
+        traced_request(t, after)
+        assert tracing.flush()
+        assert export.child is not None and export.child.pid != old.pid
+        jaeger.wait_for_spans(after, lambda s: len(s) == 3)
+    finally:
+        tracing.shutdown()
+    assert export.child is not None and export.child.returncode == 0
+    assert jaeger.spans(lost) == []
