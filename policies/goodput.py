@@ -128,25 +128,38 @@ class Goodput:
         alpha = pool.alpha if pool.alpha is not None else self.default_alpha
         return accept_length(alpha, k), k + 1
 
-    def prefill_share(self, pool: PoolState, instance: InstanceState, cost: StepCost) -> float:
+    def prefill_share(self, pool: PoolState, instance: InstanceState, cost: StepCost,
+                      n_out: int = 0) -> float:
         """The share of the instance's time its prefills take, at the rate prompts were sent to it
-        lately (each prefilled alone, at the recent mean length: they mostly arrive one by one)."""
+        lately (each prefilled alone, at the recent mean length: they mostly arrive one by one).
+
+        A server at its running cap admits a prompt only when a slot frees: prompts sent faster
+        than that wait in its queue instead of stalling its decode. A slot is held for a typical
+        decode (`n_out` tokens at the full batch) stretched by the prefills themselves, so the
+        cap's turnover bounds the share at a / (1 + a), a = cap x prefill / decode."""
         if instance.dispatches_per_s <= 0:
             return 0.0
         mean_prompt = max(int(instance.prompt_tokens_per_s / instance.dispatches_per_s), 1)
-        busy = instance.dispatches_per_s * cost.prefill_ms(pool.name, mean_prompt) / 1000
+        prefill_ms = cost.prefill_ms(pool.name, mean_prompt)
+        busy = instance.dispatches_per_s * prefill_ms / 1000
+        cap = max(instance.max_running, 1)
+        if n_out > 1 and instance.load + 1 >= cap:
+            tau, width = self.accept_length(pool)
+            held_ms = (n_out - 1) * cost.decode_step_ms(pool.name, cap, width) / tau
+            a = cap * prefill_ms / held_ms
+            busy = min(busy, a / (1 + a))
         return min(busy, MAX_PREFILL_SHARE)
 
     def predict(self, pool: PoolState, instance: InstanceState, features: Features, cost: StepCost,
-                n_out: int) -> Prediction:
-        """`n_out`: the output tokens planned for (`output_tokens`)."""
+                n_out: int, triage: bool = False) -> Prediction:
+        """`n_out`: the output tokens planned for (`output_tokens`); `triage`: see `pressure`."""
         tau, width = self.accept_length(pool)
         cap = max(instance.max_running, 1)
         load = max(instance.load, 0.0)
         waiting = max(instance.waiting, 0.0)
         batch = int(min(load + 1, cap))
         step_ms = cost.decode_step_ms(pool.name, batch, width)
-        tpot_ms = step_ms / tau / (1 - self.prefill_share(pool, instance, cost))
+        tpot_ms = step_ms / tau / (1 - self.prefill_share(pool, instance, cost, n_out))
         # The own decode is costed unstretched: the prefills stall both pools' decodes alike, and
         # what joining adds to them is in `others`.
         decode_ms = max(n_out - 1, 0) / tau * step_ms
@@ -177,7 +190,7 @@ class Goodput:
             wait_s=wait_ms / 1000,
             prefill_s=prefill_ms / 1000,
             decode_s=decode_ms / 1000,
-            others_s=self.externality * self.pressure(tpot_ms) * others_ms / 1000,
+            others_s=self.externality * self.pressure(tpot_ms, triage) * others_ms / 1000,
             batch=batch,
             tokens_per_s=batch * tau / step_ms * 1000,
             over_cap=max(over, 0.0),
@@ -230,6 +243,14 @@ class Goodput:
                 elif meets_spec != meets_base:
                     pool = "spec" if meets_spec else "base"
                     return Decision(pool=pool, reason=f"slo-{pool}", scores=scores)
+                elif not meets_spec:
+                    # Met on neither pool: this request is lost whatever we do. It should cost
+                    # the requests that can still meet theirs as little as possible, and those
+                    # running on a pool already past its TPOT target cannot: their delay counts
+                    # as plain latency there, not near-target pressure.
+                    scores["slo_lost"] = 1.0
+                    on_spec = self.predict(spec, joined_spec, features, snapshot.cost, n_out, triage=True)
+                    on_base = self.predict(base, joined_base, features, snapshot.cost, n_out, triage=True)
             if spec_full:
                 return Decision(pool="base", reason="spec-full", scores=scores)
         price = 0.0
@@ -259,10 +280,14 @@ class Goodput:
         tpot_ok = self.slo_tpot_ms <= 0 or p.tpot_s * 1000 <= self.slo_tpot_ms
         return ttft_ok and tpot_ok
 
-    def pressure(self, tpot_ms: float) -> float:
+    def pressure(self, tpot_ms: float, triage: bool = False) -> float:
         """How much a pool's running requests mind being slowed: 1 without a TPOT target, else
-        1 / (1 - TPOT / target) (near its target, a little more delay makes them miss it)."""
+        1 / (1 - TPOT / target) (near its target, a little more delay makes them miss it).
+        With `triage` (for a request that meets its target on neither pool), a pool predicted
+        past its TPOT target counts 1: its requests miss their target anyway."""
         if self.slo_tpot_ms <= 0:
+            return 1.0
+        if triage and tpot_ms >= self.slo_tpot_ms:
             return 1.0
         return 1 / (1 - min(tpot_ms / self.slo_tpot_ms, MAX_TPOT_SHARE))
 
