@@ -186,11 +186,16 @@ class Goodput:
             # longer step for the rest of their decode (on average half their output is left).
             slower = step_ms - cost.decode_step_ms(pool.name, max(int(load), 1), width)
             others_ms = running * (own_prefill_ms + max(slower, 0.0) * (n_out / 2) / tau)
+        # The requests decoding there sit through the prompts queued ahead of us and ours before
+        # their next token: spread over what they have left (about half an output), that stall
+        # is part of their TPOT, which sets how much they mind it (`pressure`). Our own TPOT
+        # leaves it out: the queue ahead is prefilled before our first token (TTFT).
+        others_tpot_ms = tpot_ms + prefill_ms / max(n_out / 2, 1.0)
         return Prediction(
             wait_s=wait_ms / 1000,
             prefill_s=prefill_ms / 1000,
             decode_s=decode_ms / 1000,
-            others_s=self.externality * self.pressure(tpot_ms, triage) * others_ms / 1000,
+            others_s=self.externality * self.pressure(others_tpot_ms, triage) * others_ms / 1000,
             batch=batch,
             tokens_per_s=batch * tau / step_ms * 1000,
             over_cap=max(over, 0.0),
