@@ -256,6 +256,8 @@ class Goodput:
                     scores["slo_lost"] = 1.0
                     on_spec = self.predict(spec, joined_spec, features, snapshot.cost, n_out, triage=True)
                     on_base = self.predict(base, joined_base, features, snapshot.cost, n_out, triage=True)
+                    scores["cost_spec_s"] = round(on_spec.cost_s, 6)
+                    scores["cost_base_s"] = round(on_base.cost_s, 6)
             if spec_full:
                 return Decision(pool="base", reason="spec-full", scores=scores)
         price = 0.0

@@ -185,6 +185,43 @@ def test_goodput_slo_may_queue_on_spec_within_the_ttft_target_but_not_past_it():
     assert Goodput().decide(long_prompt, short_queue).reason == "spec-full"
 
 
+def test_goodput_a_lost_request_spares_the_pool_whose_requests_can_still_meet_their_target():
+    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+    policy = Goodput(slo_ttft_s=1.0, slo_tpot_ms=50.0)
+    # Base prefills 30 prompts/s: its 60 requests are past the 50 ms TPOT target. Spec's queue
+    # holds 60,000 prompt tokens: a new request there misses the 1 s TTFT target.
+    snap = _with(snapshot(30, 60, cost), "base", dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
+    snap = _with(snap, "spec", waiting=6.0, waiting_tokens=60_000.0)
+    prompt = Features(prompt_tokens=2000)
+    decision = policy.decide(prompt, snap)
+    assert decision.scores["slo_spec"] == 0.0 and decision.scores["slo_base"] == 0.0
+    assert decision.scores["slo_lost"] == 1.0
+    # Base's requests miss their target anyway: the stall there counts as plain latency, and the
+    # lost request goes there rather than stall spec's requests, which can still meet theirs.
+    assert decision.pool == "base" and decision.scores["cost_base_s"] < decision.scores["cost_spec_s"]
+    spec, base = snap.pools["spec"], snap.pools["base"]
+    near_target = [policy.predict(p, p.least_loaded(), prompt, cost, 256) for p in (spec, base)]
+    assert near_target[1].cost_s > near_target[0].cost_s  # weighed 20x, base would have been spared
+
+
+def test_goodput_prefill_share_at_the_cap_is_bounded_by_the_slot_turnover():
+    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+    policy = Goodput()
+    sent = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
+    # Below its cap every prompt sent is prefilled at once: 30/s x 33 ms is past the 90 % cap.
+    roomy = _with(snapshot(20, 100, cost), "spec", **sent)
+    tau = accept_length(0.6, 3)
+    step = cost.decode_step_ms("spec", 21, 4)
+    assert policy.decide(SHORT, roomy).scores["tpot_spec_ms"] == pytest.approx(step / tau / 0.1, rel=1e-3)
+    # At its cap a prompt gets in only when a slot frees (a typical decode at the full batch,
+    # stretched by the prefills): the share is a / (1 + a), a = cap x prefill / decode.
+    full = _with(snapshot(48, 100, cost), "spec", **sent)
+    held = 255 * cost.decode_step_ms("spec", 48, 4) / tau
+    a = 48 * cost.prefill_ms("spec", 1000) / held
+    step = cost.decode_step_ms("spec", 48, 4)
+    assert policy.decide(SHORT, full).scores["tpot_spec_ms"] == pytest.approx(step / tau * (1 + a), rel=1e-3)
+
+
 def test_goodput_gives_the_last_spec_slot_to_a_long_prompt():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
     policy = Goodput(slo_ttft_s=1.0, slo_tpot_ms=50.0)
