@@ -4,8 +4,8 @@ Span shape (see docs/observability.md): a SERVER span per request, an INTERNAL `
 child for the decision, and one CLIENT span per upstream attempt, named and attributed by the
 OpenTelemetry GenAI conventions and ended when the relayed stream ends. W3C traceparent goes
 upstream from the attempt span, so the backend's own span lands beneath it. While the request
-runs, tracing only notes values in slots; when it ends they go to the exporter as one
-RequestTrace, and the export thread writes the spans (spans.py).
+runs, tracing only notes values in slots; when it ends they go to the span export as one
+RequestTrace, which writes the spans in a batch (spans.py), in its own process by default.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class RequestRecorder(RequestHooks):
         self._model: str | None = None
         self._in_flight: Any = None
         # Tracing: ids always (for propagation), the rest only when sampled; plain values that
-        # finished() packs into a RequestTrace, the exporter's thread writes the spans.
+        # finished() packs into a RequestTrace for the span export.
         self._trace_id = 0
         """0: tracing is off for this request (no context to propagate)."""
         self._span_id = 0

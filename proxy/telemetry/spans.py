@@ -4,13 +4,13 @@ requests at a time.
 The request path only notes values it has at hand (ids, clock readings, strings and numbers it
 read anyway) and, when the request ends, packs them into one `RequestTrace`. Everything that
 costs (attribute dicts, type checks, regexes, the wire format) happens here, for a batch of
-requests in one loop (tracing.Tracing.submit): measured inside the proxy, writing each request's
-spans as it ended cost about three times as much, between a request's other work, and writing
-them in the batch processor's thread cost more again, its CPU contending with the event loop's
-for the GIL (docs/observability.md).
+requests in one loop, in the span export process by default (export_process.py): written in the
+proxy, each request's spans as it ended cost about three times the same batch loop's CPU, and in
+the batch processor's thread more again, its CPU contending with the event loop's for the GIL
+(docs/observability.md).
 
 A record holds strings, numbers, bytes and the decision's scores, nothing of the request's own
-objects: the queue keeps no prompt, body or connection alive until the export.
+objects: the queue keeps no prompt, body or connection alive until the export, and it pickles.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class RequestTrace(NamedTuple):
 
 
 class SpanWriter:
-    """Writes RequestTraces as OTLP spans, on the event loop's thread only (the encoder's memo
+    """Writes RequestTraces as OTLP spans, on one thread only (the encoder's memo
     has no lock)."""
 
     def __init__(self) -> None:
