@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -22,6 +23,8 @@ from proxy.relay import COMPLETION_PATHS, CompletionHandler, Receive, Scope, Sen
 from proxy.routing import Router
 from proxy.settings import Settings
 from proxy.upstream import UPSTREAM_ERRORS, Upstream
+
+log = logging.getLogger("specroute")
 
 MODELS_TIMEOUT_S = 3.0
 
@@ -57,9 +60,12 @@ class SpecrouteApp:
         try:
             yield
         finally:
-            await self.router.stop()
-            await self.telemetry.stop()
-            await self.upstream.stop()
+            # Each stops even if the one before failed (logged), the upstream session last.
+            for stop in (self.router.stop, self.telemetry.stop, self.upstream.stop):
+                try:
+                    await stop()
+                except Exception:
+                    log.exception("stopping %s failed", getattr(stop, "__qualname__", stop))
 
     def readiness(self) -> dict[str, Any]:
         pools = {

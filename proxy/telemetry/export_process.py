@@ -18,15 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import pickle
 import select
 import signal
+import site
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
@@ -35,11 +38,14 @@ from proxy.telemetry.tracing import LocalExport, make_exporter, make_resource
 
 log = logging.getLogger("specroute.telemetry")
 
-MAX_BUFFER_BYTES = 64 << 20
-"""Pickled batches waiting for room in the pipe (the child is behind), at most; beyond it batches
-are dropped, as the batch processor drops spans beyond its queue."""
+MAX_BUFFER_BYTES = 16 << 20
+"""Pickled batches waiting for room in the pipe (the child is behind), at most (about 6,000
+requests); beyond it batches are dropped, as the batch processor drops spans beyond its queue."""
 RESTART_S = 10.0
-"""After the child ended unexpectedly, the next batch this long after its start starts another."""
+"""After the child ended unexpectedly, the next batch this long after its start starts another;
+the wait doubles (to MAX_RESTART_S) while children end within LIVED_S of their start."""
+MAX_RESTART_S = 320.0
+LIVED_S = 60.0
 SHUTDOWN_S = 10.0
 """The child's own limit for its last export at end of file."""
 _ROOT = str(Path(__file__).resolve().parents[2])
@@ -47,76 +53,118 @@ _ROOT = str(Path(__file__).resolve().parents[2])
 
 class ProcessExport:
     """The proxy's side: pickles batches into the child's stdin without ever blocking the event
-    loop (what the pipe does not take waits in a bounded buffer, written when there is room)."""
+    loop (what the pipe does not take waits in a bounded queue of chunks, written when there is
+    room)."""
 
     def __init__(self, protocol: str, version: str) -> None:
-        self.command = [sys.executable, "-m", "proxy.telemetry.export_process", protocol, version]
+        # -P: not the working directory's `proxy` package, the one this process runs (below).
+        self.command = [sys.executable, "-P", "-m", "proxy.telemetry.export_process", protocol, version]
         self._child: subprocess.Popen[bytes] | None = None
         self._fd = -1
-        self._started_at = 0.0
-        self._buffer = bytearray()
+        self._started_at = -math.inf
+        self._restart_s = RESTART_S
+        self._chunks: deque[list[Any]] = deque()
+        """[pickled bytes not yet written, requests in them] per batch."""
+        self._buffered = 0
         self._loop: asyncio.AbstractEventLoop | None = None
-        """The loop watching the pipe for room, while the buffer is not empty."""
+        """The loop watching the pipe for room, while chunks wait."""
         self._dropped = 0
         self._lost = False
+        self._closed = False
 
     @property
     def child(self) -> subprocess.Popen[bytes] | None:
         """The export process, once started."""
         return self._child
 
+    @property
+    def waiting_bytes(self) -> int:
+        """Pickled batches not yet in the pipe."""
+        return self._buffered
+
+    @property
+    def watching(self) -> bool:
+        """Whether the event loop waits for room in the pipe."""
+        return self._loop is not None
+
+    @property
+    def lost(self) -> bool:
+        """The child ended unexpectedly and was not replaced yet."""
+        return self._lost
+
     def start(self) -> None:
-        if self._child is not None:
+        if self._child is not None or self._closed:
             return
-        path = os.pathsep.join(filter(None, (_ROOT, os.environ.get("PYTHONPATH"))))
-        self._child = subprocess.Popen(self.command, stdin=subprocess.PIPE, env={**os.environ, "PYTHONPATH": path})
-        assert self._child.stdin is not None
-        self._fd = self._child.stdin.fileno()
-        os.set_blocking(self._fd, False)
         self._started_at = time.monotonic()
-        self._lost = False
+        env = dict(os.environ)
+        if _ROOT not in site.getsitepackages():  # a source checkout: the child imports it too
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (_ROOT, os.environ.get("PYTHONPATH"))))
+        # Its own process group: a terminal's Ctrl-C reaches the proxy, which closes the pipe
+        # when it is done, and not the child, which would die with the spans it holds.
+        child = subprocess.Popen(self.command, stdin=subprocess.PIPE, env=env, process_group=0)
+        assert child.stdin is not None
+        self._child, self._fd, self._lost = child, child.stdin.fileno(), False
+        os.set_blocking(self._fd, False)
         self._write(watch=True)  # batches sent before the start
 
     def send(self, batch: Sequence[RequestTrace]) -> None:
-        if self._lost:
-            if time.monotonic() - self._started_at < RESTART_S:
-                self._drop(len(batch))
-                return
-            log.warning("restarting the span export process")
-            self._reap()
-            self.start()
-        try:
-            data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-        except (pickle.PicklingError, TypeError, AttributeError, RecursionError):
-            log.exception("could not hand the spans of %d requests to the export process; dropped", len(batch))
+        if self._closed:
             return
-        if len(self._buffer) + len(data) > MAX_BUFFER_BYTES:
+        if self._lost and not self._restart():
             self._drop(len(batch))
             return
-        self._buffer += data
+        try:
+            data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # whatever a value's pickling raises: the batch's spans, not the request
+            log.exception("could not hand the spans of %d requests to the export process; dropped", len(batch))
+            return
+        if self._buffered + len(data) > MAX_BUFFER_BYTES:
+            self._drop(len(batch))
+            return
+        self._chunks.append([memoryview(data), len(batch)])
+        self._buffered += len(data)
         if self._child is not None and self._loop is None:  # else: written when the pipe has room
             self._write(watch=True)
 
+    def _restart(self) -> bool:
+        """Start a new child if the last one started long enough ago; True if one runs."""
+        now = time.monotonic()
+        if now - self._started_at < self._restart_s:
+            return False
+        lived = self._reap()
+        self._restart_s = RESTART_S if lived >= LIVED_S else min(self._restart_s * 2, MAX_RESTART_S)
+        log.warning("restarting the span export process")
+        try:
+            self.start()
+        except OSError:  # EAGAIN, ENOMEM: tried again after the wait
+            log.exception("could not start the span export process")
+            return False
+        return True
+
     def _write(self, watch: bool) -> None:
         """Write what the pipe takes now; `watch`: wait on the event loop for room for the rest."""
-        buffer = self._buffer
-        while buffer:
+        chunks = self._chunks
+        while chunks:
             try:
-                written = os.write(self._fd, buffer)
+                written = os.write(self._fd, chunks[0][0])
             except BlockingIOError:
                 break
             except OSError as exc:  # BrokenPipeError: the child is gone
                 self._gone(exc)
                 return
-            del buffer[:written]
-        if buffer and watch and self._loop is None:
+            self._buffered -= written
+            if written == len(chunks[0][0]):
+                chunks.popleft()
+            else:
+                chunks[0][0] = chunks[0][0][written:]
+        if chunks and watch and self._loop is None:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop (a script): the next send() or shutdown() writes the rest
                 return
             loop.add_writer(self._fd, self._write, True)
             self._loop = loop
-        elif not buffer and self._loop is not None:
+        elif not chunks and self._loop is not None:
             self._unwatch()
 
     def _unwatch(self) -> None:
@@ -126,18 +174,23 @@ class ProcessExport:
 
     def _gone(self, exc: OSError) -> None:
         self._unwatch()
-        self._buffer.clear()
+        self._drop_buffered()
         if not self._lost:
             self._lost = True
-            code = self._child.poll() if self._child is not None else None
-            log.error("the span export process ended (exit status %s: %s); spans are dropped until it restarts",
-                      code, exc)
+            log.error("the span export process ended (%s); spans are dropped until it restarts", exc)
 
-    def _reap(self) -> None:
-        """Forget the ended (or out of step) child, after making sure it ended."""
+    def _drop_buffered(self) -> None:
+        """Forget the batches waiting for the pipe."""
+        if self._chunks:
+            self._drop(sum(requests for _, requests in self._chunks))
+        self._chunks.clear()
+        self._buffered = 0
+
+    def _reap(self) -> float:
+        """Forget the ended (or out of step) child, after making sure it ended; how long it lived."""
         child, self._child = self._child, None
         if child is None:
-            return
+            return 0.0
         self._unwatch()
         assert child.stdin is not None
         with contextlib.suppress(OSError):
@@ -145,6 +198,9 @@ class ProcessExport:
         if child.poll() is None:
             child.kill()
         child.wait()
+        if child.returncode:
+            log.warning("the span export process exited with status %s", child.returncode)
+        return time.monotonic() - self._started_at
 
     def _drop(self, requests: int) -> None:
         before, self._dropped = self._dropped, self._dropped + requests
@@ -153,37 +209,47 @@ class ProcessExport:
                         self._dropped)
 
     def flush(self, timeout_s: float) -> bool:
-        """Hand what waits to the child now (which exports on its batch processor's schedule)."""
-        deadline = time.monotonic() + timeout_s
-        return self._drain(deadline)
+        """Hand what waits to the child now (which exports on its batch processor's schedule);
+        False if some did not go, or the child is gone."""
+        return self._drain(time.monotonic() + timeout_s) and not self._lost
 
     def _drain(self, deadline: float) -> bool:
-        """Write the buffer out, waiting for room in the pipe until `deadline`; True when empty."""
+        """Write the waiting chunks out, waiting for room in the pipe until `deadline` (off the
+        event loop's watch: call it on the loop's thread, or after detach()); True when empty."""
         if self._child is None:
-            if not self._buffer:
-                return True
+            if not self._chunks or self._closed:
+                return not self._chunks
             self.start()
         self._unwatch()
-        while self._buffer and not self._lost:
+        poller = select.poll()  # not select(): the pipe's fd may be past 1023 after a restart
+        poller.register(self._fd, select.POLLOUT)
+        while self._chunks and not self._lost:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
-            select.select([], [self._fd], [], remaining)
+            poller.poll(remaining * 1000)
             self._write(watch=False)
-        return not self._buffer
+        return not self._chunks
+
+    def detach(self) -> None:
+        """Stop watching the pipe from the event loop (before shutdown() runs in another thread)."""
+        self._unwatch()
 
     def shutdown(self, timeout_s: float) -> None:
-        """Hand the child what waits, close its stdin and wait for its last export (the server is
-        stopping: this blocks, for `timeout_s` at most)."""
+        """Hand the child what waits, close its stdin and wait for its last export, for
+        `timeout_s` at most; what comes after is dropped."""
         deadline = time.monotonic() + timeout_s
         if not self._drain(deadline):
             log.warning("the spans of some requests did not reach the export process within %.0f s", timeout_s)
+            self._drop_buffered()
+        self._closed = True
         child = self._child
         if child is None:
             return
         assert child.stdin is not None
         with contextlib.suppress(OSError):  # nothing is buffered there (writes go to the fd)
             child.stdin.close()
+        self._fd = -1
         try:
             child.wait(max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:

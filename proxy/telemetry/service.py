@@ -59,4 +59,4 @@ class SpecrouteTelemetry(Telemetry):
 
     async def stop(self) -> None:
         if self.tracing is not None:
-            self.tracing.shutdown()
+            await self.tracing.stop()

@@ -70,6 +70,9 @@ class SpanExport(Protocol):
 
     def flush(self, timeout_s: float) -> bool: ...
 
+    def detach(self) -> None:
+        """Let go of the event loop: shutdown() is about to run in another thread."""
+
     def shutdown(self, timeout_s: float) -> None: ...
 
 
@@ -103,6 +106,9 @@ class LocalExport:
     def flush(self, timeout_s: float) -> bool:
         return self.processor.force_flush(int(timeout_s * 1000))
 
+    def detach(self) -> None:
+        pass
+
     def shutdown(self, timeout_s: float) -> None:
         if not self.flush(timeout_s):
             log.warning("some spans were not exported within %.0f s at shutdown", timeout_s)
@@ -133,6 +139,8 @@ class Tracing:
                 exporter or (make_exporter(protocol, self.resource, self.scope) if self.enabled else SpanExporter()))
         self._pending: list[RequestTrace] = []
         self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
+        """Shut down: requests that end later (cancelled at the end of the drain) are not traced."""
         self.protocol = protocol
         # With the default OTEL_PROPAGATORS (tracecontext,baggage) the request path writes and
         # reads traceparent itself, which costs a fifth of the propagator API's calls; the client's
@@ -160,6 +168,8 @@ class Tracing:
 
     def submit(self, trace: RequestTrace) -> None:
         """A sampled request's spans, written with those of the next requests (see BATCH)."""
+        if self._closed:
+            return
         pending = self._pending
         pending.append(trace)
         if len(pending) >= BATCH:
@@ -191,7 +201,17 @@ class Tracing:
         return self.export.flush(timeout_s)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Export what is queued, then stop the export (called at server shutdown)."""
+        """Export what is queued, then stop the export; blocks up to `timeout_s`."""
         self.write_pending()
+        self._closed = True
         self.export.shutdown(timeout_s)
+        self.provider.shutdown()
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """shutdown() at server shutdown, its waiting in a thread: the event loop goes on serving
+        the requests the drain is ending meanwhile."""
+        self.write_pending()
+        self._closed = True
+        self.export.detach()
+        await asyncio.to_thread(self.export.shutdown, timeout_s)
         self.provider.shutdown()
