@@ -103,8 +103,9 @@ def test_real_stack_runs_eagle3_beside_a_throughput_server(compose: Compose) -> 
     }
     assert proxy["environment"]["SPECROUTE_SPEC_URLS"] == "http://sglang-spec:30000"
     assert proxy["environment"]["SPECROUTE_BASE_URLS"] == "http://sglang-base:30000"
-    # docker stop waits stop_grace_period before SIGKILL: it must outlast the drain.
-    assert seconds(proxy["stop_grace_period"]) >= float(proxy["environment"]["SPECROUTE_DRAIN_TIMEOUT_S"]) + 5
+    # docker stop waits stop_grace_period before SIGKILL: it must outlast the drain and the last
+    # span export (Tracing.stop's limit).
+    assert seconds(proxy["stop_grace_period"]) >= float(proxy["environment"]["SPECROUTE_DRAIN_TIMEOUT_S"]) + 10 + 5
     assert "13133/status" in services["jaeger"]["healthcheck"]["test"][-1]
     # Published ports bind loopback unless BIND_ADDRESS says otherwise.
     assert {port["host_ip"] for s in services.values() for port in s.get("ports", [])} == {"127.0.0.1"}
@@ -237,8 +238,9 @@ def test_proxy_shutdown_fits_in_the_grace_period() -> None:
     drain = float(documents[("ConfigMap", "specroute")]["data"]["SPECROUTE_DRAIN_TIMEOUT_S"])
     pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
     # Kubernetes counts the preStop hook inside the grace period, then sends SIGTERM; the drain
-    # must end before SIGKILL, with a small margin for exit, and not much more.
-    assert pod["terminationGracePeriodSeconds"] == pre_stop + drain + 5
+    # and the last span export (Tracing.stop's limit, 10 s) must end before SIGKILL, with a small
+    # margin for exit, and not much more.
+    assert pod["terminationGracePeriodSeconds"] == pre_stop + drain + 10 + 5
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["readinessProbe"]["failureThreshold"] == 1
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
