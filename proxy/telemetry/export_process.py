@@ -110,6 +110,11 @@ class ProcessExport:
     def send(self, batch: Sequence[RequestTrace]) -> None:
         if self._closed:
             return
+        child = self._child
+        if child is not None and not self._lost and child.poll() is not None:
+            # Ended by itself (an exporter that cannot be built from the OTEL_* settings, the
+            # OOM killer...): seen here, with its status, even before a write fails.
+            self._gone(f"exit status {child.returncode}")
         if self._lost and not self._restart():
             self._drop(len(batch))
             return
@@ -172,12 +177,12 @@ class ProcessExport:
             self._loop.remove_writer(self._fd)
             self._loop = None
 
-    def _gone(self, exc: OSError) -> None:
+    def _gone(self, why: OSError | str) -> None:
         self._unwatch()
         self._drop_buffered()
         if not self._lost:
             self._lost = True
-            log.error("the span export process ended (%s); spans are dropped until it restarts", exc)
+            log.error("the span export process ended (%s); spans are dropped until it restarts", why)
 
     def _drop_buffered(self) -> None:
         """Forget the batches waiting for the pipe."""

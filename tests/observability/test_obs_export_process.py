@@ -56,3 +56,17 @@ def test_after_shutdown_nothing_is_sent_or_started() -> None:
     export.send(BATCH)
     export.start()
     assert export.child is child and export.waiting_bytes == 0
+
+
+def test_a_child_that_cannot_export_is_reported_with_its_status(caplog) -> None:  # type: ignore[no-untyped-def]
+    """An exporter the child cannot build (here an unknown protocol; in life an OTEL_* setting
+    the SDK refuses) ends it at once: the next batch reports it, with its exit status."""
+    export = ProcessExport("no-such-protocol", "test")
+    export.start()
+    child = export.child
+    assert child is not None
+    assert child.wait(60) != 0
+    export.send(BATCH)
+    assert export.lost
+    assert any(f"exit status {child.returncode}" in r.getMessage() for r in caplog.records)
+    export.shutdown(5)
