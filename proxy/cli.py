@@ -49,6 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         serve(settings)
         return 0
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn re-raises it once the server drained and stopped
+        return 130
     except SettingsError as exc:
         print(f"specroute: {exc}", file=sys.stderr)
         return 2

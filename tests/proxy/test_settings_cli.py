@@ -105,3 +105,42 @@ def test_readme_configuration_table_lists_every_setting() -> None:
         alias = field.validation_alias
         variable = alias.choices[-1] if isinstance(alias, AliasChoices) else ENV_PREFIX + name.upper()
         assert f"| `{variable}` |" in readme, f"README's configuration table lacks {variable}"
+
+
+def test_ctrl_c_stops_serve_and_its_span_export_without_a_traceback(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C reaches the whole process group: the proxy drains and exits 130, its
+    span export process (its own group) exports what it holds and ends with it."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SPECROUTE_", "OTEL_"))}
+    env = {**clean, "SPECROUTE_BASE_URLS": "http://127.0.0.1:9", "SPECROUTE_PORT": str(port),
+           "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_TIMEOUT": "1"}
+    proc = subprocess.Popen(SPECROUTE + ["serve"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        children: list[int] = []
+        while not children and time.monotonic() < deadline:  # ready once the export process runs
+            assert proc.poll() is None, proc.communicate()
+            children = [int(c) for task in Path(f"/proc/{proc.pid}/task").iterdir()
+                        for c in (task / "children").read_text().split()]
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) != 0:
+                    children = []
+            time.sleep(0.05)
+        assert children, "no span export process"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130
+    assert "Traceback" not in err, err
+    for child in children:
+        assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
