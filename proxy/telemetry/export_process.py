@@ -101,7 +101,12 @@ class ProcessExport:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, (_ROOT, os.environ.get("PYTHONPATH"))))
         # Its own process group: a terminal's Ctrl-C reaches the proxy, which closes the pipe
         # when it is done, and not the child, which would die with the spans it holds.
-        child = subprocess.Popen(self.command, stdin=subprocess.PIPE, env=env, process_group=0)
+        try:
+            child = subprocess.Popen(self.command, stdin=subprocess.PIPE, env=env, process_group=0)
+        except OSError:  # EAGAIN, ENOMEM: the proxy serves untraced; tried again after the wait
+            log.exception("could not start the span export process; spans are dropped until it starts")
+            self._lost = True
+            return
         assert child.stdin is not None
         self._child, self._fd, self._lost = child, child.stdin.fileno(), False
         os.set_blocking(self._fd, False)
@@ -139,12 +144,8 @@ class ProcessExport:
         lived = self._reap()
         self._restart_s = RESTART_S if lived >= LIVED_S else min(self._restart_s * 2, MAX_RESTART_S)
         log.warning("restarting the span export process")
-        try:
-            self.start()
-        except OSError:  # EAGAIN, ENOMEM: tried again after the wait
-            log.exception("could not start the span export process")
-            return False
-        return True
+        self.start()
+        return self._child is not None
 
     def _write(self, watch: bool) -> None:
         """Write what the pipe takes now; `watch`: wait on the event loop for room for the rest."""

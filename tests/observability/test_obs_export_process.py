@@ -70,3 +70,15 @@ def test_a_child_that_cannot_export_is_reported_with_its_status(caplog) -> None:
     assert export.lost
     assert any(f"exit status {child.returncode}" in r.getMessage() for r in caplog.records)
     export.shutdown(5)
+
+
+def test_a_child_that_cannot_start_leaves_the_proxy_serving_untraced() -> None:
+    """Popen failing (EAGAIN under a pids limit, ENOMEM) at start or restart: logged, batches
+    dropped, no exception on the request path; the next start after the wait may succeed."""
+    export = ProcessExport("http/protobuf", "test")
+    export.command = ["/nonexistent/python"]
+    export.start()
+    assert export.child is None and export.lost
+    export.send(BATCH)  # within the wait: dropped
+    assert export.child is None and export.waiting_bytes == 0
+    export.shutdown(1)
