@@ -1,6 +1,6 @@
 """What tracing every request costs the proxy: its CPU per request, so its throughput, traced vs not.
 
-    flock /tmp/specroute-bench.lock .venv/bin/python -m bench.obs_trace_cost   # 6 rounds, ~8 min
+    flock /tmp/specroute-bench.lock .venv/bin/python -m bench.obs_trace_cost   # 6 rounds, about 10 minutes
     .venv/bin/python -m bench.obs_trace_cost --quick    # one round, shorter windows (a smoke run)
 
 On a shared 2-vCPU machine the same configuration's throughput drifts by +-20 % from one minute
