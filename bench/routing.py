@@ -114,7 +114,7 @@ def workload_of(job: Job, seed: int = 0) -> tuple[Setup, Workload]:
     setup = replace(SETUPS[job.setup_name], seed=seed)
     if job.kind == "closed":
         clients = int(job.level)
-        return setup, closed_loop(clients, max(300, 3 * clients), lengths(seed=clients + 1000 * seed))
+        return setup, closed_loop(clients, max(600, 6 * clients), lengths(seed=clients + 1000 * seed))
     if job.kind == "trace":
         times, sample = trace_window(job.trace, TRACE_REQUESTS)
         rate = len(times) / max(times[-1], 1e-9)

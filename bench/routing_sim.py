@@ -213,32 +213,39 @@ class RunResult:
 
 def summarize(results: Sequence[RunResult]) -> dict[str, float]:
     """One summary of several runs of the same cell (other seeds), their requests pooled:
-    means and p99 over every measured request, rates over the runs' summed windows."""
+    means and p99 over every measured request, rates over the runs' summed windows.
+
+    A run's window is its arrival window: from the first measured arrival to the last arrival
+    (open arrivals), or to the last request the loop sends (a closed loop: until then every
+    client is busy, so the load is what the run is named for). Throughput counts the output of
+    the requests that finished within the window; SLO goodput counts the measured requests that
+    met the SLO, of open arrivals all of them (the offered load is the same for every policy),
+    of a closed loop those that finished within the window (its rate is set by how fast the
+    fleet turns requests over). Scoring a closed loop over its whole makespan, or an overloaded
+    run up to its last completion, measured the drain (the fleet past the load the run is named
+    for), which a few long requests finishing last decide."""
     measured = [(r, r.measured()) for r in results]
     rs = [rec for _, recs in measured for rec in recs]
     if not rs:
         return {}
     e2e = sorted(r.e2e for r in rs)
-    span = window = 0.0
+    window = tokens = met = 0.0
     for result, recs in measured:
         if not recs:
             continue
-        start = min(r.arrival for r in recs)
-        run_span = max(max(r.finish_time for r in recs) - start, 1e-9)
-        span += run_span
-        # Open arrivals: SLO goodput per second of the arrival window, the same for every policy;
-        # a closed loop's window is its own makespan.
-        window += run_span if result.closed else max(max(r.arrival for r in recs) - start, 1e-9)
-    met = sum(1 for result, recs in measured for r in recs if result.slo.met(r))
+        start, end = min(r.arrival for r in recs), max(r.arrival for r in recs)
+        window += max(end - start, 1e-9)
+        tokens += sum(r.output_tokens for r in result.records if start <= r.finish_time <= end)
+        met += sum(1 for r in recs if result.slo.met(r) and (not result.closed or r.finish_time <= end))
     return {
         "requests": float(len(rs)),
         "mean_e2e_s": statistics.fmean(e2e),
         "p99_e2e_s": e2e[min(int(0.99 * len(e2e)), len(e2e) - 1)],
         "mean_ttft_s": statistics.fmean(r.ttft for r in rs),
         "mean_tpot_ms": 1000 * statistics.fmean(r.tpot for r in rs),
-        "throughput_tok_s": sum(r.output_tokens for r in rs) / span,
+        "throughput_tok_s": tokens / window,
         "slo_goodput_rps": met / window,
-        "slo_attainment": met / len(rs),
+        "slo_attainment": sum(1 for result, recs in measured for r in recs if result.slo.met(r)) / len(rs),
         "spec_share": sum(1 for r in rs if r.engine == 0) / len(rs),
     }
 
@@ -262,7 +269,13 @@ def run(setup: Setup, workload: Workload, policy_name: str, keep_snapshots: bool
 
     records = simulate(engines, workload.arrivals, router.route, on_step=router.on_step, on_finish=on_finish,
                        alpha_changes=workload.alpha_changes)
-    return RunResult(policy_name, records, router.decisions, router.snapshots, setup.slo, workload.warmup_s,
+    warmup_s = workload.warmup_s
+    if workload.clients:
+        # A closed loop starts with every client's request at once; it has warmed up once as many
+        # requests as there are clients have finished (about a round each).
+        finished = sorted(r.finish_time for r in records)
+        warmup_s = finished[min(workload.clients, len(finished)) - 1]
+    return RunResult(policy_name, records, router.decisions, router.snapshots, setup.slo, warmup_s,
                      closed=workload.clients > 0)
 
 

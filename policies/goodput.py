@@ -40,13 +40,16 @@ from dataclasses import dataclass
 
 from policies.acceptance import accept_length
 from policies.registry import register
-from policies.types import Decision, Features, InstanceState, PoolState, Snapshot, StepCost
+from policies.types import RATE_WINDOW_S, Decision, Features, InstanceState, PoolState, Snapshot, StepCost
 
 # Past this share of time spent prefilling, a server's decode is predicted 10x slower; the cap
 # keeps a burst's prediction finite.
 MAX_PREFILL_SHARE = 0.9
 # A pool at (or past) 95 % of its TPOT target weighs the slowdown it suffers 20x, not infinitely.
 MAX_TPOT_SHARE = 0.95
+# A request may queue for a slot only if it would meet its TTFT target at about the 90th
+# percentile of the wait (this many standard deviations above the mean), not just on average.
+WAIT_QUANTILE_Z = 1.28
 # The configured output length counts as this many responses against the learned mean: the first
 # few responses of a heavy-tailed length distribution say little about the next.
 OUTPUT_PRIOR_SAMPLES = 10
@@ -67,6 +70,8 @@ class Prediction:
     """How far past the running cap the request is expected to arrive (> 0: it would queue)."""
     tpot_s: float = 0.0
     """Predicted seconds per output token: the decode step / tau, stretched by the prefills."""
+    wait_spread_s: float = 0.0
+    """How much longer than `wait_s` the wait for a slot may be (about its 90th percentile)."""
 
     @property
     def ttft_s(self) -> float:
@@ -141,14 +146,35 @@ class Goodput:
             return 0.0
         mean_prompt = max(int(instance.prompt_tokens_per_s / instance.dispatches_per_s), 1)
         prefill_ms = cost.prefill_ms(pool.name, mean_prompt)
-        busy = instance.dispatches_per_s * prefill_ms / 1000
         cap = max(instance.max_running, 1)
+        rate = instance.dispatches_per_s
+        if instance.load + 1 < cap:
+            # Below the cap the prompts still queued were sent lately but are prefilled before this
+            # request's first token: only those sent later stall its decode. After a burst the
+            # recent rate is mostly the queue, not a rate that lasts.
+            rate = max(rate - max(instance.waiting, 0.0) / RATE_WINDOW_S, 0.0)
+        busy = rate * prefill_ms / 1000
         if n_out > 1 and instance.load + 1 >= cap:
             tau, width = self.accept_length(pool)
             held_ms = (n_out - 1) * cost.decode_step_ms(pool.name, cap, width) / tau
             a = cap * prefill_ms / held_ms
             busy = min(busy, a / (1 + a))
         return min(busy, MAX_PREFILL_SHARE)
+
+    def queue_prefill_ms(self, pool: PoolState, instance: InstanceState, cost: StepCost, queued: float) -> float:
+        """Time until the last of `queued` prompt tokens (first come, first served) is prefilled.
+
+        SGLang fills each prefill batch with waiting prompts up to the chunk size, and a request's
+        first token comes when the chunk holding its last token is done. The chunks before that
+        one are full; that one holds the rest of the queue and whatever prompts arrive while the
+        chunks ahead run (at the rate this router sent them lately), up to the chunk size. In a
+        burst it is full, and a request's TTFT is a whole number of chunks."""
+        size = self.prefill_chunk_tokens
+        full = max(math.ceil(queued / size) - 1, 0)
+        before_ms = full * cost.prefill_ms(pool.name, size) if full else 0.0
+        arriving = instance.prompt_tokens_per_s * before_ms / 1000
+        last = min(queued - full * size + arriving, size)
+        return before_ms + cost.prefill_ms(pool.name, max(math.ceil(last), 1))
 
     def predict(self, pool: PoolState, instance: InstanceState, features: Features, cost: StepCost,
                 n_out: int, triage: bool = False) -> Prediction:
@@ -168,9 +194,7 @@ class Goodput:
         # token comes after every waiting prompt (their tokens when the server reports them, else
         # each assumed as long as this one) and this one, in chunks of `prefill_chunk_tokens`.
         ahead = instance.waiting_tokens if instance.waiting_tokens is not None else waiting * prompt
-        queued = ahead + prompt
-        chunks = math.ceil(queued / self.prefill_chunk_tokens)
-        prefill_ms = chunks * cost.prefill_ms(pool.name, math.ceil(queued / chunks))
+        prefill_ms = self.queue_prefill_ms(pool, instance, cost, ahead + prompt)
         own_prefill_ms = cost.prefill_ms(pool.name, prompt)
         # Past the cap, a slot frees every (typical request time / cap): the queue drains at that
         # rate. A typical request holds its slot for its decode at the stretched TPOT. (Counting
@@ -179,6 +203,9 @@ class Goodput:
         typical_ms = max(n_out - 1, 0) * tpot_ms + own_prefill_ms
         over = load + 1 - cap
         wait_ms = over * typical_ms / cap if over > 0 else 0.0
+        # Slots free at random (output lengths vary widely): waiting for the n-th is a sum of n
+        # about exponential gaps, whose 90th percentile is some 1.3 standard deviations above it.
+        spread_ms = WAIT_QUANTILE_Z * math.sqrt(over) * typical_ms / cap if over > 0 else 0.0
         others_ms = 0.0
         running = min(max(instance.running, 0.0), cap - 1)
         if running >= 1 and over <= 0:
@@ -199,6 +226,7 @@ class Goodput:
             batch=batch,
             tokens_per_s=batch * tau / step_ms * 1000,
             over_cap=max(over, 0.0),
+            wait_spread_s=spread_ms / 1000,
             tpot_s=tpot_ms / 1000,
         )
 
@@ -243,11 +271,13 @@ class Goodput:
             if self.slo_aware:
                 meets_spec, meets_base = self.meets_slo(on_spec), self.meets_slo(on_base)
                 scores["slo_spec"], scores["slo_base"] = float(meets_spec), float(meets_base)
-                if spec_full and meets_spec:
-                    spec_full = False  # queued on spec it still meets its target: it may wait
-                elif meets_spec != meets_base:
+                if meets_spec != meets_base:
+                    # Met on one pool only (on spec perhaps queued past its cap, within the TTFT
+                    # target): no slot price or cost difference outweighs that.
                     pool = "spec" if meets_spec else "base"
                     return Decision(pool=pool, reason=f"slo-{pool}", scores=scores)
+                if spec_full and meets_spec:
+                    spec_full = False  # queued on spec it still meets its target: it may wait
                 elif not meets_spec:
                     # Met on neither pool: this request is lost whatever we do. It should cost
                     # the requests that can still meet theirs as little as possible, and those
@@ -283,7 +313,7 @@ class Goodput:
 
     def meets_slo(self, p: Prediction) -> bool:
         """Whether a prediction meets the configured targets (a target of 0 is not checked)."""
-        ttft_ok = self.slo_ttft_s <= 0 or p.ttft_s <= self.slo_ttft_s
+        ttft_ok = self.slo_ttft_s <= 0 or p.ttft_s + p.wait_spread_s <= self.slo_ttft_s
         tpot_ok = self.slo_tpot_ms <= 0 or p.tpot_s * 1000 <= self.slo_tpot_ms
         return ttft_ok and tpot_ok
 

@@ -22,3 +22,29 @@ def test_goodput_speculates_when_quiet_and_spills_over_when_busy():
     reasons = {reason for _, _, reason, _ in on_busy.decisions}
     assert "spec-sooner" in reasons
     assert reasons & {"spec-full", "base-sooner", "slo-base"}  # spilled over to base on purpose
+
+
+def _record(index, arrival, first, finish, tokens=11):
+    from sim.virtual import RequestRecord
+
+    return RequestRecord(index=index, engine=1, engine_name="base", arrival=arrival, first_token_time=first,
+                         finish_time=finish, prompt_tokens=100, output_tokens=tokens, finish_reason="stop",
+                         verify_ct=0, alpha=0.0, request_class="latency")
+
+
+def test_rates_are_scored_over_the_window_the_load_is_named_for():
+    from bench.routing_sim import RunResult, Slo
+
+    slo = Slo(ttft_s=1.0, tpot_s=0.5)
+    # Sent at 0, 0 and 4 s (the last send), finished at 2, 4 and 20 s; all meet the SLO.
+    records = [_record(0, 0.0, 0.5, 2.0), _record(1, 0.0, 0.5, 4.0), _record(2, 4.0, 4.5, 20.0, tokens=200)]
+    closed = RunResult("p", records, [], [], slo, warmup_s=0.0, closed=True).summary()
+    # A closed loop counts what finished while every client was busy (0-4 s), not the drain.
+    assert closed["slo_goodput_rps"] == 2 / 4.0
+    assert closed["throughput_tok_s"] == 22 / 4.0
+    assert closed["slo_attainment"] == 1.0 and closed["mean_e2e_s"] == (2 + 4 + 16) / 3
+    # Open arrivals: every measured request that met the SLO counts against the arrival window
+    # (the offered load is the same for every policy); throughput is again what finished in it.
+    opened = RunResult("p", records, [], [], slo, warmup_s=0.0, closed=False).summary()
+    assert opened["slo_goodput_rps"] == 3 / 4.0
+    assert opened["throughput_tok_s"] == 22 / 4.0
