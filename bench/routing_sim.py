@@ -217,25 +217,32 @@ def summarize(results: Sequence[RunResult]) -> dict[str, float]:
 
     A run's window is its arrival window: from the first measured arrival to the last arrival
     (open arrivals), or to the last request the loop sends (a closed loop: until then every
-    client is busy, so the load is what the run is named for). Throughput counts the output of
-    the requests that finished within the window; SLO goodput counts the measured requests that
-    met the SLO, of open arrivals all of them (the offered load is the same for every policy),
-    of a closed loop those that finished within the window (its rate is set by how fast the
-    fleet turns requests over). Scoring a closed loop over its whole makespan, or an overloaded
-    run up to its last completion, measured the drain (the fleet past the load the run is named
-    for), which a few long requests finishing last decide."""
+    client is busy, so the load is what the run is named for). SLO goodput counts the measured
+    requests that met the SLO, of open arrivals all of them (the offered load is the same for
+    every policy), of a closed loop those that finished within the window (its rate is how fast
+    the fleet turns over requests that meet it). Throughput is the output of a closed loop's
+    requests that finished within the window, per second of it, and of open arrivals all the
+    output per second from the first arrival to the last completion (how fast the fleet clears
+    a fixed amount of work; an overloaded run of 600 requests is still ramping up when its last
+    request arrives). Scoring a closed loop over its whole makespan measured its drain (the last
+    round, at ever lower concurrency), which the few long requests that finish last decide."""
     measured = [(r, r.measured()) for r in results]
     rs = [rec for _, recs in measured for rec in recs]
     if not rs:
         return {}
     e2e = sorted(r.e2e for r in rs)
-    window = tokens = met = 0.0
+    window = span = tokens = met = 0.0
     for result, recs in measured:
         if not recs:
             continue
         start, end = min(r.arrival for r in recs), max(r.arrival for r in recs)
         window += max(end - start, 1e-9)
-        tokens += sum(r.output_tokens for r in result.records if start <= r.finish_time <= end)
+        if result.closed:
+            span += max(end - start, 1e-9)
+            tokens += sum(r.output_tokens for r in result.records if start <= r.finish_time <= end)
+        else:
+            span += max(max(r.finish_time for r in recs) - start, 1e-9)
+            tokens += sum(r.output_tokens for r in recs)
         met += sum(1 for r in recs if result.slo.met(r) and (not result.closed or r.finish_time <= end))
     return {
         "requests": float(len(rs)),
@@ -243,7 +250,7 @@ def summarize(results: Sequence[RunResult]) -> dict[str, float]:
         "p99_e2e_s": e2e[min(int(0.99 * len(e2e)), len(e2e) - 1)],
         "mean_ttft_s": statistics.fmean(r.ttft for r in rs),
         "mean_tpot_ms": 1000 * statistics.fmean(r.tpot for r in rs),
-        "throughput_tok_s": tokens / window,
+        "throughput_tok_s": tokens / span,
         "slo_goodput_rps": met / window,
         "slo_attainment": sum(1 for result, recs in measured for r in recs if result.slo.met(r)) / len(rs),
         "spec_share": sum(1 for r in rs if r.engine == 0) / len(rs),

@@ -18,8 +18,11 @@ from dataclasses import dataclass, field
 
 from policies.acceptance import DEFAULT_HALF_LIFE_S, AcceptanceEstimator, CounterDelta
 from policies.costmodel import StepCostModel
-from policies.types import RATE_WINDOW_S, InstanceState, PoolName, PoolState, Snapshot, StepCost
+from policies.types import InstanceState, PoolName, PoolState, Snapshot, StepCost
 
+# The window of the dispatch rates: about how long a burst of prefills keeps stalling the decode
+# steps of the requests already running.
+RATE_WINDOW_S = 2.0
 # Finished requests the mean output length covers (a moving mean over about as many after that).
 OUTPUT_MEMORY = 50
 

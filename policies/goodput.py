@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from policies.acceptance import accept_length
 from policies.registry import register
-from policies.types import RATE_WINDOW_S, Decision, Features, InstanceState, PoolState, Snapshot, StepCost
+from policies.types import Decision, Features, InstanceState, PoolState, Snapshot, StepCost
 
 # Past this share of time spent prefilling, a server's decode is predicted 10x slower; the cap
 # keeps a burst's prediction finite.
@@ -146,35 +146,14 @@ class Goodput:
             return 0.0
         mean_prompt = max(int(instance.prompt_tokens_per_s / instance.dispatches_per_s), 1)
         prefill_ms = cost.prefill_ms(pool.name, mean_prompt)
+        busy = instance.dispatches_per_s * prefill_ms / 1000
         cap = max(instance.max_running, 1)
-        rate = instance.dispatches_per_s
-        if instance.load + 1 < cap:
-            # Below the cap the prompts still queued were sent lately but are prefilled before this
-            # request's first token: only those sent later stall its decode. After a burst the
-            # recent rate is mostly the queue, not a rate that lasts.
-            rate = max(rate - max(instance.waiting, 0.0) / RATE_WINDOW_S, 0.0)
-        busy = rate * prefill_ms / 1000
         if n_out > 1 and instance.load + 1 >= cap:
             tau, width = self.accept_length(pool)
             held_ms = (n_out - 1) * cost.decode_step_ms(pool.name, cap, width) / tau
             a = cap * prefill_ms / held_ms
             busy = min(busy, a / (1 + a))
         return min(busy, MAX_PREFILL_SHARE)
-
-    def queue_prefill_ms(self, pool: PoolState, instance: InstanceState, cost: StepCost, queued: float) -> float:
-        """Time until the last of `queued` prompt tokens (first come, first served) is prefilled.
-
-        SGLang fills each prefill batch with waiting prompts up to the chunk size, and a request's
-        first token comes when the chunk holding its last token is done. The chunks before that
-        one are full; that one holds the rest of the queue and whatever prompts arrive while the
-        chunks ahead run (at the rate this router sent them lately), up to the chunk size. In a
-        burst it is full, and a request's TTFT is a whole number of chunks."""
-        size = self.prefill_chunk_tokens
-        full = max(math.ceil(queued / size) - 1, 0)
-        before_ms = full * cost.prefill_ms(pool.name, size) if full else 0.0
-        arriving = instance.prompt_tokens_per_s * before_ms / 1000
-        last = min(queued - full * size + arriving, size)
-        return before_ms + cost.prefill_ms(pool.name, max(math.ceil(last), 1))
 
     def predict(self, pool: PoolState, instance: InstanceState, features: Features, cost: StepCost,
                 n_out: int, triage: bool = False) -> Prediction:
@@ -194,7 +173,9 @@ class Goodput:
         # token comes after every waiting prompt (their tokens when the server reports them, else
         # each assumed as long as this one) and this one, in chunks of `prefill_chunk_tokens`.
         ahead = instance.waiting_tokens if instance.waiting_tokens is not None else waiting * prompt
-        prefill_ms = self.queue_prefill_ms(pool, instance, cost, ahead + prompt)
+        queued = ahead + prompt
+        chunks = math.ceil(queued / self.prefill_chunk_tokens)
+        prefill_ms = chunks * cost.prefill_ms(pool.name, math.ceil(queued / chunks))
         own_prefill_ms = cost.prefill_ms(pool.name, prompt)
         # Past the cap, a slot frees every (typical request time / cap): the queue drains at that
         # rate. A typical request holds its slot for its decode at the stretched TPOT. (Counting
@@ -271,13 +252,11 @@ class Goodput:
             if self.slo_aware:
                 meets_spec, meets_base = self.meets_slo(on_spec), self.meets_slo(on_base)
                 scores["slo_spec"], scores["slo_base"] = float(meets_spec), float(meets_base)
-                if meets_spec != meets_base:
-                    # Met on one pool only (on spec perhaps queued past its cap, within the TTFT
-                    # target): no slot price or cost difference outweighs that.
-                    pool = "spec" if meets_spec else "base"
-                    return Decision(pool=pool, reason=f"slo-{pool}", scores=scores)
                 if spec_full and meets_spec:
                     spec_full = False  # queued on spec it still meets its target: it may wait
+                elif meets_spec != meets_base:
+                    pool = "spec" if meets_spec else "base"
+                    return Decision(pool=pool, reason=f"slo-{pool}", scores=scores)
                 elif not meets_spec:
                     # Met on neither pool: this request is lost whatever we do. It should cost
                     # the requests that can still meet theirs as little as possible, and those

@@ -29,11 +29,6 @@ class Features:
     """True when the request will run to max_tokens (SGLang's ignore_eos)."""
 
 
-# The window the instances' dispatch rates are exponentially weighted over: about how long a burst
-# of prefills keeps stalling the decode steps of the requests already running.
-RATE_WINDOW_S = 2.0
-
-
 @dataclass(frozen=True, slots=True)
 class InstanceState:
     """One backend server as the router sees it now."""
@@ -51,8 +46,8 @@ class InstanceState:
     waiting_tokens: float | None = None
     """Prompt tokens waiting to be prefilled (same adjustment as `waiting`), if known."""
     prompt_tokens_per_s: float = 0.0
-    """Prompt tokens this router sent the instance per second lately (exponentially weighted over
-    RATE_WINDOW_S): its prefill work, which stalls the decode of everything running there."""
+    """Prompt tokens this router sent the instance per second lately (exponentially weighted):
+    its prefill work, which stalls the decode of everything running there."""
     dispatches_per_s: float = 0.0
     """Requests this router sent the instance per second lately (same weighting)."""
 
