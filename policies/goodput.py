@@ -21,9 +21,10 @@ token there is step / tau / (1 - busy). That is the predicted TPOT.
 
 With a service-level objective (`slo_ttft_s`, `slo_tpot_ms`; 0 = none) a `latency` request that
 meets it on one pool only goes there (`slo-spec`, `slo-base`); one that can meet it queued on a
-full spec pool may queue there (and then competes on cost); and the slowdown imposed on the
-others is weighted by 1 / (1 - TPOT / target) (a pool near its TPOT target is hurt much more by
-one more prefill). Without an SLO:
+full spec pool may queue there (and then competes on cost); one met on neither pool queues there
+when base's prefill backlog would outlast spec's queue by more than a TTFT target
+(`spec-backlog`); and the slowdown imposed on the others is weighted by 1 / (1 - TPOT / target)
+(a pool near its TPOT target is hurt much more by one more prefill). Without an SLO:
 
 Request classes:
 - `latency` never queues on the spec pool past its cap (`spec-full` sends it to base);
@@ -267,6 +268,18 @@ class Goodput:
                     on_base = self.predict(base, joined_base, features, snapshot.cost, n_out, triage=True)
                     scores["cost_spec_s"] = round(on_spec.cost_s, 6)
                     scores["cost_base_s"] = round(on_base.cost_s, 6)
+                    # Keeping a lost request out of spec's queue spares spec's slots for requests
+                    # it can still serve in time, but in a burst it piles the whole overflow onto
+                    # base's prefill queue: spec empties and idles while base works through a
+                    # backlog that every arrival after the burst then finds in the way (spec alone
+                    # takes them and misses too). Once base's first token is more than a TTFT
+                    # target later than spec's, spec would sit ready a whole target's time while
+                    # base still cannot serve anyone: the lost request queues on spec instead,
+                    # where its own first token also comes sooner. Not past base's cap: there
+                    # base's queue is one for slots too, which does not clear when the burst ends.
+                    if (spec_full and on_base.over_cap <= 0
+                            and on_base.ttft_s - on_spec.ttft_s > self.slo_ttft_s > 0):
+                        return Decision(pool="spec", reason="spec-backlog", scores=scores)
             if spec_full:
                 return Decision(pool="base", reason="spec-full", scores=scores)
         price = 0.0

@@ -266,3 +266,21 @@ def test_goodput_queues_on_spec_only_if_the_slow_end_of_the_wait_meets_the_ttft_
     # Two queued: even the slow end of the wait meets the target.
     decision = policy.decide(long_prompt, _with(snapshot(50, 200, cost), "base", **pressed))
     assert decision.scores["slo_spec"] == 1.0 and decision.pool == "spec"
+
+
+def test_goodput_queues_a_lost_request_on_spec_when_base_has_a_far_longer_prefill_backlog():
+    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+    policy = Goodput(slo_ttft_s=1.0, slo_tpot_ms=50.0)
+    long_prompt = Features(prompt_tokens=4000)
+    pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)  # base misses its TPOT target
+    # Spec six past its cap (its first token at the slow end of the wait is late); base below its
+    # cap with prompts of a burst waiting to be prefilled: lost on both.
+    burst = _with(snapshot(54, 120, cost), "base", waiting=60.0, waiting_tokens=200_000.0, **pressed)
+    decision = policy.decide(long_prompt, burst)
+    assert decision.scores["slo_lost"] == 1.0 and (decision.pool, decision.reason) == ("spec", "spec-backlog")
+    # Base's backlog clears within a TTFT target of spec's: spec is kept for requests it can serve.
+    short = _with(snapshot(54, 70, cost), "base", waiting=10.0, waiting_tokens=20_000.0, **pressed)
+    assert policy.decide(long_prompt, short).reason == "spec-full"
+    # Past base's cap its queue is one for slots as well: it does not clear when the burst ends.
+    full = _with(snapshot(54, 316, cost), "base", waiting_tokens=200_000.0, **pressed)
+    assert policy.decide(long_prompt, full).reason == "spec-full"
