@@ -27,7 +27,8 @@ when base's prefill backlog would outlast spec's queue by more than a TTFT targe
 (a pool near its TPOT target is hurt much more by one more prefill). Without an SLO:
 
 Request classes:
-- `latency` never queues on the spec pool past its cap (`spec-full` sends it to base);
+- `latency` never queues on the spec pool past its cap (`spec-full` sends it to base), but for the
+  SLO exceptions above (it meets its targets there, or `spec-backlog`: it is served sooner there);
 - `batch` goes where the fleet's total token throughput gains most from one more sequence.
 
 A stale spec reading (older than SPECROUTE_STALE_MS) is not trusted: the request goes to base
