@@ -49,7 +49,7 @@ DROP = (0.7, 0.3)
 DROP_AT_S, DROP_END_S, DROP_LOAD = 40.0, 90.0, 0.5
 # Each Poisson level, concurrency and trace runs on these seeds (arrivals and lengths, except a
 # trace's; per-request alpha) and is scored on the pooled requests: one seed's few long requests
-# moved a p99 or a rate by a few percent either way (the bursty code trace: 1.11-1.16x the
+# moved a p99 or a rate by a few percent either way (the bursty code trace: 1.11-1.17x the
 # oracle split on six seeds), and the oracle's fixed split is one fraction per load level, not
 # one per sample.
 SEEDS = (0, 1, 2)
