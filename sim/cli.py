@@ -91,7 +91,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from sim.server import TwinOptions, create_app
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: the event loop sets TCP_NODELAY only on accepted sockets whose protocol
+    # says TCP. Without it each chunk written after the response headers waits for the client's
+    # delayed ACK (~40 ms per keep-alive request), which SGLang's own server never does.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.host, args.port))
