@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import threading
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -17,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from proxy.auth import Access, AuthRefused, without_authorization
 from proxy.errors import ProxyError, error_object, error_type_for
 from proxy.hooks import Telemetry
 from proxy.relay import COMPLETION_PATHS, CompletionHandler, Receive, Scope, Send
@@ -37,6 +40,7 @@ class SpecrouteApp:
         self.telemetry = telemetry or Telemetry()
         self.router = router or Router.from_settings(settings)
         self.upstream = Upstream(settings)
+        self.access = Access.from_settings(settings)
         self.draining = False
         """Set on SIGTERM: /ready answers 503 while running requests finish."""
         self.completions = CompletionHandler(settings, self.router, self.upstream, self.telemetry)
@@ -47,19 +51,44 @@ class SpecrouteApp:
         self.telemetry.install(self.api)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in COMPLETION_PATHS:
-            await self.completions(scope, receive, send)
-        else:
-            await self.api(scope, receive, send)
+        if scope["type"] == "http":
+            refusal = self.access.check(scope["path"], scope["headers"])
+            if refusal is not None:
+                await self.refuse(scope, send, refusal)
+                return
+            if self.access.enabled:
+                # The client's key stops here: never forwarded, logged or traced.
+                scope["headers"] = without_authorization(scope["headers"])
+            if scope["path"] in COMPLETION_PATHS:
+                await self.completions(scope, receive, send)
+                return
+        await self.api(scope, receive, send)
+
+    async def refuse(self, scope: Scope, send: Send, refusal: AuthRefused) -> None:
+        """A 401/403 before the body is read. A client waiting on `Expect: 100-continue` will
+        not send its body now, so the connection is closed rather than left mid-request."""
+        self.telemetry.auth_refused(refusal.reason)
+        body = refusal.body()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   *refusal.headers]
+        if any(name.lower() == b"expect" for name, _ in scope["headers"]):
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     @asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         await self.upstream.start()
         await self.telemetry.start()
         await self.router.start()
+        reloads_on_sighup = self.access.keys.path is not None and threading.current_thread() is threading.main_thread()
+        if reloads_on_sighup:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.access.keys.reload)
         try:
             yield
         finally:
+            if reloads_on_sighup:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             # Each stops even if the one before failed (logged), the upstream session last.
             for stop in (self.router.stop, self.telemetry.stop, self.upstream.stop):
                 try:
@@ -69,7 +98,7 @@ class SpecrouteApp:
 
     def readiness(self) -> dict[str, Any]:
         pools = {
-            name: [{"url": i.url, "healthy": i.healthy, "in_flight": i.in_flight} for i in pool.instances]
+            name: [{"name": i.name, "healthy": i.healthy, "in_flight": i.in_flight} for i in pool.instances]
             for name, pool in self.router.pools.items()
         }
         return {"ready": self.router.ready and not self.draining, "draining": self.draining, "pools": pools}

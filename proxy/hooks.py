@@ -92,6 +92,10 @@ class Telemetry:
     def request_hooks(self, endpoint: str) -> RequestHooks:
         return NO_HOOKS
 
+    def auth_refused(self, reason: str) -> None:
+        """A request was refused by client authentication (401/403) before anything else ran;
+        `reason` is a short token (missing, malformed, invalid, not_operator, pin_not_allowed)."""
+
     async def start(self) -> None:
         """Called once at server start-up."""
 

@@ -20,6 +20,9 @@ class Instance:
     pool: PoolName
     signals: InstanceSignals
     api_key: str | None = None
+    name: str = ""
+    """What clients see of this server (x-specroute-backend, /ready): an opaque name such as
+    spec-0, or the URL when SPECROUTE_EXPOSE_BACKEND_URLS is set."""
     streaming: int = 0
     """Requests whose first response byte has arrived (decoding rather than queued/prefilling)."""
     dispatched_total: int = 0
@@ -51,7 +54,11 @@ def pools_from_settings(settings: Settings, fleet: FleetState) -> dict[PoolName,
     pools: dict[PoolName, Pool] = {}
     for name in POOLS:
         key = keys[name].get_secret_value() if keys[name] else None
-        instances = [Instance(url, name, fleet.add_instance(url, name, DEFAULT_MAX_RUNNING), key) for url in urls[name]]
+        instances = [
+            Instance(url, name, fleet.add_instance(url, name, DEFAULT_MAX_RUNNING), key,
+                     url if settings.expose_backend_urls else f"{name}-{index}")
+            for index, url in enumerate(urls[name])
+        ]
         pools[name] = Pool(name, instances)
     return pools
 

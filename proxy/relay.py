@@ -111,7 +111,7 @@ class Exchange:
             headers.append((b"x-specroute-pool", pool.encode()))
             headers.append((b"x-specroute-reason", reason.encode()))
         if self.instance is not None:
-            headers.append((b"x-specroute-backend", self.instance.url.encode()))
+            headers.append((b"x-specroute-backend", self.instance.name.encode()))
         return headers
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:

@@ -17,6 +17,7 @@ import uvicorn
 
 from proxy import __version__
 from proxy.app import SpecrouteApp
+from proxy.auth import warn_if_open
 from proxy.settings import Settings
 from proxy.telemetry import SpecrouteTelemetry
 
@@ -89,4 +90,5 @@ def serve(settings: Settings, on_ready: Callable[[], None] | None = None) -> Non
     """Run until stopped (blocks). Settings must already be valid (proxy.settings.load_settings)."""
     settings.require_upstreams()
     app = build_app(settings)
+    warn_if_open(settings, app.access)
     DrainingServer(uvicorn_config(app, settings), app, on_ready).run()

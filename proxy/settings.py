@@ -50,6 +50,29 @@ class Settings(BaseSettings):
         None, description="Bearer key sent to the base pool (replaces the client's Authorization)."
     )
 
+    # Access (proxy/auth.py): who may use the proxy
+    api_keys: SecretStr | None = Field(
+        None, description="Comma-separated client keys; when any key is set, completions and models need 'Authorization: Bearer <key>'."
+    )
+    api_keys_file: str | None = Field(
+        None, description="File of client keys, one a line ('#' comments); reread when it changes or on SIGHUP."
+    )
+    operator_api_keys: SecretStr | None = Field(
+        None, description="Comma-separated operator keys: client keys that may also reach the operator endpoints and pin pools."
+    )
+    metrics_access: Literal["open", "keys", "operators"] = Field(
+        "open", description="Who may read GET /metrics when keys are on: open, keys (any key) or operators."
+    )
+    state_access: Literal["open", "keys", "operators"] = Field(
+        "operators", description="Who may read GET /v1/specroute/state (instance addresses, scores) when keys are on."
+    )
+    pool_pin: Literal["any", "operators", "off"] = Field(
+        "any", description="Who may pin a pool with x-specroute-pool (skipping the policy, its caps and failover): any client, operators, or nobody."
+    )
+    expose_backend_urls: bool = Field(
+        False, description="Name the upstream server in x-specroute-backend and /ready by its URL instead of its opaque name (spec-0, base-1...)."
+    )
+
     # Routing
     policy: str = Field("goodput", description="Routing policy name (see `specroute config`).")
     poll_interval_ms: int = Field(
@@ -168,6 +191,17 @@ class Settings(BaseSettings):
             if not parsed.host or any(c.isspace() for c in url):
                 raise ValueError(f"{url!r} is not a valid URL (no host, or a space in it)")
         return [url.rstrip("/") for url in urls]
+
+    @field_validator("api_keys_file")
+    @classmethod
+    def _check_keys_file(cls, value: str | None) -> str | None:
+        if value:
+            try:
+                with open(value, encoding="utf-8") as keys:
+                    keys.read()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ValueError(f"cannot read {value!r} ({type(exc).__name__})") from None
+        return value or None
 
     @field_validator("host")
     @classmethod

@@ -412,7 +412,7 @@ class Signals:
                     "age_s": None if math.isinf(pool.age_s) else round(pool.age_s, 3),
                     "instances": [
                         {
-                            "url": i.url, "running": i.running, "waiting": i.waiting,
+                            "url": i.url, "name": self.by_url[i.url].name, "running": i.running, "waiting": i.waiting,
                             "max_running": i.max_running, "healthy": i.healthy,
                             "reached": i.url not in self.unlearned,
                             "age_s": None if math.isinf(i.age_s) else round(i.age_s, 3),

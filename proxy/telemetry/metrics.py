@@ -42,6 +42,8 @@ class Metrics:
                                ["pool"], registry=r)
         self.failovers = Counter(n.M_FAILOVERS, "Upstream attempts moved to the other pool.",
                                  ["from_pool", "to_pool"], registry=r)
+        self.auth_refused = Counter(n.M_AUTH_REFUSED, "Requests refused by client authentication, by reason (never by key).",
+                                    ["reason"], registry=r)
         self.overhead = Histogram(
             n.M_OVERHEAD, "Seconds per request spent in the proxy itself (not waiting on upstream).",
             buckets=n.BUCKETS_OVERHEAD, registry=r)

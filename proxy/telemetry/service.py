@@ -45,6 +45,9 @@ class SpecrouteTelemetry(Telemetry):
         async def prometheus_metrics() -> Response:
             return Response(metrics.render(), media_type=metrics.content_type)
 
+    def auth_refused(self, reason: str) -> None:
+        self.metrics.auth_refused.labels(reason).inc()
+
     def watch_snapshot(self, source: Callable[[], "Snapshot | None"]) -> None:
         """Give /metrics the fleet's current snapshot (alpha and reading age at scrape time)."""
         self.metrics.watch_snapshot(source)

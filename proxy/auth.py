@@ -1,0 +1,216 @@
+"""Who may use the proxy: client API keys, operator keys, and what each may reach.
+
+    access = Access.from_settings(settings)
+    refusal = access.check(path, headers)      # None: allowed; else a ProxyError (401/403)
+
+Keys come from SPECROUTE_API_KEYS, SPECROUTE_API_KEYS_FILE (one a line, `#` comments; reread
+when the file changes, looked at most once a second, or on SIGHUP) and
+SPECROUTE_OPERATOR_API_KEYS (client keys that may also read the operator endpoints and pin a
+pool). With no key configured anywhere, everything is open. A presented key is hashed and
+compared with every known key's hash in constant time, whichever matches; the key itself is
+never stored, logged or echoed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import time
+from enum import IntEnum
+from pathlib import Path
+from typing import Callable, Iterable, Literal
+
+from proxy.errors import ProxyError
+from proxy.settings import Settings
+
+log = logging.getLogger("specroute")
+
+FILE_CHECK_S = 1.0
+"""How often a request may look at the keys file's modification time."""
+OPEN_PATHS = frozenset({"/health", "/ready"})
+"""Probes stay open: an orchestrator has no key."""
+METRICS_PATH = "/metrics"
+STATE_PATH = "/v1/specroute/state"
+POOL_HEADER = b"x-specroute-pool"
+
+Need = Literal["open", "keys", "operators"]
+"""What a path needs: nothing, any known key, or an operator key."""
+
+
+class Role(IntEnum):
+    NONE = 0
+    CLIENT = 1
+    OPERATOR = 2
+
+
+class AuthRefused(ProxyError):
+    """A 401/403; `reason` is the metric label (never the key)."""
+
+    def __init__(self, status: int, message: str, code: str, reason: str) -> None:
+        headers = [(b"www-authenticate", b'Bearer realm="specroute"')] if status == 401 else []
+        super().__init__(status, message, code=code, headers=headers)
+        self.reason = reason
+
+
+def digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
+
+
+def split_keys(text: str, separator: str | None) -> list[str]:
+    """Keys from a comma-separated value (separator ",") or a file's lines (None)."""
+    parts = text.split(",") if separator else text.splitlines()
+    return [p.strip() for p in parts if p.strip() and not p.strip().startswith("#")]
+
+
+class KeyRing:
+    """Known key hashes with their roles; the file's keys follow the file."""
+
+    def __init__(self, inline: Iterable[str], operators: Iterable[str], path: str | None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.inline = {digest(k): Role.CLIENT for k in inline}
+        self.inline.update({digest(k): Role.OPERATOR for k in operators})
+        self.path = Path(path) if path else None
+        self.clock = clock
+        self.file_keys: dict[bytes, Role] = {}
+        self.file_stamp: tuple[int, int, int] | None = None
+        self.next_check = 0.0
+        self.keys: list[tuple[bytes, Role]] = []
+        self.reload()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.inline) or self.path is not None
+
+    def reload(self) -> None:
+        """Reread the keys file (SIGHUP, or its modification time changed). An unreadable file
+        keeps the keys read before, logged: a botched edit must not open the proxy."""
+        if self.path is not None:
+            try:
+                stat = os.stat(self.path)
+                text = self.path.read_text("utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                log.error("cannot read SPECROUTE_API_KEYS_FILE %s (%s); keeping the %d keys read before",
+                          self.path, type(exc).__name__, len(self.file_keys))
+            else:
+                self.file_stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+                self.file_keys = {digest(k): Role.CLIENT for k in split_keys(text, None)}
+                log.info("read %d keys from SPECROUTE_API_KEYS_FILE", len(self.file_keys))
+        merged = dict(self.file_keys)
+        merged.update(self.inline)  # an operator key stays one if the file lists it too
+        self.keys = list(merged.items())
+
+    def _refresh(self) -> None:
+        now = self.clock()
+        if self.path is None or now < self.next_check:
+            return
+        self.next_check = now + FILE_CHECK_S
+        try:
+            stat = os.stat(self.path)
+            stamp: tuple[int, int, int] | None = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+        except OSError:
+            stamp = None
+        if stamp != self.file_stamp:
+            self.reload()
+
+    def role_of(self, key: str) -> Role:
+        self._refresh()
+        presented = digest(key)
+        role = Role.NONE
+        for known, known_role in self.keys:  # every key compared: the time says nothing of which
+            if hmac.compare_digest(presented, known):
+                role = known_role
+        return role
+
+
+def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> tuple[str | None, bool]:
+    """The Authorization header's bearer token, and whether an Authorization header was sent."""
+    values = [value for name, value in headers if name.lower() == b"authorization"]
+    if len(values) != 1:
+        return None, bool(values)
+    scheme, _, token = values[0].decode("latin-1").strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None, True
+    return token, True
+
+
+class Access:
+    """The rules: which paths need a key, which need an operator's, who may pin a pool."""
+
+    def __init__(self, keys: KeyRing, metrics: Need, state: Need,
+                 pool_pin: Literal["any", "operators", "off"]) -> None:
+        self.keys = keys
+        self.metrics = metrics
+        self.state = state
+        self.pool_pin = pool_pin
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> "Access":
+        def secret(value: object) -> list[str]:
+            return split_keys(value.get_secret_value(), ",") if value is not None else []  # type: ignore[attr-defined]
+
+        keys = KeyRing(secret(settings.api_keys), secret(settings.operator_api_keys), settings.api_keys_file)
+        return cls(keys, settings.metrics_access, settings.state_access, settings.pool_pin)
+
+    @property
+    def enabled(self) -> bool:
+        return self.keys.enabled
+
+    def needed(self, path: str) -> Need:
+        if path in OPEN_PATHS:
+            return "open"
+        if path == METRICS_PATH:
+            return self.metrics
+        if path == STATE_PATH:
+            return self.state
+        return "keys"
+
+    def check(self, path: str, headers: list[tuple[bytes, bytes]]) -> AuthRefused | None:
+        """None when the request may go on; the refusal to send otherwise."""
+        pins = any(name.lower() == POOL_HEADER for name, _ in headers)
+        if pins and self.pool_pin == "off":
+            return AuthRefused(403, "pinning a pool (x-specroute-pool) is turned off on this proxy",
+                               "pool_pin_not_allowed", "pin_not_allowed")
+        if not self.enabled:
+            return None
+        needed = self.needed(path)
+        if pins and self.pool_pin == "operators":
+            needed = "operators"
+        if needed == "open":
+            return None
+        token, sent = bearer_token(headers)
+        if token is None:
+            reason = "malformed" if sent else "missing"
+            return AuthRefused(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
+                               if not sent else "The Authorization header must be 'Bearer <key>'.",
+                               "invalid_api_key", reason)
+        role = self.keys.role_of(token)
+        if role is Role.NONE:
+            return AuthRefused(401, "Incorrect API key provided.", "invalid_api_key", "invalid")
+        if needed == "operators" and role is not Role.OPERATOR:
+            what = "pinning a pool (x-specroute-pool)" if pins and path not in (METRICS_PATH, STATE_PATH) else path
+            return AuthRefused(403, f"{what} needs an operator key", "operator_key_required", "not_operator")
+        return None
+
+
+def without_authorization(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The request's headers minus the client's key, which goes no further than this check."""
+    return [(name, value) for name, value in headers if name.lower() != b"authorization"]
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name other than localhost may resolve to anything
+
+
+def warn_if_open(settings: Settings, access: Access) -> None:
+    if not access.enabled and not is_loopback(settings.host):
+        log.warning("no SPECROUTE_API_KEYS set and listening on %s: anyone who reaches this address can use "
+                    "the GPUs behind it", settings.host)

@@ -1,0 +1,256 @@
+"""Client keys as a user meets them: the openai SDK's api_key, probes left open, operator
+endpoints, pool pinning, a keys file reloaded on change and on SIGHUP, and no key anywhere it
+should not be (upstream, logs, traces, `specroute config`, error bodies)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+from proxy_faults import FaultServer
+from proxy_harness import RunningProxy, running_proxy, wait_for
+
+MESSAGES = [{"role": "user", "content": "Say hi."}]
+CHAT = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
+
+
+def error_of(response: httpx.Response) -> dict:
+    return response.json()["error"]
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+@pytest.fixture()
+def keyed(twin_pair) -> Iterator[RunningProxy]:
+    spec, base = twin_pair
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], api_keys="sk-good-1, sk-good-2",
+                       operator_api_keys="sk-operator") as proxy:
+        yield proxy
+
+
+def test_the_sdk_with_a_known_key_streams_and_lists_models(keyed: RunningProxy) -> None:
+    client = openai.OpenAI(base_url=keyed.base_url, api_key="sk-good-2", max_retries=0)
+    reply = client.chat.completions.create(model="specroute/twin", messages=MESSAGES, max_tokens=4)
+    assert reply.usage is not None and reply.usage.completion_tokens == 4
+    chunks = list(client.chat.completions.create(model="specroute/twin", messages=MESSAGES, max_tokens=4, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert [m.id for m in client.models.list()]
+    wait_for(lambda: keyed.in_flight() == 0, what="in-flight released")
+
+
+def test_a_wrong_or_missing_key_gets_an_openai_401_that_never_echoes_it(keyed: RunningProxy) -> None:
+    client = openai.OpenAI(base_url=keyed.base_url, api_key="sk-wrong-secret", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as refused:
+        client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+    assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+    assert "sk-wrong-secret" not in refused.value.response.text
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+
+    missing = httpx.post(keyed.base_url + "/chat/completions", json=CHAT)
+    assert missing.status_code == 401 and error_of(missing)["code"] == "invalid_api_key"
+    assert error_of(missing)["type"] == "authentication_error"
+    assert missing.headers["www-authenticate"].startswith("Bearer")
+    malformed = httpx.post(keyed.base_url + "/completions", json={"model": "m", "prompt": "x"},
+                           headers={"authorization": "Basic c2stZ29vZC0xOg=="})
+    assert malformed.status_code == 401 and "c2stZ29vZC0x" not in malformed.text
+    # A key that is a known key's prefix, or one with a known key inside it, is not that key.
+    for near in ("sk-good", "sk-good-1x", "xsk-good-1"):
+        assert httpx.post(keyed.base_url + "/chat/completions", json=CHAT, headers=bearer(near)).status_code == 401
+
+    metrics = httpx.get(keyed.url + "/metrics")  # open by default
+    assert metrics.status_code == 200
+    counts = {line.split("}")[0].split('reason="')[1].rstrip('"'): float(line.split()[-1])
+              for line in metrics.text.splitlines() if line.startswith("specroute_auth_refused_total{")}
+    assert counts["missing"] >= 1 and counts["malformed"] >= 1 and counts["invalid"] >= 5
+    assert "sk-wrong" not in metrics.text and "sk-good" not in metrics.text
+    assert keyed.app.router.pools["spec"].instances[0].dispatched_total + \
+        keyed.app.router.pools["base"].instances[0].dispatched_total == 0  # nothing refused went upstream
+
+
+def test_probes_stay_open_and_the_state_endpoint_needs_an_operator_key(keyed: RunningProxy) -> None:
+    assert httpx.get(keyed.url + "/health").status_code == 200
+    assert httpx.get(keyed.url + "/ready").status_code == 200
+    ready = httpx.get(keyed.url + "/ready").json()
+    assert [i["name"] for i in ready["pools"]["spec"]] == ["spec-0"] and "127.0.0.1" not in str(ready)
+    assert httpx.get(keyed.url + "/v1/specroute/state").status_code == 401
+    as_client = httpx.get(keyed.url + "/v1/specroute/state", headers=bearer("sk-good-1"))
+    assert as_client.status_code == 403 and error_of(as_client)["code"] == "operator_key_required"
+    as_operator = httpx.get(keyed.url + "/v1/specroute/state", headers=bearer("sk-operator"))
+    assert as_operator.status_code == 200
+    instance = as_operator.json()["pools"]["spec"]["instances"][0]
+    assert instance["name"] == "spec-0" and instance["url"].startswith("http://127.0.0.1:")
+    # An operator key is a client key too.
+    assert httpx.post(keyed.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-operator")).status_code == 200
+
+
+def test_the_clients_key_never_goes_upstream_when_proxy_keys_are_on(twin_pair) -> None:
+    _, base = twin_pair
+    with FaultServer("echo") as upstream:
+        with running_proxy(spec_urls=[upstream.url], base_urls=[base.url], policy="spec", api_keys="sk-client") as proxy:
+            assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-client")).status_code == 200
+        with running_proxy(spec_urls=[upstream.url], base_urls=[base.url], policy="spec", api_keys="sk-client",
+                           spec_api_key="sk-pool") as proxy:
+            assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-client")).status_code == 200
+        with running_proxy(spec_urls=[upstream.url], base_urls=[base.url], policy="spec") as proxy:
+            # No proxy keys: the client's Authorization is the upstream's business, as before.
+            assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-theirs")).status_code == 200
+    posts = [r.headers.get("authorization") for r in upstream.requests if r.method == "POST"]
+    assert posts == [None, "Bearer sk-pool", "Bearer sk-theirs"]
+
+
+def test_who_may_pin_a_pool_is_a_setting(twin_pair) -> None:
+    spec, base = twin_pair
+    pin = {"x-specroute-pool": "base"}
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], pool_pin="off") as proxy:
+        refused = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=pin)
+        assert refused.status_code == 403 and error_of(refused)["code"] == "pool_pin_not_allowed"
+        assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT).status_code == 200
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], pool_pin="operators",
+                       api_keys="sk-client", operator_api_keys="sk-operator") as proxy:
+        refused = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=pin | bearer("sk-client"))
+        assert refused.status_code == 403 and error_of(refused)["code"] == "operator_key_required"
+        pinned = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=pin | bearer("sk-operator"))
+        assert pinned.status_code == 200 and pinned.headers["x-specroute-pool"] == "base"
+        assert pinned.headers["x-specroute-reason"] == "override"
+        assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-client")).status_code == 200
+
+
+def test_the_keys_file_is_reread_when_it_changes_and_a_broken_edit_keeps_the_old_keys(twin_pair, tmp_path: Path) -> None:
+    spec, base = twin_pair
+    keys = tmp_path / "keys"
+    keys.write_text("# team a\nsk-file-a\n\n")
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], api_keys_file=str(keys)) as proxy:
+        def status(key: str) -> int:
+            return httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer(key)).status_code
+
+        assert status("sk-file-a") == 200 and status("# team a") == 401
+        keys.write_text("sk-file-b-longer\n")
+        wait_for(lambda: status("sk-file-b-longer") == 200, what="the new key accepted", timeout=10)
+        assert status("sk-file-a") == 401
+        keys.unlink()
+        keys.mkdir()  # unreadable as a file: logged, the keys read before stay
+        assert status("sk-file-b-longer") == 200 and status("sk-file-a") == 401
+
+
+class RecordingOtlpSink:
+    """An OTLP/HTTP receiver on 127.0.0.1 that keeps every export's bytes."""
+
+    def __init__(self) -> None:
+        received = self.received = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                received.append(self.rfile.read(int(self.headers.get("content-length", "0"))))
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "RecordingOtlpSink":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_sighup_rereads_the_keys_file_and_no_key_reaches_logs_traces_config_or_errors(twin_pair, tmp_path: Path) -> None:
+    spec, _ = twin_pair
+    keys = tmp_path / "keys"
+    keys.write_text("sk-file-secret-AAAA\n")
+    port = free_port()
+    secrets = {"SPECROUTE_API_KEYS": "sk-inline-secret-1", "SPECROUTE_OPERATOR_API_KEYS": "sk-operator-secret-2",
+               "SPECROUTE_SPEC_API_KEY": "sk-pool-secret-3"}
+    with FaultServer("echo") as echo, RecordingOtlpSink() as sink:
+        clean = {k: v for k, v in os.environ.items() if not k.startswith(("SPECROUTE_", "OTEL_"))}
+        env = {**clean, **secrets, "SPECROUTE_API_KEYS_FILE": str(keys), "SPECROUTE_SPEC_URLS": spec.url,
+               "SPECROUTE_BASE_URLS": echo.url, "SPECROUTE_PORT": str(port), "SPECROUTE_LOG_LEVEL": "debug",
+               "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}
+        proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve"], env=env, cwd=tmp_path,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        url = f"http://127.0.0.1:{port}"
+        bodies: list[str] = []
+        try:
+            def ready() -> bool:
+                assert proc.poll() is None, proc.communicate()
+                try:
+                    return httpx.get(url + "/ready", timeout=2).status_code == 200
+                except httpx.TransportError:
+                    return False
+
+            wait_for(ready, what="specroute serve ready", timeout=60)
+
+            def post(key: str, **headers: str) -> httpx.Response:
+                response = httpx.post(url + "/v1/chat/completions", json=CHAT, headers=bearer(key) | headers, timeout=30)
+                bodies.append(response.text)
+                return response
+
+            assert post("sk-file-secret-AAAA").status_code == 200
+            assert post("sk-inline-secret-1", **{"x-specroute-pool": "base"}).status_code == 200  # to the echo
+            assert post("sk-wrong-secret-4").status_code == 401
+            bodies.append(httpx.get(url + "/v1/specroute/state", headers=bearer("sk-operator-secret-2")).text)
+            bodies.append(httpx.get(url + "/metrics").text)
+            # Same size, same modification time: only SIGHUP can tell the proxy.
+            stat = keys.stat()
+            keys.write_text("sk-file-secret-BBBB\n")
+            os.utime(keys, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+            proc.send_signal(signal.SIGHUP)
+            wait_for(lambda: post("sk-file-secret-BBBB").status_code == 200, what="SIGHUP reload", timeout=10)
+            assert post("sk-file-secret-AAAA").status_code == 401
+            proc.send_signal(signal.SIGTERM)  # the export process sends what it holds before exit
+            out, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        config = subprocess.run([sys.executable, "-m", "proxy.cli", "config"], env=env, cwd=tmp_path,
+                                capture_output=True, text=True, timeout=60).stdout
+    upstream_auth = [r.headers.get("authorization") for r in echo.requests if r.method == "POST"]
+    assert upstream_auth == [None]  # base has no pool key; the client's never goes on
+    assert '"status":200' in out.replace(" ", "") and sink.received, "nothing logged or traced: the check below would be empty"
+    everything = {"stdout": out, "stderr": err, "config": config, "responses": "\n".join(bodies),
+                  "traces": b"".join(sink.received).decode("latin-1")}
+    for where, text in everything.items():
+        for secret in ("secret-AAAA", "secret-BBBB", "secret-1", "secret-2", "secret-3", "secret-4"):
+            assert secret not in text, f"{secret} found in {where}"
+
+
+@pytest.mark.parametrize(("host", "keys", "warned"), [
+    ("0.0.0.0", None, True), ("10.1.2.3", None, True), ("gpu-gateway.internal", None, True),
+    ("127.0.0.1", None, False), ("::1", None, False), ("localhost", None, False), ("0.0.0.0", "sk-a", False),
+])
+def test_start_up_warns_once_when_open_beyond_loopback(host: str, keys: str | None, warned: bool, caplog) -> None:
+    from proxy.auth import Access, warn_if_open
+    from proxy.settings import load_settings
+
+    settings = load_settings(host=host, api_keys=keys, base_urls=["http://127.0.0.1:9"])
+    with caplog.at_level("WARNING", logger="specroute"):
+        warn_if_open(settings, Access.from_settings(settings))
+    assert len([r for r in caplog.records if "SPECROUTE_API_KEYS" in r.getMessage()]) == (1 if warned else 0)
