@@ -71,6 +71,9 @@ class InstanceSignals:
     pool: PoolName
     max_running: int
     healthy: bool = True
+    """Reachable: its load polls (or the last connection) succeed."""
+    ejected: bool = False
+    """Answering, but answering badly: out of rotation for a while (proxy/outliers.py)."""
     reading: Reading | None = None
     local_in_flight: int = 0
     """Our requests on this instance now (the fallback load when it cannot be polled)."""
@@ -223,6 +226,9 @@ class FleetState:
     def set_health(self, url: str, healthy: bool) -> None:
         self.instances[url].healthy = healthy
 
+    def set_ejected(self, url: str, ejected: bool) -> None:
+        self.instances[url].ejected = ejected
+
     # -- the snapshot ---------------------------------------------------------------------------
 
     def snapshot(self, now: float, cost: StepCost | None = None) -> Snapshot:
@@ -256,7 +262,8 @@ class FleetState:
             running=running,
             waiting=waiting,
             max_running=signals.max_running,
-            healthy=signals.healthy,
+            healthy=signals.healthy and not signals.ejected,
+            ejected=signals.ejected,
             age_s=signals.age(now),
             waiting_tokens=signals.waiting_tokens(),
             prompt_tokens_per_s=signals.prompt_tokens_sent.per_s(now),

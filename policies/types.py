@@ -41,6 +41,9 @@ class InstanceState:
     max_running: int
     """The server's max_running_requests cap (48 by default on an SGLang EAGLE-3 server)."""
     healthy: bool = True
+    """Reachable and not ejected: the pool's capacity counts it."""
+    ejected: bool = False
+    """Taken out of rotation by the proxy's outlier detection (then also not healthy)."""
     age_s: float = 0.0
     """Seconds since this instance's load was last read from the server."""
     waiting_tokens: float | None = None

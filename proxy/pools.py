@@ -35,7 +35,8 @@ class Instance:
 
     @property
     def healthy(self) -> bool:
-        return self.signals.healthy
+        """Reachable and not ejected by outlier detection."""
+        return self.signals.healthy and not self.signals.ejected
 
 
 @dataclass(eq=False, slots=True)

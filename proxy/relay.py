@@ -317,7 +317,7 @@ class CompletionHandler:
         hooks.attempt_started(pool=instance.pool, instance=instance.url, attempt=number)
         out = outgoing_headers(headers, instance, exchange.request_id)
         hooks.outgoing_headers(out)
-        attempt = self.router.dispatch(instance, exchange.prompt_tokens)
+        attempt = self.router.dispatch(instance, exchange.prompt_tokens, exchange.asked_stream)
         response: aiohttp.ClientResponse | None = None
         began = perf_counter()
         try:

@@ -17,6 +17,7 @@ from policies import registry
 from policies.features import count_prompt_tokens, default_request_class
 from policies.fleet import FleetState
 from policies.types import Decision, Features, Policy, PoolName, StepCost, Snapshot
+from proxy.outliers import OutlierDetector
 from proxy.pools import Instance, Pool, other_pool, pools_from_settings
 from proxy.settings import Settings
 from proxy.signals import Signals
@@ -74,12 +75,17 @@ def read_overrides(headers: Mapping[str, str]) -> tuple[PoolName | None, str | N
 class Attempt:
     """One upstream attempt's hold on an instance. `finished`/`failed` release it exactly once."""
 
-    __slots__ = ("fleet", "instance", "started", "tokens", "open", "signals", "chunks", "last_at", "gaps")
+    __slots__ = ("fleet", "instance", "started", "tokens", "open", "signals", "chunks", "last_at", "gaps",
+                 "outliers", "stream", "dispatched_at", "ttft_s")
 
     def __init__(self, fleet: FleetState, instance: Instance, signals: Signals | None = None,
-                 prompt_tokens: int = 0) -> None:
+                 prompt_tokens: int = 0, outliers: OutlierDetector | None = None, stream: bool = False) -> None:
         self.fleet = fleet
         self.instance = instance
+        self.outliers = outliers
+        self.stream = stream
+        self.dispatched_at = time.monotonic()
+        self.ttft_s: float | None = None
         self.started = False
         self.tokens = 0
         self.open = True
@@ -89,12 +95,16 @@ class Attempt:
         self.last_at = 0.0
         self.gaps: list[float] = []
         instance.dispatched_total += 1
-        fleet.on_dispatch(instance.url, time.monotonic(), prompt_tokens)
+        fleet.on_dispatch(instance.url, self.dispatched_at, prompt_tokens)
+        if outliers is not None:
+            outliers.dispatched(instance)
 
     def first_byte(self) -> None:
         if self.open and not self.started:
             self.started = True
             self.instance.streaming += 1
+            if self.stream:
+                self.ttft_s = time.monotonic() - self.dispatched_at
 
     def chunk(self, tokens: int) -> None:
         self.tokens += tokens
@@ -116,11 +126,18 @@ class Attempt:
             self.signals.observe(self.instance, events=self.tokens, gaps_s=self.gaps,
                                  completion_tokens=summary.completion_tokens if summary else None,
                                  verify_steps=summary.spec_verify_ct if summary else None)
+        if self.open and self.outliers is not None:
+            if self.started:
+                self.outliers.succeeded(self.instance, self.ttft_s)
+            else:  # refused (4xx) or abandoned before an answer: says nothing of the server
+                self.outliers.released(self.instance)
         self._release()
 
     def failed(self, error: str) -> None:
         if self.open:
             self.instance.failed_total += 1
+            if self.outliers is not None:
+                self.outliers.failed(self.instance, error)
         self._release()
 
     def _release(self) -> None:
@@ -134,11 +151,12 @@ class Attempt:
 
 class Router:
     def __init__(self, fleet: FleetState, pools: Mapping[PoolName, Pool], policy: Policy,
-                 signals: Signals | None = None) -> None:
+                 signals: Signals | None = None, outliers: OutlierDetector | None = None) -> None:
         self.fleet = fleet
         self.pools = dict(pools)
         self.policy = policy
         self.signals = signals
+        self.outliers = outliers
         self.cost: StepCost | None = signals.cost if signals is not None else None
         """The step-cost model handed to policies in each snapshot (signals set it)."""
         self._turn = itertools.count()
@@ -152,7 +170,12 @@ class Router:
         )
         policy = registry.create(settings.policy, settings.policy_params())
         pools = pools_from_settings(settings, fleet)
-        return cls(fleet, pools, policy, Signals(settings, fleet, pools))
+        outliers = OutlierDetector(
+            pools.values(), fleet, consecutive_failures=settings.outlier_consecutive_failures,
+            ejection_s=settings.outlier_ejection_s, max_ejection_s=settings.outlier_max_ejection_s,
+            slow_factor=settings.outlier_slow_factor,
+        )
+        return cls(fleet, pools, policy, Signals(settings, fleet, pools), outliers)
 
     # -- lifecycle (signals polling starts and stops here) --------------------------------------
     async def start(self) -> None:
@@ -169,7 +192,12 @@ class Router:
         """GET /v1/specroute/state: the live snapshot, alpha, cost estimates, last decisions."""
         if self.signals is None:
             return {"policy": self.policy.name, "pools": {}, "decisions": []}
-        return self.signals.state()
+        state = self.signals.state()
+        if self.outliers is not None:
+            for pool in state["pools"].values():
+                for instance in pool["instances"]:
+                    instance["outlier"] = self.outliers.state_of(instance["url"])
+        return state
 
     # -- questions --------------------------------------------------------------------------
     @property
@@ -192,15 +220,24 @@ class Router:
         else:
             decision = self.policy.decide(features, snapshot)
             if not self.pools[decision.pool].available and self.pools[other_pool(decision.pool)].available:
-                decision = Decision(pool=other_pool(decision.pool), reason="unavailable", scores=decision.scores)
+                reason = "ejected" if self.all_ejected(decision.pool) else "unavailable"
+                decision = Decision(pool=other_pool(decision.pool), reason=reason, scores=decision.scores)
         if self.signals is not None:
             decision = self.signals.explain(features, decision, snapshot)
         return decision
 
+    def all_ejected(self, pool: PoolName) -> bool:
+        """Whether outlier detection, not unreachability, left `pool` without an instance."""
+        return any(i.signals.ejected for i in self.pools[pool].instances) and all(
+            i.signals.ejected or not i.signals.healthy for i in self.pools[pool].instances)
+
     def pick(self, pool: PoolName, exclude: Collection[Instance] = ()) -> Instance | None:
         """Least-loaded healthy instance of `pool` not in `exclude` (load relative to its cap);
-        ties rotate so that a quiet fleet still spreads its requests."""
-        candidates = [i for i in self.pools[pool].instances if i.healthy and i not in exclude]
+        ties rotate so that a quiet fleet still spreads its requests. Outlier detection may hold
+        an instance back (ejected, or half-open with its one probe running)."""
+        outliers = self.outliers
+        candidates = [i for i in self.pools[pool].instances
+                      if i.healthy and i not in exclude and (outliers is None or outliers.admits(i))]
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
         start = next(self._turn) % len(candidates)
@@ -220,6 +257,6 @@ class Router:
         """A connection to `instance` failed: skip it until a load poll reaches it again."""
         self.fleet.set_health(instance.url, False)
 
-    def dispatch(self, instance: Instance, prompt_tokens: int = 0) -> Attempt:
+    def dispatch(self, instance: Instance, prompt_tokens: int = 0, stream: bool = False) -> Attempt:
         """Start an attempt on `instance`; the caller must end it (finished/failed) on every path."""
-        return Attempt(self.fleet, instance, self.signals, prompt_tokens)
+        return Attempt(self.fleet, instance, self.signals, prompt_tokens, self.outliers, stream)

@@ -133,6 +133,18 @@ class Settings(BaseSettings):
     max_connections: int = Field(
         1024, ge=1, description="Upstream connections kept per instance."
     )
+    outlier_consecutive_failures: int = Field(
+        5, ge=0, description="Failed attempts in a row (5xx, reset, first-token or chunk timeout) that eject an instance (0: never)."
+    )
+    outlier_slow_factor: float = Field(
+        5.0, ge=0, description="Eject an instance whose first tokens come this many times later than its pool's others' (0: never)."
+    )
+    outlier_ejection_s: float = Field(
+        30.0, gt=0, description="Seconds an instance stays ejected, times the number of times it was ejected."
+    )
+    outlier_max_ejection_s: float = Field(
+        300.0, gt=0, description="Longest ejection in seconds."
+    )
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM, seconds running requests get to finish before exit."
     )

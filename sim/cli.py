@@ -14,6 +14,7 @@ import sys
 from typing import Sequence
 
 from sim.engine import EngineConfig
+from sim.faults import Faults
 from sim.lengths import parse_output_lengths
 from sim.profile import builtin_names, load_profile
 
@@ -48,6 +49,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-trace", action="store_true", help="export OTLP traces (SGLang spelling)")
     p.add_argument("--otlp-traces-endpoint", default="localhost:4317")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--fault-error-rate", type=float, default=0.0, help="answer this share of completions 500 (reliability tests)")
+    p.add_argument("--fault-first-token-delay-ms", type=float, default=0.0, help="hold every completion this long before it starts")
+    p.add_argument("--fault-hang-after-chunks", type=int, default=None, help="streams stop after N chunks and never end")
+    p.add_argument("--fault-drop-after-chunks", type=int, default=None, help="stream connections are cut after N chunks")
     return p
 
 
@@ -83,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = engine_config(args)
+        faults = Faults(args.fault_error_rate, args.fault_first_token_delay_ms, args.fault_hang_after_chunks,
+                        args.fault_drop_after_chunks)
+        faults.check()
     except ValueError as exc:
         print(f"specroute sim: {exc}", file=sys.stderr)
         return 2
@@ -116,6 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         speculative_algorithm=args.speculative_algorithm,
         output_len=args.output_len,
+        faults=faults,
     )
     app = create_app(options, config)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on",

@@ -11,10 +11,11 @@ import asyncio
 import datetime
 import json
 import logging
+import random
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 from starlette.applications import Starlette
@@ -25,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from policies.features import count_prompt_tokens
 from sim.engine import Engine, EngineConfig, Request, check_alpha
+from sim.faults import DroppedOnPurpose, Faults
 from sim.loop import EngineLoop
 from sim.metrics import TwinMetrics
 from sim.protocol import (
@@ -62,6 +64,8 @@ class TwinOptions:
     otlp_traces_endpoint: str = "localhost:4317"
     speculative_algorithm: str | None = None
     output_len: str = "azure-conv"
+    faults: Faults = field(default_factory=Faults)
+    """Sickness on purpose (sim/faults.py); none by default."""
 
     @property
     def model_name(self) -> str:
@@ -118,6 +122,8 @@ class Twin:
         self.metrics = TwinMetrics(self.engine, options.model_name)
         self.tracer = TwinTracer(options.otlp_traces_endpoint) if options.enable_trace else None
         self.started = time.time()
+        self.faults = options.faults
+        self.fault_rng = random.Random(options.seed)
 
     @property
     def running_loop(self) -> EngineLoop:
@@ -142,6 +148,12 @@ class Twin:
         except ValueError as exc:
             raise TwinError(f"JSON decode error: {exc}", err_type="Bad Request") from None
         request = parse_request("chat" if kind == "chat" else "completion", body)
+        faults = self.faults
+        if faults.first_token_delay_ms:
+            await asyncio.sleep(faults.first_token_delay_ms / 1000.0)
+        if faults.fails(self.fault_rng):
+            raise TwinError("Internal server error (a fault the twin was told to show)", status=500,
+                            err_type="InternalServerError")
         parent = self.trace_context(http.headers)
         prompt_tokens = max(count_prompt_tokens(body), 1)
         check_context(prompt_tokens, request.max_new_tokens, self.config.context_length)
@@ -179,7 +191,10 @@ class Twin:
                 loop.abort(r)
 
         if request.stream:
-            return SseResponse(self._stream(kind, request, calls, rid), on_disconnect=abort_all)
+            chunks = self._stream(kind, request, calls, rid)
+            if faults.hang_after_chunks is not None or faults.drop_after_chunks is not None:
+                chunks = sick_stream(chunks, faults)
+            return SseResponse(chunks, on_disconnect=abort_all)
         return await self._complete(kind, request, calls, rid, http.receive, abort_all)
 
     async def _complete(self, kind: str, request: ChatCompletionRequest | CompletionRequest, calls: list[Call],
@@ -465,6 +480,21 @@ class SseResponse:
             await self.chunks.aclose()  # type: ignore[attr-defined]
 
 
+async def sick_stream(chunks: AsyncIterator[bytes], faults: Faults) -> AsyncIterator[bytes]:
+    """`chunks` cut short as the faults say: hung (no further byte, no end) or dropped."""
+    sent = 0
+    try:
+        async for chunk in chunks:
+            if faults.drop_after_chunks is not None and sent >= faults.drop_after_chunks:
+                raise DroppedOnPurpose("the twin drops this stream on purpose")
+            if faults.hang_after_chunks is not None and sent >= faults.hang_after_chunks:
+                await asyncio.Event().wait()  # until the client leaves (the task is cancelled)
+            yield chunk
+            sent += 1
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
 def loads_as_prometheus(loads: list[dict[str, Any]]) -> str:
     """/v1/loads?format=prometheus: flat gauges sglang_<field>{dp_rank="N"} (underscores, as SGLang)."""
     lines = []
@@ -557,6 +587,14 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
         twin.engine.set_mean_alpha(alpha)
         return JSONResponse({"alpha": alpha})
 
+    async def set_faults(request: HttpRequest) -> Response:
+        """Twin-only admin endpoint: make this server sick (or well again: {}) now."""
+        try:
+            twin.faults = Faults.parse(await request.json())
+        except (ValueError, TypeError) as exc:
+            raise TwinError(f"Send a JSON object of faults: {exc}", err_type="Bad Request") from None
+        return JSONResponse(twin.faults.as_dict())
+
     async def root(request: HttpRequest) -> Response:
         return Response("SGLang is running (specroute twin)", media_type="text/plain")
 
@@ -587,6 +625,7 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/abort_request", guarded(abort_request), methods=["POST"]),
         Route("/specroute/twin/alpha", guarded(set_alpha), methods=["POST"]),
+        Route("/specroute/twin/faults", guarded(set_faults), methods=["POST"]),
         Route("/", guarded(root), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

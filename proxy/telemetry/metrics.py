@@ -38,6 +38,8 @@ class Metrics:
                                   ["pool"], registry=r)
         self.healthy = Gauge(n.M_HEALTHY, "1 when the proxy can reach an upstream instance, else 0.",
                              ["pool", "instance"], registry=r)
+        self.ejected = Gauge(n.M_EJECTED, "1 while outlier detection keeps an upstream instance out of rotation.",
+                             ["pool", "instance"], registry=r)
         self.retries = Counter(n.M_RETRIES, "Upstream attempts repeated within the same pool.",
                                ["pool"], registry=r)
         self.failovers = Counter(n.M_FAILOVERS, "Upstream attempts moved to the other pool.",
@@ -109,6 +111,7 @@ class Metrics:
             self.snapshot_age.labels(name).set(pool.age_s)
             for instance in pool.instances:
                 self.healthy.labels(name, instance.url).set(1.0 if instance.healthy else 0.0)
+                self.ejected.labels(name, instance.url).set(1.0 if instance.ejected else 0.0)
 
     def render(self) -> bytes:
         if self._snapshot_source is not None:

@@ -76,6 +76,7 @@ M_FAILOVERS = "specroute_failovers"
 M_OVERHEAD = "specroute_overhead_seconds"
 M_TOKENS = "specroute_tokens"
 M_AUTH_REFUSED = "specroute_auth_refused"
+M_EJECTED = "specroute_upstream_ejected"
 
 OVERHEAD_HEADER = "x-specroute-overhead-ms"
 OVERHEAD_HEADER_BYTES = OVERHEAD_HEADER.encode()

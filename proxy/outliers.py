@@ -1,0 +1,169 @@
+"""Passive outlier detection: stop sending work to a server that answers, but answers badly.
+
+A load poll only says a server is up. A server whose completions fail (5xx, resets, a first
+token that never comes, a stream that stops) or whose first tokens come far later than its
+pool's others' is found from the requests themselves, as Envoy's outlier detection does:
+
+- `consecutive-failures`: SPECROUTE_OUTLIER_CONSECUTIVE_FAILURES failed attempts in a row;
+- `slow-first-token`: its first-token time (a moving average over its streams) is more than
+  SPECROUTE_OUTLIER_SLOW_FACTOR times the median of its pool's other instances (at least
+  SLOW_MIN_SAMPLES streams each, and SLOW_FLOOR_S above them).
+
+Either ejects it for SPECROUTE_OUTLIER_EJECTION_S times the number of times it was ejected (at
+most SPECROUTE_OUTLIER_MAX_EJECTION_S). Never more than half of a pool is ejected at once (one
+instance of a pool of one or two), and never the fleet's last available instance. When its
+time is up it is half-open: one request at a time until one succeeds (back to full traffic) or
+fails (ejected again, for longer). An ejected instance is unhealthy in the fleet snapshot, so
+the policy routes as if it were down.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from policies.fleet import FleetState
+from proxy.pools import Instance, Pool
+
+FAILURES = frozenset({"connect", "upstream_disconnected", "first_token_timeout", "chunk_timeout"})
+"""Attempt failures that count against a server, besides any 5xx (status_5xx). A total timeout
+does not: a long generation can meet it on a healthy server."""
+TTFT_WEIGHT = 0.2
+"""Weight of a new first-token time in the moving average (about the last 5-10 streams)."""
+SLOW_MIN_SAMPLES = 5
+SLOW_FLOOR_S = 0.5
+"""A first token is only slow if it is also this much later than the pool's median: queueing
+noise in a quiet pool (10 ms against 2 ms) is not sickness."""
+
+OK, EJECTED, PROBING = "ok", "ejected", "probing"
+
+
+@dataclass(slots=True)
+class Record:
+    state: str = OK
+    consecutive: int = 0
+    ejections: int = 0
+    until: float = 0.0
+    probe_in_flight: bool = False
+    ttft_s: float | None = None
+    ttft_samples: int = 0
+    reason: str | None = None
+    """Why it was last ejected."""
+
+
+class OutlierDetector:
+    def __init__(self, pools: Iterable[Pool], fleet: FleetState, *, consecutive_failures: int,
+                 ejection_s: float, max_ejection_s: float, slow_factor: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pools = list(pools)
+        self.fleet = fleet
+        self.consecutive_failures = consecutive_failures
+        self.ejection_s = ejection_s
+        self.max_ejection_s = max_ejection_s
+        self.slow_factor = slow_factor
+        self.clock = clock
+        self.records: dict[str, Record] = {i.url: Record() for pool in self.pools for i in pool.instances}
+        self.pool_of: dict[str, Pool] = {i.url: pool for pool in self.pools for i in pool.instances}
+        self.ejections_total = 0
+
+    # -- questions ---------------------------------------------------------------------------
+    def admits(self, instance: Instance) -> bool:
+        """Whether `instance` may take a request now (not ejected; a half-open one takes one)."""
+        record = self.records[instance.url]
+        if record.state == OK:
+            return True
+        self._expire(instance.url, record)
+        if record.state == EJECTED:
+            return False
+        return not record.probe_in_flight
+
+    def state_of(self, url: str) -> dict[str, Any]:
+        record = self.records[url]
+        if record.state != OK:
+            self._expire(url, record)
+        left = max(0.0, record.until - self.clock()) if record.state == EJECTED else 0.0
+        return {"state": record.state, "ejections": record.ejections, "ejected_for_s": round(left, 3),
+                "reason": record.reason, "consecutive_failures": record.consecutive,
+                "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 4)}
+
+    def ejected(self, url: str) -> bool:
+        return self.records[url].state == EJECTED
+
+    # -- events ------------------------------------------------------------------------------
+    def dispatched(self, instance: Instance) -> None:
+        record = self.records[instance.url]
+        self._expire(instance.url, record)
+        if record.state == PROBING:
+            record.probe_in_flight = True
+
+    def succeeded(self, instance: Instance, ttft_s: float | None) -> None:
+        record = self.records[instance.url]
+        record.consecutive = 0
+        if record.state == PROBING:
+            record.state, record.probe_in_flight = OK, False
+        if ttft_s is not None:
+            record.ttft_s = ttft_s if record.ttft_s is None else record.ttft_s + TTFT_WEIGHT * (ttft_s - record.ttft_s)
+            record.ttft_samples += 1
+            if self.slow_factor > 0 and self._slow(instance.url, record):
+                self._eject(instance.url, record, "slow-first-token")
+
+    def failed(self, instance: Instance, kind: str) -> None:
+        if kind not in FAILURES and not kind.startswith("status_5"):
+            return
+        record = self.records[instance.url]
+        record.consecutive += 1
+        if record.state == PROBING:
+            record.probe_in_flight = False
+            self._eject(instance.url, record, f"probe-failed:{kind}", force=True)
+        elif self.consecutive_failures and record.consecutive >= self.consecutive_failures:
+            self._eject(instance.url, record, f"consecutive-failures:{kind}")
+
+    def released(self, instance: Instance) -> None:
+        """An attempt ended neither way (the client left): a half-open probe may be tried again."""
+        record = self.records[instance.url]
+        if record.state == PROBING:
+            record.probe_in_flight = False
+
+    # -- rules -------------------------------------------------------------------------------
+    def _slow(self, url: str, record: Record) -> bool:
+        if record.ttft_samples < SLOW_MIN_SAMPLES or record.ttft_s is None:
+            return False
+        others = [self.records[i.url] for i in self.pool_of[url].instances if i.url != url]
+        peers = [r.ttft_s for r in others if r.ttft_s is not None and r.ttft_samples >= SLOW_MIN_SAMPLES
+                 and r.state == OK]
+        if not peers:
+            return False
+        median = statistics.median(peers)
+        return record.ttft_s > self.slow_factor * median and record.ttft_s > median + SLOW_FLOOR_S
+
+    def _may_eject(self, url: str) -> bool:
+        pool = self.pool_of[url]
+        ejected_in_pool = sum(1 for i in pool.instances if self.records[i.url].state == EJECTED)
+        if ejected_in_pool + 1 > max(1, len(pool.instances) // 2):
+            return False
+        # Never the fleet's last available instance: a sick server beats no server.
+        others = [i for p in self.pools for i in p.instances if i.url != url]
+        return any(i.healthy for i in others)
+
+    def _eject(self, url: str, record: Record, reason: str, force: bool = False) -> None:
+        if not force and not self._may_eject(url):
+            return
+        if force and not self._may_eject(url):
+            # A failed probe with no room to eject: back to half-open, one request at a time.
+            record.state = PROBING
+            return
+        record.ejections += 1
+        record.state = EJECTED
+        record.until = self.clock() + min(self.ejection_s * record.ejections, self.max_ejection_s)
+        record.reason = reason
+        record.consecutive = 0
+        record.ttft_s, record.ttft_samples = None, 0  # judged afresh after its return
+        self.ejections_total += 1
+        self.fleet.set_ejected(url, True)
+
+    def _expire(self, url: str, record: Record) -> None:
+        if record.state == EJECTED and self.clock() >= record.until:
+            record.state, record.probe_in_flight = PROBING, False
+            self.fleet.set_ejected(url, False)

@@ -1,0 +1,215 @@
+"""Outlier detection: a server that answers its load polls but serves completions badly stops
+getting traffic within a few requests, comes back through a half-open probe, and never takes
+more than half a pool (or the fleet's last server) with it."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+from proxy_harness import TIME_SCALE, RunningProxy, running_proxy, wait_for
+
+from policies.fleet import FleetState
+from proxy.outliers import OutlierDetector
+from proxy.pools import DEFAULT_MAX_RUNNING, Instance, Pool
+from sim.testing import RunningTwin, TwinSpec, twins
+
+MESSAGES = [{"role": "user", "content": "Say hi."}]
+
+
+# -- the rules, on a clock the test moves ----------------------------------------------------
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fleet_of(spec: int, base: int) -> tuple[FleetState, list[Pool]]:
+    fleet = FleetState()
+    pools = []
+    for name, count in (("spec", spec), ("base", base)):
+        instances = [Instance(f"http://{name}{i}", name, fleet.add_instance(f"http://{name}{i}", name, DEFAULT_MAX_RUNNING),
+                              name=f"{name}-{i}") for i in range(count)]
+        pools.append(Pool(name, instances))  # type: ignore[arg-type]
+    return fleet, pools
+
+
+def detector(pools: list[Pool], fleet: FleetState, clock: Clock, **overrides: float) -> OutlierDetector:
+    params = {"consecutive_failures": 5, "ejection_s": 30.0, "max_ejection_s": 300.0, "slow_factor": 5.0} | overrides
+    return OutlierDetector(pools, fleet, clock=clock, **params)  # type: ignore[arg-type]
+
+
+def test_five_failures_in_a_row_eject_for_a_period_that_grows_and_a_probe_decides_the_return() -> None:
+    clock = Clock()
+    fleet, pools = fleet_of(2, 1)
+    outliers = detector(pools, fleet, clock)
+    sick, well = pools[0].instances
+    for _ in range(4):
+        outliers.failed(sick, "status_500")
+    outliers.succeeded(sick, None)  # a success in between resets the count
+    for _ in range(4):
+        outliers.failed(sick, "upstream_disconnected")
+    outliers.failed(sick, "status_400")  # not the server's fault: not counted
+    assert outliers.admits(sick)
+    outliers.failed(sick, "first_token_timeout")
+    assert not outliers.admits(sick) and not sick.healthy
+    assert fleet.snapshot(clock.now).pools["spec"].instances[0].ejected
+    assert outliers.state_of(sick.url)["reason"] == "consecutive-failures:first_token_timeout"
+    clock.now += 29.9
+    assert not outliers.admits(sick)
+    clock.now += 0.2  # 30 s: half-open, one request at a time
+    assert outliers.admits(sick) and sick.healthy
+    outliers.dispatched(sick)
+    assert not outliers.admits(sick)
+    outliers.failed(sick, "status_503")  # the probe failed: out again, for twice as long
+    assert outliers.state_of(sick.url)["ejections"] == 2
+    clock.now += 59.0
+    assert not outliers.admits(sick)
+    clock.now += 1.1
+    outliers.dispatched(sick)
+    outliers.succeeded(sick, 0.05)  # the probe succeeded: full traffic again
+    assert outliers.admits(sick) and outliers.state_of(sick.url)["state"] == "ok"
+    assert outliers.admits(well)
+
+
+def test_never_more_than_half_a_pool_nor_the_fleets_last_server() -> None:
+    clock = Clock()
+    fleet, pools = fleet_of(4, 1)
+    outliers = detector(pools, fleet, clock, consecutive_failures=1)
+    for instance in pools[0].instances:
+        outliers.failed(instance, "status_500")
+    assert sum(outliers.ejected(i.url) for i in pools[0].instances) == 2
+    fleet, pools = fleet_of(1, 1)
+    outliers = detector(pools, fleet, clock, consecutive_failures=1)
+    spec, base = pools[0].instances[0], pools[1].instances[0]
+    outliers.failed(spec, "status_500")
+    assert outliers.ejected(spec.url)  # a pool of one may lose it: the other pool serves
+    outliers.failed(base, "status_500")
+    assert not outliers.ejected(base.url)  # but the fleet keeps its last server
+
+
+def test_a_first_token_far_later_than_the_pools_others_ejects() -> None:
+    clock = Clock()
+    fleet, pools = fleet_of(3, 1)
+    outliers = detector(pools, fleet, clock)
+    slow, a, b = pools[0].instances
+    for _ in range(5):
+        outliers.succeeded(a, 0.04)
+        outliers.succeeded(b, 0.06)
+    for _ in range(4):
+        outliers.succeeded(slow, 2.0)
+    assert not outliers.ejected(slow.url)  # too few samples yet
+    outliers.succeeded(slow, 2.0)
+    assert outliers.ejected(slow.url) and outliers.state_of(slow.url)["reason"] == "slow-first-token"
+    # Slower than the others but not by much, or not by enough in absolute terms: kept.
+    fleet, pools = fleet_of(2, 1)
+    outliers = detector(pools, fleet, clock)
+    quick, busy = pools[0].instances
+    for _ in range(10):
+        outliers.succeeded(quick, 0.01)
+        outliers.succeeded(busy, 0.3)  # 30x, but only 0.29 s later: queueing, not sickness
+    assert not outliers.ejected(busy.url)
+
+
+# -- over HTTP, with the twin's fault modes ------------------------------------------------------
+
+@pytest.fixture()
+def two_spec_twins() -> Iterator[list[RunningTwin]]:
+    common = ("--output-len", "fixed:4096")
+    with twins(TwinSpec("spec", time_scale=TIME_SCALE, seed=11, args=common),
+               TwinSpec("spec", time_scale=TIME_SCALE, seed=12, args=common),
+               TwinSpec("base", time_scale=TIME_SCALE, seed=13, args=common)) as started:
+        yield started
+
+
+def make_sick(twin: RunningTwin, **faults: object) -> None:
+    answer = httpx.post(twin.url + "/specroute/twin/faults", json=faults, timeout=5)
+    assert answer.status_code == 200, answer.text
+
+
+def instance(proxy: RunningProxy, pool: str, index: int):
+    return proxy.app.router.pools[pool].instances[index]
+
+
+def state_of(proxy: RunningProxy, name: str) -> dict:
+    state = httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()
+    return next(i for p in state["pools"].values() for i in p["instances"] if i["name"] == name)
+
+
+@pytest.mark.parametrize(("faults", "kind", "streamed"), [
+    ({"error_rate": 1.0}, "status_500", False),
+    ({"drop_after_chunks": 2}, "upstream_disconnected", True),
+    ({"hang_after_chunks": 2}, "chunk_timeout", True),
+    ({"first_token_delay_ms": 5000}, "first_token_timeout", True),
+])
+def test_a_server_that_answers_polls_but_fails_completions_stops_getting_traffic(
+    two_spec_twins: list[RunningTwin], faults: dict, kind: str, streamed: bool,
+) -> None:
+    sick, well, base = two_spec_twins
+    make_sick(sick, **faults)
+    with running_proxy(spec_urls=[sick.url, well.url], base_urls=[base.url], policy="spec",
+                       chunk_timeout_s=0.5, first_token_timeout_s=0.5) as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        outcomes = []
+        for _ in range(30):
+            try:
+                if streamed:
+                    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+                        model="m", messages=MESSAGES, max_tokens=8, stream=True) if c.choices)
+                else:
+                    text = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8).choices[0].message.content
+                outcomes.append(bool(text))
+            except (openai.APIError, httpx.HTTPError):
+                outcomes.append(False)
+        got = instance(proxy, "spec", 0).dispatched_total
+        assert got <= 6, f"the sick server got {got} of 30 requests"  # 5 in a row eject it (+1 racing)
+        assert all(outcomes[-20:]), outcomes  # after that, everything is served by the others
+        assert state_of(proxy, "spec-0")["outlier"]["state"] == "ejected"
+        assert state_of(proxy, "spec-0")["outlier"]["reason"] == f"consecutive-failures:{kind}"
+        metrics = httpx.get(proxy.url + "/metrics").text
+        assert f'specroute_upstream_ejected{{instance="{sick.url}",pool="spec"}} 1.0' in metrics
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_a_healed_server_returns_through_a_half_open_probe(two_spec_twins: list[RunningTwin]) -> None:
+    sick, well, base = two_spec_twins
+    make_sick(sick, error_rate=1.0)
+    with running_proxy(spec_urls=[sick.url, well.url], base_urls=[base.url], policy="spec",
+                       outlier_ejection_s=1.0) as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+
+        def ejected() -> bool:
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)  # 5xx: retried on spec-1
+            return state_of(proxy, "spec-0")["outlier"]["ejections"] == 1
+
+        wait_for(ejected, what="the sick server ejected", timeout=20)
+        make_sick(sick)  # healed
+
+        def back() -> bool:
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+            return state_of(proxy, "spec-0")["outlier"]["state"] == "ok"
+
+        wait_for(back, what="the healed server back in rotation", timeout=20)
+        before = instance(proxy, "spec", 0).dispatched_total
+        for _ in range(6):
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+        assert instance(proxy, "spec", 0).dispatched_total > before  # takes traffic again
+
+
+def test_a_pool_whose_servers_are_all_ejected_sends_its_requests_to_the_other_pool(
+    two_spec_twins: list[RunningTwin],
+) -> None:
+    sick, _, base = two_spec_twins
+    make_sick(sick, error_rate=1.0)
+    with running_proxy(spec_urls=[sick.url], base_urls=[base.url], policy="spec") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        for _ in range(5):  # each fails over to base (a 5xx before the first byte)
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+        raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2)
+        assert raw.headers["x-specroute-pool"] == "base" and raw.headers["x-specroute-reason"] == "ejected"
+        assert instance(proxy, "spec", 0).dispatched_total == 5
