@@ -455,3 +455,31 @@ async def _storm(t):
                 await client.post("/v1/chat/completions", json=body)
 
         await asyncio.gather(*(stream(i % 6) for i in range(120)), *(plain() for _ in range(20)))
+
+
+def test_faults_make_a_twin_sick_on_purpose_and_heal_it(spec):
+    """Twin only: the reliability tests' sick server. Polls stay healthy while completions fail."""
+    bad = httpx.post(spec.url + "/specroute/twin/faults", json={"error_rate": 2}, timeout=5)
+    assert bad.status_code == 400 and bad.json()["object"] == "error"
+    assert httpx.post(spec.url + "/specroute/twin/faults", json={"lag": 1}, timeout=5).status_code == 400
+    try:
+        assert httpx.post(spec.url + "/specroute/twin/faults", json={"error_rate": 1.0}, timeout=5).status_code == 200
+        refused = httpx.post(spec.url + "/v1/chat/completions", timeout=10,
+                             json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert refused.status_code == 500 and refused.json()["type"] == "InternalServerError"
+        assert httpx.get(spec.url + "/health", timeout=5).status_code == 200
+        assert "num_running_reqs" in loads(spec)
+        httpx.post(spec.url + "/specroute/twin/faults", json={"drop_after_chunks": 1}, timeout=5)
+        with pytest.raises(httpx.RemoteProtocolError):
+            with httpx.stream("POST", spec.url + "/v1/chat/completions", timeout=10,
+                              json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                    "max_tokens": 8, "stream": True}) as stream:
+                for _ in stream.iter_bytes():
+                    pass
+    finally:
+        healed = httpx.post(spec.url + "/specroute/twin/faults", json={}, timeout=5)
+    assert healed.json() == {"error_rate": 0.0, "first_token_delay_ms": 0.0, "hang_after_chunks": None,
+                             "drop_after_chunks": None}
+    ok = httpx.post(spec.url + "/v1/chat/completions", timeout=10,
+                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert ok.status_code == 200
