@@ -19,6 +19,7 @@ BENCHMARKS = {
     "proxy_parts": "where the proxy's CPU goes, parts switched off (docs/benchmarks.md)",
     "obs_trace_cost": "tracing every request against tracing off (docs/observability.md)",
     "routing": "the routing policies on the virtual clock; rewrites docs/routing.md",
+    "admission": "admission control at twice the fleet's capacity, virtual clock (docs/routing.md)",
 }
 
 

@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 
 from policies import registry
 from policies.acceptance import DEFAULT_HALF_LIFE_S, alpha_from_accept_length
+from policies.admission import Admission
 from policies.costmodel import StepCostModel, seed_from_profile
 from policies.fleet import FleetState, Reading, learn_from_response
 from policies.types import Decision, Features, Policy, PoolName, Snapshot
@@ -96,6 +97,10 @@ class VirtualRouter:
     half_life_s: float = DEFAULT_HALF_LIFE_S
     keep_snapshots: bool = False
     """Keep each decision's features and snapshot (to replay them against other alphas)."""
+    admission: Admission | None = None
+    """Admission control as the proxy runs it (policies/admission.py); None: every request admitted."""
+    refusals: list[tuple[float, str, str]] = field(default_factory=list)
+    """(time, rule, request class) per refused request."""
     fleet: FleetState = field(init=False)
     cost: StepCostModel = field(init=False)
     decisions: list[tuple[float, PoolName, str, float | None]] = field(default_factory=list)
@@ -153,13 +158,18 @@ class VirtualRouter:
                 self.cost.observe(POOL_OF_ENGINE[step.engine], batch, step.duration_s * 1000,
                                   now=step.start + step.duration_s)
 
-    def route(self, arrival: Arrival, views: Sequence[EngineView]) -> int:
+    def route(self, arrival: Arrival, views: Sequence[EngineView]) -> int | None:
         self._poll_until(arrival.time)
         features = Features(prompt_tokens=arrival.prompt_tokens, max_tokens=arrival.max_tokens,
                             stream=arrival.stream, request_class=arrival.request_class,  # type: ignore[arg-type]
                             ignore_eos=arrival.ignore_eos)
         snapshot = self.fleet.snapshot(arrival.time, self.cost)
         decision = self.policy.decide(features, snapshot)
+        if self.admission is not None:
+            refusal = self.admission.admit(features, snapshot, decision)
+            if refusal is not None:
+                self.refusals.append((arrival.time, refusal.rule, arrival.request_class))
+                return None
         self.decisions.append((arrival.time, decision.pool, decision.reason, snapshot.pools["spec"].alpha))
         if self.keep_snapshots:
             self.snapshots.append((features, snapshot))
@@ -168,6 +178,8 @@ class VirtualRouter:
         return index
 
     def on_finish(self, record: RequestRecord) -> None:
+        if self.admission is not None and record.request_class == "latency":
+            self.admission.observe(self.setup.slo.met(record))
         url = URLS[record.engine]
         spec = record.engine == 0
         learn_from_response(self.fleet, self.cost, url, record.finish_time, tokens=record.output_tokens,
@@ -203,6 +215,7 @@ class RunResult:
     slo: Slo
     warmup_s: float
     closed: bool
+    refusals: list[tuple[float, str, str]] = field(default_factory=list)
 
     def measured(self) -> list[RequestRecord]:
         return [r for r in self.records if r.arrival >= self.warmup_s]
@@ -258,10 +271,11 @@ def summarize(results: Sequence[RunResult]) -> dict[str, float]:
 
 
 def run(setup: Setup, workload: Workload, policy_name: str, keep_snapshots: bool = False,
-        poll_interval_s: float = 0.1) -> RunResult:
+        poll_interval_s: float = 0.1, admission: Admission | None = None) -> RunResult:
+    """`admission`: refuse requests up front as the proxy does (policies/admission.py)."""
     engines = setup.engines()
     router = VirtualRouter(make_policy(policy_name, setup.slo), setup, poll_interval_s=poll_interval_s,
-                           keep_snapshots=keep_snapshots)
+                           keep_snapshots=keep_snapshots, admission=admission)
     router.attach(engines)
     sent = len(workload.arrivals)
 
@@ -283,7 +297,7 @@ def run(setup: Setup, workload: Workload, policy_name: str, keep_snapshots: bool
         finished = sorted(r.finish_time for r in records)
         warmup_s = finished[min(workload.clients, len(finished)) - 1]
     return RunResult(policy_name, records, router.decisions, router.snapshots, setup.slo, warmup_s,
-                     closed=workload.clients > 0)
+                     closed=workload.clients > 0, refusals=router.refusals)
 
 
 def with_alpha(snapshot: Snapshot, alpha: float) -> Snapshot:

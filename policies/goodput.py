@@ -74,6 +74,9 @@ class Prediction:
     """Predicted seconds per output token: the decode step / tau, stretched by the prefills."""
     wait_spread_s: float = 0.0
     """How much longer than `wait_s` the wait for a slot may be (about its 90th percentile)."""
+    others_tpot_s: float = 0.0
+    """Predicted seconds per output token of the requests already decoding there, with the
+    prompts queued ahead (this one's included) stalling them."""
 
     @property
     def ttft_s(self) -> float:
@@ -211,6 +214,7 @@ class Goodput:
             over_cap=max(over, 0.0),
             wait_spread_s=spread_ms / 1000,
             tpot_s=tpot_ms / 1000,
+            others_tpot_s=others_tpot_ms / 1000,
         )
 
     def decide(self, features: Features, snapshot: Snapshot) -> Decision:

@@ -77,7 +77,7 @@ class Exchange:
 
     __slots__ = ("request_id", "send", "hooks", "started", "status", "client_gone", "done", "error_type",
                  "decision", "instance", "summary", "upstream_wait_s", "prompt_tokens", "streaming",
-                 "asked_stream")
+                 "asked_stream", "request_class")
 
     def __init__(self, request_id: str, send: Send, hooks: RequestHooks) -> None:
         self.request_id = request_id
@@ -97,6 +97,7 @@ class Exchange:
         self.prompt_tokens = 0
         self.streaming = False
         """Whether the response being relayed is an SSE stream (an error can still go in-band)."""
+        self.request_class = "latency"
         self.asked_stream = False
         """Whether the client asked for a stream: a JSON answer's headers come only once it is
         complete, so only a stream's first byte is held to the first-token timeout."""
@@ -182,6 +183,8 @@ class CompletionHandler:
         self.router = router
         self.upstream = upstream
         self.telemetry = telemetry
+        self.open_requests = 0
+        """Completion requests in this handler now (SPECROUTE_MAX_OPEN_REQUESTS bounds them)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = request_headers(scope)
@@ -193,7 +196,12 @@ class CompletionHandler:
         declared = headers.get("content-length", "")
         exchange.hooks.received(endpoint=scope["path"], request_id=exchange.request_id, headers=headers,
                                 body_bytes=int(declared) if declared.isdecimal() else 0)
+        self.open_requests += 1
         try:
+            bound = self.settings.max_open_requests
+            if bound and self.open_requests > bound:
+                raise ProxyError(429, f"the proxy holds {bound} requests open already; retry after 1 s",
+                                 code="too_many_open_requests", headers=[(b"retry-after", b"1")])
             if scope["method"] != "POST":
                 raise ProxyError(405, f"use POST for {scope['path']}", code="method_not_allowed", headers=[(b"allow", b"POST")])
             body = await self.read_body(headers, receive)
@@ -205,7 +213,15 @@ class CompletionHandler:
             features = features_of(payload, request_class)
             exchange.prompt_tokens = features.prompt_tokens
             exchange.asked_stream = features.stream
+            exchange.request_class = features.request_class
             exchange.decision = self.router.choose(features, override)
+            refusal = self.router.admit(features, exchange.decision)
+            if refusal is not None:
+                raise ProxyError(
+                    429, f"the fleet cannot serve this request in time now ({refusal.rule}: first token predicted "
+                    f"in {refusal.predicted_ttft_s:.2f} s); retry after {refusal.retry_after_s} s",
+                    code="fleet_overloaded", headers=[(b"retry-after", str(refusal.retry_after_s).encode())],
+                )
             model = payload.get("model")
             exchange.hooks.decided(
                 decision=exchange.decision, features=features,
@@ -231,6 +247,7 @@ class CompletionHandler:
                 await self.interrupted(exchange)
             task.uncancel()
         finally:
+            self.open_requests -= 1
             if watcher is not None:
                 watcher.cancel()
             summary = exchange.summary
@@ -317,7 +334,7 @@ class CompletionHandler:
         hooks.attempt_started(pool=instance.pool, instance=instance.url, attempt=number)
         out = outgoing_headers(headers, instance, exchange.request_id)
         hooks.outgoing_headers(out)
-        attempt = self.router.dispatch(instance, exchange.prompt_tokens, exchange.asked_stream)
+        attempt = self.router.dispatch(instance, exchange.prompt_tokens, exchange.asked_stream, exchange.request_class)
         response: aiohttp.ClientResponse | None = None
         began = perf_counter()
         try:
@@ -424,7 +441,7 @@ class CompletionHandler:
             # 4 KB keeps the scan ~12 us (16 KB: ~54 us). Earlier choices' reasons of a long n>1
             # JSON answer can fall outside it.
             exchange.summary = scan.summarise(b"".join(tail)[-4096:])
-        attempt.finished(exchange.summary if tail is not None else None)
+        attempt.finished(exchange.summary if tail is not None else None, complete=True)
         hooks.attempt_finished(status=response.status)
 
     async def end_with_error(self, exchange: Exchange, kind: str) -> None:

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any, Collection, Mapping
 
 from policies import registry
+from policies.admission import Admission, Refusal
 from policies.features import count_prompt_tokens, default_request_class
 from policies.fleet import FleetState
 from policies.types import Decision, Features, Policy, PoolName, StepCost, Snapshot
@@ -76,14 +77,17 @@ class Attempt:
     """One upstream attempt's hold on an instance. `finished`/`failed` release it exactly once."""
 
     __slots__ = ("fleet", "instance", "started", "tokens", "open", "signals", "chunks", "last_at", "gaps",
-                 "outliers", "stream", "dispatched_at", "ttft_s")
+                 "outliers", "stream", "dispatched_at", "ttft_s", "admission")
 
     def __init__(self, fleet: FleetState, instance: Instance, signals: Signals | None = None,
-                 prompt_tokens: int = 0, outliers: OutlierDetector | None = None, stream: bool = False) -> None:
+                 prompt_tokens: int = 0, outliers: OutlierDetector | None = None, stream: bool = False,
+                 admission: Admission | None = None) -> None:
         self.fleet = fleet
         self.instance = instance
         self.outliers = outliers
         self.stream = stream
+        self.admission = admission
+        """Told whether this stream met the targets (latency-class streams, admission on)."""
         self.dispatched_at = time.monotonic()
         self.ttft_s: float | None = None
         self.started = False
@@ -120,18 +124,31 @@ class Attempt:
         """True when the response's usage tail feeds the signals (output length, acceptance)."""
         return self.signals is not None
 
-    def finished(self, summary: "Summary | None" = None) -> None:
-        """The response ended normally; `summary` is its usage tail when the relay kept one."""
+    def finished(self, summary: "Summary | None" = None, complete: bool = False) -> None:
+        """The attempt ended without an upstream failure; `complete`: its response was relayed
+        to the end (else the client left, the upstream refused it with a 4xx, or the proxy is
+        stopping); `summary` is its usage tail when the relay kept one."""
         if self.open and self.signals is not None:
             self.signals.observe(self.instance, events=self.tokens, gaps_s=self.gaps,
                                  completion_tokens=summary.completion_tokens if summary else None,
                                  verify_steps=summary.spec_verify_ct if summary else None)
+        if self.open and complete and self.admission is not None and self.ttft_s is not None:
+            self.admission.observe(self.met_targets(self.admission))
         if self.open and self.outliers is not None:
-            if self.started:
+            if complete and self.started:
                 self.outliers.succeeded(self.instance, self.ttft_s)
-            else:  # refused (4xx) or abandoned before an answer: says nothing of the server
+            else:  # says nothing of the server
                 self.outliers.released(self.instance)
         self._release()
+
+    def met_targets(self, admission: Admission) -> bool:
+        """Whether this stream met the admission targets: its first byte in time, and its
+        tokens after the first at the target pace on average."""
+        assert self.ttft_s is not None
+        ttft_limit, tpot_limit = admission.ttft_limit_s, admission.tpot_limit_s
+        decode_s = time.monotonic() - self.dispatched_at - self.ttft_s
+        tpot_s = decode_s / (self.tokens - 1) if self.tokens > 1 else 0.0
+        return (ttft_limit <= 0 or self.ttft_s <= ttft_limit) and (tpot_limit <= 0 or tpot_s <= tpot_limit)
 
     def failed(self, error: str) -> None:
         if self.open:
@@ -151,12 +168,14 @@ class Attempt:
 
 class Router:
     def __init__(self, fleet: FleetState, pools: Mapping[PoolName, Pool], policy: Policy,
-                 signals: Signals | None = None, outliers: OutlierDetector | None = None) -> None:
+                 signals: Signals | None = None, outliers: OutlierDetector | None = None,
+                 admission: Admission | None = None) -> None:
         self.fleet = fleet
         self.pools = dict(pools)
         self.policy = policy
         self.signals = signals
         self.outliers = outliers
+        self.admission = admission if admission is not None and admission.enabled else None
         self.cost: StepCost | None = signals.cost if signals is not None else None
         """The step-cost model handed to policies in each snapshot (signals set it)."""
         self._turn = itertools.count()
@@ -175,7 +194,8 @@ class Router:
             ejection_s=settings.outlier_ejection_s, max_ejection_s=settings.outlier_max_ejection_s,
             slow_factor=settings.outlier_slow_factor,
         )
-        return cls(fleet, pools, policy, Signals(settings, fleet, pools), outliers)
+        admission = Admission(*settings.admission_limits)
+        return cls(fleet, pools, policy, Signals(settings, fleet, pools), outliers, admission)
 
     # -- lifecycle (signals polling starts and stops here) --------------------------------------
     async def start(self) -> None:
@@ -197,6 +217,10 @@ class Router:
             for pool in state["pools"].values():
                 for instance in pool["instances"]:
                     instance["outlier"] = self.outliers.state_of(instance["url"])
+        if self.admission is not None:
+            state["admission"] = {"ttft_limit_s": self.admission.ttft_limit_s,
+                                  "tpot_limit_ms": self.admission.tpot_limit_s * 1000,
+                                  "scale": round(self.admission.scale, 4)}
         return state
 
     # -- questions --------------------------------------------------------------------------
@@ -225,6 +249,13 @@ class Router:
         if self.signals is not None:
             decision = self.signals.explain(features, decision, snapshot)
         return decision
+
+    def admit(self, features: Features, decision: Decision) -> Refusal | None:
+        """None when the request may go on; a refusal (429) when the fleet cannot serve it in
+        time. A pinned request is judged on the pool it pinned (its decision)."""
+        if self.admission is None:
+            return None
+        return self.admission.admit(features, self.snapshot(), decision)
 
     def all_ejected(self, pool: PoolName) -> bool:
         """Whether outlier detection, not unreachability, left `pool` without an instance."""
@@ -257,6 +288,8 @@ class Router:
         """A connection to `instance` failed: skip it until a load poll reaches it again."""
         self.fleet.set_health(instance.url, False)
 
-    def dispatch(self, instance: Instance, prompt_tokens: int = 0, stream: bool = False) -> Attempt:
+    def dispatch(self, instance: Instance, prompt_tokens: int = 0, stream: bool = False,
+                 request_class: str = "latency") -> Attempt:
         """Start an attempt on `instance`; the caller must end it (finished/failed) on every path."""
-        return Attempt(self.fleet, instance, self.signals, prompt_tokens, self.outliers, stream)
+        admission = self.admission if stream and request_class == "latency" else None
+        return Attempt(self.fleet, instance, self.signals, prompt_tokens, self.outliers, stream, admission)

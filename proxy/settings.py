@@ -115,6 +115,17 @@ class Settings(BaseSettings):
         0.0, ge=0, description="goodput policy: time-per-output-token target in milliseconds (0: none)."
     )
 
+    # Admission (policies/admission.py): refuse up front what the fleet cannot serve in time
+    admission_ttft_s: float | None = Field(
+        None, ge=0, description="Refuse (429) requests predicted to get their first token later than this; unset: the goodput SLO's TTFT target; 0: off."
+    )
+    admission_tpot_ms: float | None = Field(
+        None, ge=0, description="Refuse (429) requests that would push their pool's time per output token past this; unset: the goodput SLO's TPOT target; 0: off."
+    )
+    max_open_requests: int = Field(
+        4096, ge=0, description="Completion requests the proxy holds open at once; past it new ones get 429 at once (0: no bound)."
+    )
+
     # Request path
     connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to open an upstream connection.")
     first_token_timeout_s: float = Field(
@@ -285,6 +296,13 @@ class Settings(BaseSettings):
                 "slo_tpot_ms": self.goodput_slo_tpot_ms,
             }
         return {}
+
+    @property
+    def admission_limits(self) -> tuple[float, float]:
+        """(TTFT seconds, TPOT seconds) admission holds requests to; 0 where off."""
+        ttft = self.admission_ttft_s if self.admission_ttft_s is not None else self.goodput_slo_ttft_s
+        tpot_ms = self.admission_tpot_ms if self.admission_tpot_ms is not None else self.goodput_slo_tpot_ms
+        return ttft, tpot_ms / 1000
 
     def require_upstreams(self) -> None:
         if not self.spec_urls and not self.base_urls:

@@ -175,7 +175,8 @@ class EngineView:
         return dict(self._engine.load_snapshot)
 
 
-Router = Callable[[Arrival, Sequence[EngineView]], "int | str"]
+Router = Callable[[Arrival, Sequence[EngineView]], "int | str | None"]
+"""Picks the engine of an arrival, or None to refuse it (admission control: it is never sent)."""
 
 
 def simulate(
@@ -189,7 +190,7 @@ def simulate(
     until: float = math.inf,
 ) -> list[RequestRecord]:
     """Run the fleet until every request finished (or simulated time `until`); returns one record
-    per finished request, in finishing order. The router returns an engine index or name.
+    per finished request, in finishing order. The router returns an engine index or name (None: refused, never sent).
     `on_finish` sees each record as its request finishes and may return follow-up arrivals (a
     closed-loop client sends its next request then); they are numbered after the list's."""
     if not engines:
@@ -250,6 +251,8 @@ def simulate(
         while pending and pending[0][0] <= t:
             _, index, arrival = heapq.heappop(pending)
             choice = router(arrival, views)
+            if choice is None:
+                continue
             i = by_name[choice] if isinstance(choice, str) else int(choice)
             engine = engines[i]
             req = engine.new_request(arrival.prompt_tokens, now=arrival.time, max_new_tokens=arrival.max_tokens,

@@ -1,0 +1,103 @@
+"""Admission: refuse a request up front, fast, when the fleet cannot give it a first token in time.
+
+Pure, like the policies: `admit(features, snapshot, decision)` reads what the router knows and
+returns None (admit) or a Refusal with the seconds after which a retry may find room. The
+rules, top to bottom (docs/routing.md, "Admission control"):
+
+1. `shed-batch`: a `batch` request whose predicted time to first token, or its pool's time per
+   output token, is past BATCH_SHARE of its limit. Batch work is the first to go, so latency
+   work keeps its room.
+2. `predicted-ttft`: a request whose predicted time to first token on the pool the policy chose
+   (its slow end: the wait for a slot at about its 90th percentile, plus the prefill of the
+   queue ahead and its own) is past the TTFT limit.
+3. `predicted-tpot`: a request that would push the pool's time per output token past the TPOT
+   limit: the requests decoding there sit through every prompt queued ahead of their next
+   token, so a pool can meet every first-token target while its running streams crawl.
+
+The prediction is goodput's (policies/goodput.py `predict`), whatever policy routes: the queue
+ahead, the slots freeing past the cap, the prefill in chunks. A request refused costs the fleet
+nothing; one admitted that cannot meet its target costs every request behind it.
+
+Predictions err, most of all in a burst, so the limits are the targets times a `scale` that
+follows what happened to the requests admitted (`observe`, told whether each finished one met
+both targets): each miss shrinks it, each request that met them grows it a little, balanced so
+that it settles where TARGET_ATTAINMENT of the admitted meet their targets. Its floor keeps
+admission from closing on a fleet that cannot meet the targets at any load.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from policies.goodput import Goodput, Prediction
+from policies.types import Decision, Features, Snapshot
+
+BATCH_SHARE = 0.5
+"""A batch request is shed when its predicted first token is past this share of the limit."""
+MIN_RETRY_AFTER_S = 1
+TARGET_ATTAINMENT = 0.95
+"""The share of admitted requests that should meet their targets (the issue's figure)."""
+GAIN = 0.1
+"""How fast the scale moves: a miss multiplies it by about 0.91, a met request by about 1.005."""
+MIN_SCALE = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    rule: str
+    predicted_ttft_s: float
+    retry_after_s: int
+    """Whole seconds (the `retry-after` header): about when the queue ahead will have drained."""
+
+
+class Admission:
+    def __init__(self, ttft_limit_s: float, tpot_limit_s: float = 0.0, predictor: Goodput | None = None) -> None:
+        self.ttft_limit_s = ttft_limit_s
+        self.tpot_limit_s = tpot_limit_s
+        self.predictor = predictor or Goodput()
+        self.scale = 1.0
+        """The limits in force are the targets times this (in [MIN_SCALE, 1])."""
+
+    def observe(self, met: bool) -> None:
+        """An admitted request finished; `met`: it met both targets. In expectation the scale
+        stands still where a share 1 - TARGET_ATTAINMENT of them miss."""
+        miss = 0.0 if met else 1.0
+        self.scale = min(1.0, max(MIN_SCALE, self.scale * math.exp(GAIN * ((1 - TARGET_ATTAINMENT) - miss))))
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttft_limit_s > 0 or self.tpot_limit_s > 0
+
+    def predict(self, features: Features, snapshot: Snapshot, decision: Decision) -> Prediction | None:
+        pool = snapshot.pool(decision.pool)
+        if pool is None or snapshot.cost is None:
+            return None
+        instance = pool.least_loaded()
+        if instance is None:
+            return None
+        n_out = self.predictor.output_tokens(features, snapshot.mean_output_tokens, snapshot.output_samples)
+        return self.predictor.predict(pool, instance, features, snapshot.cost, n_out)
+
+    def admit(self, features: Features, snapshot: Snapshot, decision: Decision) -> Refusal | None:
+        if not self.enabled:
+            return None
+        p = self.predict(features, snapshot, decision)
+        if p is None:
+            return None  # nothing known to judge by (no reading yet): the pool decides
+        ttft = p.ttft_s + p.wait_spread_s
+        tpot = max(p.tpot_s, p.others_tpot_s)
+        share = self.scale * (BATCH_SHARE if features.request_class == "batch" else 1.0)
+        ttft_over = self.ttft_limit_s > 0 and ttft > self.ttft_limit_s * share
+        tpot_over = self.tpot_limit_s > 0 and tpot > self.tpot_limit_s * share
+        if not ttft_over and not tpot_over:
+            return None
+        if features.request_class == "batch" and not (self.ttft_limit_s > 0 and ttft > self.ttft_limit_s * self.scale
+                                                      or self.tpot_limit_s > 0 and tpot > self.tpot_limit_s * self.scale):
+            rule = "shed-batch"
+        else:
+            rule = "predicted-ttft" if ttft_over else "predicted-tpot"
+        # About when the queue ahead will have drained: its prefill, or (for TPOT) the time the
+        # running requests need to get through what stalls them.
+        retry = max(MIN_RETRY_AFTER_S, math.ceil(p.prefill_s + p.wait_s))
+        return Refusal(rule=rule, predicted_ttft_s=ttft, retry_after_s=retry)

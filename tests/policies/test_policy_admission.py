@@ -1,0 +1,76 @@
+"""Admission control's rules on hand-built snapshots, and its scale following what happened."""
+
+from __future__ import annotations
+
+from policy_snapshots import snapshot
+
+from policies.admission import MIN_SCALE, TARGET_ATTAINMENT, Admission
+from policies.costmodel import StepCostModel, seed_from_profile
+from policies.types import Decision, Features
+
+COST = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+LATENCY = Features(prompt_tokens=1000, max_tokens=256)
+BATCH = Features(prompt_tokens=1000, max_tokens=256, request_class="batch")
+TO_BASE = Decision(pool="base", reason="test")
+
+
+def test_a_quiet_fleet_admits_everything_and_no_limit_means_no_admission() -> None:
+    quiet = snapshot(2, 10, COST)
+    assert Admission(1.0, 0.05).admit(LATENCY, quiet, TO_BASE) is None
+    assert Admission(1.0, 0.05).admit(BATCH, quiet, TO_BASE) is None
+    assert not Admission(0.0, 0.0).enabled
+    assert Admission(0.0, 0.0).admit(LATENCY, snapshot(48, 2000, COST), TO_BASE) is None
+
+
+def test_a_deep_queue_refuses_with_a_retry_after_from_its_drain() -> None:
+    flooded = snapshot(48, 256 + 600, COST)  # 600 waiting past base's cap
+    refusal = Admission(1.0, 0.0).admit(LATENCY, flooded, TO_BASE)
+    assert refusal is not None and refusal.rule == "predicted-ttft"
+    assert refusal.predicted_ttft_s > 1.0 and refusal.retry_after_s >= 1
+    deeper = Admission(1.0, 0.0).admit(LATENCY, snapshot(48, 256 + 2000, COST), TO_BASE)
+    assert deeper is not None and deeper.retry_after_s > refusal.retry_after_s
+
+
+def test_batch_requests_are_shed_before_latency_ones() -> None:
+    admission = Admission(1.0, 0.0)
+    # Find a queue where a latency request still gets in and a batch one does not.
+    for waiting in range(0, 2000, 10):
+        snap = snapshot(48, 256 + waiting, COST)
+        latency, batch = admission.admit(LATENCY, snap, TO_BASE), admission.admit(BATCH, snap, TO_BASE)
+        assert not (batch is None and latency is not None)  # never a batch in where a latency is out
+        if latency is None and batch is not None:
+            assert batch.rule == "shed-batch"
+            break
+    else:
+        raise AssertionError("no queue depth sheds batch while admitting latency")
+
+
+def test_a_request_that_would_stretch_the_running_streams_past_the_tpot_target_is_refused() -> None:
+    busy = snapshot(48, 250, COST)  # base just under its cap: no slot wait, long decode steps
+    p = Admission(100.0, 0.0).predict(LATENCY, busy, TO_BASE)
+    assert p is not None and p.over_cap <= 0
+    tight = max(p.tpot_s, p.others_tpot_s) * 0.9
+    refusal = Admission(0.0, tight).admit(LATENCY, busy, TO_BASE)
+    assert refusal is not None and refusal.rule == "predicted-tpot"
+    assert Admission(0.0, tight * 1.5).admit(LATENCY, busy, TO_BASE) is None
+
+
+def test_the_scale_settles_where_the_target_share_of_admitted_requests_meets_the_slo() -> None:
+    admission = Admission(1.0, 0.05)
+    for _ in range(200):
+        admission.observe(False)
+    assert admission.scale == MIN_SCALE  # never shut entirely
+    admission = Admission(1.0, 0.05)
+    for _ in range(100):
+        admission.observe(True)
+    assert admission.scale == 1.0  # never past the targets themselves
+    # At exactly the target's miss rate the scale stands still; more misses shrink it.
+    misses_per_100 = round(100 * (1 - TARGET_ATTAINMENT))
+    admission.scale = 0.5
+    for _ in range(10):
+        for i in range(100):
+            admission.observe(i >= misses_per_100)
+    assert abs(admission.scale - 0.5) < 0.01
+    for i in range(100):
+        admission.observe(i >= 4 * misses_per_100)
+    assert admission.scale < 0.3

@@ -1,0 +1,82 @@
+"""Admission control over HTTP: a refused request gets a fast OpenAI-shaped 429 with retry-after,
+which the SDK knows, and never reaches a server; the proxy's own open requests are bounded."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import openai
+from proxy_harness import RunningProxy, running_proxy, wait_for
+
+from bench.admission import evaluate
+
+MESSAGES = [{"role": "user", "content": "Say hi."}]
+
+
+def dispatched(proxy: RunningProxy) -> int:
+    return sum(i.dispatched_total for i in proxy.app.router.instances())
+
+
+def test_a_request_the_fleet_cannot_serve_in_time_gets_a_429_with_retry_after(twin_pair) -> None:
+    spec, base = twin_pair
+    # A first token within 1 ms is beyond any prefill: every request is refused.
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], profile="h200-llama8b",
+                       admission_ttft_s=0.001) as proxy:
+        wait_for(lambda: proxy.app.router.snapshot().pools["spec"].age_s < 1, what="a load reading")
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        try:
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, stream=True)
+            raise AssertionError("admitted")
+        except openai.RateLimitError as refused:
+            assert refused.status_code == 429 and refused.code == "fleet_overloaded"
+            assert int(refused.response.headers["retry-after"]) >= 1
+            assert "predicted-ttft" in refused.message
+        raw = httpx.post(proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES},
+                         headers={"x-specroute-class": "batch"})
+        assert raw.status_code == 429 and raw.json()["error"]["type"] == "rate_limit_error"
+        assert dispatched(proxy) == 0 and proxy.in_flight() == 0
+    # Off (the default without an SLO): the same request is served.
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], profile="h200-llama8b") as proxy:
+        reply = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0).chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=4)
+        assert reply.usage is not None and reply.usage.completion_tokens == 4
+
+
+def test_past_max_open_requests_new_requests_are_refused_at_once_and_the_open_ones_finish(twin_pair) -> None:
+    spec, base = twin_pair
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], max_open_requests=2) as proxy:
+        streams = [httpx.stream("POST", proxy.base_url + "/chat/completions", timeout=30,
+                                json={"model": "m", "messages": MESSAGES, "max_tokens": 20000, "stream": True})  # megabytes: open until read
+                   for _ in range(2)]
+        opened = [s.__enter__() for s in streams]
+        try:
+            assert all(r.status_code == 200 for r in opened)
+            refused = httpx.post(proxy.base_url + "/chat/completions", timeout=10,
+                                 json={"model": "m", "messages": MESSAGES, "max_tokens": 2})
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_open_requests"
+            assert refused.headers["retry-after"] == "1"
+            bodies = []
+            readers = [threading.Thread(target=lambda r=r: bodies.append(b"".join(r.iter_bytes()))) for r in opened]
+            for reader in readers:
+                reader.start()
+            for reader in readers:
+                reader.join(60)
+            assert len(bodies) == 2 and all(b.rstrip().endswith(b"data: [DONE]") for b in bodies)
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+        ok = httpx.post(proxy.base_url + "/chat/completions", timeout=10,
+                        json={"model": "m", "messages": MESSAGES, "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+def test_the_admission_evaluation_meets_its_targets_on_one_fleet() -> None:
+    """bench.admission at twice the capacity on the virtual clock (one fleet, one seed)."""
+    [row] = evaluate(["h200-llama8b a=0.60"], (0,))
+    off, on = row["off"], row["on"]
+    assert on["lost"] == 0 and off["lost"] == 0
+    assert on["admitted_met"] >= 0.95 > off["admitted_met"]
+    assert on["goodput_rps"] >= off["goodput_rps"]
+    assert on["refused_batch"] / on["offered_batch"] > (on["refused"] - on["refused_batch"]) / (on["offered"] - on["offered_batch"])
