@@ -32,6 +32,10 @@ class Seed(Protocol):
 
     def prefill_ms(self, tokens: int, speculative: bool = False) -> float: ...
 
+    def overhead_ms(self, batch: int, num_steps: int) -> float:
+        """Engine costs per step beyond the GPU's (a profile's `overheads`; 0 if not known)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class AffineSeed:
@@ -56,6 +60,9 @@ class AffineSeed:
     def prefill_ms(self, tokens: int, speculative: bool = False) -> float:
         return (self.c0 + self.p_tok * tokens) * (1.1 if speculative else 1.0)
 
+    def overhead_ms(self, batch: int, num_steps: int) -> float:
+        return 0.0
+
 
 @dataclass(frozen=True, slots=True)
 class ProfileSeed:
@@ -73,6 +80,9 @@ class ProfileSeed:
 
     def prefill_ms(self, tokens: int, speculative: bool = False) -> float:
         return self.profile.prefill_ms(tokens, speculative)
+
+    def overhead_ms(self, batch: int, num_steps: int) -> float:
+        return self.profile.overhead_ms(batch, num_steps)
 
 
 def seed_from_profile(name_or_path: str, context: float = 1024.0) -> ProfileSeed:
@@ -169,7 +179,7 @@ class StepCostModel:
 
     def seed_step_ms(self, batch: float, tokens_per_seq: int) -> float:
         b = max(int(round(batch)), 1)
-        step = self.seed.target_ms(b, tokens_per_seq)
+        step = self.seed.target_ms(b, tokens_per_seq) + self.seed.overhead_ms(b, tokens_per_seq - 1)
         if tokens_per_seq > 1:
             step += (tokens_per_seq - 1) * self.seed.draft_ms(b)
         return step

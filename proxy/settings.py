@@ -88,7 +88,7 @@ class Settings(BaseSettings):
         3, ge=0, le=64, description="Draft tokens per verify step assumed until /server_info says otherwise."
     )
     profile: str | None = Field(
-        None, description="Step-time profile seeding the cost model: a built-in name (h200-llama8b, kimi-linear, kimi-moe) or a JSON path."
+        None, description="Step-time profile seeding the cost model: a built-in name (h200-llama8b, h200-llama8b-sglang, kimi-linear, kimi-moe) or a JSON path."
     )
     costmodel_half_life_s: float = Field(
         COSTMODEL_HALF_LIFE_S, gt=0,

@@ -34,6 +34,42 @@ class StepModel(Protocol):
 
 
 @dataclass(frozen=True)
+class Overheads:
+    """An engine's costs per step beyond the GPU table's, in ms (docs/twin.md, "Engine overheads").
+
+    A speculative SGLang server runs the draft model's extend step after each verify, samples and
+    updates its tree, and schedules without the overlap scheduler, so its CPU time per step adds
+    to the GPU's; a plain server's overlap scheduler hides most of its own.
+    """
+
+    per_verify_step_ms: float = 0.0
+    per_draft_step_ms: float = 0.0
+    per_step_ms: float = 0.0
+    per_request_ms: float = 0.0
+    """Scheduling cost per running request per step (it grows with the batch)."""
+
+    def step_ms(self, batch: int, num_steps: int) -> float:
+        """The overhead of one step of `batch` requests; `num_steps` drafts (0: a plain decode)."""
+        verify = self.per_verify_step_ms if num_steps > 0 else 0.0
+        return verify + num_steps * self.per_draft_step_ms + self.per_step_ms + self.per_request_ms * batch
+
+    @classmethod
+    def parse(cls, doc: dict[str, Any] | None) -> "Overheads":
+        doc = dict(doc or {})
+        unknown = set(doc) - {"per_verify_step_ms", "per_draft_step_ms", "per_step_ms", "per_request_ms"}
+        if unknown:
+            raise ValueError(f"unknown overhead field(s) {sorted(unknown)}")
+        overheads = cls(**{name: float(value) for name, value in doc.items()})
+        if min(overheads.per_verify_step_ms, overheads.per_draft_step_ms, overheads.per_step_ms,
+               overheads.per_request_ms) < 0:
+            raise ValueError("overheads must be >= 0")
+        return overheads
+
+
+NO_OVERHEADS = Overheads()
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     description: str
@@ -45,6 +81,13 @@ class Profile:
     spec_prefill_factor: float
     """A spec server's prefill also runs the draft model over the prompt ("draft extend")."""
     defaults: dict[str, Any]
+    spec_overheads: Overheads = NO_OVERHEADS
+    base_overheads: Overheads = NO_OVERHEADS
+
+    def overhead_ms(self, batch: int, num_steps: int) -> float:
+        """Engine overheads of one decode step (speculative when `num_steps` > 0)."""
+        overheads = self.spec_overheads if num_steps > 0 else self.base_overheads
+        return overheads.step_ms(batch, num_steps)
 
     def target_ms(self, batch: int, tokens_per_seq: int, context: float) -> float:
         return self.step.target_ms(batch, tokens_per_seq, context)
@@ -53,14 +96,15 @@ class Profile:
         return self.step.draft_ms(batch, context)
 
     def base_step_ms(self, batch: int, context: float) -> float:
-        """One plain decode step: target(B, 1, L)."""
-        return self.step.target_ms(batch, 1, context)
+        """One plain decode step: target(B, 1, L), plus the engine's overheads."""
+        return self.step.target_ms(batch, 1, context) + self.base_overheads.step_ms(batch, 0)
 
     def spec_step_ms(self, batch: int, num_steps: int, context: float) -> float:
-        """One speculative step: k draft steps, then a verify step of k+1 tokens per sequence."""
+        """One speculative step: k draft steps, then a verify step of k+1 tokens per sequence,
+        plus the engine's overheads."""
         return num_steps * self.step.draft_ms(batch, context) + self.step.target_ms(
             batch, num_steps + 1, context
-        )
+        ) + self.spec_overheads.step_ms(batch, num_steps)
 
     def prefill_ms(self, tokens: int, speculative: bool = False) -> float:
         if self.prefill_uses_step:
@@ -229,6 +273,8 @@ def parse_profile(doc: dict[str, Any], folder: Path) -> Profile:
             prefill_uses_step=uses_step,
             spec_prefill_factor=float(doc.get("spec_prefill_factor", 1.0)),
             defaults=dict(doc.get("defaults", {})),
+            spec_overheads=Overheads.parse(doc.get("overheads", {}).get("spec")),
+            base_overheads=Overheads.parse(doc.get("overheads", {}).get("base")),
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"bad profile file: missing or wrong field {exc}") from None

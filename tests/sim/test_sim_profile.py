@@ -74,3 +74,42 @@ def test_user_profile_from_a_file(tmp_path):
 def test_tau_formula():
     assert tokens_per_verify_step(0.0, 3) == 1.0
     assert tokens_per_verify_step(0.6, 3) == pytest.approx(2.176)
+
+
+def test_engine_overheads_add_to_each_step_and_seed_the_cost_model_alike():
+    from policies.costmodel import StepCostModel, seed_from_profile
+    from sim.engine import Engine, EngineConfig
+
+    gpu, sglang = load_profile("h200-llama8b"), load_profile("h200-llama8b-sglang")
+    for batch in (1, 16, 48, 200):
+        assert sglang.spec_step_ms(batch, 3, 1024) == pytest.approx(gpu.spec_step_ms(batch, 3, 1024) + 0.48 + 0.025 * batch)
+        assert sglang.base_step_ms(batch, 1024) == gpu.base_step_ms(batch, 1024)  # the overlap scheduler hides its own
+    # The router's cost model, seeded with the profile, predicts the same steps.
+    seeded = StepCostModel(seed_from_profile("h200-llama8b-sglang"), num_draft_tokens=3)
+    assert seeded.decode_step_ms("spec", 16, 4) == pytest.approx(sglang.spec_step_ms(16, 3, 1024))
+    # And the twin's engine runs them: a spec decode step of one request lasts the profile's step.
+    engine = Engine(EngineConfig(mode="spec", profile=sglang, num_steps=3, mean_alpha=0.6), "spec")
+    engine.add(engine.new_request(10, now=0.0, max_new_tokens=50, output_len=50, rid="r"))
+    prefill = engine.begin_step(0.0)
+    engine.finish_step(prefill, prefill.duration_s)
+    decode = engine.begin_step(prefill.duration_s)
+    assert decode.kind == "decode"
+    context = decode.duration_s * 1000
+    assert sglang.spec_step_ms(1, 3, 11) <= context <= sglang.spec_step_ms(1, 3, 12)
+
+
+def test_a_profile_without_overheads_is_unchanged_and_bad_overheads_are_refused(tmp_path):
+    from sim.profile import NO_OVERHEADS, parse_profile
+
+    assert load_profile("h200-llama8b").spec_overheads == NO_OVERHEADS
+    doc = {"name": "x", "step": {"kind": "affine", "fixed_ms": 5, "per_token_ms": 0.1},
+           "prefill": {"fixed_ms": 1, "per_token_ms": 0.01}}
+    plain = parse_profile(doc, tmp_path)
+    assert plain.spec_step_ms(8, 3, 100) == 3 * 1.0 + 5 + 0.1 * 8 * 4  # k drafts (1.0 ms default) + verify
+    with_overheads = parse_profile({**doc, "overheads": {"spec": {"per_draft_step_ms": 0.5, "per_step_ms": 1.0},
+                                                         "base": {"per_request_ms": 0.01}}}, tmp_path)
+    assert with_overheads.spec_step_ms(8, 3, 100) == pytest.approx(plain.spec_step_ms(8, 3, 100) + 3 * 0.5 + 1.0)
+    assert with_overheads.base_step_ms(8, 100) == pytest.approx(plain.base_step_ms(8, 100) + 0.08)
+    for bad in ({"spec": {"per_token_ms": 1}}, {"spec": {"per_step_ms": -1}}):
+        with pytest.raises(ValueError):
+            parse_profile({**doc, "overheads": bad}, tmp_path)
