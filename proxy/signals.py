@@ -48,6 +48,9 @@ UNREACHABLE_AFTER = 3
 """Failed connections in a row after which a polled instance is marked unhealthy."""
 RELEARN_EVERY = 10
 """Polls between two tries to learn an instance not reached yet (1 s at the default interval)."""
+VLLM_DEFAULT_MAX_NUM_SEQS = 256
+"""A vLLM server's running cap until it is seen saturated: vLLM exposes no --max-num-seqs, so a
+reading with requests waiting tells the cap in force (its running count then)."""
 REPROBE_AFTER = 10
 """Error answers in a row from an instance's load probe after which it is learned again."""
 LIVENESS_EVERY = 5
@@ -107,6 +110,9 @@ def reading_from_metrics(text: str, at: float) -> Reading:
         running, waiting = m["sglang:num_running_reqs"], m.get("sglang:num_queue_reqs", 0.0)
     elif "vllm:num_requests_running" in m:
         running, waiting = m["vllm:num_requests_running"], m.get("vllm:num_requests_waiting", 0.0)
+        # Requests waiting: the server runs as many as it can (--max-num-seqs, or its KV cache).
+        cap = int(running) if waiting > 0 and running >= 1 else None
+        return Reading(at=at, running=running, waiting=waiting, max_running=cap, accept_steps=GAUGE_INTERVAL_STEPS * running)
     else:
         raise ValueError("no load gauges in /metrics")
     return Reading(
@@ -268,6 +274,9 @@ class Signals:
                 return
             if response.status_code == 200:
                 self.probe[url] = path
+                if path == "/metrics" and url not in self.info and "vllm:num_requests_running" in response.text:
+                    self.info[url] = {"server": "vllm", "speculative": False}
+                    self.fleet.instances[url].max_running = VLLM_DEFAULT_MAX_NUM_SEQS
                 return
         self.probe[url] = None
         self.fleet.on_unpolled(url)

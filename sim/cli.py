@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-trace", action="store_true", help="export OTLP traces (SGLang spelling)")
     p.add_argument("--otlp-traces-endpoint", default="localhost:4317")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--server", choices=("sglang", "vllm"), default="sglang",
+                   help="whose HTTP shapes to serve: SGLang's, or vLLM's OpenAI server (base mode only)")
     p.add_argument("--fault-error-rate", type=float, default=0.0, help="answer this share of completions 500 (reliability tests)")
     p.add_argument("--fault-first-token-delay-ms", type=float, default=0.0, help="hold every completion this long before it starts")
     p.add_argument("--fault-hang-after-chunks", type=int, default=None, help="streams stop after N chunks and never end")
@@ -91,6 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         faults = Faults(args.fault_error_rate, args.fault_first_token_delay_ms, args.fault_hang_after_chunks,
                         args.fault_drop_after_chunks)
         faults.check()
+        if args.server == "vllm" and args.mode != "base":
+            raise ValueError("--server vllm imitates a plain vLLM server: use it with --mode base")
     except ValueError as exc:
         print(f"specroute sim: {exc}", file=sys.stderr)
         return 2
@@ -125,6 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         speculative_algorithm=args.speculative_algorithm,
         output_len=args.output_len,
         faults=faults,
+        server=args.server,
     )
     app = create_app(options, config)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on",

@@ -104,7 +104,8 @@ class TwinMetrics:
         for _ in range(tokens):
             self.itl.observe(per_token)
 
-    def observe_finish(self, streaming: bool, prompt_tokens: int, completion_tokens: int, e2e_s: float) -> None:
+    def observe_finish(self, streaming: bool, prompt_tokens: int, completion_tokens: int, e2e_s: float,
+                       finish_reason: str = "stop") -> None:
         flag = _flag(streaming)
         self.prompt_tokens.labels(self.model_name, flag).inc(prompt_tokens)
         self.generation_tokens.labels(self.model_name, flag).inc(completion_tokens)

@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 from policies.features import count_prompt_tokens
 from sim.engine import Engine, EngineConfig, Request, check_alpha
 from sim.faults import DroppedOnPurpose, Faults
+from sim import vllm
 from sim.loop import EngineLoop
 from sim.metrics import TwinMetrics
 from sim.protocol import (
@@ -66,6 +67,12 @@ class TwinOptions:
     output_len: str = "azure-conv"
     faults: Faults = field(default_factory=Faults)
     """Sickness on purpose (sim/faults.py); none by default."""
+    server: str = "sglang"
+    """Whose HTTP shapes the twin serves: sglang, or vllm (a base server; sim/vllm.py)."""
+
+    @property
+    def vllm(self) -> bool:
+        return self.server == "vllm"
 
     @property
     def model_name(self) -> str:
@@ -78,7 +85,7 @@ class Call:
 
     __slots__ = ("req", "queue", "index", "shape", "last_time", "metrics", "streaming", "span")
 
-    def __init__(self, req: Request, metrics: TwinMetrics, streaming: bool, shape: ChoiceShape,
+    def __init__(self, req: Request, metrics: TwinMetrics | vllm.VllmMetrics, streaming: bool, shape: ChoiceShape,
                  queue: asyncio.Queue[tuple[int, str, int, bool]] | None = None):
         self.req = req
         self.queue: asyncio.Queue[tuple[int, str, int, bool]] = queue if queue is not None else asyncio.Queue()
@@ -103,7 +110,7 @@ class Call:
             self.last_time = req.updated
         if req.finished and not aborted:
             self.metrics.observe_finish(self.streaming, req.prompt_tokens, req.output_tokens,
-                                        max(req.updated - req.arrival, 0.0))
+                                        max(req.updated - req.arrival, 0.0), req.finish_reason or "stop")
         if req.finished and self.span is not None:
             span, self.span = self.span, None
             span.finish(req)
@@ -119,7 +126,8 @@ class Twin:
         self.config = config
         self.engine = Engine(config, name=options.mode)
         self.loop: EngineLoop | None = None
-        self.metrics = TwinMetrics(self.engine, options.model_name)
+        metrics = vllm.VllmMetrics if options.vllm else TwinMetrics
+        self.metrics = metrics(self.engine, options.model_name)
         self.tracer = TwinTracer(options.otlp_traces_endpoint) if options.enable_trace else None
         self.started = time.time()
         self.faults = options.faults
@@ -215,6 +223,8 @@ class Twin:
             raise TwinError("The request was aborted.", status=400)
         choices = [call.shape.render(kind, got, call.req.finish_reason, call.req.matched_stop, stream=False)
                    for call, got in zip(calls, pieces)]
+        if self.options.vllm:
+            choices = [vllm.as_vllm_choice(choice) for choice in choices]
         response: dict[str, Any] = {
             "id": rid,
             "object": object_name(kind, stream=False),
@@ -279,6 +289,12 @@ class Twin:
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         first = [True] * len(calls)
+        if self.options.vllm and kind == "chat":
+            # vLLM opens a chat stream with the role alone, before any token.
+            first = [False] * len(calls)
+            yield sse({"id": rid, "object": obj, "created": created, "model": request.model,
+                       "choices": [{"index": call.index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None} for call in calls]})
         emitted = 0
         remaining = len(calls)
         prompt_tokens = reqs[0].prompt_tokens
@@ -296,11 +312,11 @@ class Twin:
             emitted += n
             pieces = call.shape.feed(text, done, req.finish_reason)
             if n or done or pieces:
+                choice = call.shape.render(kind, pieces, req.finish_reason if done else None,
+                                           req.matched_stop if done else None, stream=True, first=first[index])
                 chunk: dict[str, Any] = {
                     "id": rid, "object": obj, "created": created, "model": request.model,
-                    "choices": [call.shape.render(kind, pieces, req.finish_reason if done else None,
-                                                  req.matched_stop if done else None, stream=True,
-                                                  first=first[index])],
+                    "choices": [vllm.as_vllm_choice(choice) if self.options.vllm else choice],
                     "usage": usage(prompt_tokens, emitted) if continuous else None,
                 }
                 first[index] = False
@@ -402,15 +418,23 @@ class Twin:
         }
 
     def model_card(self) -> dict[str, Any]:
-        return {
+        card: dict[str, Any] = {
             "id": self.options.model_name,
             "object": "model",
             "created": int(self.started),
-            "owned_by": "sglang",
+            "owned_by": "vllm" if self.options.vllm else "sglang",
             "root": self.options.model_path,
             "parent": None,
             "max_model_len": self.config.context_length,
         }
+        if self.options.vllm:
+            card["permission"] = [{
+                "id": f"modelperm-{self.options.seed:032x}", "object": "model_permission", "created": int(self.started),
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                "organization": "*", "group": None, "is_blocking": False,
+            }]
+        return card
 
 
 def check_context(prompt_tokens: int, max_new_tokens: int | None, context_length: int) -> None:
@@ -508,8 +532,9 @@ def loads_as_prometheus(loads: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def error_response(exc: TwinError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+def error_response(exc: TwinError, server: str = "sglang") -> JSONResponse:
+    body = vllm.error_body(exc.message, exc.status) if server == "vllm" else exc.body()
+    return JSONResponse(body, status_code=exc.status)
 
 
 def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
@@ -520,7 +545,7 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
             try:
                 return await handler(request)
             except TwinError as exc:
-                return error_response(exc)
+                return error_response(exc, options.server)
 
         return endpoint
 
@@ -610,12 +635,37 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
             if twin.tracer is not None:
                 twin.tracer.shutdown()
 
-    routes = [
+    async def vllm_metrics(request: HttpRequest) -> Response:
+        return Response(twin.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def vllm_version(request: HttpRequest) -> Response:
+        return JSONResponse({"version": vllm.VLLM_VERSION})
+
+    async def vllm_load(request: HttpRequest) -> Response:
+        return JSONResponse({"server_load": 0})
+
+    async def not_found(request: HttpRequest, exc: Exception) -> Response:
+        return JSONResponse({"detail": "Not Found"}, status_code=404)
+
+    common = [
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
-        Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
         Route("/health", guarded(health), methods=["GET"]),
+        Route("/specroute/twin/faults", guarded(set_faults), methods=["POST"]),
+    ]
+    if options.vllm:
+        routes = common + [
+            Route("/metrics", guarded(vllm_metrics), methods=["GET"]),  # always on in vLLM
+            Route("/ping", guarded(health), methods=["GET", "POST"]),
+            Route("/version", guarded(vllm_version), methods=["GET"]),
+            Route("/load", guarded(vllm_load), methods=["GET"]),
+        ]
+        app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+        app.state.twin = twin
+        return app
+    routes = common + [
+        Route("/v1/models/{model:path}", guarded(model), methods=["GET"]),
         Route("/health_generate", guarded(health_generate), methods=["GET"]),
         Route("/v1/loads", guarded(loads), methods=["GET"]),
         Route("/server_info", guarded(server_info), methods=["GET"]),
@@ -625,7 +675,6 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/abort_request", guarded(abort_request), methods=["POST"]),
         Route("/specroute/twin/alpha", guarded(set_alpha), methods=["POST"]),
-        Route("/specroute/twin/faults", guarded(set_faults), methods=["POST"]),
         Route("/", guarded(root), methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)

@@ -1,0 +1,120 @@
+"""A vLLM base pool: the twin in vLLM's shapes (`specroute sim --mode base --server vllm`), learned,
+polled and routed to by the proxy beside an SGLang spec twin, with the real openai SDK."""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import httpx
+import openai
+import pytest
+from proxy_harness import RunningProxy, running_proxy, wait_for
+
+from sim.testing import RunningTwin, TwinSpec, twins
+
+MESSAGES = [{"role": "user", "content": "Say hi."}]
+VLLM = ("--server", "vllm", "--output-len", "fixed:4096")
+
+
+@pytest.fixture(scope="module")
+def sglang_spec_and_vllm_base() -> Iterator[list[RunningTwin]]:
+    with twins(TwinSpec("spec", profile="kimi-moe", time_scale=1.0, seed=21, args=("--output-len", "fixed:4096")),
+               TwinSpec("base", profile="kimi-moe-vllm", time_scale=1.0, seed=22, enable_metrics=False,
+                        args=VLLM + ("--max-running-requests", "3"))) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def proxy(sglang_spec_and_vllm_base: list[RunningTwin]) -> Iterator[RunningProxy]:
+    spec, base = sglang_spec_and_vllm_base
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], profile="kimi-moe", poll_interval_ms=50) as running:
+        yield running
+
+
+def vllm_gauge(twin: RunningTwin, name: str) -> float:
+    text = httpx.get(twin.url + "/metrics", timeout=5).text
+    return float(re.search(rf"^vllm:{name}{{[^}}]*}} (\S+)$", text, re.M).group(1))
+
+
+def base_state(proxy: RunningProxy) -> dict:
+    return httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()["pools"]["base"]["instances"][0]
+
+
+def test_the_twin_speaks_vllm(sglang_spec_and_vllm_base: list[RunningTwin]) -> None:
+    _, base = sglang_spec_and_vllm_base
+    assert httpx.get(base.url + "/health").status_code == 200
+    card = httpx.get(base.url + "/v1/models").json()["data"][0]
+    assert card["owned_by"] == "vllm" and card["max_model_len"] == 32768
+    assert httpx.get(base.url + "/version").json()["version"]
+    for sglang_only in ("/v1/loads", "/server_info", "/get_load", "/get_model_info"):
+        missing = httpx.get(base.url + sglang_only)
+        assert missing.status_code == 404 and missing.json() == {"detail": "Not Found"}
+    bad = httpx.post(base.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": -1})
+    assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
+    client = openai.OpenAI(base_url=base.url + "/v1", api_key="none", max_retries=0)
+    chunks = list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, stream=True))
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.content == ""  # vLLM: the role alone, first
+    assert [c.choices[0].delta.content for c in chunks[1:]] and all(c.choices[0].delta.role is None for c in chunks[1:])
+    assert vllm_gauge(base, "num_requests_running") == 0.0
+
+
+def test_the_proxy_learns_a_vllm_server_reads_its_load_and_routes_to_it(
+    proxy: RunningProxy, sglang_spec_and_vllm_base: list[RunningTwin],
+) -> None:
+    spec, base = sglang_spec_and_vllm_base
+    state = base_state(proxy)
+    assert state["probe"] == "/metrics" and state["server_info"] == {"server": "vllm", "speculative": False}
+    assert state["max_running"] == 256  # vLLM's --max-num-seqs default, until seen saturated
+    client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="m", messages=MESSAGES, max_tokens=4, extra_headers={"x-specroute-pool": "base"})
+    assert raw.headers["x-specroute-pool"] == "base" and raw.parse().usage.completion_tokens == 4
+    # Five long streams on a server that runs three at most: 3 running, 2 waiting, as its
+    # /metrics says and the proxy reads; its cap is learned from the saturation.
+    streams = [httpx.stream("POST", proxy.base_url + "/chat/completions", timeout=30, headers={"x-specroute-pool": "base"},
+                            json={"model": "m", "messages": MESSAGES, "max_tokens": 3000, "stream": True})
+               for _ in range(5)]
+    try:
+        for s in streams:
+            assert s.__enter__().status_code == 200
+        wait_for(lambda: vllm_gauge(base, "num_requests_running") == 3 and vllm_gauge(base, "num_requests_waiting") == 2,
+                 what="the vLLM twin saturated")
+        wait_for(lambda: (lambda s: (s["running"], s["waiting"], s["max_running"]) == (3, 2, 3))(base_state(proxy)),
+                 what="the proxy reading the vLLM load and cap", timeout=10)
+        snapshot = proxy.app.router.snapshot().pools["base"]
+        assert snapshot.capacity == 3 and snapshot.instances[0].load == 5
+    finally:
+        for s in streams:
+            s.__exit__(None, None, None)
+    wait_for(lambda: vllm_gauge(base, "num_requests_running") == 0, what="the vLLM twin idle again")
+    wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_the_policy_counts_a_vllm_base_like_an_sglang_one_and_errors_come_back_openai_shaped(
+    proxy: RunningProxy,
+) -> None:
+    client = openai.AsyncOpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+
+    async def scenario() -> list[str]:
+        import asyncio
+
+        async def one() -> str:
+            raw = await client.chat.completions.with_raw_response.create(
+                model="m", messages=MESSAGES, max_tokens=2, stream=True, stream_options={"include_usage": True})
+            async for _ in raw.parse():
+                pass
+            return raw.headers["x-specroute-pool"]
+
+        return await asyncio.gather(*(one() for _ in range(6)))
+
+    import asyncio
+
+    pools = asyncio.run(scenario())
+    assert set(pools) <= {"spec", "base"} and len(pools) == 6
+    sync = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as refused:
+        sync.chat.completions.create(model="m", messages=MESSAGES, max_tokens=-1, extra_headers={"x-specroute-pool": "base"})
+    assert "max_new_tokens" in refused.value.message
+    wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
