@@ -16,6 +16,7 @@ BENCHMARKS = {
     "sim_speedup": "the twin against the design tables, spec/base speed by batch (docs/twin.md)",
     "sim_http": "the HTTP twin: 200+ streams, its CPU and decode-rate error (docs/twin.md)",
     "proxy_bench": "the proxy against a direct call, concurrency 1/64/256 (docs/benchmarks.md)",
+    "first_token": "first-token latency the proxy adds, against an upstream that writes like a server (docs/benchmarks.md)",
     "proxy_parts": "where the proxy's CPU goes, parts switched off (docs/benchmarks.md)",
     "obs_trace_cost": "tracing every request against tracing off (docs/observability.md)",
     "routing": "the routing policies on the virtual clock; rewrites docs/routing.md",

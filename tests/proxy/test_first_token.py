@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import socket
 import statistics
+import sys
 import time
 from typing import Iterator
 
@@ -133,3 +134,24 @@ def test_keep_alive_first_token_comes_at_the_twins_prefill_time_directly_and_thr
     prefill_ms = load_profile(PROFILE).prefill_ms(prompt_tokens, speculative=True)
     assert prefill_ms <= direct_ms < prefill_ms + SLACK_MS, (direct_ms, prefill_ms)
     assert proxied_ms < direct_ms + SLACK_MS, (proxied_ms, direct_ms)
+
+
+@pytest.mark.parametrize("nodelay", [True, False])
+def test_the_benchmark_upstream_writes_like_a_server_and_its_control_shows_the_stall(nodelay: bool) -> None:
+    """bench.first_token's upstream sends headers, then each chunk, as separate writes with gaps:
+    with TCP_NODELAY the first chunk comes at its prefill time; without it (the control) a
+    keep-alive client waits for its own delayed ACK, which the benchmark must be able to see."""
+    import uvloop
+
+    from bench.first_token import CLIENTS, PREFILL_MS, measure
+    from bench.proxy_bench import free_port, process
+
+    port = free_port()
+    args = [sys.executable, "-m", "bench.first_token", "upstream", str(port)] + ([] if nodelay else ["--no-nodelay"])
+    with process(args, port):
+        times = uvloop.run(measure(port, CLIENTS["raw, TCP_NODELAY"], 1, 10))
+    median_ms = statistics.median(times) * 1000
+    if nodelay:
+        assert PREFILL_MS <= median_ms < PREFILL_MS + SLACK_MS, median_ms
+    else:
+        assert median_ms > PREFILL_MS + 25, median_ms
