@@ -18,6 +18,7 @@ import uvicorn
 from proxy import __version__
 from proxy.app import SpecrouteApp
 from proxy.auth import warn_if_open
+from proxy.connection import Limits, guarded_protocol
 from proxy.settings import Settings
 from proxy.telemetry import SpecrouteTelemetry
 
@@ -70,12 +71,14 @@ class DrainingServer(uvicorn.Server):
 
 
 def uvicorn_config(app: SpecrouteApp, settings: Settings) -> uvicorn.Config:
+    limits = Limits(settings.header_timeout_s, settings.body_timeout_s, settings.max_header_bytes)
     return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
-        http="httptools",
+        http=guarded_protocol(limits),  # httptools, with deadlines and a header size limit
+        timeout_keep_alive=settings.keep_alive_timeout_s,
         lifespan="on",
         log_level=settings.log_level,
         access_log=False,  # the telemetry's JSON request log replaces it

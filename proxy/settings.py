@@ -138,6 +138,18 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         16 * 1024 * 1024, gt=0, description="Largest request body accepted (413 above)."
     )
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="Seconds a client has to send a request's headers (from connecting, or from the last response); 408 and close after."
+    )
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="Seconds a client has to send a request's body after its headers; 408 and close after."
+    )
+    keep_alive_timeout_s: float = Field(
+        5.0, gt=0, description="Seconds an idle keep-alive client connection stays open between requests."
+    )
+    max_header_bytes: int = Field(
+        64 * 1024, ge=1024, description="Largest request line plus headers accepted (431 and close above)."
+    )
     max_attempts: int = Field(
         3, ge=1, le=10, description="Upstream attempts per request, first try included (failover bound)."
     )

@@ -1,0 +1,132 @@
+"""Client connections with deadlines and a header size limit: uvicorn's httptools protocol, guarded.
+
+uvicorn closes a keep-alive connection idle between requests (SPECROUTE_KEEP_ALIVE_TIMEOUT_S),
+but a client that connects and sends nothing, sends its headers a byte a second, or stops
+half-way through its body holds a connection (and the body's bytes) for ever, and a header
+of any size is buffered whole. Here:
+
+- headers must be complete SPECROUTE_HEADER_TIMEOUT_S after the connection opened or the last
+  response ended (else 408 and close);
+- a body must be complete SPECROUTE_BODY_TIMEOUT_S after its headers (else 408 and close; the
+  app sees the client gone);
+- request line and headers over SPECROUTE_MAX_HEADER_BYTES get 431 and close;
+- a response that refuses a request before asking for its body (`Expect: 100-continue` never
+  answered) closes the connection: the client still holds a body it was told to wait with, and
+  whatever it sends next would be taken for a new request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+@dataclass(frozen=True)
+class Limits:
+    header_timeout_s: float
+    body_timeout_s: float
+    max_header_bytes: int
+
+
+def refusal(status: int, code: str, message: str) -> bytes:
+    body = (b'{"error":{"message":"%s","type":"invalid_request_error","param":null,"code":"%s"}}'
+            % (message.encode(), code.encode()))
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
+            % (status, REASONS[status], len(body), body))
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    limits: Limits  # set by `guarded_protocol`
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.in_headers = True
+        self.header_bytes = 0
+        self.deadline: asyncio.TimerHandle | None = None
+
+    # -- deadlines --------------------------------------------------------------------------------
+    def _arm(self, seconds: float, status: int, code: str, message: str) -> None:
+        self._disarm()
+        self.deadline = self.loop.call_later(seconds, self._expire, status, code, message)
+
+    def _disarm(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def _expire(self, status: int, code: str, message: str) -> None:
+        self.deadline = None
+        self._refuse(status, code, message)
+
+    def _refuse(self, status: int, code: str, message: str) -> None:
+        """Answer `status` unless a response is under way or done for this request, then close
+        the connection (connection_lost tells an app waiting for the body that the client is gone)."""
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if self.in_headers or (cycle is not None and not cycle.response_started):
+            self.transport.write(refusal(status, code, message))
+        self.transport.close()
+
+    # -- uvicorn's protocol -------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm(self.limits.header_timeout_s, 408, "header_timeout", "request headers not received in time")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.in_headers:
+            self.header_bytes += len(data)
+        super().data_received(data)
+        if self.in_headers and self.header_bytes > self.limits.max_header_bytes:
+            self._refuse(431, "headers_too_large", f"request line and headers over {self.limits.max_header_bytes} bytes")
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.in_headers = True
+
+    def on_headers_complete(self) -> None:
+        self.in_headers = False
+        self.header_bytes = 0
+        self._disarm()
+        super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is None:
+            return
+        has_body = any(name in (b"content-length", b"transfer-encoding") and value not in (b"0",)
+                       for name, value in self.headers)
+        if has_body and not cycle.response_complete:
+            self._arm(self.limits.body_timeout_s, 408, "body_timeout", "request body not received in time")
+        if cycle.waiting_for_100_continue:
+            send = cycle.send
+
+            async def close_if_body_unasked(message: Any) -> None:
+                if message["type"] == "http.response.start" and cycle.waiting_for_100_continue:
+                    cycle.keep_alive = False
+                await send(message)
+
+            cycle.send = close_if_body_unasked  # type: ignore[method-assign]
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self.in_headers = True
+            self.header_bytes = 0
+            self._arm(self.limits.header_timeout_s, 408, "header_timeout", "request headers not received in time")
+
+
+def guarded_protocol(limits: Limits) -> type[GuardedProtocol]:
+    """The protocol class for uvicorn.Config(http=...), with these limits."""
+    return type("GuardedProtocol", (GuardedProtocol,), {"limits": limits})

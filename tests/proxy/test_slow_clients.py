@@ -1,0 +1,133 @@
+"""Clients that hold connections: deadlines for headers and bodies, a header size limit, and a
+connection closed after refusing a body the client was told to wait with (Expect: 100-continue).
+Over real sockets; the proxy keeps serving others throughout."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Iterator
+
+import httpx
+import pytest
+from proxy_harness import RunningProxy, running_proxy
+
+DEADLINE_S = 0.5
+WAIT_S = 10.0
+"""How long a test waits for the proxy to act: far above the deadlines, never reached when it works."""
+
+
+@pytest.fixture(scope="module")
+def guarded(twin_pair) -> Iterator[RunningProxy]:
+    spec, base = twin_pair
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], header_timeout_s=DEADLINE_S,
+                       body_timeout_s=DEADLINE_S, keep_alive_timeout_s=DEADLINE_S, max_header_bytes=8192) as proxy:
+        yield proxy
+
+
+def connect(proxy: RunningProxy) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=WAIT_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
+    """Everything the proxy sends until it closes the connection, and how long that took."""
+    started, data = time.monotonic(), b""
+    while True:
+        try:
+            part = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not part:
+            break
+        data += part
+    return data, time.monotonic() - started
+
+
+def still_serving(proxy: RunningProxy) -> None:
+    assert httpx.get(proxy.url + "/health", timeout=5).status_code == 200
+
+
+def test_a_connection_that_sends_nothing_is_closed_with_408(guarded: RunningProxy) -> None:
+    with connect(guarded) as sock:
+        data, took = read_until_closed(sock)
+    assert data.startswith(b"HTTP/1.1 408 ") and b'"code":"header_timeout"' in data
+    assert took < WAIT_S
+    still_serving(guarded)
+
+
+def test_headers_sent_half_or_a_byte_at_a_time_are_cut_at_the_header_deadline(guarded: RunningProxy) -> None:
+    with connect(guarded) as half:
+        half.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        data, _ = read_until_closed(half)
+    assert data.startswith(b"HTTP/1.1 408 ")
+    request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n" * 10
+    with connect(guarded) as slow:
+        started = time.monotonic()
+        try:
+            for byte in request:  # a byte every 20 ms: the headers would take 16 s
+                slow.sendall(bytes([byte]))
+                time.sleep(0.02)
+                if time.monotonic() - started > WAIT_S:
+                    break
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        data, _ = read_until_closed(slow)
+        assert time.monotonic() - started < WAIT_S
+    assert data.startswith(b"HTTP/1.1 408 ") or data == b""
+    still_serving(guarded)
+
+
+def test_a_body_that_stops_half_way_is_cut_at_the_body_deadline(guarded: RunningProxy) -> None:
+    with connect(guarded) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: 1000\r\n\r\n" + b'{"model": "')
+        data, took = read_until_closed(sock)
+    assert data.startswith(b"HTTP/1.1 408 ") and b'"code":"body_timeout"' in data
+    assert took < WAIT_S
+    still_serving(guarded)
+
+
+def test_oversized_headers_get_431_and_the_rest_is_never_read(guarded: RunningProxy) -> None:
+    with connect(guarded) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-big: ")
+        sent = 0
+        try:
+            while sent < 100 * 1024 * 1024:  # a 100 MB header value
+                sock.sendall(b"a" * 65536)
+                sent += 65536
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        data, _ = read_until_closed(sock)
+    assert sent < 8 * 1024 * 1024, f"the proxy read {sent} bytes of one header"
+    assert data.startswith(b"HTTP/1.1 431 ") or data == b""  # the 431 may be lost to the reset
+    still_serving(guarded)
+
+
+def test_an_early_refusal_of_an_expected_body_closes_the_connection(guarded: RunningProxy) -> None:
+    with connect(guarded) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: text/plain\r\n"
+                     b"content-length: 20\r\nexpect: 100-continue\r\n\r\n")
+        data, took = read_until_closed(sock)
+    assert data.startswith(b"HTTP/1.1 415 ") and b"connection: close" in data.lower()
+    assert b"100 Continue" not in data and took < WAIT_S
+    # A client that sends its body at once (no Expect) may keep the connection after a refusal.
+    with connect(guarded) as sock:
+        body = b'{"model": "m"}'
+        refused = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: text/plain\r\n"
+                   b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(refused + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while data.count(b"HTTP/1.1 ") < 2 or not data.endswith(b"}"):
+            part = sock.recv(65536)
+            assert part, data
+            data += part
+        assert data.startswith(b"HTTP/1.1 415 ") and b"HTTP/1.1 200 " in data
+
+
+def test_an_idle_keep_alive_connection_is_closed(guarded: RunningProxy) -> None:
+    with connect(guarded) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        data, took = read_until_closed(sock)
+    assert data.startswith(b"HTTP/1.1 200 ") and took < WAIT_S
