@@ -18,11 +18,12 @@ import aiohttp
 import orjson
 
 from policies.types import Decision, PoolName
+from proxy import body as request_body
 from proxy import scan
 from proxy.errors import ProxyError, normalise_upstream_error, stream_error_event
 from proxy.hooks import NO_HOOKS, RequestHooks, Telemetry
 from proxy.pools import Instance
-from proxy.routing import Attempt, Router, RoutingInputError, features_of, read_overrides
+from proxy.routing import Attempt, Router, RoutingInputError, read_overrides
 from proxy.settings import Settings
 from proxy.upstream import (
     CONNECT,
@@ -205,12 +206,11 @@ class CompletionHandler:
             if scope["method"] != "POST":
                 raise ProxyError(405, f"use POST for {scope['path']}", code="method_not_allowed", headers=[(b"allow", b"POST")])
             body = await self.read_body(headers, receive)
-            payload = parse_object(body)
             try:
                 override, request_class = read_overrides(headers)
             except RoutingInputError as exc:
                 raise ProxyError(400, str(exc), param=exc.header, code="invalid_header") from None
-            features = features_of(payload, request_class)
+            payload, features = await request_body.parse(body, self.settings.max_json_items, request_class)
             exchange.prompt_tokens = features.prompt_tokens
             exchange.asked_stream = features.stream
             exchange.request_class = features.request_class
@@ -472,12 +472,3 @@ async def read_up_to(content: aiohttp.StreamReader, limit: int) -> bytes:
         size += len(part)
     return b"".join(parts)
 
-
-def parse_object(body: bytes) -> dict[str, Any]:
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise ProxyError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(payload, dict):
-        raise ProxyError(400, "request body must be a JSON object", code="invalid_json")
-    return payload

@@ -138,6 +138,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         16 * 1024 * 1024, gt=0, description="Largest request body accepted (413 above)."
     )
+    max_json_items: int = Field(
+        100_000, ge=1, description="Most JSON objects and arrays a request body may hold (400 above): bounds the work of parsing it."
+    )
     header_timeout_s: float = Field(
         10.0, gt=0, description="Seconds a client has to send a request's headers (from connecting, or from the last response); 408 and close after."
     )

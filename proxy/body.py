@@ -1,0 +1,71 @@
+"""A completion request's body: parsed with its work bounded, the fields routing reads typed.
+
+SPECROUTE_MAX_BODY_BYTES bounds the bytes; these bound the work. A body's objects and arrays
+are counted before it is parsed (every one opens with a bracket; brackets inside strings only
+make the count err high), so 16 MiB of `{}` is refused in milliseconds instead of becoming
+millions of Python objects; a big body is parsed and measured in a worker thread, so the event
+loop keeps serving other clients meanwhile (orjson also refuses nesting deeper than 1,024).
+The fields the proxy acts on are checked as OpenAI checks them: a `"stream": "true"` would
+stream upstream (SGLang's pydantic accepts it) while the proxy logged, timed and routed it as
+not streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+
+from policies.types import Features
+from proxy.errors import ProxyError
+from proxy.routing import features_of
+
+OFF_LOOP_BYTES = 256 * 1024
+"""Bodies larger than this are parsed in a worker thread (small ones: cheaper on the loop)."""
+TYPED_FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
+    "model": (str, "a string"),
+    "stream": (bool, "a boolean"),
+    "max_tokens": (int, "an integer"),
+    "max_completion_tokens": (int, "an integer"),
+    "n": (int, "an integer"),
+    "ignore_eos": (bool, "a boolean"),
+}
+
+
+def parse_object(body: bytes) -> dict[str, Any]:
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ProxyError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise ProxyError(400, "request body must be a JSON object", code="invalid_json")
+    return payload
+
+
+def check_fields(payload: dict[str, Any]) -> None:
+    for name, (kind, what) in TYPED_FIELDS.items():
+        value = payload.get(name)
+        if value is None:
+            continue
+        wrong = not isinstance(value, kind) or (kind is int and isinstance(value, bool))
+        if wrong:
+            got = type(value).__name__ if not isinstance(value, str) else "a string"
+            raise ProxyError(400, f"'{name}' must be {what}, not {got}", param=name, code="invalid_type")
+
+
+def read(body: bytes, max_items: int, request_class: str | None) -> tuple[dict[str, Any], Features]:
+    """The parsed body and what routing needs of it (see `parse`)."""
+    items = body.count(b"{") + body.count(b"[")
+    if items > max_items:
+        raise ProxyError(400, f"request body has more than {max_items} JSON objects and arrays",
+                         code="request_too_complex")
+    payload = parse_object(body)
+    check_fields(payload)
+    return payload, features_of(payload, request_class)
+
+
+async def parse(body: bytes, max_items: int, request_class: str | None) -> tuple[dict[str, Any], Features]:
+    if len(body) <= OFF_LOOP_BYTES:
+        return read(body, max_items, request_class)
+    return await asyncio.to_thread(read, body, max_items, request_class)

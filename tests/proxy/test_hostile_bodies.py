@@ -1,0 +1,103 @@
+"""Bodies that cost work rather than bytes, and fields of the wrong type: a clear 400 each, and
+the event loop keeps serving everyone else meanwhile (over real sockets)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Iterator
+
+import httpx
+import pytest
+from proxy_harness import RunningProxy, running_proxy, wait_for
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+class HealthProbe:
+    """GET /health over and over on its own connection; the slowest answer is the loop's stall."""
+
+    def __init__(self, proxy: RunningProxy) -> None:
+        self.proxy = proxy
+        self.slowest = 0.0
+        self.answers = 0
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self.stop.is_set():
+                started = time.perf_counter()
+                assert client.get(self.proxy.url + "/health").status_code == 200
+                self.slowest = max(self.slowest, time.perf_counter() - started)
+                self.answers += 1
+
+    def __enter__(self) -> "HealthProbe":
+        self.thread.start()
+        wait_for(lambda: self.answers > 3, what="the probe answering")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def proxy(twin_pair) -> Iterator[RunningProxy]:
+    spec, base = twin_pair
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url]) as running:
+        yield running
+
+
+def post(proxy: RunningProxy, body: bytes) -> httpx.Response:
+    return httpx.post(proxy.base_url + "/chat/completions", content=body, timeout=60,
+                      headers={"content-type": "application/json"})
+
+
+def test_millions_of_empty_objects_are_refused_without_stalling_the_loop(proxy: RunningProxy) -> None:
+    body = b'{"messages":[' + b",".join([b"{}"] * 5_500_000) + b"]}"
+    assert len(body) < 16 * 1024 * 1024  # under the byte limit: only the work is too much
+    before = rss_mb()
+    with HealthProbe(proxy) as probe:
+        refused = post(proxy, body)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "request_too_complex"
+    assert probe.slowest < 0.5, f"/health waited {probe.slowest:.2f} s"  # it took 3.4 s before
+    assert rss_mb() - before < 200  # it grew by ~530 MB before (and kept it)
+
+
+def test_a_big_legitimate_body_is_served_while_the_loop_keeps_answering(proxy: RunningProxy) -> None:
+    long_prompt = {**CHAT, "messages": [{"role": "user", "content": "word " * 2_000_000}]}  # 10 MB
+    with HealthProbe(proxy) as probe:
+        served = post(proxy, json.dumps(long_prompt).encode())
+    assert served.status_code in (200, 400), served.text  # the twin may refuse its context length
+    if served.status_code == 400:
+        assert "context length" in served.json()["error"]["message"]
+    assert probe.slowest < 0.5, f"/health waited {probe.slowest:.2f} s"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("stream", "true"), ("stream", 1), ("model", 5), ("max_tokens", "10"), ("max_tokens", True),
+    ("max_completion_tokens", 2.5), ("n", "2"),
+])
+def test_fields_the_proxy_acts_on_must_have_their_openai_types(proxy: RunningProxy, field: str, value: object) -> None:
+    refused = post(proxy, json.dumps({**CHAT, field: value}).encode())
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == field and error["code"] == "invalid_type" and error["type"] == "invalid_request_error"
+
+
+def test_nulls_and_right_types_pass(proxy: RunningProxy) -> None:
+    ok = post(proxy, json.dumps({**CHAT, "stream": False, "max_tokens": 2, "n": 1, "model": "m", "max_completion_tokens": None}).encode())
+    assert ok.status_code == 200
+
+
+def test_deep_nesting_is_a_clear_400(proxy: RunningProxy) -> None:
+    deep = b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    refused = post(proxy, deep)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_json"
