@@ -38,6 +38,12 @@ class EventRate:
         self.weighted = self._decayed(now) + amount
         self.at = max(now, self.at)
 
+    def remove(self, added_at: float, now: float, amount: float = 1.0) -> None:
+        """Take back an amount added at `added_at` (what is left of it at `now`)."""
+        left = amount * math.exp(-max(now - added_at, 0.0) / RATE_WINDOW_S)
+        self.weighted = max(self._decayed(now) - left, 0.0)
+        self.at = max(now, self.at)
+
     def per_s(self, now: float) -> float:
         return self._decayed(now) / RATE_WINDOW_S
 
@@ -206,6 +212,20 @@ class FleetState:
         signals.local_in_flight = max(signals.local_in_flight - 1, 0)
         if signals.polled:
             signals.events.append((now, -1, 0))
+
+    def on_refused(self, url: str, dispatched_at: float, now: float, prompt_tokens: int = 0) -> None:
+        """The server refused a request dispatched at `dispatched_at` (a 4xx): it never ran, so
+        its dispatch is undone rather than completed. Its prompt tokens would otherwise count as
+        prefill work sent there (five refused 1 MB prompts moved the next requests to base)."""
+        signals = self.instances[url]
+        signals.local_in_flight = max(signals.local_in_flight - 1, 0)
+        signals.prompt_tokens_sent.remove(dispatched_at, now, prompt_tokens)
+        signals.sent.remove(dispatched_at, now)
+        if signals.polled:
+            try:
+                signals.events.remove((dispatched_at, +1, prompt_tokens))
+            except ValueError:
+                signals.events.append((now, -1, 0))  # aged out of the window: count it as done
 
     def on_request_evidence(self, now: float, completion_tokens: int, verify_steps: int, age_s: float = 0.0) -> None:
         """A finished spec request's own tokens and verify steps (stream chunks or spec details);

@@ -69,13 +69,22 @@ def stream_error_event(message: str, type: str = "server_error", code: str | Non
     return b"data: " + payload + b"\n\ndata: [DONE]\n\n"
 
 
-def normalise_upstream_error(status: int, body: bytes) -> bytes:
-    """Any upstream error body as {"error": {message, type, param, code}}.
+MAX_UPSTREAM_MESSAGE_CHARS = 1000
 
-    Nested bodies (vLLM, OpenAI) keep their fields; SGLang's flat {"object": "error", ...} is
-    lifted into "error"; a `type` outside OpenAI's vocabulary (SGLang sends HTTP reason phrases
-    such as "BadRequestError") becomes the OpenAI type for the status; anything else (HTML from a load balancer, plain text) becomes the message.
+
+def normalise_upstream_error(status: int, body: bytes) -> bytes:
+    """Any upstream error body as {"error": {message, type, param, code}}, without internals.
+
+    A 5xx is the server's fault, and its body may hold a traceback, file paths and addresses:
+    the client gets only `upstream server error (HTTP n)`. A 4xx is the client's to act on: a
+    JSON error's message is kept (at most MAX_UPSTREAM_MESSAGE_CHARS); nested bodies (vLLM,
+    OpenAI) keep their fields, SGLang's flat {"object": "error", ...} is lifted into "error", a
+    `type` outside OpenAI's vocabulary (SGLang sends "BadRequestError") becomes the OpenAI type
+    for the status. A body that is not a JSON error (HTML from a load balancer, plain text) is
+    replaced by `upstream answered HTTP n`.
     """
+    if status >= 500:
+        return error_body(f"upstream server error (HTTP {status})", error_type_for(status), status)
     try:
         data = orjson.loads(body) if body else None
     except orjson.JSONDecodeError:
@@ -93,11 +102,11 @@ def normalise_upstream_error(status: int, body: bytes) -> bytes:
             kind = source.get("type")
             code = source.get("code")
             param = source.get("param")
+            text = message if isinstance(message, str) else orjson.dumps(message).decode()
             return error_body(
-                message if isinstance(message, str) else orjson.dumps(message).decode(),
+                text[:MAX_UPSTREAM_MESSAGE_CHARS],
                 kind if isinstance(kind, str) and kind.endswith("_error") else error_type_for(status),
                 code if isinstance(code, (str, int)) else status,
                 param if isinstance(param, str) else None,
             )
-    text = body.decode("utf-8", "replace").strip()[:500] or f"upstream answered {status}"
-    return error_body(text, error_type_for(status), status)
+    return error_body(f"upstream answered HTTP {status}", error_type_for(status), status)

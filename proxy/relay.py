@@ -49,10 +49,17 @@ NOT_FORWARDED = frozenset(
         "x-specroute-pool", "x-specroute-class",
     }
 )
-# Response headers the proxy sets itself or that belong to the upstream hop.
+# Response headers the proxy sets itself or that belong to the upstream hop (RFC 9110 7.6.1).
 NOT_RELAYED = frozenset(
-    {b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server", b"x-request-id", b"trailer", b"upgrade"}
+    {b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server", b"x-request-id", b"trailer", b"upgrade",
+     b"proxy-authenticate", b"proxy-connection", b"te"}
 )
+OWN_PREFIX = b"x-specroute-"
+"""Response headers only the proxy sets: an upstream's are dropped, never passed on beside ours."""
+MAX_EVENT_BYTES = 4 * 1024 * 1024
+"""The longest SSE event relayed; an upstream that sends more without ending one is cut off."""
+FORWARDED = frozenset({"x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-forwarded-port",
+                       "forwarded", "x-real-ip"})
 RETRYABLE = frozenset({CONNECT, DISCONNECTED})
 """Attempt failures worth another instance. Timeouts are not: the next one would wait as long."""
 ERROR_BODY_LIMIT = 64 * 1024
@@ -78,7 +85,7 @@ class Exchange:
 
     __slots__ = ("request_id", "send", "hooks", "started", "status", "client_gone", "done", "error_type",
                  "decision", "instance", "summary", "upstream_wait_s", "prompt_tokens", "streaming",
-                 "asked_stream", "request_class")
+                 "asked_stream", "request_class", "client")
 
     def __init__(self, request_id: str, send: Send, hooks: RequestHooks) -> None:
         self.request_id = request_id
@@ -99,6 +106,8 @@ class Exchange:
         self.streaming = False
         """Whether the response being relayed is an SSE stream (an error can still go in-band)."""
         self.request_class = "latency"
+        self.client: str | None = None
+        """The client's address (the peer of its connection), for X-Forwarded-For."""
         self.asked_stream = False
         """Whether the client asked for a stream: a JSON answer's headers come only once it is
         complete, so only a stream's first byte is held to the first-token timeout."""
@@ -137,14 +146,22 @@ class Exchange:
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def request_headers(scope: Scope) -> dict[str, str]:
+def request_headers(scope: Scope) -> tuple[dict[str, str], list[str]]:
     """The request's headers by lower-case name; a repeated one is joined with ", " (RFC 9110
-    5.3), so none is lost on the way upstream and two routing headers that disagree are refused."""
+    5.3), so none is lost on the way upstream and two routing headers that disagree are refused.
+    Values are UTF-8 (the upstream client sends them so, byte for byte); the names of values
+    that are not come second."""
     headers: dict[str, str] = {}
+    undecodable: list[str] = []
     for raw_name, raw_value in scope["headers"]:
-        name, value = raw_name.decode("latin-1").lower(), raw_value.decode("latin-1")
+        name = raw_name.decode("latin-1").lower()
+        try:
+            value = raw_value.decode("utf-8")
+        except UnicodeDecodeError:
+            undecodable.append(name)
+            value = raw_value.decode("latin-1")
         headers[name] = f"{headers[name]}, {value}" if name in headers else value
-    return headers
+    return headers, undecodable
 
 
 def request_id_of(headers: dict[str, str]) -> str:
@@ -155,16 +172,44 @@ def request_id_of(headers: dict[str, str]) -> str:
     return secrets.token_hex(16)
 
 
-def outgoing_headers(headers: dict[str, str], instance: Instance, request_id: str) -> dict[str, str]:
-    out = {name: value for name, value in headers.items() if name not in NOT_FORWARDED}
+def outgoing_headers(headers: dict[str, str], instance: Instance, request_id: str,
+                     client: str | None = None, append_forwarded: bool = False) -> dict[str, str]:
+    """The client's headers minus the hop-by-hop ones (named, or listed in its Connection
+    header), with our request id, the pool's key, and X-Forwarded-For: the client's address
+    (appended to what the client sent only when the proxy sits behind a trusted one)."""
+    listed = connection_tokens([headers["connection"]]) if "connection" in headers else set()
+    out = {name: value for name, value in headers.items()
+           if name not in NOT_FORWARDED and name not in listed and (append_forwarded or name not in FORWARDED)}
+    if client:
+        given = out.get("x-forwarded-for") if append_forwarded else None
+        out["x-forwarded-for"] = f"{given}, {client}" if given else client
     out[REQUEST_ID] = request_id
     if instance.api_key is not None:
         out["authorization"] = f"Bearer {instance.api_key}"
     return out
 
 
-def relayed_headers(response: aiohttp.ClientResponse) -> list[tuple[bytes, bytes]]:
-    return [(name.lower(), value) for name, value in response.raw_headers if name.lower() not in NOT_RELAYED]
+def connection_tokens(values: list[bytes] | list[str]) -> set[str]:
+    """The header names a Connection header lists (hop-by-hop for this hop, RFC 9110 7.6.1)."""
+    names: set[str] = set()
+    for value in values:
+        text = value.decode("latin-1") if isinstance(value, bytes) else value
+        names.update(token.strip().lower() for token in text.split(",") if token.strip())
+    return names
+
+
+def relayed_headers(response: aiohttp.ClientResponse, stream: bool) -> list[tuple[bytes, bytes]]:
+    """The upstream's response headers the client may see: no hop-by-hop ones (named or listed in
+    its Connection header), none of ours, and no framing of a stream (the proxy frames it anew;
+    an upstream stream with a Content-Length that broke off made uvicorn log a traceback)."""
+    listed = {name.encode() for name in connection_tokens([v for n, v in response.raw_headers if n.lower() == b"connection"])}
+    out = []
+    for name, value in response.raw_headers:
+        lower = name.lower()
+        if lower in NOT_RELAYED or lower in listed or lower.startswith(OWN_PREFIX) or (stream and lower == b"content-length"):
+            continue
+        out.append((lower, value))
+    return out
 
 
 async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], exchange: Exchange) -> None:
@@ -188,8 +233,10 @@ class CompletionHandler:
         """Completion requests in this handler now (SPECROUTE_MAX_OPEN_REQUESTS bounds them)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        headers = request_headers(scope)
+        headers, undecodable = request_headers(scope)
         exchange = Exchange(request_id_of(headers), send, self.telemetry.request_hooks(scope["path"]))
+        client = scope.get("client")
+        exchange.client = client[0] if client else None
         task = asyncio.current_task()
         assert task is not None
         watcher: asyncio.Task[None] | None = None
@@ -203,6 +250,10 @@ class CompletionHandler:
             if bound and self.open_requests > bound:
                 raise ProxyError(429, f"the proxy holds {bound} requests open already; retry after 1 s",
                                  code="too_many_open_requests", headers=[(b"retry-after", b"1")])
+            if undecodable:
+                # It would reach the upstream changed (the HTTP client there encodes UTF-8).
+                raise ProxyError(400, f"header {undecodable[0]} is not valid UTF-8", param=undecodable[0],
+                                 code="invalid_header")
             if scope["method"] != "POST":
                 raise ProxyError(405, f"use POST for {scope['path']}", code="method_not_allowed", headers=[(b"allow", b"POST")])
             body = await self.read_body(headers, receive)
@@ -332,7 +383,8 @@ class CompletionHandler:
         error event); a ProxyError, `retryable` set, when it failed before any byte was sent."""
         hooks = exchange.hooks
         hooks.attempt_started(pool=instance.pool, instance=instance.url, attempt=number)
-        out = outgoing_headers(headers, instance, exchange.request_id)
+        out = outgoing_headers(headers, instance, exchange.request_id, exchange.client,
+                               self.settings.forwarded_headers == "append")
         hooks.outgoing_headers(out)
         attempt = self.router.dispatch(instance, exchange.prompt_tokens, exchange.asked_stream, exchange.request_class)
         response: aiohttp.ClientResponse | None = None
@@ -348,6 +400,13 @@ class CompletionHandler:
                 hooks.upstream_headers(status=response.status, headers=response.headers)
                 if response.status >= 400:
                     return await self.upstream_error(exchange, response, attempt)
+                if response.status >= 300:
+                    # Never followed (it would replay the request elsewhere) nor passed on (its
+                    # location is an internal address): a server that redirects is misconfigured.
+                    attempt.failed("upstream_redirect")
+                    hooks.attempt_failed(error="upstream_redirect", retryable=True)
+                    return ProxyError(502, f"upstream {instance.pool} server answered a redirect ({response.status})",
+                                      code="upstream_redirect", retryable=True)
                 first = await response.content.readany()
                 exchange.upstream_wait_s += perf_counter() - began
                 began = 0.0
@@ -388,6 +447,7 @@ class CompletionHandler:
             attempt.failed(f"status_{response.status}")
             exchange.hooks.attempt_failed(error=f"status_{response.status}", retryable=True)
         else:
+            attempt.refused()
             exchange.hooks.attempt_finished(status=response.status)
         relayed = [(name.lower(), value) for name, value in response.raw_headers if name.lower() in RETRY_AFTER]
         # A 4xx is the client's to act on: the SDK retries a 429 (after its retry-after), not a 400.
@@ -404,19 +464,22 @@ class CompletionHandler:
         # The tail's usage also feeds the routing signals (output length; acceptance on spec).
         keep_tail = hooks is not NO_HOOKS or attempt.wants_summary
         tail: deque[bytes] | None = deque(maxlen=4) if keep_tail else None
-        await exchange.start(response.status, relayed_headers(response))
+        await exchange.start(response.status, relayed_headers(response, is_stream))
         hooks.first_chunk(first)
         expect_chunk_gaps(response, self.settings.chunk_timeout_s)
         chunk = first
-        partial = b""
+        # The client only ever gets whole events: an event split across reads waits for its end,
+        # so an upstream that fails mid-event leaves no half event before ours.
+        splitter = scan.EventSplitter(MAX_EVENT_BYTES) if is_stream else None
         while chunk:
-            if is_stream:
-                # The client only ever gets whole events: an event split across reads waits for
-                # its end, so an upstream that fails mid-event leaves no half event before ours.
-                if partial:
-                    chunk, partial = partial + chunk, b""
-                if not chunk.endswith(b"\n\n"):
-                    chunk, partial = scan.split_at_event_end(chunk)
+            if splitter is not None:
+                try:
+                    chunk = splitter.feed(chunk)
+                except scan.EventTooLarge:
+                    attempt.failed("upstream_event_too_large")
+                    hooks.attempt_failed(error="upstream_event_too_large", retryable=False)
+                    await self.end_with_error(exchange, "upstream_event_too_large")
+                    return
             if chunk:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 if is_stream:
@@ -433,6 +496,7 @@ class CompletionHandler:
                 exchange.upstream_wait_s += perf_counter() - began
         exchange.done = True
         # The upstream ended cleanly after an unterminated event: it goes on as it came.
+        partial = splitter.rest() if splitter is not None else b""
         await send({"type": "http.response.body", "body": partial, "more_body": False})
         if partial and tail is not None:
             tail.append(partial)

@@ -77,7 +77,7 @@ class Attempt:
     """One upstream attempt's hold on an instance. `finished`/`failed` release it exactly once."""
 
     __slots__ = ("fleet", "instance", "started", "tokens", "open", "signals", "chunks", "last_at", "gaps",
-                 "outliers", "stream", "dispatched_at", "ttft_s", "admission")
+                 "outliers", "stream", "dispatched_at", "ttft_s", "admission", "prompt_tokens")
 
     def __init__(self, fleet: FleetState, instance: Instance, signals: Signals | None = None,
                  prompt_tokens: int = 0, outliers: OutlierDetector | None = None, stream: bool = False,
@@ -89,6 +89,7 @@ class Attempt:
         self.admission = admission
         """Told whether this stream met the targets (latency-class streams, admission on)."""
         self.dispatched_at = time.monotonic()
+        self.prompt_tokens = prompt_tokens
         self.ttft_s: float | None = None
         self.started = False
         self.tokens = 0
@@ -149,6 +150,17 @@ class Attempt:
         decode_s = time.monotonic() - self.dispatched_at - self.ttft_s
         tpot_s = decode_s / (self.tokens - 1) if self.tokens > 1 else 0.0
         return (ttft_limit <= 0 or self.ttft_s <= ttft_limit) and (tpot_limit <= 0 or tpot_s <= tpot_limit)
+
+    def refused(self) -> None:
+        """The upstream refused the request (a 4xx): it never ran there; undo its dispatch."""
+        if not self.open:
+            return
+        self.open = False
+        self.fleet.on_refused(self.instance.url, self.dispatched_at, time.monotonic(), self.prompt_tokens)
+        if self.outliers is not None:
+            self.outliers.released(self.instance)
+        if self.started:
+            self.instance.streaming -= 1
 
     def failed(self, error: str) -> None:
         if self.open:

@@ -93,7 +93,7 @@ class Upstream:
 
     async def get_json(self, url: str, headers: Iterable[tuple[str, str]], timeout_s: float) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with self.session.get(url, headers=list(headers), timeout=timeout) as response:
+        async with self.session.get(url, headers=list(headers), timeout=timeout, allow_redirects=False) as response:
             response.raise_for_status()
             return await response.json(content_type=None)
 

@@ -12,6 +12,11 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
     with FaultServer("hang") as bad:             # reads the request, never answers
     with FaultServer("flood") as bad:            # 200 SSE, chunks as fast as they are read, never ending
     with FaultServer("echo") as bad:             # answers 200 JSON; bad.requests holds what came
+    with FaultServer("trace500") as bad:         # 500 whose body is a traceback with paths and addresses
+    with FaultServer("redirect") as bad:         # 307 to an internal address
+    with FaultServer("ssecl:3") as bad:          # 200 SSE framed by a Content-Length, 3 events, then the connection drops
+    with FaultServer("noblank:5") as bad:        # 200 SSE, 5 MB without a blank line (no event ever ends)
+    with FaultServer("hopheaders") as bad:       # 200 JSON with hop-by-hop, connection-listed and x-specroute-* headers
 """
 
 from __future__ import annotations
@@ -167,6 +172,40 @@ class FaultServer:
         elif kind == "hang":
             await self._until_closed(reader)
             return False
+        elif kind == "trace500":
+            body = (b"Traceback (most recent call last):\n  File \"/opt/sglang/python/sglang/srt/managers/io.py\", "
+                    b"line 42, in generate\nConnectionRefusedError: [Errno 111] connect to 10.20.30.40:7000 refused\n")
+            writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(body), body))
+        elif kind == "redirect":
+            writer.write(b"HTTP/1.1 307 Temporary Redirect\r\nlocation: http://10.20.30.40:30000/v1/chat/completions\r\n"
+                         b"content-length: 0\r\n\r\n")
+        elif kind == "ssecl":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 100000\r\n\r\n")
+            for i in range(int(arg)):
+                writer.write(sse_event(i))
+                await writer.drain()
+            writer.transport.abort()
+            return False
+        elif kind == "noblank":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            writer.write(http_chunk(b"data: {\"x\": \""))
+            piece = http_chunk(b"a" * 65536)
+            try:
+                for _ in range(int(arg) * 16):
+                    writer.write(piece)
+                    await writer.drain()
+            except ConnectionError:
+                return False
+            await self._until_closed(reader)
+            return False
+        elif kind == "hopheaders":
+            body = json.dumps(COMPLETION).encode()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                         b"connection: keep-alive, x-internal-hop\r\nx-internal-hop: secret\r\n"
+                         b"proxy-authenticate: Basic realm=internal\r\nproxy-connection: keep-alive\r\nte: trailers\r\n"
+                         b"keep-alive: timeout=5\r\nx-specroute-backend: http://10.20.30.40:30000\r\n"
+                         b"x-upstream-note: caf\xc3\xa9\r\n\r\n%s" % (len(body), body))
         elif kind == "flood":
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             for i in itertools.count():

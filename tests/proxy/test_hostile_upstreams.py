@@ -1,0 +1,124 @@
+"""Upstreams that misbehave and headers that must not cross: what the client gets is always
+OpenAI-shaped, free of upstream internals, and the router's accounting stays right.
+Each test runs the proxy in front of a raw-socket upstream (proxy_faults.FaultServer)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from proxy_faults import FaultServer
+from proxy_harness import running_proxy, wait_for
+
+MESSAGES = [{"role": "user", "content": "Say hi."}]
+CHAT = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
+
+
+def test_an_upstream_traceback_never_reaches_the_client() -> None:
+    with FaultServer("trace500") as bad, running_proxy(spec_urls=[bad.url], policy="spec") as proxy:
+        answer = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
+    assert answer.status_code == 500
+    error = answer.json()["error"]
+    assert error["message"] == "upstream server error (HTTP 500)" and error["type"] == "server_error"
+    for internal in ("Traceback", "/opt/sglang", "10.20.30.40", "Errno"):
+        assert internal not in answer.text
+
+
+def test_an_upstream_redirect_is_neither_followed_nor_passed_on(twin_pair) -> None:
+    spec, base = twin_pair
+    with FaultServer("redirect") as bad, running_proxy(spec_urls=[bad.url], base_urls=[base.url], policy="spec") as proxy:
+        refused = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers={"x-specroute-pool": "spec"})
+        assert refused.status_code == 502 and refused.json()["error"]["code"] == "upstream_redirect"
+        assert "location" not in refused.headers and "10.20.30.40" not in refused.text
+        assert len([r for r in bad.requests if r.method == "POST"]) == 1  # not replayed
+        served = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)  # fails over to base
+        assert served.status_code == 200 and served.headers["x-specroute-pool"] == "base"
+
+
+def test_a_stream_framed_by_content_length_that_breaks_ends_with_an_error_event(caplog) -> None:
+    with FaultServer("ssecl:3") as bad, running_proxy(spec_urls=[bad.url], policy="spec") as proxy:
+        with httpx.stream("POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": True}) as response:
+            assert "content-length" not in response.headers
+            body = b"".join(response.iter_bytes())
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+    events = [line for line in body.split(b"\n") if line.startswith(b"data: ")]
+    assert len(events) == 5 and b'"error"' in events[3] and events[4] == b"data: [DONE]"
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
+def test_an_event_that_never_ends_is_cut_off_in_linear_time() -> None:
+    with FaultServer("noblank:8") as bad, running_proxy(spec_urls=[bad.url], policy="spec") as proxy:
+        started = time.monotonic()
+        with httpx.stream("POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": True}, timeout=60) as response:
+            body = b"".join(response.iter_bytes())
+        took = time.monotonic() - started
+        health = httpx.get(proxy.url + "/health")
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+    assert health.status_code == 200
+    assert body.startswith(b"data: {") and b"upstream_event_too_large" in body and body.endswith(b"data: [DONE]\n\n")
+    assert b"aaaa" not in body  # no half event reached the client
+    assert took < 10, f"{took:.1f} s for 4 MiB"  # quadratic: 7.5 s of loop time for 60 MB
+
+
+def test_hop_by_hop_and_upstream_routing_headers_stay_on_their_hop() -> None:
+    with FaultServer("hopheaders") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+            body = json.dumps(CHAT).encode()
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: %d\r\nconnection: keep-alive, x-secret-hop\r\nx-secret-hop: 1\r\n"
+                         b"te: trailers\r\nproxy-connection: keep-alive\r\nproxy-authorization: Basic Zm9v\r\n"
+                         b"x-forwarded-for: 6.6.6.6\r\nforwarded: for=6.6.6.6\r\nx-real-ip: 6.6.6.6\r\n"
+                         b"x-note: caf\xc3\xa9\r\nx-keep: yes\r\n\r\n%s" % (len(body), body))
+            data = b""
+            while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+                part = sock.recv(65536)
+                assert part, data
+                data += part
+    head = data.split(b"\r\n\r\n", 1)[0].lower().split(b"\r\n")
+    names = [line.split(b":", 1)[0] for line in head[1:]]
+    for hop in (b"x-internal-hop", b"proxy-authenticate", b"proxy-connection", b"te", b"keep-alive"):
+        assert hop not in names, hop
+    assert names.count(b"x-specroute-backend") == 1 and b"x-specroute-backend: spec-0" in head
+    assert b"x-upstream-note: caf\xc3\xa9" in head  # non-ASCII bytes pass unchanged
+    sent = [r for r in upstream.requests if r.method == "POST"][0].headers
+    for hop in ("x-secret-hop", "te", "proxy-connection", "proxy-authorization", "forwarded", "x-real-ip"):
+        assert hop not in sent, hop
+    assert sent["x-forwarded-for"] == "127.0.0.1"  # the peer, not what the client claimed
+    assert sent["x-keep"] == "yes"
+    assert sent["x-note"] == "café".encode().decode("latin-1")  # the client's UTF-8 bytes, unchanged
+
+
+def test_a_header_that_is_not_utf8_is_refused() -> None:
+    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
+        with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+            body = json.dumps(CHAT).encode()
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                         b"x-bad: \xff\xfe\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            data = sock.recv(65536)
+    assert data.startswith(b"HTTP/1.1 400 ") and b'"param":"x-bad"' in data
+
+
+def test_behind_a_trusted_proxy_x_forwarded_for_is_appended() -> None:
+    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec",
+                                                        forwarded_headers="append") as proxy:
+        httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers={"x-forwarded-for": "203.0.113.7"})
+    sent = [r for r in upstream.requests if r.method == "POST"][0].headers
+    assert sent["x-forwarded-for"] == "203.0.113.7, 127.0.0.1"
+
+
+def test_requests_the_upstream_refuses_leave_no_load_behind(twin_pair) -> None:
+    _, base = twin_pair
+    with FaultServer("status:400") as refusing, running_proxy(spec_urls=[refusing.url], base_urls=[base.url]) as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        huge = [{"role": "user", "content": "x" * 1_000_000}]  # ~250k tokens each
+        for _ in range(5):
+            with pytest.raises(openai.BadRequestError):
+                client.chat.completions.create(model="m", messages=huge, max_tokens=2,
+                                               extra_headers={"x-specroute-pool": "spec"})
+        spec = proxy.app.router.snapshot().pools["spec"].instances[0]
+        assert spec.prompt_tokens_per_s < 1.0 and spec.dispatches_per_s < 0.01
+        assert proxy.in_flight() == 0
