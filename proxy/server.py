@@ -7,6 +7,7 @@ On SIGTERM or SIGINT: /ready turns 503 at once, the listening socket closes, run
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import socket
@@ -58,6 +59,7 @@ class DrainingServer(uvicorn.Server):
         """Called once the app has started and the socket is listening (the demo's banner)."""
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
         tune_gc()
         if self.started and self.on_ready is not None:
@@ -66,7 +68,14 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.specroute.draining:
             self.specroute.draining = True
-            log.info("stop signal %s: draining for up to %.0f s", sig, self.specroute.settings.drain_timeout_s)
+            settings = self.specroute.settings
+            log.info("stop signal %s: draining for up to %.0f s", sig, settings.drain_timeout_s)
+            if settings.drain_delay_s > 0 and getattr(self, "loop", None) is not None:
+                # Keep listening (answering /ready with 503) so load balancers see not-ready
+                # before connections are refused; a second signal stops at once.
+                self.loop.call_soon_threadsafe(self.loop.call_later, settings.drain_delay_s,
+                                               super().handle_exit, sig, frame)
+                return
         super().handle_exit(sig, frame)
 
 

@@ -174,6 +174,9 @@ class Settings(BaseSettings):
     outlier_max_ejection_s: float = Field(
         300.0, gt=0, description="Longest ejection in seconds."
     )
+    drain_delay_s: float = Field(
+        0.0, ge=0, description="After SIGTERM, seconds to keep accepting connections (/ready answers 503) before the listener closes and the drain starts."
+    )
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM, seconds running requests get to finish before exit."
     )

@@ -10,6 +10,8 @@ process still exits within the timeout.
 from __future__ import annotations
 
 import contextlib
+import re
+import threading
 import signal
 import time
 from pathlib import Path
@@ -77,3 +79,43 @@ def test_a_stream_longer_than_the_drain_is_cut_and_freed(slow_twin: RunningTwin,
         # The cancelled request left the twin: its GPU slot is free again.
         poll(lambda: httpx.get(slow_twin.url + "/v1/loads", timeout=2).json()["loads"][0]["num_running_reqs"] == 0,
              10, "the twin to drop the cancelled request")
+
+
+def test_sigterm_turns_ready_503_while_the_listener_stays_open(slow_twin: RunningTwin, tmp_path: Path) -> None:
+    """With SPECROUTE_DRAIN_DELAY_S, a load balancer sees /ready answer 503 (not a refused
+    connection) after SIGTERM, and only then the listener closes."""
+    proxy = start_proxy(tmp_path, SPECROUTE_SPEC_URLS=slow_twin.url, SPECROUTE_POLICY="spec",
+                        SPECROUTE_DRAIN_DELAY_S="3")
+    try:
+        proxy.process.send_signal(signal.SIGTERM)
+        poll(lambda: ready_status(proxy) == 503, 2, "/ready to answer 503 after SIGTERM")
+        assert ready_status(proxy) == 503  # still listening: a 503, not a refused connection
+        poll(lambda: ready_status(proxy) is None, 10, "the listener to close after the delay")
+        assert proxy.process.wait(30) is not None
+        assert stopped_cleanly(proxy.process.returncode, proxy.log()), proxy.log()
+    finally:
+        proxy.stop()
+
+
+def test_sigterm_tells_a_request_still_waiting_for_its_first_byte_503(tmp_path: Path) -> None:
+    """A real SIGTERM (not flags set in-process): the drain ends while a request waits on an
+    upstream that has not answered; its client gets 503 `shutting_down`, not a dropped connection."""
+    with twin("spec", seed=4, args=("--fault-first-token-delay-ms", "60000")) as stuck:
+        proxy = start_proxy(tmp_path, SPECROUTE_SPEC_URLS=stuck.url, SPECROUTE_POLICY="spec",
+                            SPECROUTE_DRAIN_TIMEOUT_S="0.5")
+        try:
+            answers: list[httpx.Response] = []
+            waiter = threading.Thread(target=lambda: answers.append(httpx.post(
+                proxy.url + "/v1/chat/completions", timeout=30,
+                json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})))
+            waiter.start()
+            poll(lambda: re.search(r"^specroute_in_flight_requests\{[^}]*\} 1\.0$",
+                                   httpx.get(proxy.url + "/metrics", timeout=2).text, re.M) is not None,
+                 10, "the request to reach its upstream")
+            proxy.process.send_signal(signal.SIGTERM)
+            waiter.join(30)
+            assert answers and answers[0].status_code == 503
+            assert answers[0].json()["error"]["code"] == "shutting_down"
+            assert proxy.process.wait(30) is not None
+        finally:
+            proxy.stop()
