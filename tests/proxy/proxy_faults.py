@@ -17,6 +17,11 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
     with FaultServer("ssecl:3") as bad:          # 200 SSE framed by a Content-Length, 3 events, then the connection drops
     with FaultServer("noblank:5") as bad:        # 200 SSE, 5 MB without a blank line (no event ever ends)
     with FaultServer("hopheaders") as bad:       # 200 JSON with hop-by-hop, connection-listed and x-specroute-* headers
+    with FaultServer("drop") as bad:             # reads the request, closes the connection without a byte
+
+Load polls (GET) get 404, as from a server with no load endpoint, unless `probe` names the one
+it answers: "/get_load" (older SGLang's JSON) or "/metrics" (SGLang's Prometheus gauges), with
+`load` = (running, waiting).
 """
 
 from __future__ import annotations
@@ -61,6 +66,8 @@ class Received:
 @dataclass
 class FaultServer:
     behaviour: str
+    probe: str = ""
+    load: tuple[int, int] = (0, 0)
     requests: list[Received] = field(default_factory=list)
     port: int = 0
     open_connections: int = 0
@@ -116,6 +123,10 @@ class FaultServer:
                 if method == "POST" and not posted:
                     posted = True
                     self.open_connections += 1
+                if method == "GET" and path == self.probe:
+                    writer.write(self._load_answer())
+                    await writer.drain()
+                    continue
                 if not await self._answer(method, reader, writer):
                     return
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -124,6 +135,17 @@ class FaultServer:
             if posted:
                 self.open_connections -= 1
             writer.close()
+
+    def _load_answer(self) -> bytes:
+        running, waiting = self.load
+        if self.probe == "/get_load":
+            body = json.dumps([{"num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": 0}]).encode()
+            kind = b"application/json"
+        else:
+            body = (f'sglang:num_running_reqs{{model_name="fault"}} {running}.0\n'
+                    f'sglang:num_queue_reqs{{model_name="fault"}} {waiting}.0\n').encode()
+            kind = b"text/plain; version=0.0.4"
+        return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (kind, len(body), body)
 
     async def _answer(self, method: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Respond per the behaviour; False closes the connection."""
@@ -171,6 +193,9 @@ class FaultServer:
             writer.write(http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         elif kind == "hang":
             await self._until_closed(reader)
+            return False
+        elif kind == "drop":
+            writer.transport.abort()
             return False
         elif kind == "trace500":
             body = (b"Traceback (most recent call last):\n  File \"/opt/sglang/python/sglang/srt/managers/io.py\", "

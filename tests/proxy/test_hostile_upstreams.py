@@ -47,7 +47,9 @@ def test_a_stream_framed_by_content_length_that_breaks_ends_with_an_error_event(
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
     events = [line for line in body.split(b"\n") if line.startswith(b"data: ")]
     assert len(events) == 5 and b'"error"' in events[3] and events[4] == b"data: [DONE]"
-    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    # The proxy's and uvicorn's loggers (the fault server's own loop may log its cancelled tasks).
+    assert not [r for r in caplog.records if r.exc_info and r.name.startswith(("uvicorn", "specroute"))], \
+        "a traceback was logged"
 
 
 def test_an_event_that_never_ends_is_cut_off_in_linear_time() -> None:
