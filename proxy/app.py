@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proxy.auth import Access, AuthRefused, without_authorization
+from proxy import openapi
 from proxy.errors import ProxyError, error_object, error_type_for
 from proxy.hooks import Telemetry
 from proxy.relay import COMPLETION_PATHS, CompletionHandler, Receive, Scope, Send
@@ -152,6 +153,13 @@ def management_api(app: SpecrouteApp) -> FastAPI:
     @api.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(400, str(exc.errors()), code="invalid_request")
+
+    description = openapi.describe()
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi_document() -> dict[str, Any]:
+        """The OpenAPI description of the proxy's API (proxy/openapi.py)."""
+        return description
 
     @api.get("/health")
     async def health() -> dict[str, str]:

@@ -30,7 +30,7 @@ log = logging.getLogger("specroute")
 
 FILE_CHECK_S = 1.0
 """How often a request may look at the keys file's modification time."""
-OPEN_PATHS = frozenset({"/health", "/ready"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json"})
 """Probes stay open: an orchestrator has no key."""
 METRICS_PATH = "/metrics"
 STATE_PATH = "/v1/specroute/state"

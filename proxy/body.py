@@ -48,6 +48,8 @@ def check_fields(payload: dict[str, Any]) -> None:
         value = payload.get(name)
         if value is None:
             continue
+        if kind is int and isinstance(value, float) and value.is_integer():
+            continue  # 2.0 is an integer in JSON Schema, and SGLang's and vLLM's parsers take it
         wrong = not isinstance(value, kind) or (kind is int and isinstance(value, bool))
         if wrong:
             got = type(value).__name__ if not isinstance(value, str) else "a string"

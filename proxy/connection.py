@@ -23,7 +23,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,13 @@ class GuardedProtocol(HttpToolsProtocol):
         self.transport.close()
 
     # -- uvicorn's protocol -------------------------------------------------------------------------
+    def send_400_response(self, msg: str) -> None:
+        """A request the HTTP parser refused (bad bytes in the request line or a header): answered
+        in OpenAI's error shape, like every other error, instead of uvicorn's plain text."""
+        if not self.transport.is_closing():
+            self.transport.write(refusal(400, "invalid_http", "the request is not valid HTTP/1.1"))
+        self.transport.close()
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._arm(self.limits.header_timeout_s, 408, "header_timeout", "request headers not received in time")

@@ -108,6 +108,9 @@ class CompletionRequest(_Common):
         return self.max_tokens
 
 
+MAX_N = 128
+"""The most choices one twin request may ask for (SGLang sets no bound; the twin must survive a fuzzer)."""
+
 class TwinError(Exception):
     """A request the twin answers with an SGLang-shaped error."""
 
@@ -153,6 +156,9 @@ def unsupported_features(request: ChatCompletionRequest | CompletionRequest) -> 
     sense (n < 1, a negative logprobs count, a tool_choice naming no given tool) get one too."""
     if request.n < 1:
         raise TwinError(f"n must be at least 1, got {request.n}.")
+    if request.n > MAX_N:
+        # A twin-only bound: one engine request per choice, and n = 10^17 would take the process down.
+        raise TwinError(f"n must be at most {MAX_N} on the twin, got {request.n}.")
     if isinstance(request, ChatCompletionRequest):
         check_logprobs("top_logprobs", request.top_logprobs)
         check_tools(request)

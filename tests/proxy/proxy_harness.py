@@ -60,3 +60,15 @@ def twin_running(twin: RunningTwin) -> int:
     """Requests the twin is running or queueing now, from its /v1/loads."""
     load = httpx.get(twin.url + "/v1/loads", params={"include": "all"}, timeout=5).json()["loads"][0]
     return int(load["num_running_reqs"]) + int(load["num_waiting_reqs"])
+
+
+UPSTREAM_5XX = "upstream server error"
+UPSTREAM_FAILURES = {"connect", "upstream_disconnected", "first_token_timeout", "chunk_timeout", "total_timeout",
+                     "upstream_redirect", "no_upstream", "upstream_event_too_large"}
+"""Codes of the gateway errors the proxy answers for an upstream that failed (502/503/504)."""
+
+
+def assert_upstream_failure(response: httpx.Response) -> None:
+    """A 5xx is only ever an upstream's (normalised) or a gateway error about an upstream."""
+    error = response.json()["error"]
+    assert error["message"].startswith(UPSTREAM_5XX) or error["code"] in UPSTREAM_FAILURES, response.text

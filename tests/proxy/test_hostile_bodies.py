@@ -83,7 +83,7 @@ def test_a_big_legitimate_body_is_served_while_the_loop_keeps_answering(proxy: R
 
 @pytest.mark.parametrize(("field", "value"), [
     ("stream", "true"), ("stream", 1), ("model", 5), ("max_tokens", "10"), ("max_tokens", True),
-    ("max_completion_tokens", 2.5), ("n", "2"),
+    ("max_completion_tokens", 2.5), ("n", "2"), ("n", 1.5),
 ])
 def test_fields_the_proxy_acts_on_must_have_their_openai_types(proxy: RunningProxy, field: str, value: object) -> None:
     refused = post(proxy, json.dumps({**CHAT, field: value}).encode())
