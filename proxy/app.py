@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 from contextlib import asynccontextmanager
@@ -130,6 +131,19 @@ class SpecrouteApp:
         return merged
 
 
+def process_state() -> dict[str, Any]:
+    """Tasks on the event loop, open file descriptors, resident memory (Linux /proc)."""
+    state: dict[str, Any] = {"asyncio_tasks": len(asyncio.all_tasks())}
+    try:
+        state["open_fds"] = len(os.listdir("/proc/self/fd"))
+        with open("/proc/self/status") as status:
+            rss_kb = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+        state["rss_mb"] = round(rss_kb / 1024, 1)
+    except (OSError, StopIteration, ValueError):
+        pass  # not Linux: tasks only
+    return state
+
+
 def auth_headers(api_key: str | None) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {api_key}")] if api_key else []
 
@@ -174,8 +188,9 @@ def management_api(app: SpecrouteApp) -> FastAPI:
 
     @api.get("/v1/specroute/state")
     async def routing_state() -> dict[str, Any]:
-        """The router's live view: snapshot, acceptance, cost estimates, recent decisions."""
-        return app.router.state()
+        """The router's live view: snapshot, acceptance, cost estimates, recent decisions, and
+        the process's own resources (what a leak would show)."""
+        return {**app.router.state(), "process": process_state()}
 
     @api.get("/v1/models")
     async def models() -> dict[str, Any]:

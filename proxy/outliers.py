@@ -68,6 +68,12 @@ class OutlierDetector:
         self.pool_of: dict[str, Pool] = {i.url: pool for pool in self.pools for i in pool.instances}
         self.ejections_total = 0
 
+    def refresh(self) -> None:
+        """Ejections whose time is up turn half-open now (they count as healthy again)."""
+        for url, record in self.records.items():
+            if record.state == EJECTED:
+                self._expire(url, record)
+
     # -- questions ---------------------------------------------------------------------------
     def admits(self, instance: Instance) -> bool:
         """Whether `instance` may take a request now (not ejected; a half-open one takes one)."""

@@ -250,6 +250,8 @@ class Router:
     def choose(self, features: Features, override: PoolName | None) -> Decision:
         """The pool for a request: the override when given, else the policy's pick; a pool with
         no available instance is swapped for the other one."""
+        if self.outliers is not None:
+            self.outliers.refresh()  # an ejection that ended makes its server available again
         snapshot = self.snapshot()
         if override is not None:
             decision = Decision(pool=override, reason="override")
@@ -279,8 +281,9 @@ class Router:
         ties rotate so that a quiet fleet still spreads its requests. Outlier detection may hold
         an instance back (ejected, or half-open with its one probe running)."""
         outliers = self.outliers
+        # admits() first: it ends an ejection whose time is up, which makes the instance healthy.
         candidates = [i for i in self.pools[pool].instances
-                      if i.healthy and i not in exclude and (outliers is None or outliers.admits(i))]
+                      if i not in exclude and (outliers is None or outliers.admits(i)) and i.healthy]
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
         start = next(self._turn) % len(candidates)

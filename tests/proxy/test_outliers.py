@@ -63,7 +63,9 @@ def test_five_failures_in_a_row_eject_for_a_period_that_grows_and_a_probe_decide
     clock.now += 29.9
     assert not outliers.admits(sick)
     clock.now += 0.2  # 30 s: half-open, one request at a time
-    assert outliers.admits(sick) and sick.healthy
+    assert not sick.healthy  # until someone asks: the router refreshes before each decision
+    outliers.refresh()
+    assert sick.healthy and outliers.admits(sick)
     outliers.dispatched(sick)
     assert not outliers.admits(sick)
     outliers.failed(sick, "status_503")  # the probe failed: out again, for twice as long
@@ -189,12 +191,15 @@ def test_a_healed_server_returns_through_a_half_open_probe(two_spec_twins: list[
 
         wait_for(ejected, what="the sick server ejected", timeout=20)
         make_sick(sick)  # healed
+        ejected_with = instance(proxy, "spec", 0).dispatched_total
 
         def back() -> bool:
+            # Only requests here (the state endpoint is not asked: it must not be what ends an ejection).
             client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
-            return state_of(proxy, "spec-0")["outlier"]["state"] == "ok"
+            return instance(proxy, "spec", 0).dispatched_total > ejected_with + 1  # the probe, then more
 
         wait_for(back, what="the healed server back in rotation", timeout=20)
+        assert state_of(proxy, "spec-0")["outlier"]["state"] == "ok"
         before = instance(proxy, "spec", 0).dispatched_total
         for _ in range(6):
             client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)

@@ -1,0 +1,292 @@
+"""Chaos and soak runs against `specroute serve` in front of real twin processes (docs/reliability.md).
+
+    python -m bench.chaos kill      # kill -9 a spec server under 64 live streams and 200 req/s, then restart it
+    python -m bench.chaos soak      # 100,000 requests, 10 % of clients leaving mid-stream: leaks?
+    python -m bench.chaos sigterm   # SIGTERM under load: is any admitted request lost?
+    python -m bench.chaos all [--quick]
+
+Every process is its own on 127.0.0.1; the clients are httpx (async) in this process. Each run
+prints what it measured and whether the issue's target holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import httpx
+
+from bench.proxy_bench import free_port, wait_ready
+from sim.testing import TwinSpec, twins
+
+MESSAGES = [{"role": "user", "content": "Tell me about speculative decoding."}]
+
+
+@contextmanager
+def proxy_process(spec_urls: Sequence[str], base_urls: Sequence[str], log: Path, **env: str) -> Iterator[tuple[subprocess.Popen, str]]:
+    port = free_port()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SPECROUTE_", "OTEL_"))}
+    settings = {"SPECROUTE_SPEC_URLS": ",".join(spec_urls), "SPECROUTE_BASE_URLS": ",".join(base_urls),
+                "SPECROUTE_PORT": str(port), "SPECROUTE_LOG_LEVEL": "warning", **env}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve"], env={**clean, **settings},
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(port)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/ready", timeout=2).status_code != 200:
+            assert time.monotonic() < deadline, "the proxy never became ready"
+            time.sleep(0.05)
+        yield proc, url
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@dataclass
+class Outcome:
+    started: float
+    backend: str = ""
+    status: int = 0
+    first_at: float | None = None
+    ended_at: float | None = None
+    done: bool = False
+    """Ended with [DONE] and no error event."""
+    error_code: str | None = None
+    """The code of an error event, or of an error answer."""
+    transport_error: str | None = None
+
+
+async def stream(client: httpx.AsyncClient, url: str, max_tokens: int, leave_after: int | None = None,
+                 headers: dict[str, str] | None = None) -> Outcome:
+    outcome = Outcome(started=time.monotonic())
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": max_tokens, "stream": True}
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as response:
+            outcome.status = response.status_code
+            outcome.backend = response.headers.get("x-specroute-backend", "")
+            if response.status_code != 200:
+                await response.aread()
+                outcome.error_code = response.json()["error"]["code"]
+                return outcome
+            events = 0
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if outcome.first_at is None:
+                    outcome.first_at = time.monotonic()
+                if line == "data: [DONE]":
+                    outcome.done = outcome.error_code is None
+                    break
+                if '"error"' in line[:20]:
+                    outcome.error_code = json.loads(line[6:])["error"]["code"]
+                events += 1
+                if leave_after is not None and events >= leave_after:
+                    return outcome  # the client leaves mid-stream
+    except httpx.HTTPError as exc:
+        outcome.transport_error = type(exc).__name__
+    finally:
+        outcome.ended_at = time.monotonic()
+    return outcome
+
+
+def state(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/v1/specroute/state", timeout=5).json()
+
+
+# -- kill -9 a spec server ------------------------------------------------------------------------------
+
+async def kill_run(quick: bool) -> dict[str, Any]:
+    streams_n, rate = (16, 50) if quick else (64, 200)
+    spec_port = free_port()
+    log = Path("/tmp/specroute-chaos-kill.log")
+    common = ("--output-len", "fixed:4096")
+    with twins(TwinSpec("spec", seed=1, args=common + ("--port", str(spec_port))),
+               TwinSpec("spec", seed=2, args=common), TwinSpec("base", seed=3, args=common)) as (doomed, spec, base):
+        # Ejections of 5 s instead of 30 s: the restarted server's return fits in the run.
+        with proxy_process([doomed.url, spec.url], [base.url], log, SPECROUTE_REQUEST_LOG="true",
+                           SPECROUTE_OUTLIER_EJECTION_S="5") as (proc, url):
+            limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
+            async with httpx.AsyncClient(timeout=httpx.Timeout(60), limits=limits) as client:
+                long = [asyncio.create_task(stream(client, url, 3000)) for _ in range(streams_n)]
+                short: list[asyncio.Task[Outcome]] = []
+                started = time.monotonic()
+                kill_at = restart_at = None
+                restarted: subprocess.Popen | None = None
+                back_on_restarted = False
+                while time.monotonic() - started < (40 if restart_at is not None and not back_on_restarted else 10) \
+                        and not (back_on_restarted and time.monotonic() - started >= 10):
+                    back_on_restarted = any(t.done() and t.result().backend == "spec-0" and t.result().started > restart_at
+                                            for t in short[-50:]) if restart_at is not None else False
+                    # Pinned to spec: the two spec servers share them, so the dead one is met.
+                    short.append(asyncio.create_task(stream(client, url, 4, headers={"x-specroute-pool": "spec"})))
+                    now = time.monotonic() - started
+                    if kill_at is None and now >= 2:
+                        doomed.process.send_signal(signal.SIGKILL)
+                        kill_at = time.monotonic()
+                    if restart_at is None and now >= 5:
+                        restarted = subprocess.Popen(TwinSpec("spec", seed=1, args=common + ("--port", str(spec_port))).argv(),
+                                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        restart_at = time.monotonic()
+                    await asyncio.sleep(1 / rate)
+                outcomes_long = await asyncio.wait_for(asyncio.gather(*long), 120)
+                outcomes_short = await asyncio.wait_for(asyncio.gather(*short), 120)
+            assert kill_at is not None and restart_at is not None
+            on_doomed = [o for o in outcomes_long if o.backend == "spec-0"]
+            others = [o for o in outcomes_long if o.backend != "spec-0"]
+            cut_after = [o.ended_at - kill_at for o in on_doomed if o.ended_at is not None]
+            # The request log (ts is when a request ended): requests sent to the dead server after
+            # the kill and before its restart, first attempt or failover alike.
+            records = [json.loads(line) for line in log.read_bytes().splitlines() if line.startswith(b"{")]
+            wall_kill = time.time() - (time.monotonic() - kill_at)
+            wall_restart = time.time() - (time.monotonic() - restart_at)
+            sent_to_dead = [r["ts"] - r["duration_ms"] / 1000 - wall_kill for r in records
+                            if wall_kill < r["ts"] - r["duration_ms"] / 1000 < wall_restart
+                            and (r.get("instance") == doomed.url or r.get("attempts", 1) > 1)]
+            back = [o.started - restart_at for o in outcomes_short if o.backend == "spec-0" and o.started > restart_at]
+            if restarted is not None:
+                restarted.terminate()
+                restarted.wait(10)
+    result = {
+        "streams": streams_n, "short_rps_target": rate, "short_sent": len(outcomes_short),
+        "streams_on_killed": len(on_doomed),
+        "killed_streams_ended_with_error_event": sum(1 for o in on_doomed if o.error_code == "upstream_disconnected"),
+        "killed_streams_cut_within_s": max(cut_after) if cut_after else None,
+        "other_streams_completed": f"{sum(o.done for o in others)}/{len(others)}",
+        "short_failed": sum(1 for o in outcomes_short if not o.done),
+        "requests_sent_to_the_dead_server_after_the_kill": len(sent_to_dead),
+        "latest_of_them_after_kill_s": round(max(sent_to_dead), 3) if sent_to_dead else None,
+        "back_on_restarted_after_s": round(min(back), 2) if back else None,
+        "clients_hung": 0,  # every task above finished inside its bounded wait
+    }
+    result["met"] = bool(
+        result["killed_streams_ended_with_error_event"] == len(on_doomed) and on_doomed
+        and (result["killed_streams_cut_within_s"] or 0) <= 1.0
+        and result["other_streams_completed"] == f"{len(others)}/{len(others)}"
+        and result["short_failed"] == 0 and result["back_on_restarted_after_s"] is not None
+        and (result["latest_of_them_after_kill_s"] or 0) <= 0.1)
+    return result
+
+
+# -- soak: many requests, some clients leaving ---------------------------------------------------------
+
+async def soak_run(quick: bool) -> dict[str, Any]:
+    total, concurrency = (10_000, 32) if quick else (100_000, 32)
+    common = ("--output-len", "fixed:64")
+    log = Path("/tmp/specroute-chaos-soak.log")
+    with twins(TwinSpec("spec", time_scale=50, seed=4, args=common),
+               TwinSpec("base", time_scale=50, seed=5, args=common)) as (spec, base):
+        with proxy_process([spec.url], [base.url], log) as (proc, url):
+            limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
+            async with httpx.AsyncClient(timeout=httpx.Timeout(60), limits=limits) as client:
+                counter = iter(range(total))
+                failures = 0
+                samples: list[dict[str, Any]] = []
+
+                async def worker() -> None:
+                    nonlocal failures
+                    for i in counter:
+                        outcome = await stream(client, url, 16, leave_after=2 if i % 10 == 0 else None)
+                        if i % 10 != 0 and not outcome.done:
+                            failures += 1
+                        if i in (total // 10, total - 1):
+                            samples.append(state(url)["process"])
+
+                started = time.monotonic()
+                await asyncio.gather(*(worker() for _ in range(concurrency)))
+                elapsed = time.monotonic() - started
+            await asyncio.sleep(1.0)  # let the last disconnects settle (then measured, not assumed)
+            idle = state(url)["process"]
+            loads = [httpx.get(t.url + "/v1/loads", timeout=5).json()["loads"][0] for t in (spec, base)]
+    warm, end = samples[0], samples[-1]
+    growth = (idle["rss_mb"] - warm["rss_mb"]) / warm["rss_mb"]
+    result = {
+        "requests": total, "concurrency": concurrency, "left_mid_stream": total // 10,
+        "rate_rps": round(total / elapsed), "failed_complete_requests": failures,
+        "rss_mb_after_warmup": warm["rss_mb"], "rss_mb_at_end": end["rss_mb"], "rss_mb_idle_after": idle["rss_mb"],
+        "rss_growth_after_warmup": f"{growth:+.1%}",
+        "open_fds_warm/idle": f"{warm['open_fds']}/{idle['open_fds']}",
+        "asyncio_tasks_warm/idle": f"{warm['asyncio_tasks']}/{idle['asyncio_tasks']}",
+        "upstream_running_after": [int(l["num_running_reqs"]) + int(l["num_waiting_reqs"]) for l in loads],
+    }
+    result["met"] = bool(growth < 0.05 and failures == 0 and idle["open_fds"] <= warm["open_fds"]
+                         and idle["asyncio_tasks"] <= warm["asyncio_tasks"] and result["upstream_running_after"] == [0, 0])
+    return result
+
+
+# -- SIGTERM under load ------------------------------------------------------------------------------------
+
+async def sigterm_run(quick: bool) -> dict[str, Any]:
+    concurrency = 16 if quick else 48
+    common = ("--output-len", "fixed:4096")
+    log = Path("/tmp/specroute-chaos-sigterm.log")
+    with twins(TwinSpec("spec", seed=6, args=common), TwinSpec("base", seed=7, args=common)) as (spec, base):
+        with proxy_process([spec.url], [base.url], log, SPECROUTE_DRAIN_TIMEOUT_S="3") as (proc, url):
+            async with httpx.AsyncClient(timeout=httpx.Timeout(60)) as client:
+                outcomes: list[Outcome] = []
+                stop = asyncio.Event()
+
+                async def worker(i: int) -> None:
+                    while not stop.is_set():
+                        # Lengths from 1 to about 6 s at real speed: some finish in the drain, some not.
+                        outcomes.append(await stream(client, url, 100 + (i * 37) % 700))
+
+                workers = [asyncio.create_task(worker(i)) for i in range(concurrency)]
+                await asyncio.sleep(4)  # load running (a timed phase of the run, not a synchronisation)
+                proc.send_signal(signal.SIGTERM)
+                signalled = time.monotonic()
+                await asyncio.to_thread(proc.wait, 60)
+                stop.set()
+                await asyncio.wait_for(asyncio.gather(*workers), 60)
+    admitted = [o for o in outcomes if o.status == 200]
+    told = [o for o in admitted if not o.done and o.error_code == "shutting_down"]
+    lost = [o for o in admitted if not o.done and o.error_code != "shutting_down"]
+    refused = [o for o in outcomes if o.status != 200]
+    result = {
+        "concurrency": concurrency, "requests": len(outcomes), "admitted": len(admitted),
+        "completed": sum(o.done for o in admitted), "told_shutting_down": len(told), "lost": len(lost),
+        "not_admitted (refused or 503)": len(refused),
+        "exit_after_sigterm_s": round(time.monotonic() - signalled, 2),
+        "exit_status": proc.returncode,
+    }
+    result["met"] = not lost
+    return result
+
+
+RUNS = {"kill": kill_run, "soak": soak_run, "sigterm": sigterm_run}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.splitlines()[0])
+    parser.add_argument("run", choices=[*RUNS, "all"])
+    parser.add_argument("--quick", action="store_true", help="smaller runs (a smoke test)")
+    args = parser.parse_args(argv)
+    for name in RUNS if args.run == "all" else [args.run]:
+        started = time.monotonic()
+        result = asyncio.run(RUNS[name](args.quick))
+        print(f"## bench.chaos {name}{' --quick' if args.quick else ''} ({time.strftime('%Y-%m-%d %H:%M')}, "
+              f"{time.monotonic() - started:.0f} s)")
+        for key, value in result.items():
+            print(f"- {key}: {value}")
+        print(flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
