@@ -244,8 +244,8 @@ async def sigterm_run(quick: bool) -> dict[str, Any]:
 
                 async def worker(i: int) -> None:
                     while not stop.is_set():
-                        # Lengths from 1 to about 6 s at real speed: some finish in the drain, some not.
-                        outcomes.append(await stream(client, url, 100 + (i * 37) % 700))
+                        # 0.3 to about 7 s at real speed: some finish within the 3 s drain, some do not.
+                        outcomes.append(await stream(client, url, 100 + (i * 37) % 2000))
 
                 workers = [asyncio.create_task(worker(i)) for i in range(concurrency)]
                 await asyncio.sleep(4)  # load running (a timed phase of the run, not a synchronisation)
