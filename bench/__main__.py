@@ -21,6 +21,9 @@ BENCHMARKS = {
     "obs_trace_cost": "tracing every request against tracing off (docs/observability.md)",
     "routing": "the routing policies on the virtual clock; rewrites docs/routing.md",
     "admission": "admission control at twice the fleet's capacity, virtual clock (docs/routing.md)",
+    "admission_http": "admission control at twice the capacity over HTTP, real-time twins (docs/reliability.md)",
+    "chaos": "kill -9 under load, a 100,000-request soak, SIGTERM under load (docs/reliability.md)",
+    "twin_curve": "the twin's spec/base ratio with and without engine overheads, PNG (docs/twin.md)",
 }
 
 
