@@ -9,7 +9,7 @@ import socket
 import time
 
 from proxy_faults import FaultServer
-from proxy_harness import RunningProxy, running_proxy
+from proxy_harness import RunningProxy, running_proxy, wait_for
 
 DEADLINE_S = 0.5
 WAIT_S = 10.0
@@ -144,3 +144,24 @@ def test_behind_a_trusted_proxy_forwarded_also_ends_with_the_peer() -> None:
     sent = [r for r in upstream.requests if r.method == "POST"][0].headers
     assert sent["x-forwarded-for"] == "6.6.6.6, 127.0.0.1"
     assert sent["forwarded"] == "for=6.6.6.6, for=127.0.0.1"
+
+
+def test_three_large_bodies_that_stall_are_cut_and_others_are_served(twin_pair) -> None:
+    spec, base = twin_pair
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], header_timeout_s=DEADLINE_S,
+                       body_timeout_s=1.0) as proxy:
+        socks = [connect(proxy) for _ in range(3)]
+        try:
+            for sock in socks:  # 8 MB of a declared 15 MB each, then silence
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                             b"content-length: 15000000\r\n\r\n" + b" " * 8_000_000)
+            with connect(proxy) as other:
+                other.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert read_responses(other, 1)[0][0].startswith(b"HTTP/1.1 200 ")
+            answers = [read_until_closed(sock) for sock in socks]
+        finally:
+            for sock in socks:
+                sock.close()
+        assert all(a.startswith(b"HTTP/1.1 408 ") and b'"code":"body_timeout"' in a for a in answers), answers
+        # The requests that held the bodies are gone with them (their bytes go with the request).
+        wait_for(lambda: proxy.app.completions.open_requests == 0, what="the stalled requests to end")
