@@ -10,9 +10,11 @@ of any size is buffered whole. Here:
 - a body must be complete SPECROUTE_BODY_TIMEOUT_S after its headers (else 408 and close; the
   app sees the client gone);
 - request line and headers over SPECROUTE_MAX_HEADER_BYTES get 431 and close;
-- a response that refuses a request before asking for its body (`Expect: 100-continue` never
-  answered) closes the connection: the client still holds a body it was told to wait with, and
-  whatever it sends next would be taken for a new request.
+- a response that starts before its request's body is all in (a refusal before asking for it,
+  `Expect: 100-continue` never answered, or part-way through it, a 413) closes the connection:
+  the rest of the body would be taken for a new request, or read for nothing;
+- pipelined requests: the header deadline starts again only once no later request is past its
+  headers (a queued or running one is not held to it, nor are its body bytes counted as headers).
 """
 
 from __future__ import annotations
@@ -112,15 +114,19 @@ class GuardedProtocol(HttpToolsProtocol):
                        for name, value in self.headers)
         if has_body and not cycle.response_complete:
             self._arm(self.limits.body_timeout_s, 408, "body_timeout", "request body not received in time")
-        if cycle.waiting_for_100_continue:
-            send = cycle.send
+        if not has_body:
+            return
+        send = cycle.send
 
-            async def close_if_body_unasked(message: Any) -> None:
-                if message["type"] == "http.response.start" and cycle.waiting_for_100_continue:
-                    cycle.keep_alive = False
-                await send(message)
+        async def close_if_body_unread(message: Any) -> None:
+            # A response that starts before its request's body is all in (a refusal before or
+            # while reading it, e.g. an unanswered Expect: 100-continue or a 413) closes the
+            # connection: the rest of the body would be read as requests or read for nothing.
+            if message["type"] == "http.response.start" and cycle.more_body:
+                cycle.keep_alive = False
+            await send(message)
 
-            cycle.send = close_if_body_unasked  # type: ignore[method-assign]
+        cycle.send = close_if_body_unread  # type: ignore[method-assign]
 
     def on_message_complete(self) -> None:
         self._disarm()
@@ -128,7 +134,10 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():
+        # Idle only when no later request is past its headers: a pipelined one, now running
+        # or queued, keeps its own (body) deadline, and its body bytes are not header bytes.
+        cycle = self.cycle
+        if not self.transport.is_closing() and (cycle is None or cycle.response_complete):
             self.in_headers = True
             self.header_bytes = 0
             self._arm(self.limits.header_timeout_s, 408, "header_timeout", "request headers not received in time")

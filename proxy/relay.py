@@ -44,7 +44,7 @@ REQUEST_ID = "x-request-id"
 # Request headers that describe the client's connection, not the request: never forwarded.
 NOT_FORWARDED = frozenset(
     {
-        "host", "connection", "keep-alive", "proxy-authorization", "proxy-connection", "te",
+        "host", "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",
         "trailer", "transfer-encoding", "upgrade", "content-length", "accept-encoding", "expect",
         "x-specroute-pool", "x-specroute-class",
     }
@@ -52,7 +52,7 @@ NOT_FORWARDED = frozenset(
 # Response headers the proxy sets itself or that belong to the upstream hop (RFC 9110 7.6.1).
 NOT_RELAYED = frozenset(
     {b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server", b"x-request-id", b"trailer", b"upgrade",
-     b"proxy-authenticate", b"proxy-connection", b"te"}
+     b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te"}
 )
 OWN_PREFIX = b"x-specroute-"
 """Response headers only the proxy sets: an upstream's are dropped, never passed on beside ours."""
@@ -176,13 +176,17 @@ def outgoing_headers(headers: dict[str, str], instance: Instance, request_id: st
                      client: str | None = None, append_forwarded: bool = False) -> dict[str, str]:
     """The client's headers minus the hop-by-hop ones (named, or listed in its Connection
     header), with our request id, the pool's key, and X-Forwarded-For: the client's address
-    (appended to what the client sent only when the proxy sits behind a trusted one)."""
+    (appended to what the client sent only when the proxy sits behind a trusted one, and then
+    to a Forwarded header too; otherwise the client's forwarding headers are dropped)."""
     listed = connection_tokens([headers["connection"]]) if "connection" in headers else set()
     out = {name: value for name, value in headers.items()
            if name not in NOT_FORWARDED and name not in listed and (append_forwarded or name not in FORWARDED)}
     if client:
         given = out.get("x-forwarded-for") if append_forwarded else None
         out["x-forwarded-for"] = f"{given}, {client}" if given else client
+        if "forwarded" in out:  # only kept in append mode: the peer goes last here too (RFC 7239)
+            node = f'"[{client}]"' if ":" in client else client
+            out["forwarded"] = f"{out['forwarded']}, for={node}"
     out[REQUEST_ID] = request_id
     if instance.api_key is not None:
         out["authorization"] = f"Bearer {instance.api_key}"

@@ -142,7 +142,7 @@ class Settings(BaseSettings):
         100_000, ge=1, description="Most JSON objects and arrays a request body may hold (400 above): bounds the work of parsing it."
     )
     forwarded_headers: Literal["replace", "append"] = Field(
-        "replace", description="X-Forwarded-For sent upstream: replace (the client's address only; a client's own X-Forwarded-*/Forwarded are dropped) or append (behind a trusted proxy: its list plus the peer)."
+        "replace", description="X-Forwarded-For sent upstream: replace (the client's address only; a client's own X-Forwarded-*/Forwarded are dropped) or append (behind a trusted proxy: its list plus the peer, also added to a Forwarded header it kept)."
     )
     header_timeout_s: float = Field(
         10.0, gt=0, description="Seconds a client has to send a request's headers (from connecting, or from the last response); 408 and close after."

@@ -230,6 +230,7 @@ class FaultServer:
                          b"connection: keep-alive, x-internal-hop\r\nx-internal-hop: secret\r\n"
                          b"proxy-authenticate: Basic realm=internal\r\nproxy-connection: keep-alive\r\nte: trailers\r\n"
                          b"keep-alive: timeout=5\r\nx-specroute-backend: http://10.20.30.40:30000\r\n"
+                         b"proxy-authorization: Basic c2VjcmV0\r\nupgrade: h2c\r\ntrailer: x-sum\r\n"
                          b"x-upstream-note: caf\xc3\xa9\r\n\r\n%s" % (len(body), body))
         elif kind == "flood":
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")

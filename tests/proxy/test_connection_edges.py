@@ -1,0 +1,167 @@
+"""Client connections past the simple cases: pipelined requests keep their deadlines apart, a
+response that starts before its request's body is all in closes the connection, and every
+hop-by-hop header RFC 9110 7.6.1 names stays on its hop both ways. Over real sockets."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+from proxy_faults import FaultServer
+from proxy_harness import RunningProxy, running_proxy, wait_for
+
+DEADLINE_S = 0.5
+WAIT_S = 10.0
+"""How long a test waits for the proxy to act: far above the deadlines, never reached when it works."""
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2}
+GUARDED = {"header_timeout_s": DEADLINE_S, "body_timeout_s": 5.0, "keep_alive_timeout_s": 5.0, "max_header_bytes": 8192}
+
+
+def connect(proxy: RunningProxy) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=WAIT_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def read_responses(sock: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
+    """`count` whole responses (head, body) framed by content-length, or fewer if the proxy closed."""
+    data, responses = b"", []
+    while len(responses) < count:
+        while b"\r\n\r\n" in data:
+            head, rest = data.split(b"\r\n\r\n", 1)
+            length = next((int(line.split(b":", 1)[1]) for line in head.lower().split(b"\r\n")
+                           if line.startswith(b"content-length:")), 0)
+            if len(rest) < length:
+                break
+            responses.append((head, rest[:length]))
+            data = rest[length:]
+        if len(responses) >= count:
+            break
+        try:
+            part = sock.recv(65536)
+        except (ConnectionResetError, socket.timeout):
+            break
+        if not part:
+            break
+        data += part
+    return responses
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    while True:
+        try:
+            part = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not part:
+            break
+        data += part
+    return data
+
+
+def post(body: bytes, extra: bytes = b"") -> bytes:
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n%s\r\n" % (len(body), extra))
+
+
+def test_a_pipelined_request_is_not_held_to_the_header_deadline_while_it_runs() -> None:
+    # The second request's headers are in before the first response ends: the header deadline
+    # must not start again for it (it used to: a 408 at 0.5 s in place of the upstream's answer).
+    with FaultServer("hang") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec",
+                                                        first_token_timeout_s=2.0, **GUARDED) as proxy:
+        body = json.dumps({**CHAT, "stream": True}).encode()
+        with connect(proxy) as sock:
+            started = time.monotonic()
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + post(body) + body)
+            responses = read_responses(sock, 2)
+            took = time.monotonic() - started
+    assert [head.split(b" ")[1] for head, _ in responses] == [b"200", b"504"], responses
+    assert b"first_token_timeout" in responses[1][1] and took >= 2.0
+
+
+def test_a_pipelined_body_is_not_counted_as_headers() -> None:
+    # The rest of the second request's body comes after the first response: it is body, not
+    # 20 KB of headers over an 8 KiB limit (it used to get a 431).
+    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec", **GUARDED) as proxy:
+        body = json.dumps({**CHAT, "user": "u" * 20_000}).encode()
+        with connect(proxy) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + post(body) + body[:10])
+            first = read_responses(sock, 1)
+            sock.sendall(body[10:])
+            second = read_responses(sock, 1)
+    assert first and first[0][0].startswith(b"HTTP/1.1 200 ")
+    assert second and second[0][0].startswith(b"HTTP/1.1 200 "), second
+    assert len([r for r in upstream.requests if r.method == "POST"][0].body) == len(body)
+
+
+def test_a_refusal_before_the_body_is_in_closes_the_connection() -> None:
+    # 413 after 64 KiB of a declared 10 MB: the rest of the body must not be read as requests,
+    # nor answered again; the client is told the connection closes.
+    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec",
+                                                        max_body_bytes=65536, **GUARDED) as proxy:
+        with connect(proxy) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                         b"content-length: 10000000\r\n\r\n")
+            try:
+                for _ in range(4):
+                    sock.sendall(b"a" * 65536)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            data = read_until_closed(sock)
+    assert data.startswith(b"HTTP/1.1 413 ") and b"\r\nconnection: close\r\n" in data.lower(), data[:300]
+    assert data.count(b"HTTP/1.1 ") == 1, data
+
+
+def test_every_hop_by_hop_header_stays_on_its_hop() -> None:
+    with FaultServer("hopheaders") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
+        body = json.dumps(CHAT).encode()
+        with connect(proxy) as sock:
+            sock.sendall(post(body, b"proxy-authenticate: Basic realm=x\r\nkeep-alive: timeout=5\r\n"
+                                    b"trailer: x-sum\r\nupgrade: websocket\r\nx-keep: yes\r\n") + body)
+            responses = read_responses(sock, 1)
+    assert responses, "no answer"
+    head = responses[0][0].lower().split(b"\r\n")
+    names = {line.split(b":", 1)[0] for line in head[1:]}
+    hop = {b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te", b"trailer",
+           b"transfer-encoding", b"upgrade", b"keep-alive", b"x-internal-hop"}
+    assert not names & hop, names & hop
+    sent = [r for r in upstream.requests if r.method == "POST"][0].headers
+    assert not set(sent) & {name.decode() for name in hop}, set(sent) & {name.decode() for name in hop}
+    assert sent["x-keep"] == "yes"
+
+
+def test_behind_a_trusted_proxy_forwarded_also_ends_with_the_peer() -> None:
+    # In append mode the front proxy is trusted to append; whatever the client wrote comes first,
+    # and the address this proxy saw is last in both forms, so the upstream reads the real one.
+    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec",
+                                                        forwarded_headers="append") as proxy:
+        body = json.dumps(CHAT).encode()
+        with connect(proxy) as sock:
+            sock.sendall(post(body, b"forwarded: for=6.6.6.6\r\nx-forwarded-for: 6.6.6.6\r\n") + body)
+            assert read_responses(sock, 1)
+    sent = [r for r in upstream.requests if r.method == "POST"][0].headers
+    assert sent["x-forwarded-for"] == "6.6.6.6, 127.0.0.1"
+    assert sent["forwarded"] == "for=6.6.6.6, for=127.0.0.1"
+
+
+def test_three_large_bodies_that_stall_are_cut_and_others_are_served(twin_pair) -> None:
+    spec, base = twin_pair
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], header_timeout_s=DEADLINE_S,
+                       body_timeout_s=1.0) as proxy:
+        socks = [connect(proxy) for _ in range(3)]
+        try:
+            for sock in socks:  # 8 MB of a declared 15 MB each, then silence
+                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                             b"content-length: 15000000\r\n\r\n" + b" " * 8_000_000)
+            with connect(proxy) as other:
+                other.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert read_responses(other, 1)[0][0].startswith(b"HTTP/1.1 200 ")
+            answers = [read_until_closed(sock) for sock in socks]
+        finally:
+            for sock in socks:
+                sock.close()
+        assert all(a.startswith(b"HTTP/1.1 408 ") and b'"code":"body_timeout"' in a for a in answers), answers
+        # The requests that held the bodies are gone with them (their bytes go with the request).
+        wait_for(lambda: proxy.app.completions.open_requests == 0, what="the stalled requests to end")
