@@ -231,7 +231,7 @@ class Twin:
             "created": int(time.time()),
             "model": request.model,
             "choices": choices,
-            "usage": usage(reqs[0].prompt_tokens, sum(req.output_tokens for req in reqs)),
+            "usage": self._usage(reqs[0].prompt_tokens, sum(req.output_tokens for req in reqs)),
         }
         meta = kind == "chat" and getattr(request, "return_meta_info", False)
         if self.config.speculative and request.return_spec_tokens_details:
@@ -280,6 +280,10 @@ class Twin:
             "e2e_latency": (req.finish_time or 0.0) - req.arrival,
         }
 
+    def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        body = usage(prompt_tokens, completion_tokens)
+        return vllm.as_vllm_usage(body) if self.options.vllm else body
+
     async def _stream(self, kind: str, request: ChatCompletionRequest | CompletionRequest,
                       calls: list[Call], rid: str) -> AsyncIterator[bytes]:
         reqs = [call.req for call in calls]
@@ -317,7 +321,7 @@ class Twin:
                 chunk: dict[str, Any] = {
                     "id": rid, "object": obj, "created": created, "model": request.model,
                     "choices": [vllm.as_vllm_choice(choice) if self.options.vllm else choice],
-                    "usage": usage(prompt_tokens, emitted) if continuous else None,
+                    "usage": self._usage(prompt_tokens, emitted) if continuous else None,
                 }
                 first[index] = False
                 yield sse(chunk)
@@ -327,7 +331,7 @@ class Twin:
                        "sglext": {"spec_tokens_details": self._spec_details(reqs)}})
         if include_usage:
             yield sse({"id": rid, "object": obj, "created": created, "model": request.model, "choices": [],
-                       "usage": usage(prompt_tokens, sum(req.output_tokens for req in reqs))})
+                       "usage": self._usage(prompt_tokens, sum(req.output_tokens for req in reqs))})
         yield b"data: [DONE]\n\n"
 
     # ---- other endpoints ------------------------------------------------------------------

@@ -14,13 +14,13 @@ from proxy_harness import RunningProxy, running_proxy, wait_for
 from sim.testing import RunningTwin, TwinSpec, twins
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]
-VLLM = ("--server", "vllm", "--output-len", "fixed:4096")
+VLLM = ("--output-len", "fixed:4096")
 
 
 @pytest.fixture(scope="module")
 def sglang_spec_and_vllm_base() -> Iterator[list[RunningTwin]]:
     with twins(TwinSpec("spec", profile="kimi-moe", time_scale=1.0, seed=21, args=("--output-len", "fixed:4096")),
-               TwinSpec("base", profile="kimi-moe-vllm", time_scale=1.0, seed=22, enable_metrics=False,
+               TwinSpec("base", profile="kimi-moe-vllm", time_scale=1.0, seed=22, server="vllm",
                         args=VLLM + ("--max-running-requests", "3"))) as started:
         yield started
 
@@ -118,3 +118,75 @@ def test_the_policy_counts_a_vllm_base_like_an_sglang_one_and_errors_come_back_o
         sync.chat.completions.create(model="m", messages=MESSAGES, max_tokens=-1, extra_headers={"x-specroute-pool": "base"})
     assert "max_new_tokens" in refused.value.message
     wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+@pytest.fixture(scope="module")
+def roomy_vllm_proxy(sglang_spec_and_vllm_base: list[RunningTwin]) -> Iterator[tuple[RunningTwin, RunningProxy]]:
+    """A vLLM base twin with room for 256 (vLLM's default cap), behind its own proxy."""
+    spec = sglang_spec_and_vllm_base[0]
+    with twins(TwinSpec("base", profile="kimi-moe-vllm", time_scale=1.0, seed=23, server="vllm")) as (base,):
+        with running_proxy(spec_urls=[spec.url], base_urls=[base.url], profile="kimi-moe", poll_interval_ms=20) as running:
+            yield base, running
+
+
+def test_requests_waiting_for_the_next_step_do_not_lower_a_vllm_servers_cap(
+    roomy_vllm_proxy: tuple[RunningTwin, RunningProxy],
+) -> None:
+    # Requests that arrive during a step wait for the next one on any server (vLLM included),
+    # far below the cap: such a reading must not be taken for saturation.
+    import asyncio
+
+    base, proxy = roomy_vllm_proxy
+    wait_for(lambda: base_state(proxy)["server_info"] == {"server": "vllm", "speculative": False}, what="learned")
+    seen: list[tuple[float, float, int]] = []
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            async def one() -> None:
+                body = {"model": "m", "messages": MESSAGES, "max_tokens": 20, "stream": True}
+                async with client.stream("POST", proxy.base_url + "/chat/completions", json=body,
+                                         headers={"x-specroute-pool": "base"}) as response:
+                    assert response.status_code == 200
+                    async for _ in response.aiter_bytes():
+                        pass
+
+            async def watch(stop: asyncio.Event) -> None:
+                while not stop.is_set():
+                    state = (await client.get(proxy.url + "/v1/specroute/state")).json()["pools"]["base"]["instances"][0]
+                    seen.append((state["running"] or 0.0, state["waiting"] or 0.0, state["max_running"]))
+                    await asyncio.sleep(0.005)
+
+            stop = asyncio.Event()
+            watcher = asyncio.create_task(watch(stop))
+            for _ in range(4):  # bursts spread over steps: some arrive while a step runs
+                tasks = []
+                for _ in range(8):
+                    tasks.append(asyncio.create_task(one()))
+                    await asyncio.sleep(0.015)
+                await asyncio.gather(*tasks)
+            stop.set()
+            await watcher
+
+    asyncio.run(scenario())
+    assert any(waiting > 0 for _, waiting, _ in seen), "the proxy never read requests waiting: the test did not test"
+    assert {cap for _, _, cap in seen} == {256}
+    wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_a_vllm_cap_is_learned_from_lasting_saturation_only() -> None:
+    from policies.fleet import Reading
+    from proxy.signals import VLLM_FULL_FOR_S, vllm_cap
+
+    def at(t: float, running: float, waiting: float) -> Reading:
+        return Reading(at=t, running=running, waiting=waiting)
+
+    cap, since = vllm_cap(None, at(0.0, 7, 3), 256)  # a burst waiting for the next step
+    assert (cap, since) == (256, (0.0, 7))
+    cap, since = vllm_cap(since, at(0.3, 9, 1), cap)  # running grew: it was admitting, not full
+    assert (cap, since) == (256, (0.3, 9))
+    cap, since = vllm_cap(since, at(0.3 + VLLM_FULL_FOR_S / 2, 9, 4), cap)
+    assert cap == 256
+    cap, since = vllm_cap(since, at(0.3 + VLLM_FULL_FOR_S, 9, 4), cap)  # held at 9 with requests waiting
+    assert cap == 9
+    assert vllm_cap(since, at(5.0, 2, 0), cap) == (9, None)  # idle again: the cap stays
+    assert vllm_cap(None, at(6.0, 40, 0), 9) == (40, None)  # running more than the cap: it is larger
