@@ -293,12 +293,11 @@ class Twin:
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         first = [True] * len(calls)
-        if self.options.vllm and kind == "chat":
-            # vLLM opens a chat stream with the role alone, before any token.
+        # vLLM opens a chat stream with the role alone, when the engine's first output (the first
+        # token, after prefill) comes: nothing of the body goes out while a request waits.
+        opening = self.options.vllm and kind == "chat"
+        if opening:
             first = [False] * len(calls)
-            yield sse({"id": rid, "object": obj, "created": created, "model": request.model,
-                       "choices": [{"index": call.index, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None} for call in calls]})
         emitted = 0
         remaining = len(calls)
         prompt_tokens = reqs[0].prompt_tokens
@@ -313,6 +312,11 @@ class Twin:
                                      "param": None, "code": 400}})
                 yield b"data: [DONE]\n\n"
                 return
+            if opening:
+                opening = False
+                yield sse({"id": rid, "object": obj, "created": created, "model": request.model,
+                           "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None} for c in calls]})
             emitted += n
             pieces = call.shape.feed(text, done, req.finish_reason)
             if n or done or pieces:

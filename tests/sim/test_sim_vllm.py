@@ -48,6 +48,10 @@ def gauge(t, name: str) -> float:
     return sample.value
 
 
+def finished_requests(t) -> float:
+    return sum(s.value for s in families(t)["vllm:request_success"].samples if s.name == "vllm:request_success_total")
+
+
 def test_metrics_have_vllms_names_types_and_labels(vllm_twin):
     client = openai.OpenAI(base_url=vllm_twin.base_url, api_key="none", max_retries=0)
     client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3)
@@ -142,3 +146,27 @@ def test_plain_answers_carry_vllms_fields(vllm_twin):
     # A completions stream has no opening role chunk: its first chunk carries text.
     chunks = list(client.completions.create(model="m", prompt="hi", max_tokens=3, stream=True))
     assert len(chunks) == 3 and all(c.choices[0].text for c in chunks)
+
+
+def test_nothing_of_a_chat_stream_goes_out_while_the_request_waits(vllm_twin):
+    # vLLM sends its opening role chunk with the engine's first output, after prefill: a stream
+    # still queued has its headers and no body yet (a router timing first bytes relies on it).
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": 3000, "stream": True}
+    streams = [httpx.stream("POST", vllm_twin.base_url + "/chat/completions", timeout=30, json=body) for _ in range(2)]
+    queued = httpx.stream("POST", vllm_twin.base_url + "/chat/completions", json=body,
+                          timeout=httpx.Timeout(30, read=0.5))
+    try:
+        for s in streams:
+            assert s.__enter__().status_code == 200
+        wait_for(lambda: gauge(vllm_twin, "vllm:num_requests_running") == 2.0, what="two running")
+        response = queued.__enter__()
+        wait_for(lambda: gauge(vllm_twin, "vllm:num_requests_waiting") == 1.0, what="the third waiting")
+        finished = finished_requests(vllm_twin)
+        with pytest.raises(httpx.ReadTimeout):
+            next(response.iter_raw())
+        assert finished_requests(vllm_twin) == finished  # no slot freed: it was queued all along
+    finally:
+        for s in (*streams, queued):
+            s.__exit__(None, None, None)
+    wait_for(lambda: gauge(vllm_twin, "vllm:num_requests_running") + gauge(vllm_twin, "vllm:num_requests_waiting") == 0,
+             what="the vLLM twin idle again")
