@@ -72,22 +72,37 @@ def test_the_proxy_learns_a_vllm_server_reads_its_load_and_routes_to_it(
         model="m", messages=MESSAGES, max_tokens=4, extra_headers={"x-specroute-pool": "base"})
     assert raw.headers["x-specroute-pool"] == "base" and raw.parse().usage.completion_tokens == 4
     # Five long streams on a server that runs three at most: 3 running, 2 waiting, as its
-    # /metrics says and the proxy reads; its cap is learned from the saturation.
-    streams = [httpx.stream("POST", proxy.base_url + "/chat/completions", timeout=30, headers={"x-specroute-pool": "base"},
-                            json={"model": "m", "messages": MESSAGES, "max_tokens": 3000, "stream": True})
-               for _ in range(5)]
-    try:
-        for s in streams:
-            assert s.__enter__().status_code == 200
-        wait_for(lambda: vllm_gauge(base, "num_requests_running") == 3 and vllm_gauge(base, "num_requests_waiting") == 2,
-                 what="the vLLM twin saturated")
-        wait_for(lambda: (lambda s: (s["running"], s["waiting"], s["max_running"]) == (3, 2, 3))(base_state(proxy)),
-                 what="the proxy reading the vLLM load and cap", timeout=10)
-        snapshot = proxy.app.router.snapshot().pools["base"]
-        assert snapshot.capacity == 3 and snapshot.instances[0].load == 5
-    finally:
-        for s in streams:
-            s.__exit__(None, None, None)
+    # /metrics says and the proxy reads; its cap is learned from the lasting saturation. The two
+    # waiting get no first byte (vLLM's stream opens with the first token), so the proxy holds
+    # their headers: each stream is held by a task of its own.
+    import asyncio
+
+    async def hold_five() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            async def hold() -> None:
+                async with client.stream("POST", proxy.base_url + "/chat/completions", headers={"x-specroute-pool": "base"},
+                                         json={"model": "m", "messages": MESSAGES, "max_tokens": 3000, "stream": True}) as response:
+                    assert response.status_code == 200
+                    async for _ in response.aiter_raw():
+                        pass
+
+            tasks = [asyncio.create_task(hold()) for _ in range(5)]
+            try:
+                await asyncio.to_thread(
+                    wait_for, lambda: (vllm_gauge(base, "num_requests_running"), vllm_gauge(base, "num_requests_waiting")) == (3, 2),
+                    what="the vLLM twin saturated")
+                await asyncio.to_thread(
+                    wait_for, lambda: (lambda s: (s["running"], s["waiting"], s["max_running"]) == (3, 2, 3))(base_state(proxy)),
+                    what="the proxy reading the vLLM load and cap", timeout=10)
+                snapshot = proxy.app.router.snapshot().pools["base"]
+                assert snapshot.capacity == 3 and snapshot.instances[0].load == 5
+            finally:
+                for task in tasks:
+                    task.cancel()
+                ended = await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(isinstance(e, asyncio.CancelledError) for e in ended), ended
+
+    asyncio.run(hold_five())
     wait_for(lambda: vllm_gauge(base, "num_requests_running") == 0, what="the vLLM twin idle again")
     wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
