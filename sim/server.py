@@ -312,11 +312,12 @@ class Twin:
                                      "param": None, "code": 400}})
                 yield b"data: [DONE]\n\n"
                 return
-            if opening:
+            if opening:  # one event per choice, as vLLM's
                 opening = False
-                yield sse({"id": rid, "object": obj, "created": created, "model": request.model,
-                           "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None} for c in calls]})
+                for c in calls:
+                    yield sse({"id": rid, "object": obj, "created": created, "model": request.model,
+                               "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
             emitted += n
             pieces = call.shape.feed(text, done, req.finish_reason)
             if n or done or pieces:

@@ -205,3 +205,18 @@ def test_a_vllm_cap_is_learned_from_lasting_saturation_only() -> None:
     assert cap == 9
     assert vllm_cap(since, at(5.0, 2, 0), cap) == (9, None)  # idle again: the cap stays
     assert vllm_cap(None, at(6.0, 40, 0), 9) == (40, None)  # running more than the cap: it is larger
+
+
+def test_the_role_only_opening_counts_as_no_token(sglang_spec_and_vllm_base: list[RunningTwin]) -> None:
+    # The relay counts a stream's tokens (and step gaps) by its content events: vLLM's opening
+    # event carries the role and no text, so it must count for none.
+    from proxy.scan import content_events
+
+    spec, base = sglang_spec_and_vllm_base
+    for twin, n in ((base, 1), (base, 2), (spec, 1)):
+        body = {"model": "m", "messages": MESSAGES, "max_tokens": 4, "n": n, "stream": True}
+        with httpx.stream("POST", twin.base_url + "/chat/completions", json=body, timeout=30) as response:
+            events = [event + b"\n\n" for event in response.read().split(b"\n\n") if event]
+        counted = [content_events(event) for event in events]
+        assert sum(counted) == 4 * n if twin is base else sum(counted) == len(events) - 1, (twin.url, counted)
+        assert content_events(b"".join(events)) == sum(counted)
