@@ -21,13 +21,15 @@ import httpx
 from sim.testing import TwinSpec, twins
 
 PRESETS = (("kimi-moe", "sglang"), ("kimi-linear", "sglang"), ("kimi-moe-vllm", "vllm"), ("kimi-linear-vllm", "vllm"))
+MODEL = "specroute/twin"
+"""The twins' served model name (a vLLM server answers 404 for any other)."""
 RUNS = ((1, 300), (128, 60))
 """(concurrent streams, tokens per stream)"""
 MEASURED = {("sglang", 1): 63.6, ("sglang", 128): 2370.0, ("vllm", 1): 82.5, ("vllm", 128): 1536.0}
 
 
 async def stream_speed(client: httpx.AsyncClient, url: str, tokens: int) -> float:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": True}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": True}
     stamps: list[float] = []
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         response.raise_for_status()

@@ -156,6 +156,9 @@ class Twin:
         except ValueError as exc:
             raise TwinError(f"JSON decode error: {exc}", err_type="Bad Request") from None
         request = parse_request("chat" if kind == "chat" else "completion", body)
+        if self.options.vllm and request.model and request.model != self.options.model_name:
+            # vLLM serves only its --served-model-name (SGLang answers whatever model is named).
+            raise TwinError(f"The model `{request.model}` does not exist.", status=404, err_type="NotFoundError")
         faults = self.faults
         if faults.first_token_delay_ms:
             await asyncio.sleep(faults.first_token_delay_ms / 1000.0)

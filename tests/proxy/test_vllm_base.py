@@ -14,6 +14,8 @@ from proxy_harness import RunningProxy, running_proxy, wait_for
 from sim.testing import RunningTwin, TwinSpec, twins
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]
+MODEL = "specroute/twin"
+"""The twins' served model name: a vLLM server answers 404 for any other."""
 VLLM = ("--output-len", "fixed:4096")
 
 
@@ -50,10 +52,10 @@ def test_the_twin_speaks_vllm(sglang_spec_and_vllm_base: list[RunningTwin]) -> N
     for sglang_only in ("/v1/loads", "/server_info", "/get_load", "/get_model_info"):
         missing = httpx.get(base.url + sglang_only)
         assert missing.status_code == 404 and missing.json() == {"detail": "Not Found"}
-    bad = httpx.post(base.url + "/v1/chat/completions", json={"model": "m", "messages": MESSAGES, "max_tokens": -1})
+    bad = httpx.post(base.url + "/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": -1})
     assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "param", "code"}
     client = openai.OpenAI(base_url=base.url + "/v1", api_key="none", max_retries=0)
-    chunks = list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, stream=True))
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3, stream=True))
     first = chunks[0].choices[0].delta
     assert first.role == "assistant" and first.content == ""  # vLLM: the role alone, first
     assert [c.choices[0].delta.content for c in chunks[1:]] and all(c.choices[0].delta.role is None for c in chunks[1:])
@@ -69,7 +71,7 @@ def test_the_proxy_learns_a_vllm_server_reads_its_load_and_routes_to_it(
     assert state["max_running"] == 256  # vLLM's --max-num-seqs default, until seen saturated
     client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
     raw = client.chat.completions.with_raw_response.create(
-        model="m", messages=MESSAGES, max_tokens=4, extra_headers={"x-specroute-pool": "base"})
+        model=MODEL, messages=MESSAGES, max_tokens=4, extra_headers={"x-specroute-pool": "base"})
     assert raw.headers["x-specroute-pool"] == "base" and raw.parse().usage.completion_tokens == 4
     # Five long streams on a server that runs three at most: 3 running, 2 waiting, as its
     # /metrics says and the proxy reads; its cap is learned from the lasting saturation. The two
@@ -81,7 +83,7 @@ def test_the_proxy_learns_a_vllm_server_reads_its_load_and_routes_to_it(
         async with httpx.AsyncClient(timeout=30) as client:
             async def hold() -> None:
                 async with client.stream("POST", proxy.base_url + "/chat/completions", headers={"x-specroute-pool": "base"},
-                                         json={"model": "m", "messages": MESSAGES, "max_tokens": 3000, "stream": True}) as response:
+                                         json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "stream": True}) as response:
                     assert response.status_code == 200
                     async for _ in response.aiter_raw():
                         pass
@@ -117,7 +119,7 @@ def test_the_policy_counts_a_vllm_base_like_an_sglang_one_and_errors_come_back_o
 
         async def one() -> str:
             raw = await client.chat.completions.with_raw_response.create(
-                model="m", messages=MESSAGES, max_tokens=2, stream=True, stream_options={"include_usage": True})
+                model=MODEL, messages=MESSAGES, max_tokens=2, stream=True, stream_options={"include_usage": True})
             async for _ in raw.parse():
                 pass
             return raw.headers["x-specroute-pool"]
@@ -130,7 +132,7 @@ def test_the_policy_counts_a_vllm_base_like_an_sglang_one_and_errors_come_back_o
     assert set(pools) <= {"spec", "base"} and len(pools) == 6
     sync = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
     with pytest.raises(openai.BadRequestError) as refused:
-        sync.chat.completions.create(model="m", messages=MESSAGES, max_tokens=-1, extra_headers={"x-specroute-pool": "base"})
+        sync.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=-1, extra_headers={"x-specroute-pool": "base"})
     assert "max_new_tokens" in refused.value.message
     wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
@@ -158,7 +160,7 @@ def test_requests_waiting_for_the_next_step_do_not_lower_a_vllm_servers_cap(
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=30) as client:
             async def one() -> None:
-                body = {"model": "m", "messages": MESSAGES, "max_tokens": 20, "stream": True}
+                body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "stream": True}
                 async with client.stream("POST", proxy.base_url + "/chat/completions", json=body,
                                          headers={"x-specroute-pool": "base"}) as response:
                     assert response.status_code == 200
@@ -214,9 +216,22 @@ def test_the_role_only_opening_counts_as_no_token(sglang_spec_and_vllm_base: lis
 
     spec, base = sglang_spec_and_vllm_base
     for twin, n in ((base, 1), (base, 2), (spec, 1)):
-        body = {"model": "m", "messages": MESSAGES, "max_tokens": 4, "n": n, "stream": True}
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "n": n, "stream": True}
         with httpx.stream("POST", twin.base_url + "/chat/completions", json=body, timeout=30) as response:
             events = [event + b"\n\n" for event in response.read().split(b"\n\n") if event]
         counted = [content_events(event) for event in events]
         assert sum(counted) == 4 * n if twin is base else sum(counted) == len(events) - 1, (twin.url, counted)
         assert content_events(b"".join(events)) == sum(counted)
+
+
+def test_a_model_name_only_sglang_accepts_gets_vllms_404_through_the_proxy(proxy: RunningProxy) -> None:
+    # SGLang answers whatever model a request names, vLLM only its served name: a mixed fleet's
+    # clients must name the vLLM server's model (docs/twin.md).
+    client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+    assert client.chat.completions.create(model="another", messages=MESSAGES, max_tokens=2,
+                                          extra_headers={"x-specroute-pool": "spec"}).choices
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="another", messages=MESSAGES, max_tokens=2,
+                                       extra_headers={"x-specroute-pool": "base"})
+    assert "does not exist" in missing.value.message
+    wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")

@@ -13,6 +13,8 @@ from sim.profile import load_profile
 from sim.testing import TwinSpec, twins, wait_for
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]
+MODEL = "specroute/twin"
+"""The twins' served model name: a vLLM server answers 404 for any other."""
 
 
 @pytest.mark.parametrize("name", ["kimi-moe", "kimi-linear"])
@@ -54,7 +56,7 @@ def finished_requests(t) -> float:
 
 def test_metrics_have_vllms_names_types_and_labels(vllm_twin):
     client = openai.OpenAI(base_url=vllm_twin.base_url, api_key="none", max_retries=0)
-    client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3)
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
     got = families(vllm_twin)
     model_id = httpx.get(vllm_twin.url + "/v1/models", timeout=5).json()["data"][0]["id"]
     expected = {
@@ -80,7 +82,7 @@ def test_metrics_have_vllms_names_types_and_labels(vllm_twin):
 def test_running_and_waiting_are_live_on_metrics(vllm_twin):
     # Three long streams on a server that runs two at a time: 2 running, 1 waiting, while held open.
     streams = [httpx.stream("POST", vllm_twin.base_url + "/chat/completions", timeout=30,
-                            json={"model": "m", "messages": MESSAGES, "max_tokens": 3000, "stream": True})
+                            json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "stream": True})
                for _ in range(3)]
     try:
         for s in streams:
@@ -112,19 +114,19 @@ def test_endpoints_are_vllms_and_sglangs_own_are_missing(vllm_twin):
 
 def test_errors_are_nested_with_the_status_as_code(vllm_twin):
     bad = httpx.post(vllm_twin.base_url + "/chat/completions", timeout=5,
-                     json={"model": "m", "messages": MESSAGES, "max_tokens": -1})
+                     json={"model": MODEL, "messages": MESSAGES, "max_tokens": -1})
     assert bad.status_code == 400
     assert bad.json()["error"]["type"] == "BadRequestError" and bad.json()["error"]["code"] == 400
     assert set(bad.json()) == {"error"} and set(bad.json()["error"]) == {"message", "type", "param", "code"}
     client = openai.OpenAI(base_url=vllm_twin.base_url, api_key="none", max_retries=0)
     with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(model="m", prompt="hi", max_tokens=-1)
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=-1)
     assert refused.value.message and refused.value.body["code"] == 400
 
 
 def test_a_chat_stream_opens_with_the_role_then_one_token_per_chunk(vllm_twin):
     client = openai.OpenAI(base_url=vllm_twin.base_url, api_key="none", max_retries=0)
-    chunks = list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5, stream=True,
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, stream=True,
                                                  stream_options={"include_usage": True}))
     opening, *content, final = chunks
     assert opening.choices[0].delta.role == "assistant" and opening.choices[0].delta.content == ""
@@ -138,20 +140,20 @@ def test_a_chat_stream_opens_with_the_role_then_one_token_per_chunk(vllm_twin):
 
 def test_plain_answers_carry_vllms_fields(vllm_twin):
     client = openai.OpenAI(base_url=vllm_twin.base_url, api_key="none", max_retries=0)
-    chat = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3).model_dump(exclude_unset=True)
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3).model_dump(exclude_unset=True)
     choice = chat["choices"][0]
     assert "stop_reason" in choice and "matched_stop" not in choice
     assert "reasoning" in choice["message"] and "reasoning_content" not in choice["message"]
     assert chat["usage"]["completion_tokens"] == 3 and "reasoning_tokens" not in chat["usage"]
     # A completions stream has no opening role chunk: its first chunk carries text.
-    chunks = list(client.completions.create(model="m", prompt="hi", max_tokens=3, stream=True))
+    chunks = list(client.completions.create(model=MODEL, prompt="hi", max_tokens=3, stream=True))
     assert len(chunks) == 3 and all(c.choices[0].text for c in chunks)
 
 
 def test_nothing_of_a_chat_stream_goes_out_while_the_request_waits(vllm_twin):
     # vLLM sends its opening role chunk with the engine's first output, after prefill: a stream
     # still queued has its headers and no body yet (a router timing first bytes relies on it).
-    body = {"model": "m", "messages": MESSAGES, "max_tokens": 3000, "stream": True}
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "stream": True}
     streams = [httpx.stream("POST", vllm_twin.base_url + "/chat/completions", timeout=30, json=body) for _ in range(2)]
     queued = httpx.stream("POST", vllm_twin.base_url + "/chat/completions", json=body,
                           timeout=httpx.Timeout(30, read=0.5))
@@ -170,3 +172,11 @@ def test_nothing_of_a_chat_stream_goes_out_while_the_request_waits(vllm_twin):
             s.__exit__(None, None, None)
     wait_for(lambda: gauge(vllm_twin, "vllm:num_requests_running") + gauge(vllm_twin, "vllm:num_requests_waiting") == 0,
              what="the vLLM twin idle again")
+
+
+def test_a_model_it_does_not_serve_is_not_found(vllm_twin):
+    client = openai.OpenAI(base_url=vllm_twin.base_url, api_key="none", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=3)
+    assert missing.value.body == {"message": "The model `gpt-4o` does not exist.", "type": "NotFoundError",
+                                  "param": None, "code": 404}
