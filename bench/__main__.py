@@ -15,6 +15,7 @@ BENCHMARKS = {
     "sim_virtual": "the twin's virtual clock: 10,000 requests at ~100 streams (docs/twin.md)",
     "sim_speedup": "the twin against the design tables, spec/base speed by batch (docs/twin.md)",
     "sim_http": "the HTTP twin: 200+ streams, its CPU and decode-rate error (docs/twin.md)",
+    "kimi_speeds": "the Kimi base presets over HTTP, SGLang's and vLLM's, 1 and 128 streams (docs/twin.md)",
     "proxy_bench": "the proxy against a direct call, concurrency 1/64/256 (docs/benchmarks.md)",
     "first_token": "first-token latency the proxy adds, against an upstream that writes like a server (docs/benchmarks.md)",
     "proxy_parts": "where the proxy's CPU goes, parts switched off (docs/benchmarks.md)",

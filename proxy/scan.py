@@ -18,11 +18,18 @@ _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z_]+)"')
 _SPEC_VERIFY_CT = re.compile(rb'"spec_verify_ct"\s*:\s*(\d+)')
 
 
+# A chat stream's opening event that carries the role and no text (vLLM sends one just before
+# the first token's): no token, so neither a token nor a step gap.
+ROLE_ONLY = b'"delta":{"role":"assistant","content":""'
+
+
 def content_events(chunk: bytes) -> int:
-    """SSE data events in a chunk, the closing [DONE] not counted."""
+    """SSE data events in a chunk, the closing [DONE] and role-only openings not counted."""
     events = chunk.count(EVENT)
     if events and DONE in chunk:
         events -= 1
+    if events and ROLE_ONLY in chunk:
+        events = max(events - chunk.count(ROLE_ONLY), 0)
     return events
 
 

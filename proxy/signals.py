@@ -27,6 +27,7 @@ import math
 import statistics
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, Callable, Mapping
 
 import httpx
@@ -49,8 +50,12 @@ UNREACHABLE_AFTER = 3
 RELEARN_EVERY = 10
 """Polls between two tries to learn an instance not reached yet (1 s at the default interval)."""
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
-"""A vLLM server's running cap until it is seen saturated: vLLM exposes no --max-num-seqs, so a
-reading with requests waiting tells the cap in force (its running count then)."""
+"""A vLLM server's running cap until it is seen saturated: vLLM exposes no --max-num-seqs, so
+requests kept waiting while the running count holds tell the cap in force (see vllm_cap)."""
+VLLM_FULL_FOR_S = 1.0
+"""How long a vLLM server must keep requests waiting without running more before its running
+count is taken as its cap. Requests that arrive during a step wait for the next one on any server,
+far below the cap; a prefill step on a large model lasts tens to hundreds of ms."""
 REPROBE_AFTER = 10
 """Error answers in a row from an instance's load probe after which it is learned again."""
 LIVENESS_EVERY = 5
@@ -110,9 +115,8 @@ def reading_from_metrics(text: str, at: float) -> Reading:
         running, waiting = m["sglang:num_running_reqs"], m.get("sglang:num_queue_reqs", 0.0)
     elif "vllm:num_requests_running" in m:
         running, waiting = m["vllm:num_requests_running"], m.get("vllm:num_requests_waiting", 0.0)
-        # Requests waiting: the server runs as many as it can (--max-num-seqs, or its KV cache).
-        cap = int(running) if waiting > 0 and running >= 1 else None
-        return Reading(at=at, running=running, waiting=waiting, max_running=cap, accept_steps=GAUGE_INTERVAL_STEPS * running)
+        # No cap in vLLM's gauges: Signals infers it over several readings (vllm_cap).
+        return Reading(at=at, running=running, waiting=waiting, accept_steps=GAUGE_INTERVAL_STEPS * running)
     else:
         raise ValueError("no load gauges in /metrics")
     return Reading(
@@ -124,6 +128,20 @@ def reading_from_metrics(text: str, at: float) -> Reading:
         tokens_total=m.get("sglang:generation_tokens_total", 0.0) if "sglang:spec_verify_calls_total" in m else None,
         verify_total=m.get("sglang:spec_verify_calls_total"),
     )
+
+
+def vllm_cap(full_since: tuple[float, float] | None, reading: Reading, cap: int) -> tuple[int, tuple[float, float] | None]:
+    """A vLLM server's running cap after `reading`, and since when (and at what running count) it
+    has kept requests waiting. It is full, so running its cap (--max-num-seqs, or what its KV cache
+    holds), once requests have waited VLLM_FULL_FOR_S with the running count unchanged; a server
+    seen running more than the cap has a larger one."""
+    if reading.waiting <= 0 or reading.running < 1:
+        return max(cap, int(reading.running)), None
+    if full_since is None or full_since[1] != reading.running:
+        return max(cap, int(reading.running)), (reading.at, reading.running)
+    if reading.at - full_since[0] >= VLLM_FULL_FOR_S:
+        return int(reading.running), full_since
+    return max(cap, int(reading.running)), full_since
 
 
 def reading_from_get_load(doc: Any, at: float) -> Reading:
@@ -179,6 +197,8 @@ class Signals:
         self._polls: dict[str, int] = dict.fromkeys(self.by_url, 0)
         self._failures: dict[str, int] = dict.fromkeys(self.by_url, 0)
         """Consecutive failed polls per instance (connection failures, or error answers)."""
+        self._vllm_full_since: dict[str, tuple[float, float]] = {}
+        """vLLM instances keeping requests waiting: since when, at what running count (vllm_cap)."""
         self._client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -351,6 +371,13 @@ class Signals:
             return
         self._failures[url] = 0
         self.poll_errors.pop(url, None)
+        if path == "/metrics" and self.info.get(url, {}).get("server") == "vllm":
+            cap, full_since = vllm_cap(self._vllm_full_since.get(url), reading, self.fleet.instances[url].max_running)
+            if full_since is None:
+                self._vllm_full_since.pop(url, None)
+            else:
+                self._vllm_full_since[url] = full_since
+            reading = replace(reading, max_running=cap)
         self.fleet.on_reading(url, reading)
 
     async def _with_counters(self, url: str, reading: Reading) -> Reading:

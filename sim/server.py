@@ -156,6 +156,9 @@ class Twin:
         except ValueError as exc:
             raise TwinError(f"JSON decode error: {exc}", err_type="Bad Request") from None
         request = parse_request("chat" if kind == "chat" else "completion", body)
+        if self.options.vllm and request.model and request.model != self.options.model_name:
+            # vLLM serves only its --served-model-name (SGLang answers whatever model is named).
+            raise TwinError(f"The model `{request.model}` does not exist.", status=404, err_type="NotFoundError")
         faults = self.faults
         if faults.first_token_delay_ms:
             await asyncio.sleep(faults.first_token_delay_ms / 1000.0)
@@ -231,7 +234,7 @@ class Twin:
             "created": int(time.time()),
             "model": request.model,
             "choices": choices,
-            "usage": usage(reqs[0].prompt_tokens, sum(req.output_tokens for req in reqs)),
+            "usage": self._usage(reqs[0].prompt_tokens, sum(req.output_tokens for req in reqs)),
         }
         meta = kind == "chat" and getattr(request, "return_meta_info", False)
         if self.config.speculative and request.return_spec_tokens_details:
@@ -280,6 +283,10 @@ class Twin:
             "e2e_latency": (req.finish_time or 0.0) - req.arrival,
         }
 
+    def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        body = usage(prompt_tokens, completion_tokens)
+        return vllm.as_vllm_usage(body) if self.options.vllm else body
+
     async def _stream(self, kind: str, request: ChatCompletionRequest | CompletionRequest,
                       calls: list[Call], rid: str) -> AsyncIterator[bytes]:
         reqs = [call.req for call in calls]
@@ -289,12 +296,11 @@ class Twin:
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         first = [True] * len(calls)
-        if self.options.vllm and kind == "chat":
-            # vLLM opens a chat stream with the role alone, before any token.
+        # vLLM opens a chat stream with the role alone, when the engine's first output (the first
+        # token, after prefill) comes: nothing of the body goes out while a request waits.
+        opening = self.options.vllm and kind == "chat"
+        if opening:
             first = [False] * len(calls)
-            yield sse({"id": rid, "object": obj, "created": created, "model": request.model,
-                       "choices": [{"index": call.index, "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None, "finish_reason": None} for call in calls]})
         emitted = 0
         remaining = len(calls)
         prompt_tokens = reqs[0].prompt_tokens
@@ -309,6 +315,12 @@ class Twin:
                                      "param": None, "code": 400}})
                 yield b"data: [DONE]\n\n"
                 return
+            if opening:  # one event per choice, as vLLM's
+                opening = False
+                for c in calls:
+                    yield sse({"id": rid, "object": obj, "created": created, "model": request.model,
+                               "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
             emitted += n
             pieces = call.shape.feed(text, done, req.finish_reason)
             if n or done or pieces:
@@ -317,7 +329,7 @@ class Twin:
                 chunk: dict[str, Any] = {
                     "id": rid, "object": obj, "created": created, "model": request.model,
                     "choices": [vllm.as_vllm_choice(choice) if self.options.vllm else choice],
-                    "usage": usage(prompt_tokens, emitted) if continuous else None,
+                    "usage": self._usage(prompt_tokens, emitted) if continuous else None,
                 }
                 first[index] = False
                 yield sse(chunk)
@@ -327,7 +339,7 @@ class Twin:
                        "sglext": {"spec_tokens_details": self._spec_details(reqs)}})
         if include_usage:
             yield sse({"id": rid, "object": obj, "created": created, "model": request.model, "choices": [],
-                       "usage": usage(prompt_tokens, sum(req.output_tokens for req in reqs))})
+                       "usage": self._usage(prompt_tokens, sum(req.output_tokens for req in reqs))})
         yield b"data: [DONE]\n\n"
 
     # ---- other endpoints ------------------------------------------------------------------

@@ -44,6 +44,8 @@ class TwinSpec:
     seed: int = 0
     enable_metrics: bool = True
     args: Sequence[str] = ()
+    server: str = "sglang"
+    """Whose HTTP shapes: "sglang", or "vllm" (a base twin as vLLM's OpenAI server; /metrics always on)."""
 
     def argv(self) -> list[str]:
         argv = [
@@ -55,8 +57,10 @@ class TwinSpec:
             "--time-scale", repr(float(self.time_scale)),
             "--seed", str(self.seed),
         ]
-        if self.enable_metrics:
+        if self.enable_metrics and self.server == "sglang":
             argv.append("--enable-metrics")
+        if self.server != "sglang":
+            argv += ["--server", self.server]
         return argv + list(self.args)
 
 

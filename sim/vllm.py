@@ -13,6 +13,7 @@ The engine (scheduling, step times) is the same; what a client or a router sees 
   with --enable-server-load-tracking), `/v1/models` with `owned_by: "vllm"`;
   no `/v1/loads`, `/server_info`, `/get_load` or `/get_model_info` (404, FastAPI's
   `{"detail": "Not Found"}`);
+- usage without SGLang's `reasoning_tokens`; a message's reasoning text under `reasoning`;
 - errors nested as `{"error": {"message", "type", "param", "code"}}`;
 - a chat stream opens with a chunk of its own carrying only `{"role": "assistant", "content": ""}`,
   then one chunk per token; choices carry `stop_reason` where SGLang's carry `matched_stop`.
@@ -45,10 +46,20 @@ def error_body(message: str, status: int) -> dict[str, Any]:
 
 
 def as_vllm_choice(choice: dict[str, Any]) -> dict[str, Any]:
-    """An SGLang-shaped choice as vLLM writes it: `stop_reason` for `matched_stop`."""
+    """An SGLang-shaped choice as vLLM writes it: `stop_reason` for `matched_stop`, and a message's
+    `reasoning` for SGLang's `reasoning_content` (vLLM renamed it, PR #33402)."""
     if "matched_stop" in choice:
         choice["stop_reason"] = choice.pop("matched_stop")
+    message = choice.get("message")
+    if isinstance(message, dict) and "reasoning_content" in message:
+        message["reasoning"] = message.pop("reasoning_content")
     return choice
+
+
+def as_vllm_usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's UsageInfo has no top-level `reasoning_tokens` (SGLang's has)."""
+    usage.pop("reasoning_tokens", None)
+    return usage
 
 
 class VllmCollector:
