@@ -265,7 +265,8 @@ class CompletionHandler:
                 override, request_class = read_overrides(headers)
             except RoutingInputError as exc:
                 raise ProxyError(400, str(exc), param=exc.header, code="invalid_header") from None
-            payload, features = await request_body.parse(body, self.settings.max_json_items, request_class)
+            payload, features = await request_body.parse(body, self.settings.max_json_items, self.settings.max_json_values,
+                                                          request_class)
             exchange.prompt_tokens = features.prompt_tokens
             exchange.asked_stream = features.stream
             exchange.request_class = features.request_class
