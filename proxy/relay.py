@@ -446,7 +446,7 @@ class CompletionHandler:
         """An upstream 4xx/5xx: 5xx may go to another instance; 4xx is the client's to see
         (with the upstream's retry-after, which the SDKs honour)."""
         raw = await read_up_to(response.content, ERROR_BODY_LIMIT)
-        payload = normalise_upstream_error(response.status, raw)
+        payload = normalise_upstream_error(response.status, raw, exchange.request_id)
         retryable = response.status >= 500
         if retryable:
             attempt.failed(f"status_{response.status}")
