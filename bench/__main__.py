@@ -20,6 +20,7 @@ BENCHMARKS = {
     "first_token": "first-token latency the proxy adds, against an upstream that writes like a server (docs/benchmarks.md)",
     "proxy_parts": "where the proxy's CPU goes, parts switched off (docs/benchmarks.md)",
     "obs_trace_cost": "tracing every request against tracing off (docs/observability.md)",
+    "body_work": "how long one hostile or large request body holds the proxy's event loop (README.md)",
     "routing": "the routing policies on the virtual clock; rewrites docs/routing.md",
     "admission": "admission control at twice the fleet's capacity, virtual clock (docs/routing.md)",
     "admission_http": "admission control at twice the capacity over HTTP, real-time twins (docs/reliability.md)",

@@ -3,7 +3,10 @@
 SPECROUTE_MAX_BODY_BYTES bounds the bytes; these bound the work. A body's objects and arrays
 are counted before it is parsed (every one opens with a bracket; brackets inside strings only
 make the count err high), so 16 MiB of `{}` is refused in milliseconds instead of becoming
-millions of Python objects; a big body is parsed and measured in a worker thread, so the event
+millions of Python objects. Values are bounded the same way, by the commas and colons between
+them, counted outside strings (so prose in a prompt costs nothing): millions of numbers or
+unique keys need few brackets, and their parse holds the GIL, so a worker thread would not
+spare the loop; a big body is parsed and measured in a worker thread, so the event
 loop keeps serving other clients meanwhile (orjson also refuses nesting deeper than 1,024).
 The fields the proxy acts on are checked as OpenAI checks them: a `"stream": "true"` would
 stream upstream (SGLang's pydantic accepts it) while the proxy logged, timed and routed it as
@@ -22,6 +25,9 @@ from proxy.errors import ProxyError
 from proxy.routing import features_of
 
 OFF_LOOP_BYTES = 256 * 1024
+SCAN_BYTES = 64 * 1024
+"""Separators outside strings are counted this many bytes at a time (a few hundred microseconds
+each), so the counting thread hands the GIL back to the loop between pieces."""
 """Bodies larger than this are parsed in a worker thread (small ones: cheaper on the loop)."""
 TYPED_FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "model": (str, "a string"),
@@ -56,18 +62,48 @@ def check_fields(payload: dict[str, Any]) -> None:
             raise ProxyError(400, f"'{name}' must be {what}, not {got}", param=name, code="invalid_type")
 
 
-def read(body: bytes, max_items: int, request_class: str | None) -> tuple[dict[str, Any], Features]:
+def separators_outside_strings(body: bytes, limit: int) -> int:
+    """Commas and colons outside JSON strings, counted until past `limit` (then any count above it).
+
+    Escapes are removed first (an escaped backslash, then an escaped quote), so every quote left
+    opens or closes a string; pieces are cut after a run of backslashes so no escape is split.
+    """
+    count = 0
+    inside = False
+    start = 0
+    while start < len(body) and count <= limit:
+        end = min(start + SCAN_BYTES, len(body))
+        while end < len(body) and body[end - 1] == 0x5C:  # a backslash
+            end += 1
+        piece = body[start:end].replace(b"\\\\", b"").replace(b'\\"', b"")
+        parts = piece.split(b'"')
+        outside = parts[1::2] if inside else parts[0::2]
+        count += sum(part.count(b",") + part.count(b":") for part in outside)
+        if len(parts) % 2 == 0:  # an odd number of quotes: the piece ends on the other side
+            inside = not inside
+        start = end
+    return count
+
+
+def read(body: bytes, max_items: int, max_values: int,
+         request_class: str | None) -> tuple[dict[str, Any], Features]:
     """The parsed body and what routing needs of it (see `parse`)."""
     items = body.count(b"{") + body.count(b"[")
     if items > max_items:
         raise ProxyError(400, f"request body has more than {max_items} JSON objects and arrays",
                          code="request_too_complex")
+    # Counting everywhere is an upper bound: only a body over it needs the exact count.
+    if (body.count(b",") + body.count(b":") > max_values
+            and separators_outside_strings(body, max_values) > max_values):
+        raise ProxyError(400, f"request body has more than {max_values} JSON values (array elements "
+                         "and object members)", code="request_too_complex")
     payload = parse_object(body)
     check_fields(payload)
     return payload, features_of(payload, request_class)
 
 
-async def parse(body: bytes, max_items: int, request_class: str | None) -> tuple[dict[str, Any], Features]:
+async def parse(body: bytes, max_items: int, max_values: int,
+                request_class: str | None) -> tuple[dict[str, Any], Features]:
     if len(body) <= OFF_LOOP_BYTES:
-        return read(body, max_items, request_class)
-    return await asyncio.to_thread(read, body, max_items, request_class)
+        return read(body, max_items, max_values, request_class)
+    return await asyncio.to_thread(read, body, max_items, max_values, request_class)

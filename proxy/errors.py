@@ -72,11 +72,12 @@ def stream_error_event(message: str, type: str = "server_error", code: str | Non
 MAX_UPSTREAM_MESSAGE_CHARS = 1000
 
 
-def normalise_upstream_error(status: int, body: bytes) -> bytes:
+def normalise_upstream_error(status: int, body: bytes, request_id: str) -> bytes:
     """Any upstream error body as {"error": {message, type, param, code}}, without internals.
 
     A 5xx is the server's fault, and its body may hold a traceback, file paths and addresses:
-    the client gets only `upstream server error (HTTP n)`. A 4xx is the client's to act on: a
+    the client gets only `upstream server error (HTTP n; request id r)` (r: the id the proxy sent
+    upstream as x-request-id, which finds the request in both logs). A 4xx is the client's to act on: a
     JSON error's message is kept (at most MAX_UPSTREAM_MESSAGE_CHARS); nested bodies (vLLM,
     OpenAI) keep their fields, SGLang's flat {"object": "error", ...} is lifted into "error", a
     `type` outside OpenAI's vocabulary (SGLang sends "BadRequestError") becomes the OpenAI type
@@ -84,7 +85,8 @@ def normalise_upstream_error(status: int, body: bytes) -> bytes:
     replaced by `upstream answered HTTP n`.
     """
     if status >= 500:
-        return error_body(f"upstream server error (HTTP {status})", error_type_for(status), status)
+        return error_body(f"upstream server error (HTTP {status}; request id {request_id})",
+                          error_type_for(status), status)
     try:
         data = orjson.loads(body) if body else None
     except orjson.JSONDecodeError:

@@ -265,7 +265,8 @@ class CompletionHandler:
                 override, request_class = read_overrides(headers)
             except RoutingInputError as exc:
                 raise ProxyError(400, str(exc), param=exc.header, code="invalid_header") from None
-            payload, features = await request_body.parse(body, self.settings.max_json_items, request_class)
+            payload, features = await request_body.parse(body, self.settings.max_json_items, self.settings.max_json_values,
+                                                          request_class)
             exchange.prompt_tokens = features.prompt_tokens
             exchange.asked_stream = features.stream
             exchange.request_class = features.request_class
@@ -445,7 +446,7 @@ class CompletionHandler:
         """An upstream 4xx/5xx: 5xx may go to another instance; 4xx is the client's to see
         (with the upstream's retry-after, which the SDKs honour)."""
         raw = await read_up_to(response.content, ERROR_BODY_LIMIT)
-        payload = normalise_upstream_error(response.status, raw)
+        payload = normalise_upstream_error(response.status, raw, exchange.request_id)
         retryable = response.status >= 500
         if retryable:
             attempt.failed(f"status_{response.status}")

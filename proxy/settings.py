@@ -141,6 +141,9 @@ class Settings(BaseSettings):
     max_json_items: int = Field(
         100_000, ge=1, description="Most JSON objects and arrays a request body may hold (400 above): bounds the work of parsing it."
     )
+    max_json_values: int = Field(
+        250_000, ge=1, description="Most JSON array elements and object members a request body may hold (400 above): counted outside strings, they bound the work of parsing it (a prompt of token ids needs one per token)."
+    )
     forwarded_headers: Literal["replace", "append"] = Field(
         "replace", description="X-Forwarded-For sent upstream: replace (the client's address only; a client's own X-Forwarded-*/Forwarded are dropped) or append (behind a trusted proxy: its list plus the peer, also added to a Forwarded header it kept)."
     )

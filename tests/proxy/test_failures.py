@@ -134,7 +134,8 @@ def test_gives_up_after_failover_and_tells_the_sdk_not_to_retry() -> None:
         assert response.headers["x-should-retry"] == "false"
         assert response.status_code == 502  # the last upstream's answer, normalised
         error = error_of(response)
-        assert error["message"] == "upstream server error (HTTP 502)"  # no upstream internals
+        request_id = response.headers["x-request-id"]  # no upstream internals, the id to find them
+        assert error["message"] == f"upstream server error (HTTP 502; request id {request_id})"
         assert error["type"] == "server_error"
         assert (posts(first), posts(second)) == (1, 1)  # the SDK's 2 retries were not spent
         assert proxy.in_flight() == 0

@@ -101,3 +101,28 @@ def test_deep_nesting_is_a_clear_400(proxy: RunningProxy) -> None:
     deep = b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     refused = post(proxy, deep)
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("shape", ["numbers", "unique keys"])
+def test_millions_of_scalars_are_refused_without_stalling_the_loop(proxy: RunningProxy, shape: str) -> None:
+    # Few brackets, millions of values: counting objects and arrays alone let these through to
+    # a parse that holds the GIL (and so the event loop) for 0.15-0.35 s and keeps ~100 MB.
+    if shape == "numbers":
+        body = b'{"messages":[' + b",".join([b"0"] * 7_000_000) + b"]}"
+    else:
+        body = b'{"messages":[{' + b",".join(b'"k%d":0' % i for i in range(1_200_000)) + b"}]}"
+    assert len(body) < 16 * 1024 * 1024
+    with HealthProbe(proxy) as probe:
+        refused = post(proxy, body)
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "request_too_complex" and "values" in error["message"]
+    assert probe.slowest < 0.25, f"/health waited {probe.slowest:.2f} s"
+
+
+def test_commas_and_colons_inside_strings_are_not_counted(proxy: RunningProxy) -> None:
+    text = 'a, b: "c", ' * 150_000  # 1.65 MB of prose-like punctuation in one string: 300,000 of each
+    ok = post(proxy, json.dumps({**CHAT, "messages": [{"role": "user", "content": text}]}).encode())
+    assert ok.status_code in (200, 400), ok.text
+    if ok.status_code == 400:  # the twin may refuse its context length, the proxy must not
+        assert "context length" in ok.json()["error"]["message"]
