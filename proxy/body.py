@@ -5,9 +5,10 @@ are counted before it is parsed (every one opens with a bracket; brackets inside
 make the count err high), so 16 MiB of `{}` is refused in milliseconds instead of becoming
 millions of Python objects. Values are bounded the same way, by the commas and colons between
 them, counted outside strings (so prose in a prompt costs nothing): millions of numbers or
-unique keys need few brackets, and their parse holds the GIL, so a worker thread would not
-spare the loop; a big body is parsed and measured in a worker thread, so the event
-loop keeps serving other clients meanwhile (orjson also refuses nesting deeper than 1,024).
+unique keys need few brackets. A body over 256 KiB is measured and parsed in a worker process:
+orjson holds the GIL while it parses, so a worker thread would not spare the loop (a 15 MiB
+prompt held it ~18 ms); only the routing features and the small fields cross back (orjson also
+refuses nesting deeper than 1,024).
 The fields the proxy acts on are checked as OpenAI checks them: a `"stream": "true"` would
 stream upstream (SGLang's pydantic accepts it) while the proxy logged, timed and routed it as
 not streamed.
@@ -16,6 +17,8 @@ not streamed.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import orjson
@@ -28,7 +31,7 @@ OFF_LOOP_BYTES = 256 * 1024
 SCAN_BYTES = 64 * 1024
 """Separators outside strings are counted this many bytes at a time (a few hundred microseconds
 each), so the counting thread hands the GIL back to the loop between pieces."""
-"""Bodies larger than this are parsed in a worker thread (small ones: cheaper on the loop)."""
+"""Bodies larger than this are parsed off the event loop (small ones: cheaper on it)."""
 TYPED_FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "model": (str, "a string"),
     "stream": (bool, "a boolean"),
@@ -102,8 +105,52 @@ def read(body: bytes, max_items: int, max_values: int,
     return payload, features_of(payload, request_class)
 
 
-async def parse(body: bytes, max_items: int, max_values: int,
-                request_class: str | None) -> tuple[dict[str, Any], Features]:
-    if len(body) <= OFF_LOOP_BYTES:
-        return read(body, max_items, max_values, request_class)
-    return await asyncio.to_thread(read, body, max_items, max_values, request_class)
+PROCESS_BYTES = OFF_LOOP_BYTES
+"""Bodies larger than this are parsed in a worker process: orjson holds the GIL while it parses,
+so even from a worker thread one 15 MiB prompt held the event loop about 18 ms, and 250,000
+numbers (0.5 MiB) about 10 ms."""
+BULK_FIELDS = ("messages", "prompt", "tools", "functions")
+"""What a body parsed in the worker process leaves behind: only its routing features and its
+small fields (model, sampling parameters) cross back."""
+
+
+def read_in_worker(body: bytes, max_items: int, max_values: int,
+                   request_class: str | None) -> tuple[dict[str, Any], Features] | tuple[int, str, str | None, str | None]:
+    """`read` in the worker process; a refusal comes back as (status, message, code, param)."""
+    try:
+        payload, features = read(body, max_items, max_values, request_class)
+    except ProxyError as error:
+        return error.status, error.message, error.code, error.param
+    return {k: v for k, v in payload.items() if k not in BULK_FIELDS}, features
+
+
+class BodyReader:
+    """Parses completion bodies: small ones on the event loop, bigger ones in a worker process
+    (started at the first such body). With prompts on traces (SPECROUTE_TRACE_CONTENT) the whole
+    body is needed here, so bigger ones go to a worker thread instead."""
+
+    def __init__(self, max_items: int, max_values: int, keep_content: bool = False) -> None:
+        self.max_items = max_items
+        self.max_values = max_values
+        self.keep_content = keep_content
+        self.pool: ProcessPoolExecutor | None = None
+
+    async def parse(self, body: bytes, request_class: str | None) -> tuple[dict[str, Any], Features]:
+        args = (body, self.max_items, self.max_values, request_class)
+        if len(body) <= OFF_LOOP_BYTES:
+            return read(*args)
+        if len(body) <= PROCESS_BYTES or self.keep_content:
+            return await asyncio.to_thread(read, *args)
+        if self.pool is None:
+            self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        result = await asyncio.get_running_loop().run_in_executor(self.pool, read_in_worker, *args)
+        if isinstance(result[0], int):
+            status, message, code, param = result  # type: ignore[misc]
+            raise ProxyError(status, message, code=code, param=param)
+        return result  # type: ignore[return-value]
+
+    async def close(self) -> None:
+        """End the worker process (in a thread: the loop keeps serving while it exits)."""
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            await asyncio.to_thread(pool.shutdown, True, cancel_futures=True)

@@ -235,6 +235,8 @@ class CompletionHandler:
         self.telemetry = telemetry
         self.open_requests = 0
         """Completion requests in this handler now (SPECROUTE_MAX_OPEN_REQUESTS bounds them)."""
+        self.bodies = request_body.BodyReader(settings.max_json_items, settings.max_json_values,
+                                              keep_content=settings.trace_content)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers, undecodable = request_headers(scope)
@@ -265,8 +267,7 @@ class CompletionHandler:
                 override, request_class = read_overrides(headers)
             except RoutingInputError as exc:
                 raise ProxyError(400, str(exc), param=exc.header, code="invalid_header") from None
-            payload, features = await request_body.parse(body, self.settings.max_json_items, self.settings.max_json_values,
-                                                          request_class)
+            payload, features = await self.bodies.parse(body, request_class)
             exchange.prompt_tokens = features.prompt_tokens
             exchange.asked_stream = features.stream
             exchange.request_class = features.request_class
