@@ -152,6 +152,8 @@ class RecordingOtlpSink:
         received = self.received = []
 
         class Handler(BaseHTTPRequestHandler):
+            disable_nagle_algorithm = True  # TCP_NODELAY, as every server in the project sets it
+
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
                 received.append(self.rfile.read(int(self.headers.get("content-length", "0"))))
                 self.send_response(200)

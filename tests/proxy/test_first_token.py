@@ -155,3 +155,34 @@ def test_the_benchmark_upstream_writes_like_a_server_and_its_control_shows_the_s
         assert PREFILL_MS <= median_ms < PREFILL_MS + SLACK_MS, median_ms
     else:
         assert median_ms > PREFILL_MS + 25, median_ms
+
+
+def test_the_benchmark_upstream_sends_headers_and_each_chunk_as_separate_writes() -> None:
+    """What the old upstream did not do: with gaps of 1-30 ms between writes and TCP_NODELAY,
+    a client's reads see the headers alone and the chunks apart. Counted over several streams,
+    and only most of them, since a descheduled client may find two chunks waiting at once."""
+    from bench.first_token import CHUNKS, request_bytes
+    from bench.proxy_bench import free_port, process
+
+    port = free_port()
+    streams = 5
+    headers_alone = 0
+    reads_with_content = 0
+    with process([sys.executable, "-m", "bench.first_token", "upstream", str(port)], port):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for _ in range(streams):
+                sock.sendall(request_bytes(port))
+                received = b""
+                first = True
+                while not received.endswith(b"0\r\n\r\n"):
+                    data = sock.recv(65536)
+                    assert data, "the upstream closed the keep-alive connection"
+                    if first:
+                        headers_alone += data.endswith(b"\r\n\r\n") and b"data: " not in data
+                        first = False
+                    reads_with_content += data.count(b'"content"') > 0
+                    received += data
+                assert received.count(b'"content"') == CHUNKS
+    assert headers_alone >= streams - 1, headers_alone
+    assert reads_with_content >= streams * CHUNKS // 2, reads_with_content

@@ -1,0 +1,119 @@
+"""Every server this project runs from its own code sets TCP_NODELAY on the connections it accepts.
+
+Without it, a response written in parts (headers, then each SSE chunk) holds the second part
+until the client's delayed ACK, about 40 ms (issue 14: the twin did this). Each server runs in
+this process, so the accepted socket can be found (its peer is our client) and asked directly.
+The twin runs as its own process; tests/proxy/test_first_token.py measures it instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from http.server import ThreadingHTTPServer
+from typing import Callable, Coroutine
+
+import pytest
+import uvloop
+from proxy_faults import FaultServer
+from proxy_harness import running_proxy
+
+from sim.testing import wait_for
+
+
+def accepted_nodelay(client: socket.socket) -> int:
+    """TCP_NODELAY of the socket in this process whose peer is `client` (the server's side)."""
+    ours = client.getsockname()
+    found: list[int] = []
+
+    def look() -> bool:
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                sock = socket.socket(fileno=os.dup(int(fd)))
+            except OSError:  # not a socket, or closed meanwhile
+                continue
+            try:
+                if sock.family == socket.AF_INET and sock.type == socket.SOCK_STREAM and sock.getpeername() == ours:
+                    found.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                    return True
+            except OSError:  # not connected
+                pass
+            finally:
+                sock.close()
+        return False
+
+    wait_for(look, "the server to accept the connection", timeout=10)
+    return found[0]
+
+
+def nodelay_of(port: int) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as client:
+        return accepted_nodelay(client)
+
+
+def serve_in_thread(make: Callable[[], Coroutine[None, None, None]]) -> None:
+    # Daemon: these serve forever, as their `python -m` entry points do.
+    threading.Thread(target=lambda: uvloop.run(make()), daemon=True).start()
+
+
+def listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def bench_servers() -> dict[str, int]:
+    from bench import first_token, otlp_sink, proxy_upstream
+    from bench.proxy_bench import free_port
+
+    ports = {name: free_port() for name in ("proxy_upstream", "otlp_sink", "first_token", "first_token control")}
+    serve_in_thread(lambda: proxy_upstream.serve(ports["proxy_upstream"], 4))
+    serve_in_thread(lambda: otlp_sink.main(ports["otlp_sink"]))
+    serve_in_thread(lambda: first_token.serve_upstream(ports["first_token"], nodelay=True))
+    serve_in_thread(lambda: first_token.serve_upstream(ports["first_token control"], nodelay=False))
+    for name, port in ports.items():
+        wait_for(lambda: listening(port), f"bench.{name} to listen", timeout=10)
+    return ports
+
+
+@pytest.mark.parametrize("name", ["proxy_upstream", "otlp_sink", "first_token"])
+def test_bench_servers_set_tcp_nodelay(bench_servers: dict[str, int], name: str) -> None:
+    assert nodelay_of(bench_servers[name]) == 1
+
+
+def test_the_first_token_control_upstream_really_turns_tcp_nodelay_off(bench_servers: dict[str, int]) -> None:
+    # Proves the check can fail: asyncio would set it, the control clears it on purpose.
+    assert nodelay_of(bench_servers["first_token control"]) == 0
+
+
+def test_the_proxy_sets_tcp_nodelay() -> None:
+    with running_proxy(spec_urls=["http://127.0.0.1:9"], base_urls=[]) as proxy:
+        assert nodelay_of(proxy.port) == 1
+
+
+def test_the_fault_server_sets_tcp_nodelay() -> None:
+    with FaultServer("echo") as fault:
+        assert nodelay_of(int(fault.url.rsplit(":", 1)[1])) == 1
+
+
+def test_a_plain_threading_http_server_does_not_unless_told() -> None:
+    """Why tests/proxy/test_auth.py's OTLP sink sets disable_nagle_algorithm: http.server binds
+    with protocol 0 and leaves Nagle on."""
+    from http.server import BaseHTTPRequestHandler
+
+    class Told(BaseHTTPRequestHandler):
+        disable_nagle_algorithm = True
+
+    for handler, expected in ((BaseHTTPRequestHandler, 0), (Told, 1)):
+        server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            assert nodelay_of(server.server_address[1]) == expected
+        finally:
+            server.shutdown()
+            server.server_close()
