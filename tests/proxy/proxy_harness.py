@@ -6,7 +6,9 @@ of the test process so that tests can also look at the router's in-flight counts
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -72,3 +74,17 @@ def assert_upstream_failure(response: httpx.Response) -> None:
     """A 5xx is only ever an upstream's (normalised) or a gateway error about an upstream."""
     error = response.json()["error"]
     assert error["message"].startswith(UPSTREAM_5XX) or error["code"] in UPSTREAM_FAILURES, response.text
+
+
+def read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
+    """Everything the proxy sends until it closes the connection, and how long that took."""
+    started, data = time.monotonic(), b""
+    while True:
+        try:
+            part = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not part:
+            break
+        data += part
+    return data, time.monotonic() - started

@@ -9,7 +9,7 @@ import socket
 import time
 
 from proxy_faults import FaultServer
-from proxy_harness import RunningProxy, running_proxy, wait_for
+from proxy_harness import RunningProxy, read_until_closed, running_proxy, wait_for
 
 DEADLINE_S = 0.5
 WAIT_S = 10.0
@@ -46,19 +46,6 @@ def read_responses(sock: socket.socket, count: int) -> list[tuple[bytes, bytes]]
             break
         data += part
     return responses
-
-
-def read_until_closed(sock: socket.socket) -> bytes:
-    data = b""
-    while True:
-        try:
-            part = sock.recv(65536)
-        except ConnectionResetError:
-            break
-        if not part:
-            break
-        data += part
-    return data
 
 
 def post(body: bytes, extra: bytes = b"") -> bytes:
@@ -109,7 +96,7 @@ def test_a_refusal_before_the_body_is_in_closes_the_connection() -> None:
                     sock.sendall(b"a" * 65536)
             except (BrokenPipeError, ConnectionResetError):
                 pass
-            data = read_until_closed(sock)
+            data, _ = read_until_closed(sock)
     assert data.startswith(b"HTTP/1.1 413 ") and b"\r\nconnection: close\r\n" in data.lower(), data[:300]
     assert data.count(b"HTTP/1.1 ") == 1, data
 
@@ -158,7 +145,7 @@ def test_three_large_bodies_that_stall_are_cut_and_others_are_served(twin_pair) 
             with connect(proxy) as other:
                 other.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
                 assert read_responses(other, 1)[0][0].startswith(b"HTTP/1.1 200 ")
-            answers = [read_until_closed(sock) for sock in socks]
+            answers = [read_until_closed(sock)[0] for sock in socks]
         finally:
             for sock in socks:
                 sock.close()

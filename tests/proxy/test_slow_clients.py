@@ -10,7 +10,7 @@ from typing import Iterator
 
 import httpx
 import pytest
-from proxy_harness import RunningProxy, running_proxy
+from proxy_harness import RunningProxy, read_until_closed, running_proxy
 
 DEADLINE_S = 0.5
 WAIT_S = 10.0
@@ -29,20 +29,6 @@ def connect(proxy: RunningProxy) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=WAIT_S)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
-
-
-def read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
-    """Everything the proxy sends until it closes the connection, and how long that took."""
-    started, data = time.monotonic(), b""
-    while True:
-        try:
-            part = sock.recv(65536)
-        except ConnectionResetError:
-            break
-        if not part:
-            break
-        data += part
-    return data, time.monotonic() - started
 
 
 def still_serving(proxy: RunningProxy) -> None:
