@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from proxy.auth import Access, AuthRefused, without_authorization
+from proxy.auth import Access, AuthRefused, KeyLimits, without_authorization
 from proxy import openapi
 from proxy.errors import ProxyError, error_object, error_type_for
 from proxy.hooks import Telemetry
@@ -43,6 +43,7 @@ class SpecrouteApp:
         self.router = router or Router.from_settings(settings)
         self.upstream = Upstream(settings)
         self.access = Access.from_settings(settings)
+        self.key_limits = KeyLimits(settings.key_max_concurrency)
         self.draining = False
         """Set on SIGTERM: /ready answers 503 while running requests finish."""
         self.completions = CompletionHandler(settings, self.router, self.upstream, self.telemetry)
@@ -54,15 +55,24 @@ class SpecrouteApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            refusal = self.access.check(scope["path"], scope["headers"])
-            if refusal is not None:
-                await self.refuse(scope, send, refusal)
+            checked = self.access.check(scope["path"], scope["headers"])
+            if isinstance(checked, AuthRefused):
+                await self.refuse(scope, send, checked)
                 return
             if self.access.enabled:
                 # The client's key stops here: never forwarded, logged or traced.
                 scope["headers"] = without_authorization(scope["headers"])
             if scope["path"] in COMPLETION_PATHS:
-                await self.completions(scope, receive, send)
+                if checked is None or not self.key_limits.limit:
+                    await self.completions(scope, receive, send)
+                    return
+                if not self.key_limits.acquire(checked):
+                    await self.refuse(scope, send, self.key_limits.refusal())
+                    return
+                try:
+                    await self.completions(scope, receive, send)
+                finally:
+                    self.key_limits.release(checked)
                 return
         await self.api(scope, receive, send)
 

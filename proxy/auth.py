@@ -115,14 +115,15 @@ class KeyRing:
         if stamp != self.file_stamp:
             self.reload()
 
-    def role_of(self, key: str) -> Role:
+    def role_of(self, key: str) -> tuple[Role, bytes]:
+        """The key's role (NONE if unknown) and its hash, which names it from here on."""
         self._refresh()
         presented = digest(key)
         role = Role.NONE
         for known, known_role in self.keys:  # every key compared: the time says nothing of which
             if hmac.compare_digest(presented, known):
                 role = known_role
-        return role
+        return role, presented
 
 
 def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> tuple[str | None, bool]:
@@ -168,8 +169,8 @@ class Access:
             return self.state
         return "keys"
 
-    def check(self, path: str, headers: list[tuple[bytes, bytes]]) -> AuthRefused | None:
-        """None when the request may go on; the refusal to send otherwise."""
+    def check(self, path: str, headers: list[tuple[bytes, bytes]]) -> AuthRefused | bytes | None:
+        """The refusal to send; else the hash of the client's key (None when no key was needed)."""
         pins = any(name.lower() == POOL_HEADER for name, _ in headers)
         if pins and self.pool_pin == "off":
             return AuthRefused(403, "pinning a pool (x-specroute-pool) is turned off on this proxy",
@@ -187,13 +188,42 @@ class Access:
             return AuthRefused(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
                                if not sent else "The Authorization header must be 'Bearer <key>'.",
                                "invalid_api_key", reason)
-        role = self.keys.role_of(token)
+        role, key = self.keys.role_of(token)
         if role is Role.NONE:
             return AuthRefused(401, "Incorrect API key provided.", "invalid_api_key", "invalid")
         if needed == "operators" and role is not Role.OPERATOR:
             what = "pinning a pool (x-specroute-pool)" if pins and path not in (METRICS_PATH, STATE_PATH) else path
             return AuthRefused(403, f"{what} needs an operator key", "operator_key_required", "not_operator")
-        return None
+        return key
+
+
+class KeyLimits:
+    """At most `limit` open completion requests per client key (SPECROUTE_KEY_MAX_CONCURRENCY;
+    0: no limit), so one client cannot hold every slot of the fleet."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.open: dict[bytes, int] = {}
+
+    def acquire(self, key: bytes) -> bool:
+        held = self.open.get(key, 0)
+        if self.limit and held >= self.limit:
+            return False
+        self.open[key] = held + 1
+        return True
+
+    def release(self, key: bytes) -> None:
+        held = self.open.get(key, 0) - 1
+        if held > 0:
+            self.open[key] = held
+        else:
+            self.open.pop(key, None)
+
+    def refusal(self) -> AuthRefused:
+        refused = AuthRefused(429, f"this key already has {self.limit} requests open; retry after 1 s",
+                              "key_concurrency_limit", "key_concurrency")
+        refused.headers.append((b"retry-after", b"1"))
+        return refused
 
 
 def without_authorization(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     pool_pin: Literal["any", "operators", "off"] = Field(
         "any", description="Who may pin a pool with x-specroute-pool (skipping the policy, its caps and failover): any client, operators, or nobody."
     )
+    key_max_concurrency: int = Field(
+        0, ge=0, description="Most completion requests one client key may have open at once (429 past it; 0: no limit)."
+    )
     expose_backend_urls: bool = Field(
         False, description="Name the upstream server in x-specroute-backend and /ready by its URL instead of its opaque name (spec-0, base-1...)."
     )

@@ -256,3 +256,23 @@ def test_start_up_warns_once_when_open_beyond_loopback(host: str, keys: str | No
     with caplog.at_level("WARNING", logger="specroute"):
         warn_if_open(settings, Access.from_settings(settings))
     assert len([r for r in caplog.records if "SPECROUTE_API_KEYS" in r.getMessage()]) == (1 if warned else 0)
+
+
+def test_a_key_may_hold_at_most_its_share_of_open_requests(twin_pair) -> None:
+    spec, base = twin_pair
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], api_keys="sk-a,sk-b", key_max_concurrency=2) as proxy:
+        long = {"model": "m", "messages": MESSAGES, "max_tokens": 20000, "stream": True}  # megabytes: open until read
+        streams = [httpx.stream("POST", proxy.base_url + "/chat/completions", json=long, headers=bearer("sk-a"), timeout=30)
+                   for _ in range(2)]
+        try:
+            assert all(s.__enter__().status_code == 200 for s in streams)
+            third = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-a"))
+            assert third.status_code == 429 and third.json()["error"]["code"] == "key_concurrency_limit"
+            assert third.headers["retry-after"] == "1"
+            assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-b")).status_code == 200
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+        wait_for(lambda: proxy.app.key_limits.open == {}, what="the key's requests released")
+        assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-a")).status_code == 200
+        assert 'specroute_auth_refused_total{reason="key_concurrency"} 1.0' in httpx.get(proxy.url + "/metrics").text
