@@ -17,8 +17,10 @@ not streamed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import orjson
@@ -26,6 +28,8 @@ import orjson
 from policies.types import Features
 from proxy.errors import ProxyError
 from proxy.routing import features_of
+
+log = logging.getLogger("specroute")
 
 OFF_LOOP_BYTES = 256 * 1024
 SCAN_BYTES = 64 * 1024
@@ -143,7 +147,14 @@ class BodyReader:
             return await asyncio.to_thread(read, *args)
         if self.pool is None:
             self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        result = await asyncio.get_running_loop().run_in_executor(self.pool, read_in_worker, *args)
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self.pool, read_in_worker, *args)
+        except BrokenProcessPool:
+            # The worker died (killed, out of memory): this body is parsed in a thread, the next
+            # big one starts a new worker.
+            log.error("the body parsing process died; starting another for the next large body")
+            self.pool = None
+            return await asyncio.to_thread(read, *args)
         if isinstance(result[0], int):
             status, message, code, param = result  # type: ignore[misc]
             raise ProxyError(status, message, code=code, param=param)

@@ -126,3 +126,25 @@ def test_commas_and_colons_inside_strings_are_not_counted(proxy: RunningProxy) -
     assert ok.status_code in (200, 400), ok.text
     if ok.status_code == 400:  # the twin may refuse its context length, the proxy must not
         assert "context length" in ok.json()["error"]["message"]
+
+
+def test_a_dead_body_worker_costs_no_request(proxy: RunningProxy) -> None:
+    """Bodies over 256 KiB are parsed in a worker process; if it dies, the body in hand is parsed
+    in a thread and the next big one starts a new worker."""
+    import os
+    import signal
+
+    big = json.dumps({**CHAT, "messages": [{"role": "user", "content": "word " * 100_000}]}).encode()  # 0.5 MB
+
+    def served() -> bool:  # parsed, routed and answered by the twin (which finds it too long)
+        answer = post(proxy, big)
+        return answer.status_code == 400 and "context length" in answer.json()["error"]["message"]
+
+    assert served()
+    pool = proxy.app.completions.bodies.pool
+    assert pool is not None
+    for pid in list(pool._processes):  # noqa: SLF001 (the test reaches in to kill it)
+        os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: all(not p.is_alive() for p in pool._processes.values()), what="the worker to die")
+    assert served() and served()
+    assert proxy.app.completions.bodies.pool not in (None, pool)
