@@ -77,14 +77,12 @@ class SpecrouteApp:
         await self.api(scope, receive, send)
 
     async def refuse(self, scope: Scope, send: Send, refusal: AuthRefused) -> None:
-        """A 401/403 before the body is read. A client waiting on `Expect: 100-continue` will
-        not send its body now, so the connection is closed rather than left mid-request."""
+        """A 401/403/429 before the body is read (proxy.connection closes the connection when a
+        body was announced and not read, an unanswered `Expect: 100-continue` included)."""
         self.telemetry.auth_refused(refusal.reason)
         body = refusal.body()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                    *refusal.headers]
-        if any(name.lower() == b"expect" for name, _ in scope["headers"]):
-            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 

@@ -66,7 +66,6 @@ class OutlierDetector:
         self.clock = clock
         self.records: dict[str, Record] = {i.url: Record() for pool in self.pools for i in pool.instances}
         self.pool_of: dict[str, Pool] = {i.url: pool for pool in self.pools for i in pool.instances}
-        self.ejections_total = 0
 
     def refresh(self) -> None:
         """Ejections whose time is up turn half-open now (they count as healthy again)."""
@@ -122,7 +121,7 @@ class OutlierDetector:
         record.consecutive += 1
         if record.state == PROBING:
             record.probe_in_flight = False
-            self._eject(instance.url, record, f"probe-failed:{kind}", force=True)
+            self._eject(instance.url, record, f"probe-failed:{kind}", probe_failed=True)
         elif self.consecutive_failures and record.consecutive >= self.consecutive_failures:
             self._eject(instance.url, record, f"consecutive-failures:{kind}")
 
@@ -153,12 +152,10 @@ class OutlierDetector:
         others = [i for p in self.pools for i in p.instances if i.url != url]
         return any(i.healthy for i in others)
 
-    def _eject(self, url: str, record: Record, reason: str, force: bool = False) -> None:
-        if not force and not self._may_eject(url):
-            return
-        if force and not self._may_eject(url):
-            # A failed probe with no room to eject: back to half-open, one request at a time.
-            record.state = PROBING
+    def _eject(self, url: str, record: Record, reason: str, probe_failed: bool = False) -> None:
+        if not self._may_eject(url):
+            if probe_failed:  # no room to eject it again: it stays half-open, a request at a time
+                record.state = PROBING
             return
         record.ejections += 1
         record.state = EJECTED
@@ -166,7 +163,6 @@ class OutlierDetector:
         record.reason = reason
         record.consecutive = 0
         record.ttft_s, record.ttft_samples = None, 0  # judged afresh after its return
-        self.ejections_total += 1
         self.fleet.set_ejected(url, True)
 
     def _expire(self, url: str, record: Record) -> None:

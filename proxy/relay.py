@@ -271,8 +271,9 @@ class CompletionHandler:
             exchange.prompt_tokens = features.prompt_tokens
             exchange.asked_stream = features.stream
             exchange.request_class = features.request_class
-            exchange.decision = self.router.choose(features, override)
-            refusal = self.router.admit(features, exchange.decision)
+            snapshot = self.router.snapshot()
+            exchange.decision = self.router.choose(features, override, snapshot)
+            refusal = self.router.admit(features, exchange.decision, snapshot)
             if refusal is not None:
                 raise ProxyError(
                     429, f"the fleet cannot serve this request in time now ({refusal.rule}: first token predicted "

@@ -134,7 +134,8 @@ class Attempt:
                                  completion_tokens=summary.completion_tokens if summary else None,
                                  verify_steps=summary.spec_verify_ct if summary else None)
         if self.open and complete and self.admission is not None and self.ttft_s is not None:
-            self.admission.observe(self.met_targets(self.admission))
+            tokens = summary.completion_tokens if summary and summary.completion_tokens else self.tokens
+            self.admission.observe(self.met_targets(self.admission, tokens))
         if self.open and self.outliers is not None:
             if complete and self.started:
                 self.outliers.succeeded(self.instance, self.ttft_s)
@@ -142,25 +143,22 @@ class Attempt:
                 self.outliers.released(self.instance)
         self._release()
 
-    def met_targets(self, admission: Admission) -> bool:
+    def met_targets(self, admission: Admission, tokens: int) -> bool:
         """Whether this stream met the admission targets: its first byte in time, and its
-        tokens after the first at the target pace on average."""
+        `tokens` after the first at the target pace on average (the usage's count when the
+        stream carried one; else its content events, which undercount a spec stream's tokens,
+        so the pace errs slow)."""
         assert self.ttft_s is not None
         ttft_limit, tpot_limit = admission.ttft_limit_s, admission.tpot_limit_s
         decode_s = time.monotonic() - self.dispatched_at - self.ttft_s
-        tpot_s = decode_s / (self.tokens - 1) if self.tokens > 1 else 0.0
+        tpot_s = decode_s / (tokens - 1) if tokens > 1 else 0.0
         return (ttft_limit <= 0 or self.ttft_s <= ttft_limit) and (tpot_limit <= 0 or tpot_s <= tpot_limit)
 
     def refused(self) -> None:
         """The upstream refused the request (a 4xx): it never ran there; undo its dispatch."""
-        if not self.open:
-            return
-        self.open = False
-        self.fleet.on_refused(self.instance.url, self.dispatched_at, time.monotonic(), self.prompt_tokens)
-        if self.outliers is not None:
+        if self.open and self.outliers is not None:
             self.outliers.released(self.instance)
-        if self.started:
-            self.instance.streaming -= 1
+        self._release(refused=True)
 
     def failed(self, error: str) -> None:
         if self.open:
@@ -169,11 +167,14 @@ class Attempt:
                 self.outliers.failed(self.instance, error)
         self._release()
 
-    def _release(self) -> None:
+    def _release(self, refused: bool = False) -> None:
         if not self.open:
             return
         self.open = False
-        self.fleet.on_complete(self.instance.url, time.monotonic())
+        if refused:
+            self.fleet.on_refused(self.instance.url, self.dispatched_at, time.monotonic(), self.prompt_tokens)
+        else:
+            self.fleet.on_complete(self.instance.url, time.monotonic())
         if self.started:
             self.instance.streaming -= 1
 
@@ -245,14 +246,17 @@ class Router:
         return [i for pool in self.pools.values() for i in pool.instances]
 
     def snapshot(self) -> Snapshot:
-        return self.fleet.snapshot(time.monotonic(), self.cost)
-
-    def choose(self, features: Features, override: PoolName | None) -> Decision:
-        """The pool for a request: the override when given, else the policy's pick; a pool with
-        no available instance is swapped for the other one."""
         if self.outliers is not None:
             self.outliers.refresh()  # an ejection that ended makes its server available again
-        snapshot = self.snapshot()
+        return self.fleet.snapshot(time.monotonic(), self.cost)
+
+    def choose(self, features: Features, override: PoolName | None,
+               snapshot: Snapshot | None = None) -> Decision:
+        """The pool for a request: the override when given, else the policy's pick; a pool with
+        no available instance is swapped for the other one. `snapshot`: the fleet as the caller
+        just took it (`snapshot()`), else taken here."""
+        if snapshot is None:
+            snapshot = self.snapshot()
         if override is not None:
             decision = Decision(pool=override, reason="override")
         else:
@@ -264,12 +268,13 @@ class Router:
             decision = self.signals.explain(features, decision, snapshot)
         return decision
 
-    def admit(self, features: Features, decision: Decision) -> Refusal | None:
+    def admit(self, features: Features, decision: Decision, snapshot: Snapshot) -> Refusal | None:
         """None when the request may go on; a refusal (429) when the fleet cannot serve it in
-        time. A pinned request is judged on the pool it pinned (its decision)."""
+        time, judged on the snapshot the decision was made on. A pinned request is judged on the
+        pool it pinned (its decision)."""
         if self.admission is None:
             return None
-        return self.admission.admit(features, self.snapshot(), decision)
+        return self.admission.admit(features, snapshot, decision)
 
     def all_ejected(self, pool: PoolName) -> bool:
         """Whether outlier detection, not unreachability, left `pool` without an instance."""

@@ -80,3 +80,21 @@ def test_the_admission_evaluation_meets_its_targets_on_one_fleet() -> None:
     assert on["admitted_met"] >= 0.95 > off["admitted_met"]
     assert on["goodput_rps"] >= off["goodput_rps"]
     assert on["refused_batch"] / on["offered_batch"] > (on["refused"] - on["refused_batch"]) / (on["offered"] - on["offered_batch"])
+
+
+def test_a_streams_pace_is_judged_on_its_tokens_not_its_chunks() -> None:
+    """Admission learns from each finished stream whether it met the targets: a spec stream's
+    chunk carries several tokens, so the pace is per token (the usage's count when sent)."""
+    from policies.admission import Admission
+    from policies.fleet import FleetState
+    from proxy.pools import Instance
+    from proxy.routing import Attempt
+
+    fleet = FleetState()
+    instance = Instance("http://spec", "spec", fleet.add_instance("http://spec", "spec", 48), name="spec-0")
+    attempt = Attempt(fleet, instance, stream=True)
+    attempt.dispatched_at -= 1.0  # dispatched a second ago, first token at 0.1 s: 0.9 s of decoding
+    attempt.ttft_s = 0.1
+    targets = Admission(ttft_limit_s=1.0, tpot_limit_s=0.05)
+    assert not attempt.met_targets(targets, 10)  # 10 chunks: 100 ms apart
+    assert attempt.met_targets(targets, 30)  # 30 tokens in them: 31 ms each
