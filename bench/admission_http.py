@@ -6,7 +6,8 @@ limits: the SLO's targets) and off.
     python -m bench.admission_http            # both runs, ~5 minutes; docs/routing.md records it
     python -m bench.admission_http --quick    # 20 s of arrivals
 
-Measured at the client: each request's first token and time per output token (SLO met or not),
+Measured at the client: each request's first token and time per output token (from the usage's
+token count: a spec chunk carries several tokens; SLO met or not),
 each refusal's latency (429), and whether every admitted stream ended with [DONE] (lost if not).
 Prompts and natural output lengths follow the Azure conversation trace, as on the virtual clock.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import time
@@ -32,10 +34,11 @@ SETUP = "kimi-moe a=0.64"
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt_tokens: int) -> dict[str, Any]:
-    body = {"model": "m", "messages": [{"role": "user", "content": "w " * (2 * prompt_tokens)}], "stream": True}
+    body = {"model": "m", "messages": [{"role": "user", "content": "w " * (2 * prompt_tokens)}], "stream": True,
+            "stream_options": {"include_usage": True}}
     started = time.monotonic()
     first = None
-    tokens = 0
+    chunks = tokens = 0
     record: dict[str, Any] = {"status": 0, "done": False}
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
@@ -50,15 +53,18 @@ async def one(client: httpx.AsyncClient, url: str, prompt_tokens: int) -> dict[s
                     record["done"] = True
                     break
                 if line.startswith("data: ") and '"content"' in line:
-                    tokens += 1
+                    chunks += 1
                     if first is None:
                         first = time.monotonic()
+                elif line.startswith("data: ") and '"usage"' in line and '"choices":[]' in line:
+                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
     except httpx.HTTPError as exc:
         record["error"] = type(exc).__name__
     end = time.monotonic()
     if first is not None:
         record["ttft_s"] = first - started
-        record["tpot_s"] = (end - first) / max(tokens - 1, 1)
+        # Per token (a spec chunk carries several): the usage's count, the chunks if it is missing.
+        record["tpot_s"] = (end - first) / max((tokens or chunks) - 1, 1)
     return record
 
 

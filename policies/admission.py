@@ -82,6 +82,14 @@ class Admission:
         n_out = self.predictor.output_tokens(features, snapshot.mean_output_tokens, snapshot.output_samples)
         return self.predictor.predict(pool, instance, features, snapshot.cost, n_out)
 
+    def past_limits(self, ttft_s: float, tpot_s: float, share: float) -> str | None:
+        """The rule a prediction breaks with the limits at `share` of the targets, if any."""
+        if self.ttft_limit_s > 0 and ttft_s > self.ttft_limit_s * share:
+            return "predicted-ttft"
+        if self.tpot_limit_s > 0 and tpot_s > self.tpot_limit_s * share:
+            return "predicted-tpot"
+        return None
+
     def admit(self, features: Features, snapshot: Snapshot, decision: Decision) -> Refusal | None:
         if not self.enabled:
             return None
@@ -90,16 +98,11 @@ class Admission:
             return None  # nothing known to judge by (no reading yet): the pool decides
         ttft = p.ttft_s + p.wait_spread_s
         tpot = max(p.tpot_s, p.others_tpot_s)
-        share = self.scale * (BATCH_SHARE if features.request_class == "batch" else 1.0)
-        ttft_over = self.ttft_limit_s > 0 and ttft > self.ttft_limit_s * share
-        tpot_over = self.tpot_limit_s > 0 and tpot > self.tpot_limit_s * share
-        if not ttft_over and not tpot_over:
-            return None
-        if features.request_class == "batch" and not (self.ttft_limit_s > 0 and ttft > self.ttft_limit_s * self.scale
-                                                      or self.tpot_limit_s > 0 and tpot > self.tpot_limit_s * self.scale):
+        rule = self.past_limits(ttft, tpot, self.scale)
+        if rule is None and features.request_class == "batch" and self.past_limits(ttft, tpot, self.scale * BATCH_SHARE):
             rule = "shed-batch"
-        else:
-            rule = "predicted-ttft" if ttft_over else "predicted-tpot"
+        if rule is None:
+            return None
         # About when the queue ahead will have drained: its prefill, or (for TPOT) the time the
         # running requests need to get through what stalls them.
         retry = max(MIN_RETRY_AFTER_S, math.ceil(p.prefill_s + p.wait_s))
