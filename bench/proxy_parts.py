@@ -27,7 +27,7 @@ VARIANTS: dict[str, dict[str, str]] = {
 
 def serve(variant: str) -> None:
     from policies import registry
-    from policies.fleet import FleetState
+    from fleet.state import FleetState
     from proxy.app import SpecrouteApp
     from proxy.pools import pools_from_settings
     from proxy.routing import Router

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from bench.routing_sim import Setup, Slo, Workload, closed_loop, effective_alpha, make_policy, run, summarize, with_alpha
 from sim.lengths import read_trace
-from sim.profile import load_profile, tokens_per_verify_step
+from fleet.profile import load_profile, tokens_per_verify_step
 from sim.virtual import AlphaChange, Arrival
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "routing.md"

@@ -1,6 +1,6 @@
 """One routing run on the twin's virtual clock, with the very policy objects the proxy serves.
 
-The router sees the fleet the way the proxy does (policies/fleet.py, the shared snapshot
+The router sees the fleet the way the proxy does (fleet/state.py, the shared snapshot
 builder): each engine's /v1/loads snapshot as it stood at the last poll (every
 `poll_interval_s`, published on SGLang's own cadence, so it lags), adjusted by the router's own
 dispatches and completions since; the acceptance from the token/verify counters (read every
@@ -17,14 +17,15 @@ from dataclasses import dataclass, field, replace
 from typing import Iterable, Sequence
 
 from policies import registry
-from policies.acceptance import DEFAULT_HALF_LIFE_S, alpha_from_accept_length
+from fleet.acceptance import DEFAULT_HALF_LIFE_S, alpha_from_accept_length
 from policies.admission import Admission
-from policies.costmodel import StepCostModel, seed_from_profile
-from policies.fleet import FleetState, Reading, learn_from_response
-from policies.types import Decision, Features, Policy, PoolName, Snapshot
+from fleet.costmodel import StepCostModel, seed_from_profile
+from fleet.state import FleetState, Reading, learn_from_response
+from fleet.types import Decision, Features, PoolName, Snapshot
+from policies.base import Policy
 from sim.engine import Engine, EngineConfig
 from sim.lengths import parse_output_lengths
-from sim.profile import load_profile
+from fleet.profile import load_profile
 from sim.virtual import AlphaChange, Arrival, EngineView, RequestRecord, StepObservation, simulate
 
 POOL_OF_ENGINE: tuple[PoolName, PoolName] = ("spec", "base")

@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from sim.profile import load_profile
+from fleet.profile import load_profile
 from sim.testing import RunningTwin, TwinSpec, twins
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from sim.engine import Engine, EngineConfig
-from sim.profile import load_profile
+from fleet.profile import load_profile
 from sim.virtual import Arrival, StepObservation, simulate
 
 # Reference tables: batch sizes, then spec/base per-stream speed by mean alpha (k=3).

@@ -17,7 +17,7 @@ import time
 
 from sim.engine import Engine, EngineConfig
 from sim.lengths import read_trace
-from sim.profile import load_profile
+from fleet.profile import load_profile
 from sim.virtual import Arrival, simulate
 
 

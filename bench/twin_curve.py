@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from sim.profile import Profile, load_profile, tokens_per_verify_step
+from fleet.profile import Profile, load_profile, tokens_per_verify_step
 
 ALPHA = 0.6
 NUM_STEPS = 3

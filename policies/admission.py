@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass
 
 from policies.goodput import Goodput, Prediction
-from policies.types import Decision, Features, Snapshot
+from fleet.types import Decision, Features, Snapshot
 
 BATCH_SHARE = 0.5
 """A batch request is shed when its predicted first token is past this share of the limit."""

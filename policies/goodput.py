@@ -40,9 +40,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from policies.acceptance import accept_length
+from fleet.acceptance import accept_length
 from policies.registry import register
-from policies.types import Decision, Features, InstanceState, PoolState, Snapshot, StepCost
+from fleet.types import Decision, Features, InstanceState, PoolState, Snapshot, StepCost
 
 # Past this share of time spent prefilling, a server's decode is predicted 10x slower; the cap
 # keeps a burst's prediction finite.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from policies.types import Policy
+from policies.base import Policy
 
 Factory = Callable[..., Policy]
 _FACTORIES: dict[str, Factory] = {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from policies.registry import register
-from policies.types import POOLS, Decision, Features, PoolName, Snapshot
+from fleet.types import POOLS, Decision, Features, PoolName, Snapshot
 
 
 class RoundRobin:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from policies.registry import register
-from policies.types import Decision, Features, PoolName, Snapshot
+from fleet.types import Decision, Features, PoolName, Snapshot
 
 
 @dataclass

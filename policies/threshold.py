@@ -9,9 +9,9 @@ to a larger batch when more drafts are accepted, so they are multiplied by
 
 from __future__ import annotations
 
-from policies.acceptance import accept_length
+from fleet.acceptance import accept_length
 from policies.registry import register
-from policies.types import Decision, Features, PoolName, Snapshot
+from fleet.types import Decision, Features, PoolName, Snapshot
 
 
 class Threshold:

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from policies.types import Features
+from fleet.types import Features
 from proxy.errors import ProxyError
 from proxy.routing import features_of
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from policies.types import Decision, Features
+    from fleet.types import Decision, Features
 
 
 class RequestHooks:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from policies.fleet import FleetState
+from fleet.state import FleetState
 from proxy.pools import Instance, Pool
 
 FAILURES = frozenset({"connect", "upstream_disconnected", "first_token_timeout", "chunk_timeout"})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from policies.fleet import FleetState, InstanceSignals
-from policies.types import POOLS, PoolName
+from fleet.state import FleetState, InstanceSignals
+from fleet.types import POOLS, PoolName
 from proxy.settings import Settings
 
 DEFAULT_MAX_RUNNING = 48

@@ -17,7 +17,7 @@ from typing import Any, Awaitable, Callable, MutableMapping
 import aiohttp
 import orjson
 
-from policies.types import Decision, PoolName
+from fleet.types import Decision, PoolName
 from proxy import body as request_body
 from proxy import scan
 from proxy.errors import ProxyError, normalise_upstream_error, stream_error_event

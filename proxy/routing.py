@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any, Collection, Mapping
 
 from policies import registry
 from policies.admission import Admission, Refusal
-from policies.features import count_prompt_tokens, default_request_class
-from policies.fleet import FleetState
-from policies.types import Decision, Features, Policy, PoolName, StepCost, Snapshot
+from fleet.features import count_prompt_tokens, default_request_class
+from fleet.state import FleetState
+from fleet.types import Decision, Features, PoolName, Snapshot, StepCost
+from policies.base import Policy
 from proxy.outliers import OutlierDetector
 from proxy.pools import Instance, Pool, other_pool, pools_from_settings
 from proxy.settings import Settings

@@ -9,8 +9,8 @@ from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_vali
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
-from policies.acceptance import DEFAULT_HALF_LIFE_S
-from policies.costmodel import DEFAULT_HALF_LIFE_S as COSTMODEL_HALF_LIFE_S
+from fleet.acceptance import DEFAULT_HALF_LIFE_S
+from fleet.costmodel import DEFAULT_HALF_LIFE_S as COSTMODEL_HALF_LIFE_S
 
 ENV_PREFIX = "SPECROUTE_"
 
@@ -293,7 +293,7 @@ class Settings(BaseSettings):
     @classmethod
     def _check_profile(cls, value: str | None) -> str | None:
         if value:
-            from policies.costmodel import seed_from_profile
+            from fleet.costmodel import seed_from_profile
 
             seed_from_profile(value)  # raises ValueError naming the built-in profiles
         return value or None

@@ -32,9 +32,9 @@ from typing import Any, Callable, Mapping
 
 import httpx
 
-from policies.costmodel import Seed, StepCostModel, seed_from_profile
-from policies.fleet import FleetState, Reading, learn_from_response
-from policies.types import Decision, Features, PoolName, Snapshot
+from fleet.costmodel import Seed, StepCostModel, seed_from_profile
+from fleet.state import FleetState, Reading, learn_from_response
+from fleet.types import Decision, Features, PoolName, Snapshot
 from proxy.pools import Instance, Pool
 from proxy.settings import Settings
 
@@ -366,7 +366,7 @@ class Signals:
             if path == "/v1/loads" and self.fleet.instances[url].pool == "spec" and self._polls[url] % METRICS_EVERY == 1:
                 reading = await self._with_counters(url, reading)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            # The reading ages and turns stale; routing acts on that (see policies/fleet.py).
+            # The reading ages and turns stale; routing acts on that (see fleet/state.py).
             self.poll_errors[url] = f"{path}: {type(exc).__name__}"
             return
         self._failures[url] = 0

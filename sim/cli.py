@@ -16,7 +16,7 @@ from typing import Sequence
 from sim.engine import EngineConfig
 from sim.faults import Faults
 from sim.lengths import parse_output_lengths
-from sim.profile import builtin_names, load_profile
+from fleet.profile import builtin_names, load_profile
 
 READY_LINE = "specroute-twin listening on http://{host}:{port}"
 

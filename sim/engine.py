@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 from sim.lengths import OutputLengths, parse_output_lengths
-from sim.profile import Profile
+from fleet.profile import Profile
 from sim.text import TextStream
 
 Mode = Literal["spec", "base"]

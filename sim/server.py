@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from policies.features import count_prompt_tokens
+from fleet.features import count_prompt_tokens
 from sim.engine import Engine, EngineConfig, Request, check_alpha
 from sim.faults import DroppedOnPurpose, Faults
 from sim import vllm

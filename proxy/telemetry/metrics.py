@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from policies.types import Snapshot
+from fleet.types import Snapshot
 from proxy.telemetry import names as n
 
 

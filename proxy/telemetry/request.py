@@ -22,7 +22,7 @@ from proxy.telemetry import names as n
 from proxy.telemetry.spans import FIRST_BYTES, AttemptTrace, RequestTrace, request_params
 
 if TYPE_CHECKING:
-    from policies.types import Decision, Features
+    from fleet.types import Decision, Features
     from proxy.telemetry.service import SpecrouteTelemetry
     from proxy.telemetry.tracing import Tracing
 

@@ -16,7 +16,7 @@ from proxy.telemetry.tracing import Tracing
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from policies.types import Snapshot
+    from fleet.types import Snapshot
     from proxy.settings import Settings
 
 log = logging.getLogger("specroute.telemetry")

@@ -13,7 +13,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from prometheus_client.parser import text_string_to_metric_families
 
-from policies.types import Decision, Features
+from fleet.types import Decision, Features
 from proxy.settings import Settings
 from proxy.telemetry import SpecrouteTelemetry
 from proxy.telemetry import names as n

@@ -339,7 +339,7 @@ def test_spans_are_flushed_at_shutdown(jaeger: Jaeger, fleet: tuple[RunningTwin,
 
 def traced_request(t: Any, trace_id: str) -> None:
     """One request's hook calls, under a client's sampled traceparent of `trace_id`."""
-    from policies.types import Decision, Features
+    from fleet.types import Decision, Features
 
     hooks = t.request_hooks("/v1/chat/completions")
     hooks.received(endpoint="/v1/chat/completions", request_id="req-" + trace_id[:8],

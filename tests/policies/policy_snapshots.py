@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from policies.types import InstanceState, PoolState, Snapshot, StepCost
+from fleet.types import InstanceState, PoolState, Snapshot, StepCost
 
 
 def pool(name: str, load: float, cap: int = 48, *, alpha: float | None = 0.6, k: int = 3,

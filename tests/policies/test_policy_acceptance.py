@@ -1,6 +1,6 @@
 import pytest
 
-from policies.acceptance import (
+from fleet.acceptance import (
     AcceptanceEstimator,
     CounterDelta,
     SmoothedMean,

@@ -1,9 +1,9 @@
 import pytest
 
-from policies.costmodel import AffineSeed, StepCostModel, seed_from_profile
-from policies.fleet import FleetState, Reading, learn_from_response
+from fleet.costmodel import AffineSeed, StepCostModel, seed_from_profile
+from fleet.state import FleetState, Reading, learn_from_response
 from policies.goodput import Goodput
-from policies.types import Features
+from fleet.types import Features
 
 
 def test_seed_is_the_twin_profile():

@@ -1,11 +1,11 @@
 import pytest
 
 from policies import registry
-from policies.acceptance import accept_length
-from policies.costmodel import StepCostModel, seed_from_profile
+from fleet.acceptance import accept_length
+from fleet.costmodel import StepCostModel, seed_from_profile
 from policies.goodput import Goodput
 from policies.threshold import Threshold
-from policies.types import Features
+from fleet.types import Features
 
 from policy_snapshots import snapshot
 

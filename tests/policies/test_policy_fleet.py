@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from policies.acceptance import accept_length
-from policies.fleet import FleetState, Reading
+from fleet.acceptance import accept_length
+from fleet.state import FleetState, Reading
 
 
 def fleet(stale_after_s=0.5):
@@ -114,7 +114,7 @@ def test_an_idle_servers_gauge_is_not_evidence():
 
 
 def test_dispatch_rates_follow_what_was_sent_and_fade():
-    from policies.fleet import RATE_WINDOW_S
+    from fleet.state import RATE_WINDOW_S
 
     state = fleet()
     for i in range(40):  # 20 requests/s of 1,000 prompt tokens for 2 s

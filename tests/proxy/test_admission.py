@@ -86,7 +86,7 @@ def test_a_streams_pace_is_judged_on_its_tokens_not_its_chunks() -> None:
     """Admission learns from each finished stream whether it met the targets: a spec stream's
     chunk carries several tokens, so the pace is per token (the usage's count when sent)."""
     from policies.admission import Admission
-    from policies.fleet import FleetState
+    from fleet.state import FleetState
     from proxy.pools import Instance
     from proxy.routing import Attempt
 

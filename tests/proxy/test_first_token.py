@@ -19,7 +19,7 @@ from typing import Iterator
 import pytest
 from proxy_harness import RunningProxy, running_proxy
 
-from sim.profile import load_profile
+from fleet.profile import load_profile
 from sim.testing import RunningTwin, TwinSpec, twins
 
 REQUESTS = 20

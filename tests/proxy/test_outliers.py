@@ -11,7 +11,7 @@ import openai
 import pytest
 from proxy_harness import TIME_SCALE, RunningProxy, running_proxy, wait_for
 
-from policies.fleet import FleetState
+from fleet.state import FleetState
 from proxy.outliers import OutlierDetector
 from proxy.pools import DEFAULT_MAX_RUNNING, Instance, Pool
 from sim.testing import RunningTwin, TwinSpec, twins

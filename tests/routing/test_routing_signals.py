@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from policies.acceptance import accept_length, alpha_from_accept_length
-from policies.types import Features
+from fleet.acceptance import accept_length, alpha_from_accept_length
+from fleet.types import Features
 from proxy.routing import Router
 from proxy.settings import load_settings
 from proxy.signals import parse_prometheus, reading_from_get_load, reading_from_loads, reading_from_metrics

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from sim.profile import load_profile, tokens_per_verify_step
+from fleet.profile import load_profile, tokens_per_verify_step
 from sim.testing import TwinSpec, twin, twins, wait_for
 
 KIMI = load_profile("kimi-linear")

@@ -6,11 +6,11 @@ from importlib import resources
 
 import pytest
 
-from sim.profile import builtin_names, load_profile, tokens_per_verify_step
+from fleet.profile import builtin_names, load_profile, tokens_per_verify_step
 
 
 def measured_rows():
-    with (resources.files("sim") / "profiles" / "h200-llama8b-step-ms.csv").open() as f:
+    with (resources.files("fleet") / "profiles" / "h200-llama8b-step-ms.csv").open() as f:
         lines = [line for line in f if not line.startswith("#")]
     return list(csv.DictReader(lines))
 
@@ -77,7 +77,7 @@ def test_tau_formula():
 
 
 def test_engine_overheads_add_to_each_step_and_seed_the_cost_model_alike():
-    from policies.costmodel import StepCostModel, seed_from_profile
+    from fleet.costmodel import StepCostModel, seed_from_profile
     from sim.engine import Engine, EngineConfig
 
     gpu, sglang = load_profile("h200-llama8b"), load_profile("h200-llama8b-sglang")
@@ -99,7 +99,7 @@ def test_engine_overheads_add_to_each_step_and_seed_the_cost_model_alike():
 
 
 def test_a_profile_without_overheads_is_unchanged_and_bad_overheads_are_refused(tmp_path):
-    from sim.profile import NO_OVERHEADS, parse_profile
+    from fleet.profile import NO_OVERHEADS, parse_profile
 
     assert load_profile("h200-llama8b").spec_overheads == NO_OVERHEADS
     doc = {"name": "x", "step": {"kind": "affine", "fixed_ms": 5, "per_token_ms": 0.1},

@@ -5,7 +5,7 @@ import json
 
 from sim.engine import EngineConfig
 from sim.lengths import parse_output_lengths
-from sim.profile import load_profile
+from fleet.profile import load_profile
 from sim.protocol import parse_request
 from sim.server import Call, Twin, TwinOptions
 from sim.shape import ChoiceShape

@@ -6,7 +6,7 @@ import pytest
 
 from sim.engine import Engine, EngineConfig
 from sim.lengths import parse_output_lengths
-from sim.profile import load_profile, tokens_per_verify_step
+from fleet.profile import load_profile, tokens_per_verify_step
 from sim.virtual import AlphaChange, Arrival, simulate
 
 KIMI = load_profile("kimi-linear")

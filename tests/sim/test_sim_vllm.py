@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sim.profile import load_profile
+from fleet.profile import load_profile
 from sim.testing import TwinSpec, twins, wait_for
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]

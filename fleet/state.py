@@ -16,9 +16,9 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from policies.acceptance import DEFAULT_HALF_LIFE_S, AcceptanceEstimator, CounterDelta
-from policies.costmodel import StepCostModel
-from policies.types import InstanceState, PoolName, PoolState, Snapshot, StepCost
+from fleet.acceptance import DEFAULT_HALF_LIFE_S, AcceptanceEstimator, CounterDelta
+from fleet.costmodel import StepCostModel
+from fleet.types import InstanceState, PoolName, PoolState, Snapshot, StepCost
 
 # The window of the dispatch rates: about how long a burst of prefills keeps stalling the decode
 # steps of the requests already running.

@@ -20,7 +20,7 @@ class Features:
     """What the router knows about one request before sending it."""
 
     prompt_tokens: int
-    """Estimated prompt length (policies.features.count_prompt_tokens; the twin counts alike)."""
+    """Estimated prompt length (fleet.features.count_prompt_tokens; the twin counts alike)."""
     max_tokens: int | None = None
     """The client's cap on output tokens, if it set one."""
     stream: bool = True
@@ -111,7 +111,7 @@ class PoolState:
 
 
 class StepCost(Protocol):
-    """Milliseconds one engine step takes; implemented by policies.costmodel."""
+    """Milliseconds one engine step takes; implemented by fleet.costmodel."""
 
     def decode_step_ms(self, pool: PoolName, batch: int, tokens_per_seq: int) -> float: ...
 
@@ -141,9 +141,3 @@ class Decision:
     """A short, stable token saying why, e.g. "spec-sooner", "spec-full", "stale", "static"."""
     scores: Mapping[str, float] = field(default_factory=dict)
     """What the policy weighed, e.g. predicted seconds to completion per pool."""
-
-
-class Policy(Protocol):
-    name: str
-
-    def decide(self, features: Features, snapshot: Snapshot) -> Decision: ...

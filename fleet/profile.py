@@ -7,7 +7,7 @@ A profile answers three questions, all in milliseconds of GPU time:
 - `draft_ms(batch, context)`: one EAGLE-3 draft step over the batch;
 - `prefill_ms(tokens)`: one prefill iteration over `tokens` prompt tokens (all sequences).
 
-Profiles are JSON files in sim/profiles/ (built in) or anywhere on disk (pass a path); see
+Profiles are JSON files in fleet/profiles/ (built in) or anywhere on disk (pass a path); see
 docs/twin.md for the format. Three step kinds exist: `table` (a measured CSV, interpolated),
 `affine` (fixed + per-token) and `moe` (fixed + expert coverage + per-token).
 """
@@ -224,7 +224,7 @@ def read_step_table(path: Path) -> TableStep:
 
 
 def builtin_names() -> list[str]:
-    folder = resources.files("sim") / "profiles"
+    folder = resources.files("fleet") / "profiles"
     return sorted(p.name[:-5] for p in folder.iterdir() if p.name.endswith(".json"))
 
 
@@ -232,7 +232,7 @@ def load_profile(name_or_path: str) -> Profile:
     """A built-in profile by name (see builtin_names()) or a JSON file by path."""
     path = Path(name_or_path)
     if not (path.suffix == ".json" and path.is_file()):
-        candidate = Path(str(resources.files("sim") / "profiles" / f"{name_or_path}.json"))
+        candidate = Path(str(resources.files("fleet") / "profiles" / f"{name_or_path}.json"))
         if not candidate.is_file():
             raise ValueError(
                 f"unknown profile {name_or_path!r}: use one of {', '.join(builtin_names())} or a path to a .json file"

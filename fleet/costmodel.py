@@ -15,12 +15,10 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from policies.types import PoolName
-
-if TYPE_CHECKING:
-    from sim.profile import Profile
+from fleet.profile import Profile, load_profile
+from fleet.types import PoolName
 
 
 class Seed(Protocol):
@@ -66,10 +64,10 @@ class AffineSeed:
 
 @dataclass(frozen=True, slots=True)
 class ProfileSeed:
-    """A twin profile (sim/profile.py: the SPECROUTE_PROFILE file or built-in name) as a seed,
+    """A twin profile (fleet/profile.py: the SPECROUTE_PROFILE file or built-in name) as a seed,
     at one typical context length per sequence."""
 
-    profile: "Profile"
+    profile: Profile
     context: float = 1024.0
 
     def target_ms(self, batch: int, tokens_per_seq: int) -> float:
@@ -87,8 +85,6 @@ class ProfileSeed:
 
 def seed_from_profile(name_or_path: str, context: float = 1024.0) -> ProfileSeed:
     """Load a profile by built-in name or JSON path; ValueError if it cannot be read."""
-    from sim.profile import load_profile
-
     return ProfileSeed(load_profile(name_or_path), context)
 
 
