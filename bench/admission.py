@@ -18,8 +18,9 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any
 
 from bench.routing import SETUPS, capacity_rps, lengths
 from bench.routing_sim import RunResult, Workload, run
@@ -58,8 +59,10 @@ def score(result: RunResult, offered: int, offered_batch: int) -> dict[str, Any]
         "admitted": offered - len(result.refusals),
         "lost": offered - len(result.refusals) - len(records),
         "admitted_met": len(met) / len(records) if records else 1.0,
-        "latency_met": (sum(1 for r in met if r.request_class == "latency")
-                        / max(1, sum(1 for r in records if r.request_class == "latency"))),
+        "latency_met": (
+            sum(1 for r in met if r.request_class == "latency")
+            / max(1, sum(1 for r in records if r.request_class == "latency"))
+        ),
         "goodput_rps": len(met) / DURATION_S,
         "mean_ttft_s": statistics.fmean(r.ttft for r in records) if records else 0.0,
     }
@@ -96,8 +99,15 @@ def evaluate(setups: Sequence[str], seeds: Sequence[int]) -> list[dict[str, Any]
             for mode, admission in (("off", None), ("on", Admission(setup.slo.ttft_s, setup.slo.tpot_s))):
                 result = run(setup, Workload(arrivals=offered), "goodput", admission=admission)
                 cells[mode].append(score(result, len(offered), sum(1 for a in offered if a.request_class == "batch")))
-        out.append({"setup": name, "rate_rps": rate, "slo": base_setup.slo,
-                    "off": pooled(cells["off"]), "on": pooled(cells["on"])})
+        out.append(
+            {
+                "setup": name,
+                "rate_rps": rate,
+                "slo": base_setup.slo,
+                "off": pooled(cells["off"]),
+                "on": pooled(cells["on"]),
+            }
+        )
     return out
 
 

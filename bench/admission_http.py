@@ -20,8 +20,9 @@ import json
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import httpx
 
@@ -34,8 +35,12 @@ SETUP = "kimi-moe a=0.64"
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt_tokens: int) -> dict[str, Any]:
-    body = {"model": "m", "messages": [{"role": "user", "content": "w " * (2 * prompt_tokens)}], "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "w " * (2 * prompt_tokens)}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     started = time.monotonic()
     first = None
     chunks = tokens = 0
@@ -68,7 +73,9 @@ async def one(client: httpx.AsyncClient, url: str, prompt_tokens: int) -> dict[s
     return record
 
 
-async def offered_load(url: str, duration_s: float, rate: float, sample: Sequence[tuple[int, int]], seed: int) -> list[dict[str, Any]]:
+async def offered_load(
+    url: str, duration_s: float, rate: float, sample: Sequence[tuple[int, int]], seed: int
+) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=4000, max_keepalive_connections=4000)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
@@ -93,7 +100,9 @@ def summarise(records: list[dict[str, Any]], duration_s: float) -> dict[str, Any
     met = [r for r in admitted if r.get("done") and r["ttft_s"] <= KIMI_SLO.ttft_s and r["tpot_s"] <= KIMI_SLO.tpot_s]
     refusal_ms = sorted(r["refused_ms"] for r in refused)
     return {
-        "offered": len(records), "refused": len(refused), "admitted": len(admitted),
+        "offered": len(records),
+        "refused": len(refused),
+        "admitted": len(admitted),
         "lost": sum(1 for r in admitted if not r.get("done")),
         "admitted_met": len(met) / max(len(admitted), 1),
         "goodput_rps": len(met) / duration_s,
@@ -109,9 +118,17 @@ def run(duration_s: float) -> list[tuple[str, dict[str, Any]]]:
     rate = LOAD * capacity_rps(SETUPS[SETUP], sample)
     rows = []
     for mode, extra in (("off", {"SPECROUTE_ADMISSION_TTFT_S": "0", "SPECROUTE_ADMISSION_TPOT_MS": "0"}), ("on", {})):
-        with twins(TwinSpec("spec", profile="kimi-moe", seed=1), TwinSpec("base", profile="kimi-moe", seed=2)) as (spec, base):
-            env = {"SPECROUTE_PROFILE": "kimi-moe", "SPECROUTE_GOODPUT_SLO_TTFT_S": str(KIMI_SLO.ttft_s),
-                   "SPECROUTE_GOODPUT_SLO_TPOT_MS": str(KIMI_SLO.tpot_s * 1000), "SPECROUTE_REQUEST_LOG": "false", **extra}
+        with twins(TwinSpec("spec", profile="kimi-moe", seed=1), TwinSpec("base", profile="kimi-moe", seed=2)) as (
+            spec,
+            base,
+        ):
+            env = {
+                "SPECROUTE_PROFILE": "kimi-moe",
+                "SPECROUTE_GOODPUT_SLO_TTFT_S": str(KIMI_SLO.ttft_s),
+                "SPECROUTE_GOODPUT_SLO_TPOT_MS": str(KIMI_SLO.tpot_s * 1000),
+                "SPECROUTE_REQUEST_LOG": "false",
+                **extra,
+            }
             with proxy_process([spec.url], [base.url], Path(f"/tmp/specroute-admission-{mode}.log"), **env) as (_, url):
                 records = asyncio.run(offered_load(url, duration_s, rate, sample, seed=100))
         rows.append((mode, {"rate_rps": round(rate, 1), **summarise(records, duration_s)}))
@@ -125,16 +142,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     duration = 20.0 if args.quick else 60.0
     started = time.monotonic()
     rows = run(duration)
-    print(f"`python -m bench.admission_http{' --quick' if args.quick else ''}` ({time.strftime('%Y-%m-%d %H:%M')}, "
-          f"{time.monotonic() - started:.0f} s; {SETUP} twins in real time, {LOAD:.0%} of capacity for {duration:.0f} s, "
-          f"SLO {KIMI_SLO.ttft_s:g} s / {KIMI_SLO.tpot_s * 1000:g} ms):\n")
-    print("| admission | offered rps | offered | refused | admitted | admitted meeting SLO | lost | SLO goodput rps | refusal p50 / p99 ms | mean TTFT admitted | other statuses |")
+    print(
+        f"`python -m bench.admission_http{' --quick' if args.quick else ''}` ({time.strftime('%Y-%m-%d %H:%M')}, "
+        f"{time.monotonic() - started:.0f} s; {SETUP} twins in real time, {LOAD:.0%} of capacity for {duration:.0f} s, "
+        f"SLO {KIMI_SLO.ttft_s:g} s / {KIMI_SLO.tpot_s * 1000:g} ms):\n"
+    )
+    print(
+        "| admission | offered rps | offered | refused | admitted | admitted meeting SLO | lost | SLO goodput rps | refusal p50 / p99 ms | mean TTFT admitted | other statuses |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, r in rows:
         refusal = f"{r['refusal_ms_p50']:.1f} / {r['refusal_ms_p99']:.1f}" if r["refusal_ms_p50"] is not None else "-"
         ttft = f"{r['mean_ttft_admitted_s']:.2f} s" if r["mean_ttft_admitted_s"] is not None else "-"
-        print(f"| {mode} | {r['rate_rps']} | {r['offered']} | {r['refused']} | {r['admitted']} | {r['admitted_met']:.1%} | "
-              f"{r['lost']} | {r['goodput_rps']:.2f} | {refusal} | {ttft} | {r['other_statuses'] or '-'} |")
+        print(
+            f"| {mode} | {r['rate_rps']} | {r['offered']} | {r['refused']} | {r['admitted']} | {r['admitted_met']:.1%} | "
+            f"{r['lost']} | {r['goodput_rps']:.2f} | {refusal} | {ttft} | {r['other_statuses'] or '-'} |"
+        )
     return 0
 
 

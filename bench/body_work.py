@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import httpx
 
@@ -29,10 +29,14 @@ def shapes() -> dict[str, Callable[[], bytes]]:
         "a small chat (baseline)": lambda: array(1, b'{"role":"user","content":"hi"}'),
         "5.5M empty objects (refused)": lambda: array(5_500_000, b"{}"),
         "7M numbers (refused)": lambda: array(7_000_000, b"0"),
-        "1.2M unique keys (refused)": lambda: b'{"messages":[{' + b",".join(b'"k%d":0' % i for i in range(1_200_000)) + b"}]}",
+        "1.2M unique keys (refused)": lambda: (
+            b'{"messages":[{' + b",".join(b'"k%d":0' % i for i in range(1_200_000)) + b"}]}"
+        ),
         "60k objects of 2 members (at the limits)": lambda: array(60_000, b'{"role":"user","content":"hi"}'),
         "250k numbers (at the limit)": lambda: array(249_000, b"0"),
-        "124k unique keys (at the limit)": lambda: b'{"messages":[{' + b",".join(b'"k%d":0' % i for i in range(124_000)) + b"}]}",
+        "124k unique keys (at the limit)": lambda: (
+            b'{"messages":[{' + b",".join(b'"k%d":0' % i for i in range(124_000)) + b"}]}"
+        ),
         "one 15 MiB string": lambda: b'{"model":"m","prompt":"' + b"word " * 3_200_000 + b'"}',
     }
 
@@ -56,8 +60,9 @@ def stall(url: str, body: bytes) -> tuple[int, float]:
     thread = threading.Thread(target=probe)
     thread.start()
     try:
-        status = httpx.post(url + "/v1/chat/completions", content=body, timeout=60,
-                            headers={"content-type": "application/json"}).status_code
+        status = httpx.post(
+            url + "/v1/chat/completions", content=body, timeout=60, headers={"content-type": "application/json"}
+        ).status_code
     finally:
         stop.set()
         thread.join(30)
@@ -66,11 +71,16 @@ def stall(url: str, body: bytes) -> tuple[int, float]:
 
 def main() -> None:
     port = free_port()  # nothing listens upstream: accepted bodies get a 502
-    env = {**os.environ, "SPECROUTE_SPEC_URLS": f"http://127.0.0.1:{free_port()}",
-           "SPECROUTE_BASE_URLS": f"http://127.0.0.1:{free_port()}", "SPECROUTE_LOG_LEVEL": "warning",
-           "SPECROUTE_REQUEST_LOG": "false"}
-    server = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env)
+    env = {
+        **os.environ,
+        "SPECROUTE_SPEC_URLS": f"http://127.0.0.1:{free_port()}",
+        "SPECROUTE_BASE_URLS": f"http://127.0.0.1:{free_port()}",
+        "SPECROUTE_LOG_LEVEL": "warning",
+        "SPECROUTE_REQUEST_LOG": "false",
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--host", "127.0.0.1", "--port", str(port)], env=env
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: _up(url), "the proxy to start", timeout=30)

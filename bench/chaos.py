@@ -16,14 +16,14 @@ import asyncio
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import httpx
 
@@ -34,14 +34,25 @@ MESSAGES = [{"role": "user", "content": "Tell me about speculative decoding."}]
 
 
 @contextmanager
-def proxy_process(spec_urls: Sequence[str], base_urls: Sequence[str], log: Path, **env: str) -> Iterator[tuple[subprocess.Popen, str]]:
+def proxy_process(
+    spec_urls: Sequence[str], base_urls: Sequence[str], log: Path, **env: str
+) -> Iterator[tuple[subprocess.Popen, str]]:
     port = free_port()
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SPECROUTE_", "OTEL_"))}
-    settings = {"SPECROUTE_SPEC_URLS": ",".join(spec_urls), "SPECROUTE_BASE_URLS": ",".join(base_urls),
-                "SPECROUTE_PORT": str(port), "SPECROUTE_LOG_LEVEL": "warning", **env}
+    settings = {
+        "SPECROUTE_SPEC_URLS": ",".join(spec_urls),
+        "SPECROUTE_BASE_URLS": ",".join(base_urls),
+        "SPECROUTE_PORT": str(port),
+        "SPECROUTE_LOG_LEVEL": "warning",
+        **env,
+    }
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve"], env={**clean, **settings},
-                                stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve"],
+            env={**clean, **settings},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         wait_ready(port)
         url = f"http://127.0.0.1:{port}"
@@ -73,8 +84,13 @@ class Outcome:
     transport_error: str | None = None
 
 
-async def stream(client: httpx.AsyncClient, url: str, max_tokens: int, leave_after: int | None = None,
-                 headers: dict[str, str] | None = None) -> Outcome:
+async def stream(
+    client: httpx.AsyncClient,
+    url: str,
+    max_tokens: int,
+    leave_after: int | None = None,
+    headers: dict[str, str] | None = None,
+) -> Outcome:
     outcome = Outcome(started=time.monotonic())
     body = {"model": "m", "messages": MESSAGES, "max_tokens": max_tokens, "stream": True}
     try:
@@ -112,16 +128,21 @@ def state(url: str) -> dict[str, Any]:
 
 # -- kill -9 a spec server ------------------------------------------------------------------------------
 
+
 async def kill_run(quick: bool) -> dict[str, Any]:
     streams_n, rate = (16, 50) if quick else (64, 200)
     spec_port = free_port()
     log = Path("/tmp/specroute-chaos-kill.log")
     common = ("--output-len", "fixed:4096")
-    with twins(TwinSpec("spec", seed=1, args=common + ("--port", str(spec_port))),
-               TwinSpec("spec", seed=2, args=common), TwinSpec("base", seed=3, args=common)) as (doomed, spec, base):
+    with twins(
+        TwinSpec("spec", seed=1, args=common + ("--port", str(spec_port))),
+        TwinSpec("spec", seed=2, args=common),
+        TwinSpec("base", seed=3, args=common),
+    ) as (doomed, spec, base):
         # Ejections of 5 s instead of 30 s: the restarted server's return fits in the run.
-        with proxy_process([doomed.url, spec.url], [base.url], log, SPECROUTE_REQUEST_LOG="true",
-                           SPECROUTE_OUTLIER_EJECTION_S="5") as (proc, url):
+        with proxy_process(
+            [doomed.url, spec.url], [base.url], log, SPECROUTE_REQUEST_LOG="true", SPECROUTE_OUTLIER_EJECTION_S="5"
+        ) as (proc, url):
             limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
             async with httpx.AsyncClient(timeout=httpx.Timeout(60), limits=limits) as client:
                 long = [asyncio.create_task(stream(client, url, 3000)) for _ in range(streams_n)]
@@ -131,10 +152,17 @@ async def kill_run(quick: bool) -> dict[str, Any]:
                 restarted: subprocess.Popen | None = None
                 back_on_restarted = False
                 sent = 0
-                while time.monotonic() - started < (40 if restart_at is not None and not back_on_restarted else 10) \
-                        and not (back_on_restarted and time.monotonic() - started >= 10):
-                    back_on_restarted = any(t.done() and t.result().backend == "spec-0" and t.result().started > restart_at
-                                            for t in short[-50:]) if restart_at is not None else False
+                while time.monotonic() - started < (
+                    40 if restart_at is not None and not back_on_restarted else 10
+                ) and not (back_on_restarted and time.monotonic() - started >= 10):
+                    back_on_restarted = (
+                        any(
+                            t.done() and t.result().backend == "spec-0" and t.result().started > restart_at
+                            for t in short[-50:]
+                        )
+                        if restart_at is not None
+                        else False
+                    )
                     sent += 1
                     # Pinned to spec: the two spec servers share them, so the dead one is met.
                     short.append(asyncio.create_task(stream(client, url, 4, headers={"x-specroute-pool": "spec"})))
@@ -143,8 +171,11 @@ async def kill_run(quick: bool) -> dict[str, Any]:
                         doomed.process.send_signal(signal.SIGKILL)
                         kill_at = time.monotonic()
                     if restart_at is None and now >= 5:
-                        restarted = subprocess.Popen(TwinSpec("spec", seed=1, args=common + ("--port", str(spec_port))).argv(),
-                                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                        restarted = subprocess.Popen(
+                            TwinSpec("spec", seed=1, args=common + ("--port", str(spec_port))).argv(),
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
+                        )
                         restart_at = time.monotonic()
                     await asyncio.sleep(max(0.0, started + sent / rate - time.monotonic()))  # the arrival schedule
                 outcomes_long = await asyncio.wait_for(asyncio.gather(*long), 120)
@@ -152,8 +183,11 @@ async def kill_run(quick: bool) -> dict[str, Any]:
             assert kill_at is not None and restart_at is not None
             on_doomed = [o for o in outcomes_long if o.backend == "spec-0"]
             # Short streams that were running on the killed server end like the long ones.
-            cut_short = [o for o in outcomes_short if o.backend == "spec-0" and o.error_code == "upstream_disconnected"
-                         and o.started <= kill_at]
+            cut_short = [
+                o
+                for o in outcomes_short
+                if o.backend == "spec-0" and o.error_code == "upstream_disconnected" and o.started <= kill_at
+            ]
             others = [o for o in outcomes_long if o.backend != "spec-0"]
             cut_after = [o.ended_at - kill_at for o in on_doomed if o.ended_at is not None]
             # The request log (ts is when a request ended): requests sent to the dead server after
@@ -161,17 +195,23 @@ async def kill_run(quick: bool) -> dict[str, Any]:
             records = [json.loads(line) for line in log.read_bytes().splitlines() if line.startswith(b"{")]
             wall_kill = time.time() - (time.monotonic() - kill_at)
             wall_restart = time.time() - (time.monotonic() - restart_at)
-            sent_to_dead = [r["ts"] - r["duration_ms"] / 1000 - wall_kill for r in records
-                            if wall_kill < r["ts"] - r["duration_ms"] / 1000 < wall_restart
-                            and (r.get("instance") == doomed.url or r.get("attempts", 1) > 1)]
+            sent_to_dead = [
+                r["ts"] - r["duration_ms"] / 1000 - wall_kill
+                for r in records
+                if wall_kill < r["ts"] - r["duration_ms"] / 1000 < wall_restart
+                and (r.get("instance") == doomed.url or r.get("attempts", 1) > 1)
+            ]
             back = [o.started - restart_at for o in outcomes_short if o.backend == "spec-0" and o.started > restart_at]
             if restarted is not None:
                 restarted.terminate()
                 restarted.wait(10)
     result = {
-        "streams": streams_n, "short_rps_target": rate, "short_sent": len(outcomes_short),
-        "short_rate_rps": round(len(outcomes_short) / (max(o.started for o in outcomes_short)
-                                                      - min(o.started for o in outcomes_short)), 1),
+        "streams": streams_n,
+        "short_rps_target": rate,
+        "short_sent": len(outcomes_short),
+        "short_rate_rps": round(
+            len(outcomes_short) / (max(o.started for o in outcomes_short) - min(o.started for o in outcomes_short)), 1
+        ),
         "streams_on_killed": len(on_doomed),
         "killed_streams_ended_with_error_event": sum(1 for o in on_doomed if o.error_code == "upstream_disconnected"),
         "killed_streams_cut_within_s": max(cut_after) if cut_after else None,
@@ -184,22 +224,27 @@ async def kill_run(quick: bool) -> dict[str, Any]:
         "clients_hung": 0,  # every task above finished inside its bounded wait
     }
     result["met"] = bool(
-        result["killed_streams_ended_with_error_event"] == len(on_doomed) and on_doomed
+        result["killed_streams_ended_with_error_event"] == len(on_doomed)
+        and on_doomed
         and (result["killed_streams_cut_within_s"] or 0) <= 1.0
         and result["other_streams_completed"] == f"{len(others)}/{len(others)}"
-        and result["short_failed_otherwise"] == 0 and result["back_on_restarted_after_s"] is not None
-        and (result["latest_of_them_after_kill_s"] or 0) <= 0.1)
+        and result["short_failed_otherwise"] == 0
+        and result["back_on_restarted_after_s"] is not None
+        and (result["latest_of_them_after_kill_s"] or 0) <= 0.1
+    )
     return result
 
 
 # -- soak: many requests, some clients leaving ---------------------------------------------------------
 
+
 async def soak_run(quick: bool) -> dict[str, Any]:
     total, concurrency = (10_000, 32) if quick else (100_000, 32)
     common = ("--output-len", "fixed:64")
     log = Path("/tmp/specroute-chaos-soak.log")
-    with twins(TwinSpec("spec", time_scale=50, seed=4, args=common),
-               TwinSpec("base", time_scale=50, seed=5, args=common)) as (spec, base):
+    with twins(
+        TwinSpec("spec", time_scale=50, seed=4, args=common), TwinSpec("base", time_scale=50, seed=5, args=common)
+    ) as (spec, base):
         with proxy_process([spec.url], [base.url], log) as (proc, url):
             limits = httpx.Limits(max_connections=concurrency * 2, max_keepalive_connections=concurrency * 2)
             async with httpx.AsyncClient(timeout=httpx.Timeout(60), limits=limits) as client:
@@ -225,20 +270,31 @@ async def soak_run(quick: bool) -> dict[str, Any]:
     warm, end = samples[0], samples[-1]
     growth = (idle["rss_mb"] - warm["rss_mb"]) / warm["rss_mb"]
     result = {
-        "requests": total, "concurrency": concurrency, "left_mid_stream": total // 10,
-        "rate_rps": round(total / elapsed), "failed_complete_requests": failures,
-        "rss_mb_after_warmup": warm["rss_mb"], "rss_mb_at_end": end["rss_mb"], "rss_mb_idle_after": idle["rss_mb"],
+        "requests": total,
+        "concurrency": concurrency,
+        "left_mid_stream": total // 10,
+        "rate_rps": round(total / elapsed),
+        "failed_complete_requests": failures,
+        "rss_mb_after_warmup": warm["rss_mb"],
+        "rss_mb_at_end": end["rss_mb"],
+        "rss_mb_idle_after": idle["rss_mb"],
         "rss_growth_after_warmup": f"{growth:+.1%}",
         "open_fds_warm/idle": f"{warm['open_fds']}/{idle['open_fds']}",
         "asyncio_tasks_warm/idle": f"{warm['asyncio_tasks']}/{idle['asyncio_tasks']}",
-        "upstream_running_after": [int(l["num_running_reqs"]) + int(l["num_waiting_reqs"]) for l in loads],
+        "upstream_running_after": [int(entry["num_running_reqs"]) + int(entry["num_waiting_reqs"]) for entry in loads],
     }
-    result["met"] = bool(growth < 0.05 and failures == 0 and idle["open_fds"] <= warm["open_fds"]
-                         and idle["asyncio_tasks"] <= warm["asyncio_tasks"] and result["upstream_running_after"] == [0, 0])
+    result["met"] = bool(
+        growth < 0.05
+        and failures == 0
+        and idle["open_fds"] <= warm["open_fds"]
+        and idle["asyncio_tasks"] <= warm["asyncio_tasks"]
+        and result["upstream_running_after"] == [0, 0]
+    )
     return result
 
 
 # -- SIGTERM under load ------------------------------------------------------------------------------------
+
 
 async def sigterm_run(quick: bool) -> dict[str, Any]:
     concurrency = 16 if quick else 48
@@ -267,8 +323,12 @@ async def sigterm_run(quick: bool) -> dict[str, Any]:
     lost = [o for o in admitted if not o.done and o.error_code != "shutting_down"]
     refused = [o for o in outcomes if o.status != 200]
     result = {
-        "concurrency": concurrency, "requests": len(outcomes), "admitted": len(admitted),
-        "completed": sum(o.done for o in admitted), "told_shutting_down": len(told), "lost": len(lost),
+        "concurrency": concurrency,
+        "requests": len(outcomes),
+        "admitted": len(admitted),
+        "completed": sum(o.done for o in admitted),
+        "told_shutting_down": len(told),
+        "lost": len(lost),
         "not_admitted (refused or 503)": len(refused),
         "exit_after_sigterm_s": round(time.monotonic() - signalled, 2),
         "exit_status": proc.returncode,
@@ -288,8 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in RUNS if args.run == "all" else [args.run]:
         started = time.monotonic()
         result = asyncio.run(RUNS[name](args.quick))
-        print(f"## bench.chaos {name}{' --quick' if args.quick else ''} ({time.strftime('%Y-%m-%d %H:%M')}, "
-              f"{time.monotonic() - started:.0f} s)")
+        print(
+            f"## bench.chaos {name}{' --quick' if args.quick else ''} ({time.strftime('%Y-%m-%d %H:%M')}, "
+            f"{time.monotonic() - started:.0f} s)"
+        )
         for key, value in result.items():
             print(f"- {key}: {value}")
         print(flush=True)

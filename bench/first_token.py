@@ -28,8 +28,8 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
 
 import uvloop
 
@@ -38,15 +38,22 @@ from bench.proxy_bench import free_port, process, specroute_cmd
 PREFILL_MS = 5.0
 GAP_MS = (1.0, 30.0)
 CHUNKS = 8
-BODY = json.dumps({"model": "bench-model", "messages": [{"role": "user", "content": "Say ok."}],
-                   "max_tokens": CHUNKS, "stream": True}).encode()
+BODY = json.dumps(
+    {"model": "bench-model", "messages": [{"role": "user", "content": "Say ok."}], "max_tokens": CHUNKS, "stream": True}
+).encode()
 
 
 # -- the upstream ---------------------------------------------------------------------------------
 
+
 def sse_chunk(i: int) -> bytes:
-    event = {"id": "cmpl-bench", "object": "chat.completion.chunk", "created": 0, "model": "bench-model",
-             "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}]}
+    event = {
+        "id": "cmpl-bench",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "bench-model",
+        "choices": [{"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}],
+    }
     data = b"data: " + json.dumps(event).encode() + b"\n\n"
     return b"%x\r\n%s\r\n" % (len(data), data)
 
@@ -57,8 +64,9 @@ HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncache-control: no
 NOT_FOUND = b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
 
 
-async def upstream_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, nodelay: bool,
-                              rng: random.Random) -> None:
+async def upstream_connection(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, nodelay: bool, rng: random.Random
+) -> None:
     sock = writer.get_extra_info("socket")
     # Set either way: asyncio sets TCP_NODELAY on every TCP connection it accepts, so the control
     # has to turn it off to show what a server without it does.
@@ -93,17 +101,21 @@ async def upstream_connection(reader: asyncio.StreamReader, writer: asyncio.Stre
 
 async def serve_upstream(port: int, nodelay: bool) -> None:
     rng = random.Random(7)
-    server = await asyncio.start_server(lambda r, w: upstream_connection(r, w, nodelay, rng), "127.0.0.1", port,
-                                        backlog=1024)
+    server = await asyncio.start_server(
+        lambda r, w: upstream_connection(r, w, nodelay, rng), "127.0.0.1", port, backlog=1024
+    )
     async with server:
         await server.serve_forever()
 
 
 # -- the clients ----------------------------------------------------------------------------------
 
+
 def request_bytes(port: int) -> bytes:
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(BODY)}\r\n\r\n").encode() + BODY
+    return (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(BODY)}\r\n\r\n"
+    ).encode() + BODY
 
 
 class RawClient:
@@ -117,8 +129,9 @@ class RawClient:
     async def first_chunk_s(self) -> float:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
-            self.writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY,
-                                                            1 if self.nodelay else 0)
+            self.writer.get_extra_info("socket").setsockopt(
+                socket.IPPROTO_TCP, socket.TCP_NODELAY, 1 if self.nodelay else 0
+            )
         assert self.reader is not None
         started = time.perf_counter()
         self.writer.write(request_bytes(self.port))
@@ -150,8 +163,9 @@ class SdkClient:
     async def first_chunk_s(self) -> float:
         started = time.perf_counter()
         first = None
-        stream = await self.client.chat.completions.create(model="bench-model", messages=[{"role": "user", "content": "ok"}],
-                                                           max_tokens=CHUNKS, stream=True)
+        stream = await self.client.chat.completions.create(
+            model="bench-model", messages=[{"role": "user", "content": "ok"}], max_tokens=CHUNKS, stream=True
+        )
         async for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].delta.content:
                 first = time.perf_counter() - started
@@ -169,7 +183,9 @@ CLIENTS: dict[str, Callable[[int], RawClient | SdkClient]] = {
 }
 
 
-async def measure(port: int, make: Callable[[int], RawClient | SdkClient], concurrency: int, requests: int) -> list[float]:
+async def measure(
+    port: int, make: Callable[[int], RawClient | SdkClient], concurrency: int, requests: int
+) -> list[float]:
     """First-chunk seconds of `requests` streams from `concurrency` keep-alive clients (each
     client's first request, on a new connection, is left out)."""
     clients = [make(port) for _ in range(concurrency)]
@@ -217,18 +233,29 @@ def run_all(requests: int, concurrencies: Sequence[int], upstreams: Sequence[boo
                         n = requests if concurrency == 1 else requests * 2
                         direct = uvloop.run(measure(upstream_port, make, concurrency, n))
                         proxied = uvloop.run(measure(proxy_port, make, concurrency, n))
-                        rows.append(Row("TCP_NODELAY" if nodelay else "no TCP_NODELAY (control)", name, concurrency,
-                                        quantiles(direct), quantiles(proxied)))
+                        rows.append(
+                            Row(
+                                "TCP_NODELAY" if nodelay else "no TCP_NODELAY (control)",
+                                name,
+                                concurrency,
+                                quantiles(direct),
+                                quantiles(proxied),
+                            )
+                        )
                         print(table(rows[-1:]).splitlines()[-1], flush=True)
     return rows
 
 
 def table(rows: Sequence[Row]) -> str:
-    out = ["| upstream | client | concurrency | direct p50 / p99 ms | through specroute p50 / p99 ms | added p50 / p99 ms |",
-           "|---|---|---|---|---|---|"]
+    out = [
+        "| upstream | client | concurrency | direct p50 / p99 ms | through specroute p50 / p99 ms | added p50 / p99 ms |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r.upstream} | {r.client} | {r.concurrency} | {r.direct[0]:.1f} / {r.direct[1]:.1f} | "
-                   f"{r.proxied[0]:.1f} / {r.proxied[1]:.1f} | {r.proxied[0] - r.direct[0]:+.1f} / {r.proxied[1] - r.direct[1]:+.1f} |")
+        out.append(
+            f"| {r.upstream} | {r.client} | {r.concurrency} | {r.direct[0]:.1f} / {r.direct[1]:.1f} | "
+            f"{r.proxied[0]:.1f} / {r.proxied[1]:.1f} | {r.proxied[0] - r.direct[0]:+.1f} / {r.proxied[1] - r.direct[1]:+.1f} |"
+        )
     return "\n".join(out)
 
 
@@ -246,9 +273,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = run_all(20 if args.quick else 200, (1,) if args.quick else (1, 16), (True, False))
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[0]
-    print(f"\n`python -m bench.first_token{' --quick' if args.quick else ''}` ({time.strftime('%Y-%m-%d %H:%M')}, "
-          f"{time.monotonic() - started:.0f} s, load average {load_before} -> {load_after}; upstream prefill "
-          f"{PREFILL_MS:g} ms, then {CHUNKS} chunks {GAP_MS[0]:g}-{GAP_MS[1]:g} ms apart):\n")
+    print(
+        f"\n`python -m bench.first_token{' --quick' if args.quick else ''}` ({time.strftime('%Y-%m-%d %H:%M')}, "
+        f"{time.monotonic() - started:.0f} s, load average {load_before} -> {load_after}; upstream prefill "
+        f"{PREFILL_MS:g} ms, then {CHUNKS} chunks {GAP_MS[0]:g}-{GAP_MS[1]:g} ms apart):\n"
+    )
     print(table(rows))
     return 0
 

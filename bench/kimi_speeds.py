@@ -55,8 +55,11 @@ def main() -> None:
         with twins(spec) as (twin,):
             for streams, tokens in RUNS:
                 per_stream = asyncio.run(decode_speed(twin.url, streams, tokens))
-                print(f"| `{profile}` | {server} | {streams} | {per_stream:.1f} | {per_stream * streams:,.1f} "
-                      f"| {MEASURED[server, streams]:,.1f} |", flush=True)
+                print(
+                    f"| `{profile}` | {server} | {streams} | {per_stream:.1f} | {per_stream * streams:,.1f} "
+                    f"| {MEASURED[server, streams]:,.1f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

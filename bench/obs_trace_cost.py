@@ -46,8 +46,11 @@ def tracing_env(config: str, jaeger: Jaeger, sink_port: int) -> dict[str, str]:
     if config == "off":
         return {"SPECROUTE_TRACES": "false"}
     export, receiver = config.split("/")
-    endpoints = {"grpc": jaeger.otlp_grpc_endpoint, "http": jaeger.otlp_http_endpoint,
-                 "sink": f"http://127.0.0.1:{sink_port}"}
+    endpoints = {
+        "grpc": jaeger.otlp_grpc_endpoint,
+        "http": jaeger.otlp_http_endpoint,
+        "sink": f"http://127.0.0.1:{sink_port}",
+    }
     return {
         "OTEL_EXPORTER_OTLP_ENDPOINT": endpoints[receiver],
         "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc" if receiver == "grpc" else "http/protobuf",
@@ -68,8 +71,9 @@ def children_cpu(pid: int) -> float:
     return sum(cpu_seconds(child) for child in children(pid))
 
 
-async def side_by_side(pids: dict[int, int], raw: bytes, events: int | None, warm_s: float,
-                       window_s: float) -> dict[int, dict[str, float]]:
+async def side_by_side(
+    pids: dict[int, int], raw: bytes, events: int | None, warm_s: float, window_s: float
+) -> dict[int, dict[str, float]]:
     """Load every proxy (port -> pid) at once over CONNECTIONS connections each; count, for
     `window_s` after `warm_s`, each one's answered requests, its CPU and its children's."""
     loop = asyncio.get_running_loop()
@@ -83,7 +87,7 @@ async def side_by_side(pids: dict[int, int], raw: bytes, events: int | None, war
             while not state["stop"]:
                 try:
                     status, body, _ = await asyncio.wait_for(conn.request(raw), 30)
-                except (ConnectionError, asyncio.TimeoutError):
+                except (TimeoutError, ConnectionError):
                     errors[port] += 1
                     conn.transport.close()
                     _, conn = await loop.create_connection(_Conn, "127.0.0.1", port)
@@ -105,24 +109,29 @@ async def side_by_side(pids: dict[int, int], raw: bytes, events: int | None, war
     after = {port: (cpu_seconds(pid), children_cpu(pid)) for port, pid in pids.items()}
     state["stop"] = True
     await asyncio.gather(*tasks)
-    return {port: {
-        "rate": counts[port] / window_s,
-        "cpu_us": (after[port][0] - before[port][0]) / max(counts[port], 1) * 1e6,
-        "export_us": (after[port][1] - before[port][1]) / max(counts[port], 1) * 1e6,
-        "errors": errors[port],
-    } for port in pids}
+    return {
+        port: {
+            "rate": counts[port] / window_s,
+            "cpu_us": (after[port][0] - before[port][0]) / max(counts[port], 1) * 1e6,
+            "export_us": (after[port][1] - before[port][1]) / max(counts[port], 1) * 1e6,
+            "errors": errors[port],
+        }
+        for port in pids
+    }
 
 
-def run_pair(config: str, stream: bool, upstream_port: int, jaeger: Jaeger, sink_port: int,
-             warm_s: float, window_s: float) -> tuple[dict[str, float], dict[str, float]]:
+def run_pair(
+    config: str, stream: bool, upstream_port: int, jaeger: Jaeger, sink_port: int, warm_s: float, window_s: float
+) -> tuple[dict[str, float], dict[str, float]]:
     """A tracing-off proxy and one traced with `config`, side by side: (off, traced)."""
     with ExitStack() as stack:
         pids = {}
         for name in ("off", config):
             port = free_port()
             cmd, env = specroute_cmd(upstream_port, port)
-            proxy = stack.enter_context(process(["taskset", "-c", str(PROXY_CPU), *cmd], port,
-                                                {**env, **tracing_env(name, jaeger, sink_port)}))
+            proxy = stack.enter_context(
+                process(["taskset", "-c", str(PROXY_CPU), *cmd], port, {**env, **tracing_env(name, jaeger, sink_port)})
+            )
             pids[port] = proxy.pid
         raw = build_request("/v1/chat/completions", STREAM_BODY if stream else BODY)
         events = CHUNKS + 2 if stream else None
@@ -160,10 +169,12 @@ def main() -> None:
                         for config in CONFIGS if round_number % 2 == 0 else CONFIGS[::-1]:
                             off, on = run_pair(config, stream, upstream_port, jaeger, sink_port, 1.0, window)
                             results.setdefault((scenario, config), []).append((off, on))
-                            print(f"round {round_number + 1} {scenario:>10} {config:>13}: off {off['rate']:,.0f} req/s "
-                                  f"{off['cpu_us']:,.0f} us/req; traced {on['rate']:,.0f} req/s {on['cpu_us']:,.0f} us/req "
-                                  f"(+{on['export_us']:,.0f} us in the export process); errors {off['errors'] + on['errors']:.0f}",
-                                  flush=True)
+                            print(
+                                f"round {round_number + 1} {scenario:>10} {config:>13}: off {off['rate']:,.0f} req/s "
+                                f"{off['cpu_us']:,.0f} us/req; traced {on['rate']:,.0f} req/s {on['cpu_us']:,.0f} us/req "
+                                f"(+{on['export_us']:,.0f} us in the export process); errors {off['errors'] + on['errors']:.0f}",
+                                flush=True,
+                            )
         finally:
             jaeger.stop()
     print()
@@ -187,7 +198,8 @@ def table(results: dict[tuple[str, str], list[tuple[dict[str, float], dict[str, 
             f"{med(t['cpu_us'] for _, t in pairs):,.0f} | {change * 100:+.1f} % ({min(changes) * 100:+.1f} to "
             f"{max(changes) * 100:+.1f}) | {(1 / (1 + change) - 1) * 100:+.1f} % "
             f"| {med(o['rate'] for o, _ in pairs):,.0f} / {med(t['rate'] for _, t in pairs):,.0f} "
-            f"| {export_cpu} | {sum(o['errors'] + t['errors'] for o, t in pairs):.0f} |")
+            f"| {export_cpu} | {sum(o['errors'] + t['errors'] for o, t in pairs):.0f} |"
+        )
     return "\n".join(lines)
 
 

@@ -17,9 +17,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import uvloop
 
@@ -125,7 +125,9 @@ LEAN = {"SPECROUTE_POLICY": "spec", "SPECROUTE_REQUEST_LOG": "false"}
 """specroute-lean: the static policy (no cost model) and no JSON request log."""
 
 
-def specroute_cmd(upstream_port: int, port: int, extra: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+def specroute_cmd(
+    upstream_port: int, port: int, extra: dict[str, str] | None = None
+) -> tuple[list[str], dict[str, str]]:
     """`specroute serve` with its defaults (goodput policy, request log on) unless `extra` says."""
     env = {
         "SPECROUTE_SPEC_URLS": f"http://127.0.0.1:{upstream_port}",

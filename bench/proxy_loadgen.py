@@ -96,7 +96,7 @@ async def run(port: int, raw: bytes, concurrency: int, requests: int, events: in
                 start = time.perf_counter()
                 try:
                     status, body, first = await asyncio.wait_for(conn.request(raw), 30)
-                except (ConnectionError, asyncio.TimeoutError):
+                except (TimeoutError, ConnectionError):
                     result.errors += 1
                     conn.transport.close()
                     _, conn = await loop.create_connection(_Conn, "127.0.0.1", port)

@@ -12,7 +12,8 @@ and raw, a bare client on asyncio protocols, as a yardstick for what any library
 from __future__ import annotations
 
 import sys
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -47,7 +48,12 @@ def httpx_relay(kind: str, base: str) -> Relay:
     async def relay(body: bytes, path: str):  # type: ignore[no-untyped-def]
         request = client.build_request("POST", path, content=body, headers={"content-type": "application/json"})
         response = await client.send(request, stream=True)
-        return response.status_code, response.headers.get("content-type", "").encode(), response.aiter_raw(), response.aclose
+        return (
+            response.status_code,
+            response.headers.get("content-type", "").encode(),
+            response.aiter_raw(),
+            response.aclose,
+        )
 
     return relay
 
@@ -112,8 +118,10 @@ def raw_relay(port: int) -> Relay:
         else:
             _, conn = await asyncio.get_running_loop().create_connection(Conn, "127.0.0.1", port)
         conn.head = asyncio.get_running_loop().create_future()
-        conn.transport.write(b"POST %s HTTP/1.1\r\nhost: up\r\ncontent-type: application/json\r\n"
-                             b"content-length: %d\r\n\r\n%s" % (path.encode(), len(body), body))
+        conn.transport.write(
+            b"POST %s HTTP/1.1\r\nhost: up\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (path.encode(), len(body), body)
+        )
         status, content_type = await conn.head
 
         async def chunks() -> AsyncIterator[bytes]:
@@ -172,8 +180,9 @@ def main() -> None:
         relay = aiohttp_relay(base) if client == "aiohttp" else httpx_relay(client, base)
     app = make_fastapi_app(relay) if variant == "fastapi" else make_app(relay)
     loop, http = ("asyncio", "h11") if variant == "h11" else ("uvloop", "httptools")
-    uvicorn.run(app, host="127.0.0.1", port=port, loop=loop, http=http,
-                log_level="warning", access_log=False, backlog=4096)
+    uvicorn.run(
+        app, host="127.0.0.1", port=port, loop=loop, http=http, log_level="warning", access_log=False, backlog=4096
+    )
 
 
 if __name__ == "__main__":

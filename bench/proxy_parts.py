@@ -26,8 +26,8 @@ VARIANTS: dict[str, dict[str, str]] = {
 
 
 def serve(variant: str) -> None:
-    from policies import registry
     from fleet.state import FleetState
+    from policies import registry
     from proxy.app import SpecrouteApp
     from proxy.pools import pools_from_settings
     from proxy.routing import Router
@@ -54,8 +54,13 @@ def main() -> None:
     with process([sys.executable, "-m", "bench.proxy_upstream", str(upstream_port), str(CHUNKS)], upstream_port):
         for variant, env in VARIANTS.items():
             port = free_port()
-            env = {**env, "SPECROUTE_SPEC_URLS": f"http://127.0.0.1:{upstream_port}", "SPECROUTE_BASE_URLS": "",
-                   "SPECROUTE_PORT": str(port), "SPECROUTE_LOG_LEVEL": "warning"}
+            env = {
+                **env,
+                "SPECROUTE_SPEC_URLS": f"http://127.0.0.1:{upstream_port}",
+                "SPECROUTE_BASE_URLS": "",
+                "SPECROUTE_PORT": str(port),
+                "SPECROUTE_LOG_LEVEL": "warning",
+            }
             with process([sys.executable, "-m", "bench.proxy_parts", "serve", variant], port, env) as proc:
                 cells = []
                 for scenario in scenarios:

@@ -26,7 +26,9 @@ COMPLETION = json.dumps(
         "usage": {"prompt_tokens": 12, "completion_tokens": 16, "total_tokens": 28},
     }
 ).encode()
-MODELS = json.dumps({"object": "list", "data": [{"id": "bench-model", "object": "model", "owned_by": "bench"}]}).encode()
+MODELS = json.dumps(
+    {"object": "list", "data": [{"id": "bench-model", "object": "model", "owned_by": "bench"}]}
+).encode()
 
 
 def _chunk(i: int) -> bytes:
@@ -42,8 +44,14 @@ def _chunk(i: int) -> bytes:
 
 
 def stream_chunks(n: int) -> list[bytes]:
-    usage = {"id": "cmpl-bench", "object": "chat.completion.chunk", "created": 0, "model": "bench-model",
-             "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n}}
+    usage = {
+        "id": "cmpl-bench",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "bench-model",
+        "choices": [],
+        "usage": {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n},
+    }
     tail = b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n"
     return [_chunk(i) for i in range(n)] + [b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail)]
 

@@ -16,14 +16,25 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from bench.routing_sim import Setup, Slo, Workload, closed_loop, effective_alpha, make_policy, run, summarize, with_alpha
-from sim.lengths import read_trace
+from bench.routing_sim import (
+    Setup,
+    Slo,
+    Workload,
+    closed_loop,
+    effective_alpha,
+    make_policy,
+    run,
+    summarize,
+    with_alpha,
+)
 from fleet.profile import load_profile, tokens_per_verify_step
+from sim.lengths import read_trace
 from sim.virtual import AlphaChange, Arrival
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "routing.md"
@@ -188,7 +199,9 @@ def group(results: list[dict[str, Any]]) -> dict[tuple[str, str, float, str], di
     table: dict[tuple[str, str, float, str], dict[str, dict[str, float]]] = {}
     for r in results:
         job: Job = r["job"]
-        table.setdefault((job.setup_name, job.kind, job.level, job.trace if job.kind == "trace" else ""), {})[job.policy] = r["summary"]
+        table.setdefault((job.setup_name, job.kind, job.level, job.trace if job.kind == "trace" else ""), {})[
+            job.policy
+        ] = r["summary"]
     return table
 
 
@@ -199,8 +212,9 @@ def oracle(runs: dict[str, dict[str, float]]) -> tuple[str, dict[str, float]]:
     return name, candidates[name]
 
 
-def settle(decisions: list[tuple[float, str, str, float | None]], after_alpha: float,
-           band: float = 0.05) -> tuple[float | None, float, float | None]:
+def settle(
+    decisions: list[tuple[float, str, str, float | None]], after_alpha: float, band: float = 0.05
+) -> tuple[float | None, float, float | None]:
     """How routing followed the drop: (seconds until the alpha estimate first came within `band`
     of the acceptance the engine delivered after it; the share of later decisions equal to the
     told policy's; seconds until every later 5 s window agreed >= 90 %, the strict reading)."""
@@ -229,45 +243,79 @@ def analyse(results: list[dict[str, Any]]) -> dict[str, Any]:
         static_mean = min(s["mean_e2e_s"], b["mean_e2e_s"])
         static_p99 = min(s["p99_e2e_s"], b["p99_e2e_s"])
         row = {
-            "setup": setup, "kind": kind, "level": level, "trace": trace, "runs": runs,
-            "oracle": best_name, "oracle_summary": best,
-            "mean_ratio": g["mean_e2e_s"] / static_mean, "p99_ratio": g["p99_e2e_s"] / static_p99,
+            "setup": setup,
+            "kind": kind,
+            "level": level,
+            "trace": trace,
+            "runs": runs,
+            "oracle": best_name,
+            "oracle_summary": best,
+            "mean_ratio": g["mean_e2e_s"] / static_mean,
+            "p99_ratio": g["p99_e2e_s"] / static_p99,
             "slo_ratio": (g["slo_goodput_rps"] / best["slo_goodput_rps"]) if best["slo_goodput_rps"] > 0 else math.inf,
         }
         rows.append(row)
         label = f"{setup} {kind} {trace or level}"
         if row["mean_ratio"] > 1.02:
-            misses.append(f"{label}: goodput mean E2E {row['mean_ratio']:.2f}x the better static policy (target <= 1.02x)")
+            misses.append(
+                f"{label}: goodput mean E2E {row['mean_ratio']:.2f}x the better static policy (target <= 1.02x)"
+            )
         if row["p99_ratio"] > 1.10:
-            misses.append(f"{label}: goodput p99 E2E {row['p99_ratio']:.2f}x the better static policy (target <= 1.10x)")
+            misses.append(
+                f"{label}: goodput p99 E2E {row['p99_ratio']:.2f}x the better static policy (target <= 1.10x)"
+            )
         target = 1.15 if trace == "azure-code" else 1.0
         if row["slo_ratio"] < target - 1e-9:
             misses.append(f"{label}: SLO goodput {row['slo_ratio']:.2f}x the oracle split (target >= {target:.2f}x)")
     saturation = []
     for row in rows:
-        if row["kind"] == "closed" and row["level"] == max(CONCURRENCY) or row["kind"] == "poisson" and row["level"] == max(LOADS):
+        if (
+            row["kind"] == "closed"
+            and row["level"] == max(CONCURRENCY)
+            or row["kind"] == "poisson"
+            and row["level"] == max(LOADS)
+        ):
             runs = row["runs"]
             base_tok = runs["base"]["throughput_tok_s"]
             ratio = runs["goodput"]["throughput_tok_s"] / base_tok
             best_split = max(runs[p]["throughput_tok_s"] for p in (*SPLITS, "spec", "base") if p in runs) / base_tok
             saturation.append((row["setup"], row["kind"], row["level"], ratio, best_split))
             if ratio < 1.3:
-                misses.append(f"{row['setup']} {row['kind']} {row['level']}: throughput {ratio:.2f}x always-base (target >= 1.3x)")
+                misses.append(
+                    f"{row['setup']} {row['kind']} {row['level']}: throughput {ratio:.2f}x always-base (target >= 1.3x)"
+                )
     drops = []
     for key, runs in table.items():
         if key[1] != "drop":
             continue
-        decisions = next(r["decisions"] for r in results if r["job"].kind == "drop" and r["job"].setup_name == key[0]
-                         and r["job"].policy == "goodput")
-        alphas = next(r["alphas"] for r in results if r["job"].kind == "drop" and r["job"].setup_name == key[0]
-                      and r["job"].policy == "goodput")
+        decisions = next(
+            r["decisions"]
+            for r in results
+            if r["job"].kind == "drop" and r["job"].setup_name == key[0] and r["job"].policy == "goodput"
+        )
+        alphas = next(
+            r["alphas"]
+            for r in results
+            if r["job"].kind == "drop" and r["job"].setup_name == key[0] and r["job"].policy == "goodput"
+        )
         reached, agreement, strict = settle(decisions, alphas[1])
-        drops.append({"setup": key[0], "runs": runs, "reached_s": reached, "agreement": agreement,
-                      "strict_s": strict, "alphas": alphas, "decisions": decisions})
+        drops.append(
+            {
+                "setup": key[0],
+                "runs": runs,
+                "reached_s": reached,
+                "agreement": agreement,
+                "strict_s": strict,
+                "alphas": alphas,
+                "decisions": decisions,
+            }
+        )
         if reached is None or reached > 10.0 or agreement < 0.9:
-            misses.append(f"{key[0]} acceptance drop: estimate settled after "
-                          f"{'never' if reached is None else f'{reached:.1f}'} s, then {agreement:.0%} of "
-                          "decisions as with the true alpha (target <= 10 s, >= 90 %)")
+            misses.append(
+                f"{key[0]} acceptance drop: estimate settled after "
+                f"{'never' if reached is None else f'{reached:.1f}'} s, then {agreement:.0%} of "
+                "decisions as with the true alpha (target <= 10 s, >= 90 %)"
+            )
     return {"rows": rows, "saturation": saturation, "drops": drops, "misses": misses}
 
 
@@ -279,61 +327,84 @@ def fmt(x: float, digits: int = 2) -> str:
 
 
 def report(analysis: dict[str, Any], elapsed_s: float, quick: bool, plots: list[str]) -> str:
-    out = [f"Generated by `python -m bench.routing{' --quick' if quick else ''}` in {elapsed_s:.0f} s "
-           f"({dt.date.today().isoformat()}). Each Poisson level, concurrency and trace pools {len(SEEDS)} seeds' requests; closed loops are scored in steady state; "
-           "ratios are goodput / reference; **bold** marks a missed target.", ""]
+    out = [
+        f"Generated by `python -m bench.routing{' --quick' if quick else ''}` in {elapsed_s:.0f} s "
+        f"({dt.date.today().isoformat()}). Each Poisson level, concurrency and trace pools {len(SEEDS)} seeds' requests; closed loops are scored in steady state; "
+        "ratios are goodput / reference; **bold** marks a missed target.",
+        "",
+    ]
     misses = analysis["misses"]
     out.append(f"### Targets: {'all met' if not misses else f'{len(misses)} missed'}")
     out.append("")
     out += [f"- {m}" for m in misses] or ["- every target below was met on every run"]
     out.append("")
-    for kind, title, level_name in (("poisson", "Poisson arrivals (load = fraction of the fleet's capacity)", "load"),
-                                    ("closed", "Concurrency sweep (closed loop, N clients)", "N"),
-                                    ("trace", "Trace replays (time-compressed to the stated mean load)", "trace")):
+    for kind, title, level_name in (
+        ("poisson", "Poisson arrivals (load = fraction of the fleet's capacity)", "load"),
+        ("closed", "Concurrency sweep (closed loop, N clients)", "N"),
+        ("trace", "Trace replays (time-compressed to the stated mean load)", "trace"),
+    ):
         rows = [r for r in analysis["rows"] if r["kind"] == kind]
         if not rows:
             continue
-        out += [f"### {title}", "",
-                f"| fleet | {level_name} | mean E2E s: spec / base / rr / thr / goodput | goodput mean / better static | "
-                "goodput p99 / better static | SLO goodput req/s: goodput (oracle split) | vs oracle | spec share | tok/s goodput / base |",
-                "|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            f"### {title}",
+            "",
+            f"| fleet | {level_name} | mean E2E s: spec / base / rr / thr / goodput | goodput mean / better static | "
+            "goodput p99 / better static | SLO goodput req/s: goodput (oracle split) | vs oracle | spec share | tok/s goodput / base |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             runs = r["runs"]
             means = " / ".join(fmt(runs[p]["mean_e2e_s"]) for p in POLICIES)
             mr, pr, sr = r["mean_ratio"], r["p99_ratio"], r["slo_ratio"]
             target = 1.15 if r["trace"] == "azure-code" else 1.0
-            level = r["trace"] + f" @{r['level']:.0%}" if kind == "trace" else (f"{r['level']:.0%}" if kind == "poisson" else str(int(r["level"])))
+            level = (
+                r["trace"] + f" @{r['level']:.0%}"
+                if kind == "trace"
+                else (f"{r['level']:.0%}" if kind == "poisson" else str(int(r["level"])))
+            )
             g = runs["goodput"]
             out.append(
                 f"| {r['setup']} | {level} | {means} | {'**' if mr > 1.02 else ''}{fmt(mr)}{'**' if mr > 1.02 else ''} | "
                 f"{'**' if pr > 1.10 else ''}{fmt(pr)}{'**' if pr > 1.10 else ''} | "
                 f"{fmt(g['slo_goodput_rps'], 1)} ({fmt(r['oracle_summary']['slo_goodput_rps'], 1)}, {r['oracle'].removeprefix('split-')}) | "
                 f"{'**' if sr < target else ''}{fmt(sr)}{'**' if sr < target else ''} | {g['spec_share']:.2f} | "
-                f"{g['throughput_tok_s']:.0f} / {runs['base']['throughput_tok_s']:.0f} |")
+                f"{g['throughput_tok_s']:.0f} / {runs['base']['throughput_tok_s']:.0f} |"
+            )
         out.append("")
     if analysis["saturation"]:
-        out += ["### Throughput at saturation", "",
-                "Beside goodput, the most any fixed split (or static policy) reached on the same run.", "",
-                "| fleet | run | goodput tok/s / always-base tok/s | best fixed split / always-base |", "|---|---|---|---|"]
+        out += [
+            "### Throughput at saturation",
+            "",
+            "Beside goodput, the most any fixed split (or static policy) reached on the same run.",
+            "",
+            "| fleet | run | goodput tok/s / always-base tok/s | best fixed split / always-base |",
+            "|---|---|---|---|",
+        ]
         for setup, kind, level, ratio, best_split in analysis["saturation"]:
             run_name = f"N={int(level)}" if kind == "closed" else f"Poisson {level:.0%}"
             bold = "**" if ratio < 1.3 else ""
             out.append(f"| {setup} | {run_name} | {bold}{ratio:.2f}{bold} | {best_split:.2f} |")
         out.append("")
     if analysis["drops"]:
-        out += [f"### Acceptance drop ({DROP[0]} -> {DROP[1]} at t={DROP_AT_S:.0f} s, Poisson at {DROP_LOAD:.0%} of capacity)", "",
-                "| fleet | delivered alpha before / after | estimate within 0.05 after (s) | decisions as with the true alpha from then | every 5 s window >= 90 % after (s) | mean E2E s: spec / base / goodput | spec share before / after |",
-                "|---|---|---|---|---|---|---|"]
+        out += [
+            f"### Acceptance drop ({DROP[0]} -> {DROP[1]} at t={DROP_AT_S:.0f} s, Poisson at {DROP_LOAD:.0%} of capacity)",
+            "",
+            "| fleet | delivered alpha before / after | estimate within 0.05 after (s) | decisions as with the true alpha from then | every 5 s window >= 90 % after (s) | mean E2E s: spec / base / goodput | spec share before / after |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for d in analysis["drops"]:
             before = [p == "spec" for t, p, _, _ in d["decisions"] if 10 <= t < DROP_AT_S]
             after = [p == "spec" for t, p, _, _ in d["decisions"] if t >= DROP_AT_S + 10]
             means = " / ".join(fmt(d["runs"][p]["mean_e2e_s"]) for p in ("spec", "base", "goodput"))
             reached = d["reached_s"]
             flag = reached is None or reached > 10 or d["agreement"] < 0.9
-            out.append(f"| {d['setup']} | {d['alphas'][0]:.2f} / {d['alphas'][1]:.2f} | "
-                       f"{'**' if flag else ''}{fmt(reached, 1) if reached is not None else 'never'}{'**' if flag else ''} | "
-                       f"{d['agreement']:.0%} | {d['strict_s']} | {means} | "
-                       f"{sum(before) / max(len(before), 1):.2f} / {sum(after) / max(len(after), 1):.2f} |")
+            out.append(
+                f"| {d['setup']} | {d['alphas'][0]:.2f} / {d['alphas'][1]:.2f} | "
+                f"{'**' if flag else ''}{fmt(reached, 1) if reached is not None else 'never'}{'**' if flag else ''} | "
+                f"{d['agreement']:.0%} | {d['strict_s']} | {means} | "
+                f"{sum(before) / max(len(before), 1):.2f} / {sum(after) / max(len(after), 1):.2f} |"
+            )
         out.append("")
     out += [f"![{p}]({p})" for p in plots]
     return "\n".join(out)
@@ -422,7 +493,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(section)
     else:
         write_doc(section)
-        print(f"wrote {DOC} ({len(jobs)} runs, {time.monotonic() - started:.0f} s); missed targets: {len(analysis['misses'])}")
+        print(
+            f"wrote {DOC} ({len(jobs)} runs, {time.monotonic() - started:.0f} s); missed targets: {len(analysis['misses'])}"
+        )
         for miss in analysis["misses"]:
             print("  " + miss)
     return 0

@@ -13,19 +13,19 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Iterable, Sequence
 
-from policies import registry
 from fleet.acceptance import DEFAULT_HALF_LIFE_S, alpha_from_accept_length
-from policies.admission import Admission
 from fleet.costmodel import StepCostModel, seed_from_profile
+from fleet.profile import load_profile
 from fleet.state import FleetState, Reading, learn_from_response
 from fleet.types import Decision, Features, PoolName, Snapshot
+from policies import registry
+from policies.admission import Admission
 from policies.base import Policy
 from sim.engine import Engine, EngineConfig
 from sim.lengths import parse_output_lengths
-from fleet.profile import load_profile
 from sim.virtual import AlphaChange, Arrival, EngineView, RequestRecord, StepObservation, simulate
 
 POOL_OF_ENGINE: tuple[PoolName, PoolName] = ("spec", "base")
@@ -57,8 +57,13 @@ class Setup:
 
     def engines(self) -> list[Engine]:
         prof = load_profile(self.profile)
-        common = dict(profile=prof, num_steps=self.num_steps, mean_alpha=self.alpha, seed=self.seed,
-                      output_lengths=parse_output_lengths("azure-conv"))
+        common = dict(
+            profile=prof,
+            num_steps=self.num_steps,
+            mean_alpha=self.alpha,
+            seed=self.seed,
+            output_lengths=parse_output_lengths("azure-conv"),
+        )
         return [
             Engine(EngineConfig(mode="spec", max_running_requests=self.spec_max_running, **common), "spec"),  # type: ignore[arg-type]
             Engine(EngineConfig(mode="base", max_running_requests=self.base_max_running, **common), "base"),  # type: ignore[arg-type]
@@ -114,8 +119,9 @@ class VirtualRouter:
     _engines: Sequence[Engine] = ()
 
     def __post_init__(self) -> None:
-        self.fleet = FleetState(stale_after_s=self.stale_s, half_life_s=self.half_life_s,
-                                num_draft_tokens=self.setup.num_steps)
+        self.fleet = FleetState(
+            stale_after_s=self.stale_s, half_life_s=self.half_life_s, num_draft_tokens=self.setup.num_steps
+        )
         self.fleet.add_instance(URLS[0], "spec", self.setup.spec_max_running)
         self.fleet.add_instance(URLS[1], "base", self.setup.base_max_running)
         self.cost = StepCostModel(seed_from_profile(self.setup.profile), num_draft_tokens=self.setup.num_steps)
@@ -134,17 +140,20 @@ class VirtualRouter:
             snap = view.load_snapshot
             spec = view.speculative
             with_counters = spec and self._polls % METRICS_EVERY == 1
-            self.fleet.on_reading(url, Reading(
-                at=at,
-                running=float(snap.get("num_running_reqs", 0)),
-                waiting=float(snap.get("num_waiting_reqs", 0)),
-                max_running=int(snap.get("max_running_requests", 0)) or None,
-                waiting_tokens=float(snap.get("num_waiting_uncached_tokens", 0)),
-                accept_length=view.gauges.get("spec_accept_length") if with_counters else None,
-                accept_steps=GAUGE_INTERVAL_STEPS * float(snap.get("num_running_reqs", 0)),
-                tokens_total=float(view.generation_tokens_total) if with_counters else None,
-                verify_total=float(view.spec_verify_calls_total) if with_counters else None,
-            ))
+            self.fleet.on_reading(
+                url,
+                Reading(
+                    at=at,
+                    running=float(snap.get("num_running_reqs", 0)),
+                    waiting=float(snap.get("num_waiting_reqs", 0)),
+                    max_running=int(snap.get("max_running_requests", 0)) or None,
+                    waiting_tokens=float(snap.get("num_waiting_uncached_tokens", 0)),
+                    accept_length=view.gauges.get("spec_accept_length") if with_counters else None,
+                    accept_steps=GAUGE_INTERVAL_STEPS * float(snap.get("num_running_reqs", 0)),
+                    tokens_total=float(view.generation_tokens_total) if with_counters else None,
+                    verify_total=float(view.spec_verify_calls_total) if with_counters else None,
+                ),
+            )
         self._next_poll = at + self.poll_interval_s
 
     def on_step(self, step: StepObservation) -> None:
@@ -156,14 +165,19 @@ class VirtualRouter:
             if self._steps % 4 == 0:
                 signals = self.fleet.instances[URLS[step.engine]]
                 batch = min(max(signals.adjusted_load(), 1.0), float(signals.max_running))
-                self.cost.observe(POOL_OF_ENGINE[step.engine], batch, step.duration_s * 1000,
-                                  now=step.start + step.duration_s)
+                self.cost.observe(
+                    POOL_OF_ENGINE[step.engine], batch, step.duration_s * 1000, now=step.start + step.duration_s
+                )
 
     def route(self, arrival: Arrival, views: Sequence[EngineView]) -> int | None:
         self._poll_until(arrival.time)
-        features = Features(prompt_tokens=arrival.prompt_tokens, max_tokens=arrival.max_tokens,
-                            stream=arrival.stream, request_class=arrival.request_class,  # type: ignore[arg-type]
-                            ignore_eos=arrival.ignore_eos)
+        features = Features(
+            prompt_tokens=arrival.prompt_tokens,
+            max_tokens=arrival.max_tokens,
+            stream=arrival.stream,
+            request_class=arrival.request_class,  # type: ignore[arg-type]
+            ignore_eos=arrival.ignore_eos,
+        )
         snapshot = self.fleet.snapshot(arrival.time, self.cost)
         decision = self.policy.decide(features, snapshot)
         if self.admission is not None:
@@ -183,9 +197,15 @@ class VirtualRouter:
             self.admission.observe(self.setup.slo.met(record))
         url = URLS[record.engine]
         spec = record.engine == 0
-        learn_from_response(self.fleet, self.cost, url, record.finish_time, tokens=record.output_tokens,
-                            verify_steps=record.verify_ct if spec else None,
-                            decode_s=record.finish_time - record.first_token_time)
+        learn_from_response(
+            self.fleet,
+            self.cost,
+            url,
+            record.finish_time,
+            tokens=record.output_tokens,
+            verify_steps=record.verify_ct if spec else None,
+            decode_s=record.finish_time - record.first_token_time,
+        )
         self.fleet.on_complete(url, record.finish_time)
 
 
@@ -202,8 +222,10 @@ class Workload:
 
 
 def closed_loop(clients: int, total: int, lengths: Sequence[tuple[int, int]]) -> Workload:
-    first = [Arrival(time=0.0, prompt_tokens=lengths[i % len(lengths)][0],
-                     output_tokens=lengths[i % len(lengths)][1]) for i in range(clients)]
+    first = [
+        Arrival(time=0.0, prompt_tokens=lengths[i % len(lengths)][0], output_tokens=lengths[i % len(lengths)][1])
+        for i in range(clients)
+    ]
     return Workload(arrivals=first, clients=clients, closed_total=total, lengths=lengths)
 
 
@@ -271,12 +293,23 @@ def summarize(results: Sequence[RunResult]) -> dict[str, float]:
     }
 
 
-def run(setup: Setup, workload: Workload, policy_name: str, keep_snapshots: bool = False,
-        poll_interval_s: float = 0.1, admission: Admission | None = None) -> RunResult:
+def run(
+    setup: Setup,
+    workload: Workload,
+    policy_name: str,
+    keep_snapshots: bool = False,
+    poll_interval_s: float = 0.1,
+    admission: Admission | None = None,
+) -> RunResult:
     """`admission`: refuse requests up front as the proxy does (policies/admission.py)."""
     engines = setup.engines()
-    router = VirtualRouter(make_policy(policy_name, setup.slo), setup, poll_interval_s=poll_interval_s,
-                           keep_snapshots=keep_snapshots, admission=admission)
+    router = VirtualRouter(
+        make_policy(policy_name, setup.slo),
+        setup,
+        poll_interval_s=poll_interval_s,
+        keep_snapshots=keep_snapshots,
+        admission=admission,
+    )
     router.attach(engines)
     sent = len(workload.arrivals)
 
@@ -289,16 +322,30 @@ def run(setup: Setup, workload: Workload, policy_name: str, keep_snapshots: bool
             return (Arrival(time=record.finish_time, prompt_tokens=prompt, output_tokens=output),)
         return ()
 
-    records = simulate(engines, workload.arrivals, router.route, on_step=router.on_step, on_finish=on_finish,
-                       alpha_changes=workload.alpha_changes)
+    records = simulate(
+        engines,
+        workload.arrivals,
+        router.route,
+        on_step=router.on_step,
+        on_finish=on_finish,
+        alpha_changes=workload.alpha_changes,
+    )
     warmup_s = workload.warmup_s
     if workload.clients:
         # A closed loop starts with every client's request at once; it has warmed up once as many
         # requests as there are clients have finished (about a round each).
         finished = sorted(r.finish_time for r in records)
         warmup_s = finished[min(workload.clients, len(finished)) - 1]
-    return RunResult(policy_name, records, router.decisions, router.snapshots, setup.slo, warmup_s,
-                     closed=workload.clients > 0, refusals=router.refusals)
+    return RunResult(
+        policy_name,
+        records,
+        router.decisions,
+        router.snapshots,
+        setup.slo,
+        warmup_s,
+        closed=workload.clients > 0,
+        refusals=router.refusals,
+    )
 
 
 def with_alpha(snapshot: Snapshot, alpha: float) -> Snapshot:

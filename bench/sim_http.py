@@ -31,8 +31,7 @@ def cpu_seconds(pid: int) -> float:
 
 async def hold_streams(t: RunningTwin, n: int, seconds: float) -> list[list[float]]:
     """n streams that run for `seconds`; returns each stream's chunk arrival times."""
-    body = {"messages": [{"role": "user", "content": "Go."}], "max_tokens": 30_000, "ignore_eos": True,
-            "stream": True}
+    body = {"messages": [{"role": "user", "content": "Go."}], "max_tokens": 30_000, "ignore_eos": True, "stream": True}
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     async with httpx.AsyncClient(base_url=t.url, limits=limits, timeout=60) as client:
         stop_at = time.monotonic() + seconds
@@ -97,19 +96,25 @@ def main() -> None:
     profile = load_profile(args.profile)
     scale = args.time_scale
     spec_alpha_args = ("--mean-alpha", "0.64")
-    with twins(TwinSpec("base", args.profile, time_scale=scale),
-               TwinSpec("spec", args.profile, time_scale=scale, args=spec_alpha_args)) as (base, spec):
+    with twins(
+        TwinSpec("base", args.profile, time_scale=scale),
+        TwinSpec("spec", args.profile, time_scale=scale, args=spec_alpha_args),
+    ) as (base, spec):
         rows = [
             ("base", measure(base, args.streams, args.seconds, profile.base_step_ms(args.streams, 200) / 1000, scale)),
             ("spec", measure(spec, 48, args.seconds, profile.spec_step_ms(48, 3, 200) / 1000, scale)),
         ]
     print(f"profile {args.profile}, time scale {scale}, {args.seconds:.0f} s per run, {os.cpu_count()} cores")
-    print("| twin | streams | twin CPU % | chunks/s | client-seen chunk interval ms | profile step ms | error % "
-          "| twin's own ITL ms |")
+    print(
+        "| twin | streams | twin CPU % | chunks/s | client-seen chunk interval ms | profile step ms | error % "
+        "| twin's own ITL ms |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, r in rows:
-        print(f"| {name} | {r['streams']} | {r['cpu_pct']:.0f} | {r['chunks_per_s']:,.0f} | {r['interval_ms']:.2f} | "
-              f"{r['expected_ms']:.2f} | {r['error_pct']:+.1f} | {r['server_itl_ms']:.2f} |")
+        print(
+            f"| {name} | {r['streams']} | {r['cpu_pct']:.0f} | {r['chunks_per_s']:,.0f} | {r['interval_ms']:.2f} | "
+            f"{r['expected_ms']:.2f} | {r['error_pct']:+.1f} | {r['server_itl_ms']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import argparse
 
-from sim.engine import Engine, EngineConfig
 from fleet.profile import load_profile
+from sim.engine import Engine, EngineConfig
 from sim.virtual import Arrival, StepObservation, simulate
 
 # Reference tables: batch sizes, then spec/base per-stream speed by mean alpha (k=3).
 REFERENCE = {
     # ../shared/DESIGN.md, at L=1024 on the measured H200 table.
-    "h200-llama8b": ((1, 16, 32, 64, 128, 192, 256), {
-        0.45: (1.46, 1.44, 1.38, 1.15, 0.90, 0.82, 0.75),
-        0.60: (1.83, 1.80, 1.72, 1.43, 1.13, 1.02, 0.94),
-        0.75: (2.29, 2.26, 2.16, 1.80, 1.42, 1.28, 1.18),
-    }),
+    "h200-llama8b": (
+        (1, 16, 32, 64, 128, 192, 256),
+        {
+            0.45: (1.46, 1.44, 1.38, 1.15, 0.90, 0.82, 0.75),
+            0.60: (1.83, 1.80, 1.72, 1.43, 1.13, 1.02, 0.94),
+            0.75: (2.29, 2.26, 2.16, 1.80, 1.42, 1.28, 1.18),
+        },
+    ),
     # ../shared/speculation-facts.md section 3.3, tau 2.32 (alpha 0.64), 1.0 ms per draft step.
     "kimi-linear": ((1, 4, 8, 16, 32, 64, 128), {0.64: (1.86, 1.66, 1.47, 1.24, 1.02, 0.84, 0.72)}),
     "kimi-moe": ((1, 4, 8, 16, 32, 64, 128), {0.64: (1.74, 1.45, 1.31, 1.27, 1.37, 1.55, 1.58)}),
@@ -40,8 +43,18 @@ def per_stream_speed(mode: str, profile, batch: int, alpha: float) -> float:
     tokens = seconds = 0.0
     for seed in range(1, max(1, 64 // batch) + 1):
         steps: list[StepObservation] = []
-        engine = Engine(EngineConfig(mode, profile, max_running_requests=batch, mean_alpha=alpha,
-                                     alpha_concentration=1e6, chunked_prefill_size=1 << 30, seed=seed), mode)
+        engine = Engine(
+            EngineConfig(
+                mode,
+                profile,
+                max_running_requests=batch,
+                mean_alpha=alpha,
+                alpha_concentration=1e6,
+                chunked_prefill_size=1 << 30,
+                seed=seed,
+            ),
+            mode,
+        )
         arrivals = [Arrival(0.0, 960, max_tokens=129, ignore_eos=True) for _ in range(batch)]
         simulate([engine], arrivals, lambda a, f: 0, on_step=steps.append)
         for step in steps:

@@ -15,11 +15,10 @@ import random
 import statistics
 import time
 
+from fleet.profile import load_profile
 from sim.engine import Engine, EngineConfig
 from sim.lengths import read_trace
-from fleet.profile import load_profile
 from sim.virtual import Arrival, simulate
-
 
 # Arrival rates (per simulated second) that keep about 100 streams in flight on a spec + base pair.
 RATE_FOR_100_STREAMS = {"h200-llama8b": 31.0, "kimi-linear": 8.5, "kimi-moe": 7.5}
@@ -39,8 +38,10 @@ def arrivals(n: int, rate: float, seed: int) -> list[Arrival]:
 
 def run(n: int, rate: float, profile_name: str, seed: int) -> dict[str, float]:
     profile = load_profile(profile_name)
-    fleet = [Engine(EngineConfig("spec", profile, seed=seed), "spec"),
-             Engine(EngineConfig("base", profile, seed=seed + 1), "base")]
+    fleet = [
+        Engine(EngineConfig("spec", profile, seed=seed), "spec"),
+        Engine(EngineConfig("base", profile, seed=seed + 1), "base"),
+    ]
     batch = []
 
     def router(arrival: Arrival, views) -> int:
@@ -68,8 +69,12 @@ def run(n: int, rate: float, profile_name: str, seed: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=10_000)
-    parser.add_argument("--rate", type=float, default=None,
-                        help="arrivals per simulated second (default: about 100 concurrent streams per profile)")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="arrivals per simulated second (default: about 100 concurrent streams per profile)",
+    )
     parser.add_argument("--profile", action="append", help="repeat for several (default: all three built-ins)")
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
@@ -78,8 +83,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for name in profiles:
         r = run(args.requests, args.rate or RATE_FOR_100_STREAMS.get(name, 10.0), name, args.seed)
-        print(f"| {name} | {r['requests']:,} | {r['mean_streams']:.0f} | {r['simulated_s']:,.0f} | "
-              f"{r['decode_steps']:,} | {r['tokens']:,} | {r['cpu_s']:.2f} | {r['requests'] / r['cpu_s']:,.0f} |")
+        print(
+            f"| {name} | {r['requests']:,} | {r['mean_streams']:.0f} | {r['simulated_s']:,.0f} | "
+            f"{r['decode_steps']:,} | {r['tokens']:,} | {r['cpu_s']:.2f} | {r['requests'] / r['cpu_s']:,.0f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -12,8 +12,8 @@ so only the ratio is compared.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from fleet.profile import Profile, load_profile, tokens_per_verify_step
 
@@ -40,8 +40,10 @@ def table(gpu: Profile, sglang: Profile) -> str:
     for b in BATCHES:
         published = f"{PUBLISHED[b]:.2f}" if b in PUBLISHED else ""
         rows.append(f"| {b} | {ratio(gpu, b):.2f} | {ratio(sglang, b):.2f} | {published} |")
-    rmse = {name: (sum((ratio(p, b) - v) ** 2 for b, v in PUBLISHED.items()) / len(PUBLISHED)) ** 0.5
-            for name, p in (("gpu", gpu), ("sglang", sglang))}
+    rmse = {
+        name: (sum((ratio(p, b) - v) ** 2 for b, v in PUBLISHED.items()) / len(PUBLISHED)) ** 0.5
+        for name, p in (("gpu", gpu), ("sglang", sglang))
+    }
     rows.append(f"| rms error vs published | {rmse['gpu']:.2f} | {rmse['sglang']:.2f} | |")
     rows.append(f"| crossover batch (ratio < 1) | {crossover(gpu)} | {crossover(sglang)} | |")
     return "\n".join(rows)

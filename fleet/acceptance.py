@@ -115,7 +115,9 @@ class AcceptanceEstimator:
     finished request, discounted by its age). Each weighs by the verify steps it covers.
     """
 
-    def __init__(self, num_draft_tokens: int, half_life_s: float = DEFAULT_HALF_LIFE_S, prior_accept_length: float | None = None):
+    def __init__(
+        self, num_draft_tokens: int, half_life_s: float = DEFAULT_HALF_LIFE_S, prior_accept_length: float | None = None
+    ):
         self.k = num_draft_tokens
         self._mean = SmoothedMean(half_life_s)
         if prior_accept_length is not None:

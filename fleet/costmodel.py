@@ -180,8 +180,9 @@ class StepCostModel:
             step += (tokens_per_seq - 1) * self.seed.draft_ms(b)
         return step
 
-    def observe(self, pool: PoolName, batch: float, step_ms: float, weight: float = 1.0,
-                now: float | None = None) -> None:
+    def observe(
+        self, pool: PoolName, batch: float, step_ms: float, weight: float = 1.0, now: float | None = None
+    ) -> None:
         """One observed engine step (or a mean of `weight` steps) at this batch size, at `now`."""
         if batch < 1 or step_ms <= 0 or not math.isfinite(step_ms) or weight <= 0:
             return
@@ -193,7 +194,7 @@ class StepCostModel:
         bucket.ratio += (ratio - bucket.ratio) * weight / bucket.weight
         bucket.at = max(bucket.at, now)
 
-    def at(self, now: float) -> "StepCostAt":
+    def at(self, now: float) -> StepCostAt:
         """The model as it predicts at `now` (what a Snapshot carries; the StepCost protocol)."""
         return StepCostAt(self, self._tell(now))
 
@@ -230,8 +231,9 @@ class StepCostModel:
     def prefill_ms(self, pool: PoolName, tokens: int) -> float:
         return self.seed.prefill_ms(max(tokens, 1), self._pools[pool].tokens_per_seq > 1)
 
-    def estimates(self, batches: tuple[int, ...] = (1, 8, 32, 48, 64, 128, 256),
-                  now: float | None = None) -> dict[str, dict[str, float]]:
+    def estimates(
+        self, batches: tuple[int, ...] = (1, 8, 32, 48, 64, 128, 256), now: float | None = None
+    ) -> dict[str, dict[str, float]]:
         """Predicted step ms per pool at a few batch sizes (for /v1/specroute/state)."""
         return {
             pool: {str(b): round(self.decode_step_ms(pool, b, model.tokens_per_seq, now), 3) for b in batches}  # type: ignore[arg-type]

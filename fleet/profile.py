@@ -17,10 +17,11 @@ from __future__ import annotations
 import bisect
 import csv
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 # No draft step is given for the formula presets: 1.0 ms per draft step
 # (speculation-facts section 3.3) unless the file says otherwise.
@@ -54,14 +55,21 @@ class Overheads:
         return verify + num_steps * self.per_draft_step_ms + self.per_step_ms + self.per_request_ms * batch
 
     @classmethod
-    def parse(cls, doc: dict[str, Any] | None) -> "Overheads":
+    def parse(cls, doc: dict[str, Any] | None) -> Overheads:
         doc = dict(doc or {})
         unknown = set(doc) - {"per_verify_step_ms", "per_draft_step_ms", "per_step_ms", "per_request_ms"}
         if unknown:
             raise ValueError(f"unknown overhead field(s) {sorted(unknown)}")
         overheads = cls(**{name: float(value) for name, value in doc.items()})
-        if min(overheads.per_verify_step_ms, overheads.per_draft_step_ms, overheads.per_step_ms,
-               overheads.per_request_ms) < 0:
+        if (
+            min(
+                overheads.per_verify_step_ms,
+                overheads.per_draft_step_ms,
+                overheads.per_step_ms,
+                overheads.per_request_ms,
+            )
+            < 0
+        ):
             raise ValueError("overheads must be >= 0")
         return overheads
 
@@ -102,9 +110,11 @@ class Profile:
     def spec_step_ms(self, batch: int, num_steps: int, context: float) -> float:
         """One speculative step: k draft steps, then a verify step of k+1 tokens per sequence,
         plus the engine's overheads."""
-        return num_steps * self.step.draft_ms(batch, context) + self.step.target_ms(
-            batch, num_steps + 1, context
-        ) + self.spec_overheads.step_ms(batch, num_steps)
+        return (
+            num_steps * self.step.draft_ms(batch, context)
+            + self.step.target_ms(batch, num_steps + 1, context)
+            + self.spec_overheads.step_ms(batch, num_steps)
+        )
 
     def prefill_ms(self, tokens: int, speculative: bool = False) -> float:
         if self.prefill_uses_step:
@@ -172,8 +182,8 @@ class TableStep:
     def __init__(self, rows: list[tuple[str, int, int, int, float]]):
         # grid[kind][L][T] = (Bs, ms)
         grid: dict[str, dict[int, dict[int, tuple[list[float], list[float]]]]] = {}
-        for kind, b, t, l, ms in sorted(rows):
-            bs, values = grid.setdefault(kind, {}).setdefault(l, {}).setdefault(t, ([], []))
+        for kind, b, t, length, ms in sorted(rows):
+            bs, values = grid.setdefault(kind, {}).setdefault(length, {}).setdefault(t, ([], []))
             bs.append(float(b))
             values.append(ms)
         if "target" not in grid:
@@ -186,12 +196,12 @@ class TableStep:
         per_l = self._grid[kind]
         ls = sorted(per_l)
         by_l = []
-        for l in ls:
-            per_t = per_l[l]
+        for length in ls:
+            per_t = per_l[length]
             ts = sorted(per_t)
             by_t = [_interp(*per_t[t], float(batch)) for t in ts]
             by_l.append(_interp([float(t) for t in ts], by_t, float(tokens_per_seq)))
-        value = _interp([float(l) for l in ls], by_l, context)
+        value = _interp([float(length) for length in ls], by_l, context)
         return max(value, self._floor[kind])
 
     def _cached(self, kind: str, batch: int, tokens_per_seq: int, context: float) -> float:
@@ -285,4 +295,3 @@ def tokens_per_verify_step(alpha: float, num_steps: int) -> float:
     if alpha >= 1.0:
         return float(num_steps + 1)
     return (1.0 - alpha ** (num_steps + 1)) / (1.0 - alpha)
-

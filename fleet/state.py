@@ -272,8 +272,9 @@ class FleetState:
                 alpha=self.acceptance.alpha() if speculative else None,
                 stale=bool(healthy_ages) and min(healthy_ages) > self.stale_after_s,
             )
-        return Snapshot(pools=pools, cost=cost, mean_output_tokens=self.mean_output_tokens,
-                        output_samples=self.output_samples)
+        return Snapshot(
+            pools=pools, cost=cost, mean_output_tokens=self.mean_output_tokens, output_samples=self.output_samples
+        )
 
     def _instance_state(self, signals: InstanceSignals, now: float) -> InstanceState:
         running, waiting = signals.adjusted()

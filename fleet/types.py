@@ -7,8 +7,9 @@ is unit-tested on hand-built snapshots, swept on the twin's virtual clock, and s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, Protocol
+from typing import Literal, Protocol
 
 PoolName = Literal["spec", "base"]
 POOLS: tuple[PoolName, PoolName] = ("spec", "base")

@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from policies.goodput import Goodput, Prediction
 from fleet.types import Decision, Features, Snapshot
+from policies.goodput import Goodput, Prediction
 
 BATCH_SHARE = 0.5
 """A batch request is shed when its predicted first token is past this share of the limit."""
@@ -99,7 +99,11 @@ class Admission:
         ttft = p.ttft_s + p.wait_spread_s
         tpot = max(p.tpot_s, p.others_tpot_s)
         rule = self.past_limits(ttft, tpot, self.scale)
-        if rule is None and features.request_class == "batch" and self.past_limits(ttft, tpot, self.scale * BATCH_SHARE):
+        if (
+            rule is None
+            and features.request_class == "batch"
+            and self.past_limits(ttft, tpot, self.scale * BATCH_SHARE)
+        ):
             rule = "shed-batch"
         if rule is None:
             return None

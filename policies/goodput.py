@@ -41,8 +41,8 @@ import math
 from dataclasses import dataclass
 
 from fleet.acceptance import accept_length
-from policies.registry import register
 from fleet.types import Decision, Features, InstanceState, PoolState, Snapshot, StepCost
+from policies.registry import register
 
 # Past this share of time spent prefilling, a server's decode is predicted 10x slower; the cap
 # keeps a burst's prediction finite.
@@ -123,7 +123,9 @@ class Goodput:
         configured default as OUTPUT_PRIOR_SAMPLES responses' worth, capped by max_tokens."""
         typical = self.default_output_tokens
         if learned and samples > 0:
-            typical = int(round((OUTPUT_PRIOR_SAMPLES * typical + samples * learned) / (OUTPUT_PRIOR_SAMPLES + samples)))
+            typical = int(
+                round((OUTPUT_PRIOR_SAMPLES * typical + samples * learned) / (OUTPUT_PRIOR_SAMPLES + samples))
+            )
         if features.max_tokens is None:
             return max(typical, 1)
         if features.ignore_eos:
@@ -138,8 +140,7 @@ class Goodput:
         alpha = pool.alpha if pool.alpha is not None else self.default_alpha
         return accept_length(alpha, k), k + 1
 
-    def prefill_share(self, pool: PoolState, instance: InstanceState, cost: StepCost,
-                      n_out: int = 0) -> float:
+    def prefill_share(self, pool: PoolState, instance: InstanceState, cost: StepCost, n_out: int = 0) -> float:
         """The share of the instance's time its prefills take, at the rate prompts were sent to it
         lately (each prefilled alone, at the recent mean length: they mostly arrive one by one).
 
@@ -160,8 +161,15 @@ class Goodput:
             busy = min(busy, a / (1 + a))
         return min(busy, MAX_PREFILL_SHARE)
 
-    def predict(self, pool: PoolState, instance: InstanceState, features: Features, cost: StepCost,
-                n_out: int, triage: bool = False) -> Prediction:
+    def predict(
+        self,
+        pool: PoolState,
+        instance: InstanceState,
+        features: Features,
+        cost: StepCost,
+        n_out: int,
+        triage: bool = False,
+    ) -> Prediction:
         """`n_out`: the output tokens planned for (`output_tokens`); `triage`: see `pressure`."""
         tau, width = self.accept_length(pool)
         cap = max(instance.max_running, 1)
@@ -282,8 +290,7 @@ class Goodput:
                     # base still cannot serve anyone: the lost request queues on spec instead,
                     # where its own first token also comes sooner. Not past base's cap: there
                     # base's queue is one for slots too, which does not clear when the burst ends.
-                    if (spec_full and on_base.over_cap <= 0
-                            and on_base.ttft_s - on_spec.ttft_s > self.slo_ttft_s > 0):
+                    if spec_full and on_base.over_cap <= 0 and on_base.ttft_s - on_spec.ttft_s > self.slo_ttft_s > 0:
                         return Decision(pool="spec", reason="spec-backlog", scores=scores)
             if spec_full:
                 return Decision(pool="base", reason="spec-full", scores=scores)
@@ -295,16 +302,16 @@ class Goodput:
             return Decision(pool="spec", reason="spec-sooner", scores=scores)
         return Decision(pool="base", reason="base-sooner", scores=scores)
 
-    def slot_price(self, snapshot: Snapshot, base: PoolState, joined_base: InstanceState,
-                   features: Features) -> float:
+    def slot_price(self, snapshot: Snapshot, base: PoolState, joined_base: InstanceState, features: Features) -> float:
         """What taking the spec pool's last free slot costs: the next request then goes to base,
         where a prompt of the recent mean length costs the requests running there its prefill."""
         sent = sum(i.dispatches_per_s for p in snapshot.pools.values() for i in p.healthy_instances)
         tokens = sum(i.prompt_tokens_per_s for p in snapshot.pools.values() for i in p.healthy_instances)
         if sent <= 0 or snapshot.cost is None:
             return 0.0
-        typical = Features(prompt_tokens=max(int(tokens / sent), 1), max_tokens=features.max_tokens,
-                           ignore_eos=features.ignore_eos)
+        typical = Features(
+            prompt_tokens=max(int(tokens / sent), 1), max_tokens=features.max_tokens, ignore_eos=features.ignore_eos
+        )
         n_out = self.output_tokens(typical, snapshot.mean_output_tokens, snapshot.output_samples)
         return self.predict(base, joined_base, typical, snapshot.cost, n_out).others_s
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from policies.registry import register
 from fleet.types import POOLS, Decision, Features, PoolName, Snapshot
+from policies.registry import register
 
 
 class RoundRobin:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies.registry import register
 from fleet.types import Decision, Features, PoolName, Snapshot
+from policies.registry import register
 
 
 @dataclass

@@ -10,14 +10,16 @@ to a larger batch when more drafts are accepted, so they are multiplied by
 from __future__ import annotations
 
 from fleet.acceptance import accept_length
-from policies.registry import register
 from fleet.types import Decision, Features, PoolName, Snapshot
+from policies.registry import register
 
 
 class Threshold:
     name = "threshold"
 
-    def __init__(self, enter: float = 24, exit: float = 40, reference_alpha: float = 0.6, scale_with_alpha: bool = True):
+    def __init__(
+        self, enter: float = 24, exit: float = 40, reference_alpha: float = 0.6, scale_with_alpha: bool = True
+    ):
         if not 0 < enter <= exit:
             raise ValueError("threshold needs 0 < enter <= exit")
         self.enter = float(enter)
@@ -57,5 +59,7 @@ class Threshold:
 
 
 @register("threshold")
-def threshold(enter: float = 24, exit: float = 40, reference_alpha: float = 0.6, scale_with_alpha: bool = True) -> Threshold:
+def threshold(
+    enter: float = 24, exit: float = 40, reference_alpha: float = 0.6, scale_with_alpha: bool = True
+) -> Threshold:
     return Threshold(enter, exit, reference_alpha, scale_with_alpha)

@@ -1,7 +1,7 @@
 """The ASGI application: completions on a raw hot path, everything else on FastAPI.
 
-    app = create_app(settings)            # settings from proxy.settings.load_settings()
-    uvicorn.run(app, ...)                 # proxy.server.serve does this with graceful shutdown
+app = create_app(settings)            # settings from proxy.settings.load_settings()
+uvicorn.run(app, ...)                 # proxy.server.serve does this with graceful shutdown
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any
 
 import cachetools
 from fastapi import FastAPI, Request
@@ -20,8 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from proxy.auth import Access, AuthRefused, KeyLimits, without_authorization
 from proxy import openapi
+from proxy.auth import Access, AuthRefused, KeyLimits, without_authorization
 from proxy.errors import ProxyError, error_object, error_type_for
 from proxy.hooks import Telemetry
 from proxy.relay import COMPLETION_PATHS, CompletionHandler, Receive, Scope, Send
@@ -81,8 +82,11 @@ class SpecrouteApp:
         body was announced and not read, an unanswered `Expect: 100-continue` included)."""
         self.telemetry.auth_refused(refusal.reason)
         body = refusal.body()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                   *refusal.headers]
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(body)).encode()),
+            *refusal.headers,
+        ]
         await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -120,7 +124,10 @@ class SpecrouteApp:
             return cached
         instances = self.router.instances()
         answers = await asyncio.gather(
-            *(self.upstream.get_json(i.url + "/v1/models", auth_headers(i.api_key), MODELS_TIMEOUT_S) for i in instances),
+            *(
+                self.upstream.get_json(i.url + "/v1/models", auth_headers(i.api_key), MODELS_TIMEOUT_S)
+                for i in instances
+            ),
             return_exceptions=True,
         )
         models: dict[str, dict[str, Any]] = {}
@@ -156,7 +163,9 @@ def auth_headers(api_key: str | None) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {api_key}")] if api_key else []
 
 
-def error_response(status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return JSONResponse({"error": error_object(message, error_type_for(status), code)}, status, headers=headers)
 
 

@@ -19,9 +19,10 @@ import ipaddress
 import logging
 import os
 import time
+from collections.abc import Callable, Iterable
 from enum import IntEnum
 from pathlib import Path
-from typing import Callable, Iterable, Literal
+from typing import Literal
 
 from proxy.errors import ProxyError
 from proxy.settings import Settings
@@ -68,8 +69,13 @@ def split_keys(text: str, separator: str | None) -> list[str]:
 class KeyRing:
     """Known key hashes with their roles; the file's keys follow the file."""
 
-    def __init__(self, inline: Iterable[str], operators: Iterable[str], path: str | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        inline: Iterable[str],
+        operators: Iterable[str],
+        path: str | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.inline = {digest(k): Role.CLIENT for k in inline}
         self.inline.update({digest(k): Role.OPERATOR for k in operators})
         self.path = Path(path) if path else None
@@ -92,8 +98,12 @@ class KeyRing:
                 stat = os.stat(self.path)
                 text = self.path.read_text("utf-8")
             except (OSError, UnicodeDecodeError) as exc:
-                log.error("cannot read SPECROUTE_API_KEYS_FILE %s (%s); keeping the %d keys read before",
-                          self.path, type(exc).__name__, len(self.file_keys))
+                log.error(
+                    "cannot read SPECROUTE_API_KEYS_FILE %s (%s); keeping the %d keys read before",
+                    self.path,
+                    type(exc).__name__,
+                    len(self.file_keys),
+                )
             else:
                 self.file_stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
                 self.file_keys = {digest(k): Role.CLIENT for k in split_keys(text, None)}
@@ -141,15 +151,14 @@ def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> tuple[str | None, bo
 class Access:
     """The rules: which paths need a key, which need an operator's, who may pin a pool."""
 
-    def __init__(self, keys: KeyRing, metrics: Need, state: Need,
-                 pool_pin: Literal["any", "operators", "off"]) -> None:
+    def __init__(self, keys: KeyRing, metrics: Need, state: Need, pool_pin: Literal["any", "operators", "off"]) -> None:
         self.keys = keys
         self.metrics = metrics
         self.state = state
         self.pool_pin = pool_pin
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "Access":
+    def from_settings(cls, settings: Settings) -> Access:
         def secret(value: object) -> list[str]:
             return split_keys(value.get_secret_value(), ",") if value is not None else []  # type: ignore[attr-defined]
 
@@ -173,8 +182,12 @@ class Access:
         """The refusal to send; else the hash of the client's key (None when no key was needed)."""
         pins = any(name.lower() == POOL_HEADER for name, _ in headers)
         if pins and self.pool_pin == "off":
-            return AuthRefused(403, "pinning a pool (x-specroute-pool) is turned off on this proxy",
-                               "pool_pin_not_allowed", "pin_not_allowed")
+            return AuthRefused(
+                403,
+                "pinning a pool (x-specroute-pool) is turned off on this proxy",
+                "pool_pin_not_allowed",
+                "pin_not_allowed",
+            )
         if not self.enabled:
             return None
         needed = self.needed(path)
@@ -185,9 +198,14 @@ class Access:
         token, sent = bearer_token(headers)
         if token is None:
             reason = "malformed" if sent else "missing"
-            return AuthRefused(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
-                               if not sent else "The Authorization header must be 'Bearer <key>'.",
-                               "invalid_api_key", reason)
+            return AuthRefused(
+                401,
+                "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
+                if not sent
+                else "The Authorization header must be 'Bearer <key>'.",
+                "invalid_api_key",
+                reason,
+            )
         role, key = self.keys.role_of(token)
         if role is Role.NONE:
             return AuthRefused(401, "Incorrect API key provided.", "invalid_api_key", "invalid")
@@ -220,8 +238,12 @@ class KeyLimits:
             self.open.pop(key, None)
 
     def refusal(self) -> AuthRefused:
-        refused = AuthRefused(429, f"this key already has {self.limit} requests open; retry after 1 s",
-                              "key_concurrency_limit", "key_concurrency")
+        refused = AuthRefused(
+            429,
+            f"this key already has {self.limit} requests open; retry after 1 s",
+            "key_concurrency_limit",
+            "key_concurrency",
+        )
         refused.headers.append((b"retry-after", b"1"))
         return refused
 
@@ -242,5 +264,7 @@ def is_loopback(host: str) -> bool:
 
 def warn_if_open(settings: Settings, access: Access) -> None:
     if not access.enabled and not is_loopback(settings.host):
-        log.warning("no SPECROUTE_API_KEYS set and listening on %s: anyone who reaches this address can use "
-                    "the GPUs behind it", settings.host)
+        log.warning(
+            "no SPECROUTE_API_KEYS set and listening on %s: anyone who reaches this address can use the GPUs behind it",
+            settings.host,
+        )

@@ -92,18 +92,20 @@ def separators_outside_strings(body: bytes, limit: int) -> int:
     return count
 
 
-def read(body: bytes, max_items: int, max_values: int,
-         request_class: str | None) -> tuple[dict[str, Any], Features]:
+def read(body: bytes, max_items: int, max_values: int, request_class: str | None) -> tuple[dict[str, Any], Features]:
     """The parsed body and what routing needs of it (see `parse`)."""
     items = body.count(b"{") + body.count(b"[")
     if items > max_items:
-        raise ProxyError(400, f"request body has more than {max_items} JSON objects and arrays",
-                         code="request_too_complex")
+        raise ProxyError(
+            400, f"request body has more than {max_items} JSON objects and arrays", code="request_too_complex"
+        )
     # Counting everywhere is an upper bound: only a body over it needs the exact count.
-    if (body.count(b",") + body.count(b":") > max_values
-            and separators_outside_strings(body, max_values) > max_values):
-        raise ProxyError(400, f"request body has more than {max_values} JSON values (array elements "
-                         "and object members)", code="request_too_complex")
+    if body.count(b",") + body.count(b":") > max_values and separators_outside_strings(body, max_values) > max_values:
+        raise ProxyError(
+            400,
+            f"request body has more than {max_values} JSON values (array elements and object members)",
+            code="request_too_complex",
+        )
     payload = parse_object(body)
     check_fields(payload)
     return payload, features_of(payload, request_class)
@@ -118,8 +120,9 @@ BULK_FIELDS = ("messages", "prompt", "tools", "functions")
 small fields (model, sampling parameters) cross back."""
 
 
-def read_in_worker(body: bytes, max_items: int, max_values: int,
-                   request_class: str | None) -> tuple[dict[str, Any], Features] | tuple[int, str, str | None, str | None]:
+def read_in_worker(
+    body: bytes, max_items: int, max_values: int, request_class: str | None
+) -> tuple[dict[str, Any], Features] | tuple[int, str, str | None, str | None]:
     """`read` in the worker process; a refusal comes back as (status, message, code, param)."""
     try:
         payload, features = read(body, max_items, max_values, request_class)

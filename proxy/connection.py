@@ -36,10 +36,16 @@ class Limits:
 
 
 def refusal(status: int, code: str, message: str) -> bytes:
-    body = (b'{"error":{"message":"%s","type":"invalid_request_error","param":null,"code":"%s"}}'
-            % (message.encode(), code.encode()))
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s"
-            % (status, REASONS[status], len(body), body))
+    body = b'{"error":{"message":"%s","type":"invalid_request_error","param":null,"code":"%s"}}' % (
+        message.encode(),
+        code.encode(),
+    )
+    return b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s" % (
+        status,
+        REASONS[status],
+        len(body),
+        body,
+    )
 
 
 class GuardedProtocol(HttpToolsProtocol):
@@ -96,7 +102,9 @@ class GuardedProtocol(HttpToolsProtocol):
             self.header_bytes += len(data)
         super().data_received(data)
         if self.in_headers and self.header_bytes > self.limits.max_header_bytes:
-            self._refuse(431, "headers_too_large", f"request line and headers over {self.limits.max_header_bytes} bytes")
+            self._refuse(
+                431, "headers_too_large", f"request line and headers over {self.limits.max_header_bytes} bytes"
+            )
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -110,8 +118,9 @@ class GuardedProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is None:
             return
-        has_body = any(name in (b"content-length", b"transfer-encoding") and value not in (b"0",)
-                       for name, value in self.headers)
+        has_body = any(
+            name in (b"content-length", b"transfer-encoding") and value not in (b"0",) for name, value in self.headers
+        )
         if has_body and not cycle.response_complete:
             self._arm(self.limits.body_timeout_s, 408, "body_timeout", "request body not received in time")
         if not has_body:

@@ -85,8 +85,9 @@ def normalise_upstream_error(status: int, body: bytes, request_id: str) -> bytes
     replaced by `upstream answered HTTP n`.
     """
     if status >= 500:
-        return error_body(f"upstream server error (HTTP {status}; request id {request_id})",
-                          error_type_for(status), status)
+        return error_body(
+            f"upstream server error (HTTP {status}; request id {request_id})", error_type_for(status), status
+        )
     try:
         data = orjson.loads(body) if body else None
     except orjson.JSONDecodeError:

@@ -8,7 +8,8 @@ Prompts and completions are never handed over: only sizes, counts, statuses and 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -29,8 +30,8 @@ class RequestHooks:
     def decided(
         self,
         *,
-        decision: "Decision",
-        features: "Features",
+        decision: Decision,
+        features: Features,
         model: str | None,
         override: str | None,
         body: Mapping[str, Any] | None = None,
@@ -86,7 +87,7 @@ NO_HOOKS = RequestHooks()
 class Telemetry:
     """Factory of RequestHooks plus lifecycle; the default records nothing."""
 
-    def install(self, app: "FastAPI") -> None:
+    def install(self, app: FastAPI) -> None:
         """Add routes (GET /metrics) or middleware to the management app."""
 
     def request_hooks(self, endpoint: str) -> RequestHooks:
@@ -101,4 +102,3 @@ class Telemetry:
 
     async def stop(self) -> None:
         """Called once at shutdown (flush exporters here)."""
-

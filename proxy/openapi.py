@@ -40,10 +40,18 @@ COMMON = {
     "service_tier": {"type": ["string", "null"]},
 }
 ROUTING_HEADERS = [
-    {"name": "x-specroute-pool", "in": "header", "required": False,
-     "schema": {"type": "string", "enum": ["spec", "base", "auto"]}},
-    {"name": "x-specroute-class", "in": "header", "required": False,
-     "schema": {"type": "string", "enum": ["latency", "batch"]}},
+    {
+        "name": "x-specroute-pool",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string", "enum": ["spec", "base", "auto"]},
+    },
+    {
+        "name": "x-specroute-class",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string", "enum": ["latency", "batch"]},
+    },
     {"name": "x-request-id", "in": "header", "required": False, "schema": {"type": "string"}},
 ]
 
@@ -51,26 +59,48 @@ ROUTING_HEADERS = [
 def completion_path(summary: str, prompt: dict[str, Any], required: str) -> dict[str, Any]:
     body = {"type": "object", "required": ["model", required], "properties": {**COMMON, required: prompt}}
     responses: dict[str, Any] = {
-        "200": {"description": "The completion (JSON), or with `stream: true` its server-sent events",
-                "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {}}}},
+        "200": {
+            "description": "The completion (JSON), or with `stream: true` its server-sent events",
+            "content": {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {"schema": {}}},
+        },
     }
-    responses.update({status: {"description": "An OpenAI-shaped error", "content": {"application/json": {"schema": ERROR}}}
-                      for status in ERROR_STATUSES})
-    return {"post": {"summary": summary, "parameters": ROUTING_HEADERS,
-                     "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
-                     "responses": responses}}
+    responses.update(
+        {
+            status: {"description": "An OpenAI-shaped error", "content": {"application/json": {"schema": ERROR}}}
+            for status in ERROR_STATUSES
+        }
+    )
+    return {
+        "post": {
+            "summary": summary,
+            "parameters": ROUTING_HEADERS,
+            "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
+            "responses": responses,
+        }
+    }
 
 
 def describe() -> dict[str, Any]:
-    messages = {"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
-        "role": {"type": "string", "enum": ["system", "user", "assistant", "tool", "developer"]},
-        "content": {"type": ["string", "array", "null"]}}}}
+    messages = {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": ["role"],
+            "properties": {
+                "role": {"type": "string", "enum": ["system", "user", "assistant", "tool", "developer"]},
+                "content": {"type": ["string", "array", "null"]},
+            },
+        },
+    }
     prompt = {"type": ["string", "array"]}
     simple = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
     return {
         "openapi": "3.1.0",
-        "info": {"title": "specroute", "version": __version__,
-                 "description": "OpenAI-compatible proxy routing each request to a speculative or a plain pool."},
+        "info": {
+            "title": "specroute",
+            "version": __version__,
+            "description": "OpenAI-compatible proxy routing each request to a speculative or a plain pool.",
+        },
         "paths": {
             "/v1/chat/completions": completion_path("Chat completion, routed", messages, "messages"),
             "/v1/completions": completion_path("Text completion, routed", prompt, "prompt"),

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from fleet.state import FleetState
 from proxy.pools import Instance, Pool
@@ -54,9 +55,17 @@ class Record:
 
 
 class OutlierDetector:
-    def __init__(self, pools: Iterable[Pool], fleet: FleetState, *, consecutive_failures: int,
-                 ejection_s: float, max_ejection_s: float, slow_factor: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        pools: Iterable[Pool],
+        fleet: FleetState,
+        *,
+        consecutive_failures: int,
+        ejection_s: float,
+        max_ejection_s: float,
+        slow_factor: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.pools = list(pools)
         self.fleet = fleet
         self.consecutive_failures = consecutive_failures
@@ -89,9 +98,14 @@ class OutlierDetector:
         if record.state != OK:
             self._expire(url, record)
         left = max(0.0, record.until - self.clock()) if record.state == EJECTED else 0.0
-        return {"state": record.state, "ejections": record.ejections, "ejected_for_s": round(left, 3),
-                "reason": record.reason, "consecutive_failures": record.consecutive,
-                "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 4)}
+        return {
+            "state": record.state,
+            "ejections": record.ejections,
+            "ejected_for_s": round(left, 3),
+            "reason": record.reason,
+            "consecutive_failures": record.consecutive,
+            "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 4),
+        }
 
     def ejected(self, url: str) -> bool:
         return self.records[url].state == EJECTED
@@ -136,8 +150,9 @@ class OutlierDetector:
         if record.ttft_samples < SLOW_MIN_SAMPLES or record.ttft_s is None:
             return False
         others = [self.records[i.url] for i in self.pool_of[url].instances if i.url != url]
-        peers = [r.ttft_s for r in others if r.ttft_s is not None and r.ttft_samples >= SLOW_MIN_SAMPLES
-                 and r.state == OK]
+        peers = [
+            r.ttft_s for r in others if r.ttft_s is not None and r.ttft_samples >= SLOW_MIN_SAMPLES and r.state == OK
+        ]
         if not peers:
             return False
         median = statistics.median(peers)

@@ -56,8 +56,13 @@ def pools_from_settings(settings: Settings, fleet: FleetState) -> dict[PoolName,
     for name in POOLS:
         key = keys[name].get_secret_value() if keys[name] else None
         instances = [
-            Instance(url, name, fleet.add_instance(url, name, DEFAULT_MAX_RUNNING), key,
-                     url if settings.expose_backend_urls else f"{name}-{index}")
+            Instance(
+                url,
+                name,
+                fleet.add_instance(url, name, DEFAULT_MAX_RUNNING),
+                key,
+                url if settings.expose_backend_urls else f"{name}-{index}",
+            )
             for index, url in enumerate(urls[name])
         ]
         pools[name] = Pool(name, instances)

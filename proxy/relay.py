@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections import deque
+from collections.abc import Awaitable, Callable, MutableMapping
 from time import perf_counter
-from typing import Any, Awaitable, Callable, MutableMapping
+from typing import Any
 
 import aiohttp
-import orjson
 
 from fleet.types import Decision, PoolName
 from proxy import body as request_body
@@ -44,22 +44,47 @@ REQUEST_ID = "x-request-id"
 # Request headers that describe the client's connection, not the request: never forwarded.
 NOT_FORWARDED = frozenset(
     {
-        "host", "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection", "te",
-        "trailer", "transfer-encoding", "upgrade", "content-length", "accept-encoding", "expect",
-        "x-specroute-pool", "x-specroute-class",
+        "host",
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "accept-encoding",
+        "expect",
+        "x-specroute-pool",
+        "x-specroute-class",
     }
 )
 # Response headers the proxy sets itself or that belong to the upstream hop (RFC 9110 7.6.1).
 NOT_RELAYED = frozenset(
-    {b"connection", b"keep-alive", b"transfer-encoding", b"date", b"server", b"x-request-id", b"trailer", b"upgrade",
-     b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te"}
+    {
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"date",
+        b"server",
+        b"x-request-id",
+        b"trailer",
+        b"upgrade",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+    }
 )
 OWN_PREFIX = b"x-specroute-"
 """Response headers only the proxy sets: an upstream's are dropped, never passed on beside ours."""
 MAX_EVENT_BYTES = 4 * 1024 * 1024
 """The longest SSE event relayed; an upstream that sends more without ending one is cut off."""
-FORWARDED = frozenset({"x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-forwarded-port",
-                       "forwarded", "x-real-ip"})
+FORWARDED = frozenset(
+    {"x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-forwarded-port", "forwarded", "x-real-ip"}
+)
 RETRYABLE = frozenset({CONNECT, DISCONNECTED})
 """Attempt failures worth another instance. Timeouts are not: the next one would wait as long."""
 ERROR_BODY_LIMIT = 64 * 1024
@@ -83,9 +108,25 @@ class ResponseAborted(Exception):
 class Exchange:
     """One client request's state on the way through."""
 
-    __slots__ = ("request_id", "send", "hooks", "started", "status", "client_gone", "done", "error_type",
-                 "decision", "instance", "summary", "upstream_wait_s", "prompt_tokens", "streaming",
-                 "asked_stream", "request_class", "client")
+    __slots__ = (
+        "request_id",
+        "send",
+        "hooks",
+        "started",
+        "status",
+        "client_gone",
+        "done",
+        "error_type",
+        "decision",
+        "instance",
+        "summary",
+        "upstream_wait_s",
+        "prompt_tokens",
+        "streaming",
+        "asked_stream",
+        "request_class",
+        "client",
+    )
 
     def __init__(self, request_id: str, send: Send, hooks: RequestHooks) -> None:
         self.request_id = request_id
@@ -172,15 +213,23 @@ def request_id_of(headers: dict[str, str]) -> str:
     return secrets.token_hex(16)
 
 
-def outgoing_headers(headers: dict[str, str], instance: Instance, request_id: str,
-                     client: str | None = None, append_forwarded: bool = False) -> dict[str, str]:
+def outgoing_headers(
+    headers: dict[str, str],
+    instance: Instance,
+    request_id: str,
+    client: str | None = None,
+    append_forwarded: bool = False,
+) -> dict[str, str]:
     """The client's headers minus the hop-by-hop ones (named, or listed in its Connection
     header), with our request id, the pool's key, and X-Forwarded-For: the client's address
     (appended to what the client sent only when the proxy sits behind a trusted one, and then
     to a Forwarded header too; otherwise the client's forwarding headers are dropped)."""
     listed = connection_tokens([headers["connection"]]) if "connection" in headers else set()
-    out = {name: value for name, value in headers.items()
-           if name not in NOT_FORWARDED and name not in listed and (append_forwarded or name not in FORWARDED)}
+    out = {
+        name: value
+        for name, value in headers.items()
+        if name not in NOT_FORWARDED and name not in listed and (append_forwarded or name not in FORWARDED)
+    }
     if client:
         given = out.get("x-forwarded-for") if append_forwarded else None
         out["x-forwarded-for"] = f"{given}, {client}" if given else client
@@ -206,11 +255,18 @@ def relayed_headers(response: aiohttp.ClientResponse, stream: bool) -> list[tupl
     """The upstream's response headers the client may see: no hop-by-hop ones (named or listed in
     its Connection header), none of ours, and no framing of a stream (the proxy frames it anew;
     an upstream stream with a Content-Length that broke off made uvicorn log a traceback)."""
-    listed = {name.encode() for name in connection_tokens([v for n, v in response.raw_headers if n.lower() == b"connection"])}
+    listed = {
+        name.encode() for name in connection_tokens([v for n, v in response.raw_headers if n.lower() == b"connection"])
+    }
     out = []
     for name, value in response.raw_headers:
         lower = name.lower()
-        if lower in NOT_RELAYED or lower in listed or lower.startswith(OWN_PREFIX) or (stream and lower == b"content-length"):
+        if (
+            lower in NOT_RELAYED
+            or lower in listed
+            or lower.startswith(OWN_PREFIX)
+            or (stream and lower == b"content-length")
+        ):
             continue
         out.append((lower, value))
     return out
@@ -235,8 +291,9 @@ class CompletionHandler:
         self.telemetry = telemetry
         self.open_requests = 0
         """Completion requests in this handler now (SPECROUTE_MAX_OPEN_REQUESTS bounds them)."""
-        self.bodies = request_body.BodyReader(settings.max_json_items, settings.max_json_values,
-                                              keep_content=settings.trace_content)
+        self.bodies = request_body.BodyReader(
+            settings.max_json_items, settings.max_json_values, keep_content=settings.trace_content
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers, undecodable = request_headers(scope)
@@ -248,20 +305,31 @@ class CompletionHandler:
         watcher: asyncio.Task[None] | None = None
         # Before anything can be refused: a 405/413/415 is logged and traced under its request id too.
         declared = headers.get("content-length", "")
-        exchange.hooks.received(endpoint=scope["path"], request_id=exchange.request_id, headers=headers,
-                                body_bytes=int(declared) if declared.isdecimal() else 0)
+        exchange.hooks.received(
+            endpoint=scope["path"],
+            request_id=exchange.request_id,
+            headers=headers,
+            body_bytes=int(declared) if declared.isdecimal() else 0,
+        )
         self.open_requests += 1
         try:
             bound = self.settings.max_open_requests
             if bound and self.open_requests > bound:
-                raise ProxyError(429, f"the proxy holds {bound} requests open already; retry after 1 s",
-                                 code="too_many_open_requests", headers=[(b"retry-after", b"1")])
+                raise ProxyError(
+                    429,
+                    f"the proxy holds {bound} requests open already; retry after 1 s",
+                    code="too_many_open_requests",
+                    headers=[(b"retry-after", b"1")],
+                )
             if undecodable:
                 # It would reach the upstream changed (the HTTP client there encodes UTF-8).
-                raise ProxyError(400, f"header {undecodable[0]} is not valid UTF-8", param=undecodable[0],
-                                 code="invalid_header")
+                raise ProxyError(
+                    400, f"header {undecodable[0]} is not valid UTF-8", param=undecodable[0], code="invalid_header"
+                )
             if scope["method"] != "POST":
-                raise ProxyError(405, f"use POST for {scope['path']}", code="method_not_allowed", headers=[(b"allow", b"POST")])
+                raise ProxyError(
+                    405, f"use POST for {scope['path']}", code="method_not_allowed", headers=[(b"allow", b"POST")]
+                )
             body = await self.read_body(headers, receive)
             try:
                 override, request_class = read_overrides(headers)
@@ -276,15 +344,20 @@ class CompletionHandler:
             refusal = self.router.admit(features, exchange.decision, snapshot)
             if refusal is not None:
                 raise ProxyError(
-                    429, f"the fleet cannot serve this request in time now ({refusal.rule}: first token predicted "
+                    429,
+                    f"the fleet cannot serve this request in time now ({refusal.rule}: first token predicted "
                     f"in {refusal.predicted_ttft_s:.2f} s); retry after {refusal.retry_after_s} s",
-                    code="fleet_overloaded", headers=[(b"retry-after", str(refusal.retry_after_s).encode())],
+                    code="fleet_overloaded",
+                    headers=[(b"retry-after", str(refusal.retry_after_s).encode())],
                 )
             model = payload.get("model")
             exchange.hooks.decided(
-                decision=exchange.decision, features=features,
+                decision=exchange.decision,
+                features=features,
                 # Bounded: the name goes into the log line and the spans, and a client chooses it.
-                model=model[:MAX_MODEL_CHARS] if isinstance(model, str) else None, override=override, body=payload,
+                model=model[:MAX_MODEL_CHARS] if isinstance(model, str) else None,
+                override=override,
+                body=payload,
             )
             watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, task, exchange))
             target = scope["path"]
@@ -334,7 +407,8 @@ class CompletionHandler:
         content_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if content_type != "application/json":
             raise ProxyError(
-                415, f"Content-Type must be application/json, not {content_type or 'missing'!r}",
+                415,
+                f"Content-Type must be application/json, not {content_type or 'missing'!r}",
                 code="unsupported_media_type",
             )
         limit = self.settings.max_body_bytes
@@ -383,27 +457,35 @@ class CompletionHandler:
             raise failure
 
     async def attempt(
-        self, exchange: Exchange, instance: Instance, number: int, path: str,
-        headers: dict[str, str], body: bytes, remaining_s: float,
+        self,
+        exchange: Exchange,
+        instance: Instance,
+        number: int,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        remaining_s: float,
     ) -> ProxyError | None:
         """One upstream attempt. None when the client got its answer (or the stream ended with an
         error event); a ProxyError, `retryable` set, when it failed before any byte was sent."""
         hooks = exchange.hooks
         hooks.attempt_started(pool=instance.pool, instance=instance.url, attempt=number)
-        out = outgoing_headers(headers, instance, exchange.request_id, exchange.client,
-                               self.settings.forwarded_headers == "append")
+        out = outgoing_headers(
+            headers, instance, exchange.request_id, exchange.client, self.settings.forwarded_headers == "append"
+        )
         hooks.outgoing_headers(out)
         attempt = self.router.dispatch(instance, exchange.prompt_tokens, exchange.asked_stream, exchange.request_class)
         response: aiohttp.ClientResponse | None = None
         began = perf_counter()
         try:
             if remaining_s <= 0:
-                raise asyncio.TimeoutError()
+                raise TimeoutError()
             # aiohttp's own total timer only fires inside its reads; this one also ends a relay
             # blocked on a client that stopped reading.
             async with asyncio.timeout(remaining_s):
-                response = await self.upstream.post(instance.url + path, out.items(), body, remaining_s,
-                                                    first_byte_limited=exchange.asked_stream)
+                response = await self.upstream.post(
+                    instance.url + path, out.items(), body, remaining_s, first_byte_limited=exchange.asked_stream
+                )
                 hooks.upstream_headers(status=response.status, headers=response.headers)
                 if response.status >= 400:
                     return await self.upstream_error(exchange, response, attempt)
@@ -412,8 +494,12 @@ class CompletionHandler:
                     # location is an internal address): a server that redirects is misconfigured.
                     attempt.failed("upstream_redirect")
                     hooks.attempt_failed(error="upstream_redirect", retryable=True)
-                    return ProxyError(502, f"upstream {instance.pool} server answered a redirect ({response.status})",
-                                      code="upstream_redirect", retryable=True)
+                    return ProxyError(
+                        502,
+                        f"upstream {instance.pool} server answered a redirect ({response.status})",
+                        code="upstream_redirect",
+                        retryable=True,
+                    )
                 first = await response.content.readany()
                 exchange.upstream_wait_s += perf_counter() - began
                 began = 0.0
@@ -444,7 +530,9 @@ class CompletionHandler:
                 else:
                     response.close()  # unread bytes: drop the connection, which ends the upstream request
 
-    async def upstream_error(self, exchange: Exchange, response: aiohttp.ClientResponse, attempt: Attempt) -> ProxyError:
+    async def upstream_error(
+        self, exchange: Exchange, response: aiohttp.ClientResponse, attempt: Attempt
+    ) -> ProxyError:
         """An upstream 4xx/5xx: 5xx may go to another instance; 4xx is the client's to see
         (with the upstream's retry-after, which the SDKs honour)."""
         raw = await read_up_to(response.content, ERROR_BODY_LIMIT)
@@ -458,8 +546,14 @@ class CompletionHandler:
             exchange.hooks.attempt_finished(status=response.status)
         relayed = [(name.lower(), value) for name, value in response.raw_headers if name.lower() in RETRY_AFTER]
         # A 4xx is the client's to act on: the SDK retries a 429 (after its retry-after), not a 400.
-        return ProxyError(response.status, "upstream error", code=str(response.status), retryable=retryable or None,
-                          payload=payload, headers=relayed)
+        return ProxyError(
+            response.status,
+            "upstream error",
+            code=str(response.status),
+            retryable=retryable or None,
+            payload=payload,
+            headers=relayed,
+        )
 
     async def relay(self, exchange: Exchange, response: aiohttp.ClientResponse, attempt: Attempt, first: bytes) -> None:
         """Send the response on as it arrives; counts SSE events, never parses chunks."""
@@ -524,8 +618,13 @@ class CompletionHandler:
             try:
                 # Bounded: a client that stopped reading would block this send for ever.
                 async with asyncio.timeout(ERROR_EVENT_SEND_S):
-                    await exchange.send({"type": "http.response.body", "body": stream_error_event(message, code=kind),
-                                         "more_body": False})
+                    await exchange.send(
+                        {
+                            "type": "http.response.body",
+                            "body": stream_error_event(message, code=kind),
+                            "more_body": False,
+                        }
+                    )
                 return
             except TimeoutError:
                 pass
@@ -542,4 +641,3 @@ async def read_up_to(content: aiohttp.StreamReader, limit: int) -> bytes:
         parts.append(part)
         size += len(part)
     return b"".join(parts)
-

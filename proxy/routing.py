@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING, Any, Collection, Mapping
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING, Any
 
-from policies import registry
-from policies.admission import Admission, Refusal
 from fleet.features import count_prompt_tokens, default_request_class
 from fleet.state import FleetState
 from fleet.types import Decision, Features, PoolName, Snapshot, StepCost
+from policies import registry
+from policies.admission import Admission, Refusal
 from policies.base import Policy
 from proxy.outliers import OutlierDetector
 from proxy.pools import Instance, Pool, other_pool, pools_from_settings
@@ -77,12 +78,34 @@ def read_overrides(headers: Mapping[str, str]) -> tuple[PoolName | None, str | N
 class Attempt:
     """One upstream attempt's hold on an instance. `finished`/`failed` release it exactly once."""
 
-    __slots__ = ("fleet", "instance", "started", "tokens", "open", "signals", "chunks", "last_at", "gaps",
-                 "outliers", "stream", "dispatched_at", "ttft_s", "admission", "prompt_tokens")
+    __slots__ = (
+        "fleet",
+        "instance",
+        "started",
+        "tokens",
+        "open",
+        "signals",
+        "chunks",
+        "last_at",
+        "gaps",
+        "outliers",
+        "stream",
+        "dispatched_at",
+        "ttft_s",
+        "admission",
+        "prompt_tokens",
+    )
 
-    def __init__(self, fleet: FleetState, instance: Instance, signals: Signals | None = None,
-                 prompt_tokens: int = 0, outliers: OutlierDetector | None = None, stream: bool = False,
-                 admission: Admission | None = None) -> None:
+    def __init__(
+        self,
+        fleet: FleetState,
+        instance: Instance,
+        signals: Signals | None = None,
+        prompt_tokens: int = 0,
+        outliers: OutlierDetector | None = None,
+        stream: bool = False,
+        admission: Admission | None = None,
+    ) -> None:
         self.fleet = fleet
         self.instance = instance
         self.outliers = outliers
@@ -126,14 +149,18 @@ class Attempt:
         """True when the response's usage tail feeds the signals (output length, acceptance)."""
         return self.signals is not None
 
-    def finished(self, summary: "Summary | None" = None, complete: bool = False) -> None:
+    def finished(self, summary: Summary | None = None, complete: bool = False) -> None:
         """The attempt ended without an upstream failure; `complete`: its response was relayed
         to the end (else the client left, the upstream refused it with a 4xx, or the proxy is
         stopping); `summary` is its usage tail when the relay kept one."""
         if self.open and self.signals is not None:
-            self.signals.observe(self.instance, events=self.tokens, gaps_s=self.gaps,
-                                 completion_tokens=summary.completion_tokens if summary else None,
-                                 verify_steps=summary.spec_verify_ct if summary else None)
+            self.signals.observe(
+                self.instance,
+                events=self.tokens,
+                gaps_s=self.gaps,
+                completion_tokens=summary.completion_tokens if summary else None,
+                verify_steps=summary.spec_verify_ct if summary else None,
+            )
         if self.open and complete and self.admission is not None and self.ttft_s is not None:
             tokens = summary.completion_tokens if summary and summary.completion_tokens else self.tokens
             self.admission.observe(self.met_targets(self.admission, tokens))
@@ -181,9 +208,15 @@ class Attempt:
 
 
 class Router:
-    def __init__(self, fleet: FleetState, pools: Mapping[PoolName, Pool], policy: Policy,
-                 signals: Signals | None = None, outliers: OutlierDetector | None = None,
-                 admission: Admission | None = None) -> None:
+    def __init__(
+        self,
+        fleet: FleetState,
+        pools: Mapping[PoolName, Pool],
+        policy: Policy,
+        signals: Signals | None = None,
+        outliers: OutlierDetector | None = None,
+        admission: Admission | None = None,
+    ) -> None:
         self.fleet = fleet
         self.pools = dict(pools)
         self.policy = policy
@@ -195,7 +228,7 @@ class Router:
         self._turn = itertools.count()
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "Router":
+    def from_settings(cls, settings: Settings) -> Router:
         fleet = FleetState(
             stale_after_s=settings.stale_ms / 1000,
             half_life_s=settings.acceptance_half_life_s,
@@ -204,8 +237,11 @@ class Router:
         policy = registry.create(settings.policy, settings.policy_params())
         pools = pools_from_settings(settings, fleet)
         outliers = OutlierDetector(
-            pools.values(), fleet, consecutive_failures=settings.outlier_consecutive_failures,
-            ejection_s=settings.outlier_ejection_s, max_ejection_s=settings.outlier_max_ejection_s,
+            pools.values(),
+            fleet,
+            consecutive_failures=settings.outlier_consecutive_failures,
+            ejection_s=settings.outlier_ejection_s,
+            max_ejection_s=settings.outlier_max_ejection_s,
             slow_factor=settings.outlier_slow_factor,
         )
         admission = Admission(*settings.admission_limits)
@@ -232,9 +268,11 @@ class Router:
                 for instance in pool["instances"]:
                     instance["outlier"] = self.outliers.state_of(instance["url"])
         if self.admission is not None:
-            state["admission"] = {"ttft_limit_s": self.admission.ttft_limit_s,
-                                  "tpot_limit_ms": self.admission.tpot_limit_s * 1000,
-                                  "scale": round(self.admission.scale, 4)}
+            state["admission"] = {
+                "ttft_limit_s": self.admission.ttft_limit_s,
+                "tpot_limit_ms": self.admission.tpot_limit_s * 1000,
+                "scale": round(self.admission.scale, 4),
+            }
         return state
 
     # -- questions --------------------------------------------------------------------------
@@ -251,8 +289,7 @@ class Router:
             self.outliers.refresh()  # an ejection that ended makes its server available again
         return self.fleet.snapshot(time.monotonic(), self.cost)
 
-    def choose(self, features: Features, override: PoolName | None,
-               snapshot: Snapshot | None = None) -> Decision:
+    def choose(self, features: Features, override: PoolName | None, snapshot: Snapshot | None = None) -> Decision:
         """The pool for a request: the override when given, else the policy's pick; a pool with
         no available instance is swapped for the other one. `snapshot`: the fleet as the caller
         just took it (`snapshot()`), else taken here."""
@@ -280,7 +317,8 @@ class Router:
     def all_ejected(self, pool: PoolName) -> bool:
         """Whether outlier detection, not unreachability, left `pool` without an instance."""
         return any(i.signals.ejected for i in self.pools[pool].instances) and all(
-            i.signals.ejected or not i.signals.healthy for i in self.pools[pool].instances)
+            i.signals.ejected or not i.signals.healthy for i in self.pools[pool].instances
+        )
 
     def pick(self, pool: PoolName, exclude: Collection[Instance] = ()) -> Instance | None:
         """Least-loaded healthy instance of `pool` not in `exclude` (load relative to its cap);
@@ -288,8 +326,11 @@ class Router:
         an instance back (ejected, or half-open with its one probe running)."""
         outliers = self.outliers
         # admits() first: it ends an ejection whose time is up, which makes the instance healthy.
-        candidates = [i for i in self.pools[pool].instances
-                      if i not in exclude and (outliers is None or outliers.admits(i)) and i.healthy]
+        candidates = [
+            i
+            for i in self.pools[pool].instances
+            if i not in exclude and (outliers is None or outliers.admits(i)) and i.healthy
+        ]
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
         start = next(self._turn) % len(candidates)
@@ -309,8 +350,9 @@ class Router:
         """A connection to `instance` failed: skip it until a load poll reaches it again."""
         self.fleet.set_health(instance.url, False)
 
-    def dispatch(self, instance: Instance, prompt_tokens: int = 0, stream: bool = False,
-                 request_class: str = "latency") -> Attempt:
+    def dispatch(
+        self, instance: Instance, prompt_tokens: int = 0, stream: bool = False, request_class: str = "latency"
+    ) -> Attempt:
         """Start an attempt on `instance`; the caller must end it (finished/failed) on every path."""
         admission = self.admission if stream and request_class == "latency" else None
         return Attempt(self.fleet, instance, self.signals, prompt_tokens, self.outliers, stream, admission)

@@ -11,8 +11,8 @@ import asyncio
 import gc
 import logging
 import socket
+from collections.abc import Callable
 from types import FrameType
-from typing import Callable
 
 import uvicorn
 
@@ -73,8 +73,9 @@ class DrainingServer(uvicorn.Server):
             if settings.drain_delay_s > 0 and getattr(self, "loop", None) is not None:
                 # Keep listening (answering /ready with 503) so load balancers see not-ready
                 # before connections are refused; a second signal stops at once.
-                self.loop.call_soon_threadsafe(self.loop.call_later, settings.drain_delay_s,
-                                               super().handle_exit, sig, frame)
+                self.loop.call_soon_threadsafe(
+                    self.loop.call_later, settings.drain_delay_s, super().handle_exit, sig, frame
+                )
                 return
         super().handle_exit(sig, frame)
 

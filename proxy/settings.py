@@ -52,13 +52,15 @@ class Settings(BaseSettings):
 
     # Access (proxy/auth.py): who may use the proxy
     api_keys: SecretStr | None = Field(
-        None, description="Comma-separated client keys; when any key is set, completions and models need 'Authorization: Bearer <key>'."
+        None,
+        description="Comma-separated client keys; when any key is set, completions and models need 'Authorization: Bearer <key>'.",
     )
     api_keys_file: str | None = Field(
         None, description="File of client keys, one a line ('#' comments); reread when it changes or on SIGHUP."
     )
     operator_api_keys: SecretStr | None = Field(
-        None, description="Comma-separated operator keys: client keys that may also reach the operator endpoints and pin pools."
+        None,
+        description="Comma-separated operator keys: client keys that may also reach the operator endpoints and pin pools.",
     )
     metrics_access: Literal["open", "keys", "operators"] = Field(
         "open", description="Who may read GET /metrics when keys are on: open, keys (any key) or operators."
@@ -67,13 +69,15 @@ class Settings(BaseSettings):
         "operators", description="Who may read GET /v1/specroute/state (instance addresses, scores) when keys are on."
     )
     pool_pin: Literal["any", "operators", "off"] = Field(
-        "any", description="Who may pin a pool with x-specroute-pool (skipping the policy, its caps and failover): any client, operators, or nobody."
+        "any",
+        description="Who may pin a pool with x-specroute-pool (skipping the policy, its caps and failover): any client, operators, or nobody.",
     )
     key_max_concurrency: int = Field(
         0, ge=0, description="Most completion requests one client key may have open at once (429 past it; 0: no limit)."
     )
     expose_backend_urls: bool = Field(
-        False, description="Name the upstream server in x-specroute-backend and /ready by its URL instead of its opaque name (spec-0, base-1...)."
+        False,
+        description="Name the upstream server in x-specroute-backend and /ready by its URL instead of its opaque name (spec-0, base-1...).",
     )
 
     # Routing
@@ -91,16 +95,20 @@ class Settings(BaseSettings):
         3, ge=0, le=64, description="Draft tokens per verify step assumed until /server_info says otherwise."
     )
     profile: str | None = Field(
-        None, description="Step-time profile seeding the cost model: a built-in name (h200-llama8b, h200-llama8b-sglang, kimi-linear, kimi-moe) or a JSON path."
+        None,
+        description="Step-time profile seeding the cost model: a built-in name (h200-llama8b, h200-llama8b-sglang, kimi-linear, kimi-moe) or a JSON path.",
     )
     costmodel_half_life_s: float = Field(
-        COSTMODEL_HALF_LIFE_S, gt=0,
+        COSTMODEL_HALF_LIFE_S,
+        gt=0,
         description="Half-life in seconds of a learned step-time correction's trust without new observations (it returns to the profile's).",
     )
     state_decisions: int = Field(
         64, ge=1, le=10_000, description="Recent routing decisions kept for GET /v1/specroute/state."
     )
-    threshold_enter: float = Field(24, gt=0, description="threshold policy: spec load below which traffic returns to spec.")
+    threshold_enter: float = Field(
+        24, gt=0, description="threshold policy: spec load below which traffic returns to spec."
+    )
     threshold_exit: float = Field(40, gt=0, description="threshold policy: spec load at which traffic leaves for base.")
     goodput_output_tokens: int = Field(
         256, ge=1, description="goodput policy: output tokens to plan for when a request does not run to max_tokens."
@@ -120,38 +128,51 @@ class Settings(BaseSettings):
 
     # Admission (policies/admission.py): refuse up front what the fleet cannot serve in time
     admission_ttft_s: float | None = Field(
-        None, ge=0, description="Refuse (429) requests predicted to get their first token later than this; unset: the goodput SLO's TTFT target; 0: off."
+        None,
+        ge=0,
+        description="Refuse (429) requests predicted to get their first token later than this; unset: the goodput SLO's TTFT target; 0: off.",
     )
     admission_tpot_ms: float | None = Field(
-        None, ge=0, description="Refuse (429) requests that would push their pool's time per output token past this; unset: the goodput SLO's TPOT target; 0: off."
+        None,
+        ge=0,
+        description="Refuse (429) requests that would push their pool's time per output token past this; unset: the goodput SLO's TPOT target; 0: off.",
     )
     max_open_requests: int = Field(
-        4096, ge=0, description="Completion requests the proxy holds open at once; past it new ones get 429 at once (0: no bound)."
+        4096,
+        ge=0,
+        description="Completion requests the proxy holds open at once; past it new ones get 429 at once (0: no bound).",
     )
 
     # Request path
     connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to open an upstream connection.")
     first_token_timeout_s: float = Field(
-        120.0, gt=0, description="Seconds from sending a streamed request to the upstream's first byte (504 after); a non-streamed one is held to the total timeout."
+        120.0,
+        gt=0,
+        description="Seconds from sending a streamed request to the upstream's first byte (504 after); a non-streamed one is held to the total timeout.",
     )
     chunk_timeout_s: float = Field(
         60.0, gt=0, description="Longest gap in seconds between two chunks of an upstream response."
     )
     total_timeout_s: float = Field(600.0, gt=0, description="Seconds one request may take end to end.")
-    max_body_bytes: int = Field(
-        16 * 1024 * 1024, gt=0, description="Largest request body accepted (413 above)."
-    )
+    max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="Largest request body accepted (413 above).")
     max_json_items: int = Field(
-        100_000, ge=1, description="Most JSON objects and arrays a request body may hold (400 above): bounds the work of parsing it."
+        100_000,
+        ge=1,
+        description="Most JSON objects and arrays a request body may hold (400 above): bounds the work of parsing it.",
     )
     max_json_values: int = Field(
-        250_000, ge=1, description="Most JSON array elements and object members a request body may hold (400 above): counted outside strings, they bound the work of parsing it (a prompt of token ids needs one per token)."
+        250_000,
+        ge=1,
+        description="Most JSON array elements and object members a request body may hold (400 above): counted outside strings, they bound the work of parsing it (a prompt of token ids needs one per token).",
     )
     forwarded_headers: Literal["replace", "append"] = Field(
-        "replace", description="X-Forwarded-For sent upstream: replace (the client's address only; a client's own X-Forwarded-*/Forwarded are dropped) or append (behind a trusted proxy: its list plus the peer, also added to a Forwarded header it kept)."
+        "replace",
+        description="X-Forwarded-For sent upstream: replace (the client's address only; a client's own X-Forwarded-*/Forwarded are dropped) or append (behind a trusted proxy: its list plus the peer, also added to a Forwarded header it kept).",
     )
     header_timeout_s: float = Field(
-        10.0, gt=0, description="Seconds a client has to send a request's headers (from connecting, or from the last response); 408 and close after."
+        10.0,
+        gt=0,
+        description="Seconds a client has to send a request's headers (from connecting, or from the last response); 408 and close after.",
     )
     body_timeout_s: float = Field(
         60.0, gt=0, description="Seconds a client has to send a request's body after its headers; 408 and close after."
@@ -165,30 +186,30 @@ class Settings(BaseSettings):
     max_attempts: int = Field(
         3, ge=1, le=10, description="Upstream attempts per request, first try included (failover bound)."
     )
-    max_connections: int = Field(
-        1024, ge=1, description="Upstream connections kept per instance."
-    )
+    max_connections: int = Field(1024, ge=1, description="Upstream connections kept per instance.")
     outlier_consecutive_failures: int = Field(
-        5, ge=0, description="Failed attempts in a row (5xx, reset, first-token or chunk timeout) that eject an instance (0: never)."
+        5,
+        ge=0,
+        description="Failed attempts in a row (5xx, reset, first-token or chunk timeout) that eject an instance (0: never).",
     )
     outlier_slow_factor: float = Field(
-        5.0, ge=0, description="Eject an instance whose first tokens come this many times later than its pool's others' (0: never)."
+        5.0,
+        ge=0,
+        description="Eject an instance whose first tokens come this many times later than its pool's others' (0: never).",
     )
     outlier_ejection_s: float = Field(
         30.0, gt=0, description="Seconds an instance stays ejected, times the number of times it was ejected."
     )
-    outlier_max_ejection_s: float = Field(
-        300.0, gt=0, description="Longest ejection in seconds."
-    )
+    outlier_max_ejection_s: float = Field(300.0, gt=0, description="Longest ejection in seconds.")
     drain_delay_s: float = Field(
-        0.0, ge=0, description="After SIGTERM, seconds to keep accepting connections (/ready answers 503) before the listener closes and the drain starts."
+        0.0,
+        ge=0,
+        description="After SIGTERM, seconds to keep accepting connections (/ready answers 503) before the listener closes and the drain starts.",
     )
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On SIGTERM, seconds running requests get to finish before exit."
     )
-    models_cache_s: float = Field(
-        5.0, ge=0, description="Seconds a merged GET /v1/models answer is reused."
-    )
+    models_cache_s: float = Field(5.0, ge=0, description="Seconds a merged GET /v1/models answer is reused.")
     log_level: str = Field("info", description="uvicorn log level: critical, error, warning, info, debug.")
 
     # Telemetry (proxy/telemetry). The SDK reads the other OTEL_* variables itself.
@@ -235,7 +256,9 @@ class Settings(BaseSettings):
             if parsed.user is not None or parsed.password is not None:
                 # The URL shows in x-specroute-backend, /v1/specroute/state, logs and traces.
                 shown = str(parsed.with_user(None))
-                raise ValueError(f"{shown!r} carries credentials; set SPECROUTE_SPEC_API_KEY/SPECROUTE_BASE_API_KEY instead")
+                raise ValueError(
+                    f"{shown!r} carries credentials; set SPECROUTE_SPEC_API_KEY/SPECROUTE_BASE_API_KEY instead"
+                )
             if parsed.query_string or parsed.fragment:
                 raise ValueError(f"{url!r} has a query or fragment; give the server's base URL")
             if not parsed.host or any(c.isspace() for c in url):
@@ -299,7 +322,7 @@ class Settings(BaseSettings):
         return value or None
 
     @model_validator(mode="after")
-    def _check_timeouts(self) -> "Settings":
+    def _check_timeouts(self) -> Settings:
         if self.threshold_enter > self.threshold_exit:
             raise ValueError("SPECROUTE_THRESHOLD_ENTER must not exceed SPECROUTE_THRESHOLD_EXIT")
         if self.total_timeout_s < self.connect_timeout_s:
@@ -396,11 +419,15 @@ def describe(exc: ValidationError) -> str:
             name = str(location[0])  # a field name, or the first OTEL_* variable of an aliased field
             if name.startswith("OTEL_"):
                 # Pydantic names the first alias; the user may have set the other one.
-                name = " or ".join(
-                    str(choice) for field in Settings.model_fields.values()
-                    if isinstance(field.validation_alias, AliasChoices) and name in field.validation_alias.choices
-                    for choice in field.validation_alias.choices
-                ) or name
+                name = (
+                    " or ".join(
+                        str(choice)
+                        for field in Settings.model_fields.values()
+                        if isinstance(field.validation_alias, AliasChoices) and name in field.validation_alias.choices
+                        for choice in field.validation_alias.choices
+                    )
+                    or name
+                )
             else:
                 name = ENV_PREFIX + name.upper()
             lines.append(f"{name}: {message}")

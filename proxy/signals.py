@@ -27,8 +27,9 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import httpx
 
@@ -77,7 +78,7 @@ def parse_prometheus(text: str, wanted: frozenset[str]) -> dict[str, float]:
         name = line[:name_end]
         if name not in wanted:
             continue
-        rest = line[line.rfind("}") + 1:] if line[name_end] == "{" else line[name_end:]
+        rest = line[line.rfind("}") + 1 :] if line[name_end] == "{" else line[name_end:]
         try:
             value = float(rest.split()[0])
         except (ValueError, IndexError):
@@ -87,11 +88,18 @@ def parse_prometheus(text: str, wanted: frozenset[str]) -> dict[str, float]:
     return totals
 
 
-METRIC_NAMES = frozenset({
-    "sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:max_running_requests",
-    "sglang:generation_tokens_total", "sglang:spec_verify_calls_total", "sglang:spec_accept_length",
-    "vllm:num_requests_running", "vllm:num_requests_waiting",
-})
+METRIC_NAMES = frozenset(
+    {
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:max_running_requests",
+        "sglang:generation_tokens_total",
+        "sglang:spec_verify_calls_total",
+        "sglang:spec_accept_length",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+    }
+)
 
 
 def reading_from_loads(doc: Mapping[str, Any], at: float) -> Reading:
@@ -120,7 +128,9 @@ def reading_from_metrics(text: str, at: float) -> Reading:
     else:
         raise ValueError("no load gauges in /metrics")
     return Reading(
-        at=at, running=running, waiting=waiting,
+        at=at,
+        running=running,
+        waiting=waiting,
         max_running=int(m["sglang:max_running_requests"]) if m.get("sglang:max_running_requests") else None,
         accept_length=m.get("sglang:spec_accept_length") or None,
         accept_steps=GAUGE_INTERVAL_STEPS * running,
@@ -130,7 +140,9 @@ def reading_from_metrics(text: str, at: float) -> Reading:
     )
 
 
-def vllm_cap(full_since: tuple[float, float] | None, reading: Reading, cap: int) -> tuple[int, tuple[float, float] | None]:
+def vllm_cap(
+    full_since: tuple[float, float] | None, reading: Reading, cap: int
+) -> tuple[int, tuple[float, float] | None]:
     """A vLLM server's running cap after `reading`, and since when (and at what running count) it
     has kept requests waiting. It is full, so running its cap (--max-num-seqs, or what its KV cache
     holds), once requests have waited VLLM_FULL_FOR_S with the running count unchanged; a server
@@ -184,8 +196,9 @@ class Signals:
         self.clock = clock
         if seed is None and settings.profile:
             seed = seed_from_profile(settings.profile)
-        self.cost = StepCostModel(seed, num_draft_tokens=settings.num_draft_tokens,
-                                  half_life_s=settings.costmodel_half_life_s)
+        self.cost = StepCostModel(
+            seed, num_draft_tokens=settings.num_draft_tokens, half_life_s=settings.costmodel_half_life_s
+        )
         self.by_url: dict[str, Instance] = {i.url: i for pool in pools.values() for i in pool.instances}
         self.probe: dict[str, str | None] = {}
         """Which load endpoint each instance answers (None: none, local counts only)."""
@@ -278,8 +291,12 @@ class Signals:
                     self.fleet.set_draft_tokens(facts["num_draft_tokens"])
                     self.cost.set_draft_tokens("spec", facts["num_draft_tokens"])
                 if facts["speculative"] != (instance.pool == "spec"):
-                    log.warning("%s is in the %s pool but /server_info says speculative=%s",
-                                url, instance.pool, facts["speculative"])
+                    log.warning(
+                        "%s is in the %s pool but /server_info says speculative=%s",
+                        url,
+                        instance.pool,
+                        facts["speculative"],
+                    )
         except (ValueError, TypeError, AttributeError) as exc:
             self.poll_errors[url] = f"server_info: {type(exc).__name__}"
         for path in LOAD_PROBES:
@@ -363,7 +380,11 @@ class Signals:
                 reading = reading_from_metrics(response.text, at)
             else:
                 reading = reading_from_get_load(response.json(), at)
-            if path == "/v1/loads" and self.fleet.instances[url].pool == "spec" and self._polls[url] % METRICS_EVERY == 1:
+            if (
+                path == "/v1/loads"
+                and self.fleet.instances[url].pool == "spec"
+                and self._polls[url] % METRICS_EVERY == 1
+            ):
                 reading = await self._with_counters(url, reading)
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             # The reading ages and turns stale; routing acts on that (see fleet/state.py).
@@ -393,25 +414,44 @@ class Signals:
             return reading
         gauge = m.get("sglang:spec_accept_length") or None
         return Reading(
-            at=reading.at, running=reading.running, waiting=reading.waiting, max_running=reading.max_running,
-            waiting_tokens=reading.waiting_tokens, accept_length=gauge, accept_steps=GAUGE_INTERVAL_STEPS * reading.running,
+            at=reading.at,
+            running=reading.running,
+            waiting=reading.waiting,
+            max_running=reading.max_running,
+            waiting_tokens=reading.waiting_tokens,
+            accept_length=gauge,
+            accept_steps=GAUGE_INTERVAL_STEPS * reading.running,
             tokens_total=m.get("sglang:generation_tokens_total", 0.0),  # no sample before a request finished
             verify_total=m["sglang:spec_verify_calls_total"],
         )
 
     # -- evidence from the request path ---------------------------------------------------------
 
-    def observe(self, instance: Instance, *, events: int, gaps_s: list[float],
-                completion_tokens: int | None = None, verify_steps: int | None = None) -> None:
+    def observe(
+        self,
+        instance: Instance,
+        *,
+        events: int,
+        gaps_s: list[float],
+        completion_tokens: int | None = None,
+        verify_steps: int | None = None,
+    ) -> None:
         """A finished response from `instance`: `events` SSE content events relayed, `gaps_s`
         the gaps between the reads that carried them, and what its usage tail said: completion
         tokens and (with SGLang's spec details) verify steps."""
         if verify_steps is None and completion_tokens and events >= 3:
             # One event per verify step, less the first token's (from prefill) and the usage one.
             verify_steps = events - 2
-        learn_from_response(self.fleet, self.cost, instance.url, self.clock(), tokens=completion_tokens,
-                            verify_steps=verify_steps, step_ms=1000 * statistics.median(gaps_s) if gaps_s else None,
-                            decode_s=sum(gaps_s))
+        learn_from_response(
+            self.fleet,
+            self.cost,
+            instance.url,
+            self.clock(),
+            tokens=completion_tokens,
+            verify_steps=verify_steps,
+            step_ms=1000 * statistics.median(gaps_s) if gaps_s else None,
+            decode_s=sum(gaps_s),
+        )
 
     # -- what the router and the state endpoint read -------------------------------------------
 
@@ -423,14 +463,16 @@ class Signals:
         endpoint), recorded in the ring of recent decisions."""
         scores = {**decision_inputs(snapshot), **decision.scores}
         explained = Decision(pool=decision.pool, reason=decision.reason, scores=scores)
-        self.decisions.append({
-            "at": round(self.clock(), 3),
-            "pool": decision.pool,
-            "reason": decision.reason,
-            "class": features.request_class,
-            "prompt_tokens": features.prompt_tokens,
-            "scores": scores,
-        })
+        self.decisions.append(
+            {
+                "at": round(self.clock(), 3),
+                "pool": decision.pool,
+                "reason": decision.reason,
+                "class": features.request_class,
+                "prompt_tokens": features.prompt_tokens,
+                "scores": scores,
+            }
+        )
         return explained
 
     def state(self) -> dict[str, Any]:
@@ -448,11 +490,16 @@ class Signals:
                     "age_s": None if math.isinf(pool.age_s) else round(pool.age_s, 3),
                     "instances": [
                         {
-                            "url": i.url, "name": self.by_url[i.url].name, "running": i.running, "waiting": i.waiting,
-                            "max_running": i.max_running, "healthy": i.healthy,
+                            "url": i.url,
+                            "name": self.by_url[i.url].name,
+                            "running": i.running,
+                            "waiting": i.waiting,
+                            "max_running": i.max_running,
+                            "healthy": i.healthy,
                             "reached": i.url not in self.unlearned,
                             "age_s": None if math.isinf(i.age_s) else round(i.age_s, 3),
-                            "probe": self.probe.get(i.url), "error": self.poll_errors.get(i.url),
+                            "probe": self.probe.get(i.url),
+                            "error": self.poll_errors.get(i.url),
                             "server_info": self.info.get(i.url),
                         }
                         for i in pool.instances

@@ -7,7 +7,8 @@ second on aiohttp as on httpx, httpx2 or httpx over an aiohttp transport (docs/b
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import aiohttp
 from yarl import URL
@@ -72,7 +73,11 @@ class Upstream:
         return self._session
 
     async def post(
-        self, url: str, headers: Iterable[tuple[str, str]], body: bytes, total_s: float,
+        self,
+        url: str,
+        headers: Iterable[tuple[str, str]],
+        body: bytes,
+        total_s: float,
         first_byte_limited: bool = True,
     ) -> aiohttp.ClientResponse:
         """Send a POST; returns once the status line and headers are in (body unread).

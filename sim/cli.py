@@ -11,50 +11,83 @@ import argparse
 import asyncio
 import socket
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
+from fleet.profile import builtin_names, load_profile
 from sim.engine import EngineConfig
 from sim.faults import Faults
 from sim.lengths import parse_output_lengths
-from fleet.profile import builtin_names, load_profile
 
 READY_LINE = "specroute-twin listening on http://{host}:{port}"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specroute sim", description="Run a simulated SGLang server (the twin).")
-    p.add_argument("--mode", choices=("spec", "base"), required=True, help="spec: EAGLE-3 speculative server; base: plain")
-    p.add_argument("--profile", default="h200-llama8b", help=f"step-time profile: {', '.join(builtin_names())} or a .json path")
+    p.add_argument(
+        "--mode", choices=("spec", "base"), required=True, help="spec: EAGLE-3 speculative server; base: plain"
+    )
+    p.add_argument(
+        "--profile", default="h200-llama8b", help=f"step-time profile: {', '.join(builtin_names())} or a .json path"
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed on stdout)")
     p.add_argument("--time-scale", type=float, default=1.0, help="run the same physics this many times faster")
     p.add_argument("--seed", "--random-seed", dest="seed", type=int, default=0)
     p.add_argument("--model-path", default="specroute/twin")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--max-running-requests", type=int, default=None, help="default 48 in spec mode (as SGLang), 256 in base mode")
+    p.add_argument(
+        "--max-running-requests", type=int, default=None, help="default 48 in spec mode (as SGLang), 256 in base mode"
+    )
     p.add_argument("--speculative-algorithm", default=None, help="accepted for SGLang compatibility (EAGLE3)")
-    p.add_argument("--speculative-num-steps", type=int, default=None, help="k, draft tokens per verify step (default: the profile's, 3)")
+    p.add_argument(
+        "--speculative-num-steps",
+        type=int,
+        default=None,
+        help="k, draft tokens per verify step (default: the profile's, 3)",
+    )
     p.add_argument("--speculative-eagle-topk", type=int, default=1, help="only 1 (chain drafting) is modelled")
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="must be num_steps + 1 with topk 1")
-    p.add_argument("--mean-alpha", type=float, default=None, help="mean per-token acceptance (default: the profile's, 0.64)")
-    p.add_argument("--alpha-concentration", type=float, default=20.0, help="per-request alpha ~ Beta(mean*c, (1-mean)*c)")
+    p.add_argument(
+        "--mean-alpha", type=float, default=None, help="mean per-token acceptance (default: the profile's, 0.64)"
+    )
+    p.add_argument(
+        "--alpha-concentration", type=float, default=20.0, help="per-request alpha ~ Beta(mean*c, (1-mean)*c)"
+    )
     p.add_argument("--alpha-decay", type=float, default=1.0, help="per-position acceptance decay (1 = i.i.d.)")
-    p.add_argument("--output-len", default="azure-conv", help="natural output lengths: azure-conv, azure-code, fixed:N, exp:MEAN, uniform:LO,HI")
+    p.add_argument(
+        "--output-len",
+        default="azure-conv",
+        help="natural output lengths: azure-conv, azure-code, fixed:N, exp:MEAN, uniform:LO,HI",
+    )
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--context-length", type=int, default=32768)
-    p.add_argument("--max-total-tokens", type=int, default=1_000_000, help="KV pool size for token_usage (not enforced)")
+    p.add_argument(
+        "--max-total-tokens", type=int, default=1_000_000, help="KV pool size for token_usage (not enforced)"
+    )
     p.add_argument("--decode-log-interval", type=int, default=40)
     p.add_argument("--load-snapshot-publish-interval", type=int, default=15)
     p.add_argument("--enable-metrics", action="store_true", help="serve /metrics (as SGLang)")
     p.add_argument("--enable-trace", action="store_true", help="export OTLP traces (SGLang spelling)")
     p.add_argument("--otlp-traces-endpoint", default="localhost:4317")
     p.add_argument("--log-level", default="warning")
-    p.add_argument("--server", choices=("sglang", "vllm"), default="sglang",
-                   help="whose HTTP shapes to serve: SGLang's, or vLLM's OpenAI server (base mode only)")
-    p.add_argument("--fault-error-rate", type=float, default=0.0, help="answer this share of completions 500 (reliability tests)")
-    p.add_argument("--fault-first-token-delay-ms", type=float, default=0.0, help="hold every completion this long before it starts")
-    p.add_argument("--fault-hang-after-chunks", type=int, default=None, help="streams stop after N chunks and never end")
-    p.add_argument("--fault-drop-after-chunks", type=int, default=None, help="stream connections are cut after N chunks")
+    p.add_argument(
+        "--server",
+        choices=("sglang", "vllm"),
+        default="sglang",
+        help="whose HTTP shapes to serve: SGLang's, or vLLM's OpenAI server (base mode only)",
+    )
+    p.add_argument(
+        "--fault-error-rate", type=float, default=0.0, help="answer this share of completions 500 (reliability tests)"
+    )
+    p.add_argument(
+        "--fault-first-token-delay-ms", type=float, default=0.0, help="hold every completion this long before it starts"
+    )
+    p.add_argument(
+        "--fault-hang-after-chunks", type=int, default=None, help="streams stop after N chunks and never end"
+    )
+    p.add_argument(
+        "--fault-drop-after-chunks", type=int, default=None, help="stream connections are cut after N chunks"
+    )
     return p
 
 
@@ -90,8 +123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = engine_config(args)
-        faults = Faults(args.fault_error_rate, args.fault_first_token_delay_ms, args.fault_hang_after_chunks,
-                        args.fault_drop_after_chunks)
+        faults = Faults(
+            args.fault_error_rate,
+            args.fault_first_token_delay_ms,
+            args.fault_hang_after_chunks,
+            args.fault_drop_after_chunks,
+        )
         faults.check()
         if args.server == "vllm" and args.mode != "base":
             raise ValueError("--server vllm imitates a plain vLLM server: use it with --mode base")
@@ -132,8 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         server=args.server,
     )
     app = create_app(options, config)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on",
-                                           timeout_graceful_shutdown=2))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on", timeout_graceful_shutdown=2)
+    )
     print(READY_LINE.format(host=args.host, port=port), flush=True)
     asyncio.run(server.serve(sockets=[sock]))
     return 0

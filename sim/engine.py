@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Literal
 
-from sim.lengths import OutputLengths, parse_output_lengths
 from fleet.profile import Profile
+from sim.lengths import OutputLengths, parse_output_lengths
 from sim.text import TextStream
 
 Mode = Literal["spec", "base"]
@@ -58,9 +59,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.max_running_requests is None:
-            self.max_running_requests = (
-                SPEC_MAX_RUNNING_DEFAULT if self.mode == "spec" else BASE_MAX_RUNNING_DEFAULT
-            )
+            self.max_running_requests = SPEC_MAX_RUNNING_DEFAULT if self.mode == "spec" else BASE_MAX_RUNNING_DEFAULT
         if self.mode not in ("spec", "base"):
             raise ValueError(f"mode must be spec or base, not {self.mode!r}")
         if self.max_running_requests < 1 or self.num_steps < 1 or self.chunked_prefill_size < 1:
@@ -81,14 +80,39 @@ class Request:
     """One generation request inside the engine."""
 
     __slots__ = (
-        "rid", "prompt_tokens", "max_new_tokens", "target_len", "ends_by_length", "alpha",
-        "arrival", "prefilled", "output_tokens", "verify_ct", "correct_drafts", "accept_hist",
-        "first_token_time", "finish_time", "finish_reason", "matched_stop", "text", "last_emitted",
-        "updated", "listener", "tag",
+        "rid",
+        "prompt_tokens",
+        "max_new_tokens",
+        "target_len",
+        "ends_by_length",
+        "alpha",
+        "arrival",
+        "prefilled",
+        "output_tokens",
+        "verify_ct",
+        "correct_drafts",
+        "accept_hist",
+        "first_token_time",
+        "finish_time",
+        "finish_reason",
+        "matched_stop",
+        "text",
+        "last_emitted",
+        "updated",
+        "listener",
+        "tag",
     )
 
-    def __init__(self, rid: str, prompt_tokens: int, target_len: int, ends_by_length: bool,
-                 max_new_tokens: int | None, arrival: float, text: TextStream | None):
+    def __init__(
+        self,
+        rid: str,
+        prompt_tokens: int,
+        target_len: int,
+        ends_by_length: bool,
+        max_new_tokens: int | None,
+        arrival: float,
+        text: TextStream | None,
+    ):
         self.rid = rid
         self.prompt_tokens = prompt_tokens
         self.max_new_tokens = max_new_tokens
@@ -110,7 +134,7 @@ class Request:
         self.last_emitted = 0
         self.updated = arrival
         """Simulated time of the last step that touched this request."""
-        self.listener: Callable[["Request"], None] | None = None
+        self.listener: Callable[[Request], None] | None = None
         self.tag: object = None
 
     @property
@@ -189,9 +213,18 @@ class Engine:
 
     # ---- requests in and out -------------------------------------------------------------
 
-    def new_request(self, prompt_tokens: int, *, now: float, max_new_tokens: int | None = None,
-                    ignore_eos: bool = False, output_len: int | None = None, rid: str | None = None,
-                    stop: tuple[str, ...] | None = None, text_seed: int | None = None) -> Request:
+    def new_request(
+        self,
+        prompt_tokens: int,
+        *,
+        now: float,
+        max_new_tokens: int | None = None,
+        ignore_eos: bool = False,
+        output_len: int | None = None,
+        rid: str | None = None,
+        stop: tuple[str, ...] | None = None,
+        text_seed: int | None = None,
+    ) -> Request:
         """A request as the server would create it; `output_len` overrides the drawn length.
 
         `stop` None means no text is generated (the virtual clock counts tokens only).
@@ -208,8 +241,7 @@ class Engine:
         if stop is not None:
             seed = text_seed if text_seed is not None else self.config.seed * 1_000_003 + self._seq
             text = TextStream(seed, stop)
-        return Request(rid or f"{self.name}-{self._seq}", prompt_tokens, target, by_length,
-                       max_new_tokens, now, text)
+        return Request(rid or f"{self.name}-{self._seq}", prompt_tokens, target, by_length, max_new_tokens, now, text)
 
     def add(self, req: Request) -> None:
         req.alpha = self._draw_alpha() if self.config.speculative else 0.0
@@ -249,8 +281,12 @@ class Engine:
         return min(self.rng.betavariate(mean * c, (1.0 - mean) * c), 0.999)
 
     def has_request(self, rid: str) -> bool:
-        return (rid in self.waiting or rid in self.running or rid in self.in_prefill
-                or (self.prefilling is not None and self.prefilling.rid == rid))
+        return (
+            rid in self.waiting
+            or rid in self.running
+            or rid in self.in_prefill
+            or (self.prefilling is not None and self.prefilling.rid == rid)
+        )
 
     # ---- load --------------------------------------------------------------------------
 
@@ -443,8 +479,9 @@ class Engine:
         as SGLang's prefill, decode-interval and idle reports do."""
         cfg = self.config
         if gauges is not None:
-            self.gauges.update(num_running_reqs=self.num_running, num_queue_reqs=self.num_waiting,
-                               token_usage=self.token_usage)
+            self.gauges.update(
+                num_running_reqs=self.num_running, num_queue_reqs=self.num_waiting, token_usage=self.token_usage
+            )
         if gauges == "decode":
             span = now - self._interval_start
             self.gauges["gen_throughput"] = self._interval_tokens / span if span > 0 else 0.0

@@ -31,7 +31,7 @@ class Faults:
     drop_after_chunks: int | None = None
 
     @classmethod
-    def parse(cls, doc: Any) -> "Faults":
+    def parse(cls, doc: Any) -> Faults:
         if not isinstance(doc, dict):
             raise ValueError("send a JSON object")
         known = {f.name for f in fields(cls)}

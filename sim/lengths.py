@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import csv
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib import resources
-from typing import Sequence
 
 TRACES = {"azure-conv": "azure-llm-2023-conv.csv", "azure-code": "azure-llm-2023-code.csv"}
 
@@ -27,7 +27,7 @@ class TraceRow:
     generated_tokens: int
 
 
-@lru_cache(maxsize=None)
+@cache
 def read_trace(name: str) -> tuple[TraceRow, ...]:
     """One of the shipped Azure traces, by name (azure-conv, azure-code)."""
     try:
@@ -36,8 +36,7 @@ def read_trace(name: str) -> tuple[TraceRow, ...]:
         raise ValueError(f"unknown trace {name!r}; choose one of {', '.join(TRACES)}") from None
     with (resources.files("sim") / "data" / filename).open(newline="") as f:
         return tuple(
-            TraceRow(r["TIMESTAMP"], int(r["ContextTokens"]), int(r["GeneratedTokens"]))
-            for r in csv.DictReader(f)
+            TraceRow(r["TIMESTAMP"], int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(f)
         )
 
 

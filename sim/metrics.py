@@ -10,7 +10,7 @@ seconds (wall seconds times --time-scale), which is what the GPU server would re
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -19,10 +19,32 @@ from sim.engine import Engine
 
 # SGLang's default buckets (srt/observability/metrics_collector.py).
 TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
-ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060,
-               0.080, 0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0)
-E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 150, 200, 250, 300,
-               350, 500, 1000)
+ITL_BUCKETS = (
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.010,
+    0.015,
+    0.020,
+    0.025,
+    0.030,
+    0.035,
+    0.040,
+    0.060,
+    0.080,
+    0.100,
+    0.200,
+    0.400,
+    0.600,
+    0.800,
+    1.0,
+    2.0,
+    4.0,
+    6.0,
+    8.0,
+)
+E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 150, 200, 250, 300, 350, 500, 1000)
 
 
 class EngineCollector:
@@ -59,7 +81,11 @@ class EngineCollector:
         tok_names, tok_values = ["model_name"], [labels["model_name"]]
         for name, doc, value in (
             ("num_aborted_requests", "Number of requests aborted.", engine.aborted_requests),
-            ("spec_verify_calls", "The number of verification forward calls in speculative decoding.", engine.finished_verify_ct),
+            (
+                "spec_verify_calls",
+                "The number of verification forward calls in speculative decoding.",
+                engine.finished_verify_ct,
+            ),
         ):
             c = CounterMetricFamily(f"sglang:{name}", doc, labels=tok_names)
             c.add_metric(tok_values, float(value))
@@ -74,23 +100,35 @@ class TwinMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(EngineCollector(engine, model_name))
         by_stream = ["model_name", "is_streaming"]
-        self.prompt_tokens = Counter("sglang:prompt_tokens", "Number of prefill tokens processed.",
-                                     by_stream, registry=self.registry)
-        self.generation_tokens = Counter("sglang:generation_tokens", "Number of generation tokens processed.",
-                                         by_stream, registry=self.registry)
-        self.num_requests = Counter("sglang:num_requests", "Number of requests processed.",
-                                    by_stream, registry=self.registry)
+        self.prompt_tokens = Counter(
+            "sglang:prompt_tokens", "Number of prefill tokens processed.", by_stream, registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "sglang:generation_tokens", "Number of generation tokens processed.", by_stream, registry=self.registry
+        )
+        self.num_requests = Counter(
+            "sglang:num_requests", "Number of requests processed.", by_stream, registry=self.registry
+        )
         self.ttft = Histogram(
-            "sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-            by_stream, buckets=TTFT_BUCKETS, registry=self.registry,
+            "sglang:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            by_stream,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
         )
         self.itl = Histogram(
-            "sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-            ["model_name"], buckets=ITL_BUCKETS, registry=self.registry,
+            "sglang:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            ["model_name"],
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
         ).labels(model_name)
         self.e2e = Histogram(
-            "sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
-            by_stream, buckets=E2E_BUCKETS, registry=self.registry,
+            "sglang:e2e_request_latency_seconds",
+            "Histogram of End-to-end request latency in seconds",
+            by_stream,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
         )
 
     def observe_first_token(self, streaming: bool, ttft_s: float) -> None:
@@ -104,8 +142,9 @@ class TwinMetrics:
         for _ in range(tokens):
             self.itl.observe(per_token)
 
-    def observe_finish(self, streaming: bool, prompt_tokens: int, completion_tokens: int, e2e_s: float,
-                       finish_reason: str = "stop") -> None:
+    def observe_finish(
+        self, streaming: bool, prompt_tokens: int, completion_tokens: int, e2e_s: float, finish_reason: str = "stop"
+    ) -> None:
         flag = _flag(streaming)
         self.prompt_tokens.labels(self.model_name, flag).inc(prompt_tokens)
         self.generation_tokens.labels(self.model_name, flag).inc(completion_tokens)

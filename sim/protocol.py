@@ -111,6 +111,7 @@ class CompletionRequest(_Common):
 MAX_N = 128
 """The most choices one twin request may ask for (SGLang sets no bound; the twin must survive a fuzzer)."""
 
+
 class TwinError(Exception):
     """A request the twin answers with an SGLang-shaped error."""
 

@@ -14,9 +14,10 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
@@ -25,9 +26,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from fleet.features import count_prompt_tokens
+from sim import vllm
 from sim.engine import Engine, EngineConfig, Request, check_alpha
 from sim.faults import DroppedOnPurpose, Faults
-from sim import vllm
 from sim.loop import EngineLoop
 from sim.metrics import TwinMetrics
 from sim.protocol import (
@@ -85,8 +86,14 @@ class Call:
 
     __slots__ = ("req", "queue", "index", "shape", "last_time", "metrics", "streaming", "span")
 
-    def __init__(self, req: Request, metrics: TwinMetrics | vllm.VllmMetrics, streaming: bool, shape: ChoiceShape,
-                 queue: asyncio.Queue[tuple[int, str, int, bool]] | None = None):
+    def __init__(
+        self,
+        req: Request,
+        metrics: TwinMetrics | vllm.VllmMetrics,
+        streaming: bool,
+        shape: ChoiceShape,
+        queue: asyncio.Queue[tuple[int, str, int, bool]] | None = None,
+    ):
         self.req = req
         self.queue: asyncio.Queue[tuple[int, str, int, bool]] = queue if queue is not None else asyncio.Queue()
         """One item per engine step: (choice index, text, tokens, finished). A slow reader may find several."""
@@ -109,8 +116,13 @@ class Call:
                 self.metrics.observe_chunk(max(req.updated - self.last_time, 0.0), n)
             self.last_time = req.updated
         if req.finished and not aborted:
-            self.metrics.observe_finish(self.streaming, req.prompt_tokens, req.output_tokens,
-                                        max(req.updated - req.arrival, 0.0), req.finish_reason or "stop")
+            self.metrics.observe_finish(
+                self.streaming,
+                req.prompt_tokens,
+                req.output_tokens,
+                max(req.updated - req.arrival, 0.0),
+                req.finish_reason or "stop",
+            )
         if req.finished and self.span is not None:
             span, self.span = self.span, None
             span.finish(req)
@@ -163,8 +175,9 @@ class Twin:
         if faults.first_token_delay_ms:
             await asyncio.sleep(faults.first_token_delay_ms / 1000.0)
         if faults.fails(self.fault_rng):
-            raise TwinError("Internal server error (a fault the twin was told to show)", status=500,
-                            err_type="InternalServerError")
+            raise TwinError(
+                "Internal server error (a fault the twin was told to show)", status=500, err_type="InternalServerError"
+            )
         parent = self.trace_context(http.headers)
         prompt_tokens = max(count_prompt_tokens(body), 1)
         check_context(prompt_tokens, request.max_new_tokens, self.config.context_length)
@@ -208,8 +221,15 @@ class Twin:
             return SseResponse(chunks, on_disconnect=abort_all)
         return await self._complete(kind, request, calls, rid, http.receive, abort_all)
 
-    async def _complete(self, kind: str, request: ChatCompletionRequest | CompletionRequest, calls: list[Call],
-                        rid: str, receive: Receive, abort_all: Callable[[], None]) -> Response:
+    async def _complete(
+        self,
+        kind: str,
+        request: ChatCompletionRequest | CompletionRequest,
+        calls: list[Call],
+        rid: str,
+        receive: Receive,
+        abort_all: Callable[[], None],
+    ) -> Response:
         pieces: list[list[str]] = [[] for _ in calls]
         finished = asyncio.ensure_future(self._drain(calls, pieces))
         gone = asyncio.ensure_future(wait_disconnect(receive))
@@ -224,8 +244,10 @@ class Twin:
         if any(req.finish_reason == "abort" for req in reqs):
             abort_all()
             raise TwinError("The request was aborted.", status=400)
-        choices = [call.shape.render(kind, got, call.req.finish_reason, call.req.matched_stop, stream=False)
-                   for call, got in zip(calls, pieces)]
+        choices = [
+            call.shape.render(kind, got, call.req.finish_reason, call.req.matched_stop, stream=False)
+            for call, got in zip(calls, pieces)
+        ]
         if self.options.vllm:
             choices = [vllm.as_vllm_choice(choice) for choice in choices]
         response: dict[str, Any] = {
@@ -287,8 +309,9 @@ class Twin:
         body = usage(prompt_tokens, completion_tokens)
         return vllm.as_vllm_usage(body) if self.options.vllm else body
 
-    async def _stream(self, kind: str, request: ChatCompletionRequest | CompletionRequest,
-                      calls: list[Call], rid: str) -> AsyncIterator[bytes]:
+    async def _stream(
+        self, kind: str, request: ChatCompletionRequest | CompletionRequest, calls: list[Call], rid: str
+    ) -> AsyncIterator[bytes]:
         reqs = [call.req for call in calls]
         created = int(time.time())
         obj = object_name(kind, stream=True)
@@ -311,23 +334,53 @@ class Twin:
             if done and req.finish_reason == "abort":
                 for other in reqs:
                     self.running_loop.abort(other.rid)
-                yield sse({"error": {"message": "The request was aborted.", "type": "BadRequestError",
-                                     "param": None, "code": 400}})
+                yield sse(
+                    {
+                        "error": {
+                            "message": "The request was aborted.",
+                            "type": "BadRequestError",
+                            "param": None,
+                            "code": 400,
+                        }
+                    }
+                )
                 yield b"data: [DONE]\n\n"
                 return
             if opening:  # one event per choice, as vLLM's
                 opening = False
                 for c in calls:
-                    yield sse({"id": rid, "object": obj, "created": created, "model": request.model,
-                               "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
+                    yield sse(
+                        {
+                            "id": rid,
+                            "object": obj,
+                            "created": created,
+                            "model": request.model,
+                            "choices": [
+                                {
+                                    "index": c.index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    )
             emitted += n
             pieces = call.shape.feed(text, done, req.finish_reason)
             if n or done or pieces:
-                choice = call.shape.render(kind, pieces, req.finish_reason if done else None,
-                                           req.matched_stop if done else None, stream=True, first=first[index])
+                choice = call.shape.render(
+                    kind,
+                    pieces,
+                    req.finish_reason if done else None,
+                    req.matched_stop if done else None,
+                    stream=True,
+                    first=first[index],
+                )
                 chunk: dict[str, Any] = {
-                    "id": rid, "object": obj, "created": created, "model": request.model,
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": request.model,
                     "choices": [vllm.as_vllm_choice(choice) if self.options.vllm else choice],
                     "usage": self._usage(prompt_tokens, emitted) if continuous else None,
                 }
@@ -335,25 +388,42 @@ class Twin:
                 yield sse(chunk)
             remaining -= done
         if self.config.speculative and request.return_spec_tokens_details:
-            yield sse({"id": rid, "object": obj, "created": created, "model": request.model, "choices": [],
-                       "sglext": {"spec_tokens_details": self._spec_details(reqs)}})
+            yield sse(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": request.model,
+                    "choices": [],
+                    "sglext": {"spec_tokens_details": self._spec_details(reqs)},
+                }
+            )
         if include_usage:
-            yield sse({"id": rid, "object": obj, "created": created, "model": request.model, "choices": [],
-                       "usage": self._usage(prompt_tokens, sum(req.output_tokens for req in reqs))})
+            yield sse(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": request.model,
+                    "choices": [],
+                    "usage": self._usage(prompt_tokens, sum(req.output_tokens for req in reqs)),
+                }
+            )
         yield b"data: [DONE]\n\n"
 
     # ---- other endpoints ------------------------------------------------------------------
 
     async def health_generate(self) -> Response:
         loop = self.running_loop
-        req = self.engine.new_request(1, now=loop.now(), max_new_tokens=1, output_len=1,
-                                      rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        req = self.engine.new_request(
+            1, now=loop.now(), max_new_tokens=1, output_len=1, rid=f"HEALTH_CHECK_{uuid.uuid4().hex}"
+        )
         done = asyncio.Event()
         req.listener = lambda r: done.set()
         loop.submit(req)
         try:
             await asyncio.wait_for(done.wait(), HEALTH_GENERATE_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             loop.abort(req.rid)
             return Response(status_code=503)
         return Response(status_code=200)
@@ -440,12 +510,22 @@ class Twin:
             "max_model_len": self.config.context_length,
         }
         if self.options.vllm:
-            card["permission"] = [{
-                "id": f"modelperm-{self.options.seed:032x}", "object": "model_permission", "created": int(self.started),
-                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-                "organization": "*", "group": None, "is_blocking": False,
-            }]
+            card["permission"] = [
+                {
+                    "id": f"modelperm-{self.options.seed:032x}",
+                    "object": "model_permission",
+                    "created": int(self.started),
+                    "allow_create_engine": False,
+                    "allow_sampling": True,
+                    "allow_logprobs": True,
+                    "allow_search_indices": False,
+                    "allow_view": True,
+                    "allow_fine_tuning": False,
+                    "organization": "*",
+                    "group": None,
+                    "is_blocking": False,
+                }
+            ]
         return card
 
 
@@ -465,7 +545,7 @@ def check_context(prompt_tokens: int, max_new_tokens: int | None, context_length
 
 
 def iso_timestamp(epoch_s: float) -> str:
-    return datetime.datetime.fromtimestamp(epoch_s, tz=datetime.timezone.utc).isoformat()
+    return datetime.datetime.fromtimestamp(epoch_s, tz=datetime.UTC).isoformat()
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -487,11 +567,13 @@ class SseResponse:
         self.on_disconnect = on_disconnect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({
-            "type": "http.response.start",
-            "status": 200,
-            "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
-        })
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+            }
+        )
         gone = asyncio.ensure_future(wait_disconnect(receive))
         writer = asyncio.ensure_future(self._write(send))
         try:
@@ -573,8 +655,17 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
     async def model(request: HttpRequest) -> Response:
         name = request.path_params["model"]
         if name != options.model_name:
-            return JSONResponse({"error": {"message": f"The model '{name}' does not exist", "type": "invalid_request_error",
-                                           "param": "model", "code": "model_not_found"}}, status_code=404)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"The model '{name}' does not exist",
+                        "type": "invalid_request_error",
+                        "param": "model",
+                        "code": "model_not_found",
+                    }
+                },
+                status_code=404,
+            )
         return JSONResponse(twin.model_card())
 
     async def health(request: HttpRequest) -> Response:
@@ -595,9 +686,17 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
         return JSONResponse(twin.server_info())
 
     async def model_info(request: HttpRequest) -> Response:
-        return JSONResponse({"model_path": options.model_path, "served_model_name": options.model_name,
-                             "tokenizer_path": options.model_path, "is_generation": True,
-                             "weight_version": "default", "model_type": "twin", "architectures": ["TwinForCausalLM"]})
+        return JSONResponse(
+            {
+                "model_path": options.model_path,
+                "served_model_name": options.model_name,
+                "tokenizer_path": options.model_path,
+                "is_generation": True,
+                "weight_version": "default",
+                "model_type": "twin",
+                "architectures": ["TwinForCausalLM"],
+            }
+        )
 
     async def metrics(request: HttpRequest) -> Response:
         if not options.enable_metrics:

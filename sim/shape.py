@@ -191,15 +191,23 @@ class Logprobs:
             return {
                 "tokens": tokens,
                 "token_logprobs": [ranked[0][1] for ranked in entries],
-                "top_logprobs": [dict(sorted(ranked, key=lambda e: -e[1])[:self.top]) for ranked in entries],
+                "top_logprobs": [dict(sorted(ranked, key=lambda e: -e[1])[: self.top]) for ranked in entries],
                 "text_offset": offsets,
             }
-        return {"content": [
-            {"token": token, "logprob": ranked[0][1], "bytes": list(token.encode()),
-             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
-                              for t, lp in sorted(ranked, key=lambda e: -e[1])[:self.top]]}
-            for token, ranked in zip(tokens, entries)
-        ]}
+        return {
+            "content": [
+                {
+                    "token": token,
+                    "logprob": ranked[0][1],
+                    "bytes": list(token.encode()),
+                    "top_logprobs": [
+                        {"token": t, "logprob": lp, "bytes": list(t.encode())}
+                        for t, lp in sorted(ranked, key=lambda e: -e[1])[: self.top]
+                    ],
+                }
+                for token, ranked in zip(tokens, entries)
+            ]
+        }
 
 
 TOOL_ARGUMENT_WORDS = (1, 3)
@@ -262,8 +270,16 @@ class ChoiceShape:
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if reason == "stop" and self.tool_name is not None else reason
 
-    def render(self, kind: str, pieces: list[str], finish_reason: str | None, matched_stop: Any, *,
-               stream: bool, first: bool = False) -> dict[str, Any]:
+    def render(
+        self,
+        kind: str,
+        pieces: list[str],
+        finish_reason: str | None,
+        matched_stop: Any,
+        *,
+        stream: bool,
+        first: bool = False,
+    ) -> dict[str, Any]:
         """The choice object of a response (stream: of one chunk) carrying `pieces`."""
         text = "".join(pieces)
         body: dict[str, Any] = {"index": self.index}
@@ -280,8 +296,12 @@ class ChoiceShape:
             body["delta"] = delta
         else:
             calls = [self._tool_call(text)] if self.tool_name is not None else None
-            body["message"] = {"role": "assistant", "content": None if calls else text,
-                               "reasoning_content": None, "tool_calls": calls}
+            body["message"] = {
+                "role": "assistant",
+                "content": None if calls else text,
+                "reasoning_content": None,
+                "tool_calls": calls,
+            }
         body["logprobs"] = self.logprobs.render(pieces) if self.logprobs is not None else None
         body["finish_reason"] = self.finish_reason(finish_reason)
         body["matched_stop"] = matched_stop

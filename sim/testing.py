@@ -25,9 +25,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import httpx
 
@@ -49,13 +50,21 @@ class TwinSpec:
 
     def argv(self) -> list[str]:
         argv = [
-            sys.executable, "-m", "sim",
-            "--mode", self.mode,
-            "--profile", self.profile,
-            "--host", "127.0.0.1",
-            "--port", "0",
-            "--time-scale", repr(float(self.time_scale)),
-            "--seed", str(self.seed),
+            sys.executable,
+            "-m",
+            "sim",
+            "--mode",
+            self.mode,
+            "--profile",
+            self.profile,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--time-scale",
+            repr(float(self.time_scale)),
+            "--seed",
+            str(self.seed),
         ]
         if self.enable_metrics and self.server == "sglang":
             argv.append("--enable-metrics")
@@ -169,8 +178,9 @@ def wait_for(condition: Callable[[], Any], what: str, timeout: float = 30.0, int
 
 
 @contextlib.contextmanager
-def twins(*specs: TwinSpec, startup_timeout: float = 60.0,
-          env: dict[str, str] | None = None) -> Iterator[list[RunningTwin]]:
+def twins(
+    *specs: TwinSpec, startup_timeout: float = 60.0, env: dict[str, str] | None = None
+) -> Iterator[list[RunningTwin]]:
     """Start several twins at once (in parallel), yield them in order, stop them all."""
     started: list[RunningTwin] = []
     try:
@@ -186,9 +196,17 @@ def twins(*specs: TwinSpec, startup_timeout: float = 60.0,
 
 
 @contextlib.contextmanager
-def twin(mode: str = "spec", profile: str = "h200-llama8b", *, time_scale: float = 1.0, seed: int = 0,
-         enable_metrics: bool = True, args: Sequence[str] = (), startup_timeout: float = 60.0,
-         env: dict[str, str] | None = None) -> Iterator[RunningTwin]:
+def twin(
+    mode: str = "spec",
+    profile: str = "h200-llama8b",
+    *,
+    time_scale: float = 1.0,
+    seed: int = 0,
+    enable_metrics: bool = True,
+    args: Sequence[str] = (),
+    startup_timeout: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> Iterator[RunningTwin]:
     """Start one twin; yields an object with .url, .port and .base_url."""
     spec = TwinSpec(mode, profile, time_scale, seed, enable_metrics, tuple(args))
     with twins(spec, startup_timeout=startup_timeout, env=env) as (running,):

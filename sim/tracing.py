@@ -10,7 +10,8 @@ variable the same way so that it can stand in for SGLang in a deployment's confi
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -52,9 +53,11 @@ class TwinTracer:
     def extract(self, headers: Mapping[str, str]) -> Context:
         return self.propagator.extract(headers)
 
-    def start(self, req: "Request", parent: Context | None) -> "TwinSpan":
+    def start(self, req: Request, parent: Context | None) -> TwinSpan:
         span = self.tracer.start_span(
-            f"Req {req.rid[:8]}", context=parent, kind=SpanKind.SERVER,
+            f"Req {req.rid[:8]}",
+            context=parent,
+            kind=SpanKind.SERVER,
             attributes={"rid": req.rid, "module": "sglang::request"},
         )
         return TwinSpan(span)
@@ -70,15 +73,17 @@ class TwinSpan:
     def __init__(self, span: Span) -> None:
         self.span = span
 
-    def finish(self, req: "Request") -> None:
+    def finish(self, req: Request) -> None:
         """End the span with SGLang's finish attributes (times in the twin's own seconds)."""
         span = self.span
         if span.is_recording():
-            span.set_attributes({
-                "gen_ai.usage.prompt_tokens": req.prompt_tokens,
-                "gen_ai.usage.completion_tokens": req.output_tokens,
-                "gen_ai.response.finish_reasons": [req.finish_reason or ""],
-            })
+            span.set_attributes(
+                {
+                    "gen_ai.usage.prompt_tokens": req.prompt_tokens,
+                    "gen_ai.usage.completion_tokens": req.output_tokens,
+                    "gen_ai.response.finish_reasons": [req.finish_reason or ""],
+                }
+            )
             if req.max_new_tokens is not None:
                 span.set_attribute("gen_ai.request.max_tokens", req.max_new_tokens)
             if req.finish_time is not None:

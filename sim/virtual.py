@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 from sim.engine import Engine, Request, Step
 
@@ -235,8 +235,18 @@ def simulate(
             engine = engines[i]
             touched = engine.finish_step(step, end)  # type: ignore[arg-type]
             if on_step is not None:
-                on_step(StepObservation(i, engine.name, step.kind, step.batch, step.tokens_per_seq,  # type: ignore[union-attr]
-                                        step.start, step.duration_s, sum(r.last_emitted for r in touched)))  # type: ignore[union-attr]
+                on_step(
+                    StepObservation(
+                        i,
+                        engine.name,
+                        step.kind,
+                        step.batch,
+                        step.tokens_per_seq,  # type: ignore[union-attr]
+                        step.start,
+                        step.duration_s,
+                        sum(r.last_emitted for r in touched),
+                    )
+                )  # type: ignore[union-attr]
             for req in touched:
                 if req.finished:
                     record = _record(req, i, engine.name, classes.pop(req.tag, "latency"))  # type: ignore[arg-type]
@@ -255,9 +265,14 @@ def simulate(
                 continue
             i = by_name[choice] if isinstance(choice, str) else int(choice)
             engine = engines[i]
-            req = engine.new_request(arrival.prompt_tokens, now=arrival.time, max_new_tokens=arrival.max_tokens,
-                                     ignore_eos=arrival.ignore_eos, output_len=arrival.output_tokens,
-                                     rid=f"r{index}")
+            req = engine.new_request(
+                arrival.prompt_tokens,
+                now=arrival.time,
+                max_new_tokens=arrival.max_tokens,
+                ignore_eos=arrival.ignore_eos,
+                output_len=arrival.output_tokens,
+                rid=f"r{index}",
+            )
             req.tag = index
             classes[index] = arrival.request_class
             engine.add(req)

@@ -21,7 +21,8 @@ The engine (scheduling, step times) is the same; what a client or a router sees 
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -30,19 +31,91 @@ from sim.engine import Engine
 
 VLLM_VERSION = "0.33.0"
 # vLLM's default buckets (v1/metrics/loggers.py).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-               20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-               240.0, 480.0, 960.0, 1920.0, 7680.0)
-TYPE_BY_STATUS = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError",
-                  503: "ServiceUnavailableError"}
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+TYPE_BY_STATUS = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
 def error_body(message: str, status: int) -> dict[str, Any]:
-    return {"error": {"message": message, "type": TYPE_BY_STATUS.get(status, "BadRequestError"),
-                      "param": None, "code": status}}
+    return {
+        "error": {
+            "message": message,
+            "type": TYPE_BY_STATUS.get(status, "BadRequestError"),
+            "param": None,
+            "code": status,
+        }
+    }
 
 
 def as_vllm_choice(choice: dict[str, Any]) -> dict[str, Any]:
@@ -82,8 +155,9 @@ class VllmCollector:
             gauge = GaugeMetricFamily(name, doc, labels=names)
             gauge.add_metric(values, value)
             yield gauge
-        by_reason = GaugeMetricFamily("vllm:num_requests_waiting_by_reason",
-                                      "Number of requests waiting, by reason.", labels=names + ["reason"])
+        by_reason = GaugeMetricFamily(
+            "vllm:num_requests_waiting_by_reason", "Number of requests waiting, by reason.", labels=names + ["reason"]
+        )
         by_reason.add_metric(values + ["capacity"], waiting)  # the twin defers nothing
         by_reason.add_metric(values + ["deferred"], 0.0)
         yield by_reason
@@ -101,18 +175,39 @@ class VllmMetrics:
         self.registry.register(VllmCollector(engine, model_name))
         labels = ["model_name", "engine"]
         self.values = [model_name, "0"]
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
-                                     labels, registry=self.registry).labels(*self.values)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
-                                         labels, registry=self.registry).labels(*self.values)
-        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               labels + ["finished_reason"], registry=self.registry)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(*self.values)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             labels, buckets=ITL_BUCKETS, registry=self.registry).labels(*self.values)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             labels, buckets=E2E_BUCKETS, registry=self.registry).labels(*self.values)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=self.registry
+        ).labels(*self.values)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=self.registry
+        ).labels(*self.values)
+        self.success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels + ["finished_reason"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(*self.values)
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            labels,
+            buckets=ITL_BUCKETS,
+            registry=self.registry,
+        ).labels(*self.values)
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(*self.values)
 
     def observe_first_token(self, streaming: bool, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
@@ -121,8 +216,9 @@ class VllmMetrics:
         for _ in range(max(tokens, 0)):
             self.itl.observe(interval_s / tokens)
 
-    def observe_finish(self, streaming: bool, prompt_tokens: int, completion_tokens: int, e2e_s: float,
-                       finish_reason: str = "stop") -> None:
+    def observe_finish(
+        self, streaming: bool, prompt_tokens: int, completion_tokens: int, e2e_s: float, finish_reason: str = "stop"
+    ) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.success.labels(*self.values, finish_reason).inc()

@@ -4,8 +4,8 @@ used by the trace tests and by the deploy tests' twin stack."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

@@ -28,8 +28,9 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
@@ -211,8 +212,9 @@ class ProcessExport:
     def _drop(self, requests: int) -> None:
         before, self._dropped = self._dropped, self._dropped + requests
         if before == 0 or before // 10_000 != self._dropped // 10_000:
-            log.warning("the span export process is behind or gone: the spans of %d requests dropped so far",
-                        self._dropped)
+            log.warning(
+                "the span export process is behind or gone: the spans of %d requests dropped so far", self._dropped
+            )
 
     def flush(self, timeout_s: float) -> bool:
         """Hand what waits to the child now (which exports on its batch processor's schedule);

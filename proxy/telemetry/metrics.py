@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -17,38 +18,68 @@ class Metrics:
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter(n.M_REQUESTS, "Requests answered, by pool, policy and outcome.",
-                                ["pool", "policy", "outcome"], registry=r)
-        self.decisions = Counter(n.M_DECISIONS, "Routing decisions, by reason and chosen pool.",
-                                 ["reason", "pool"], registry=r)
-        self.ttft = Histogram(n.M_TTFT, "Seconds from request received to the first token sent.",
-                              ["pool"], buckets=n.BUCKETS_TTFT, registry=r)
+        self.requests = Counter(
+            n.M_REQUESTS, "Requests answered, by pool, policy and outcome.", ["pool", "policy", "outcome"], registry=r
+        )
+        self.decisions = Counter(
+            n.M_DECISIONS, "Routing decisions, by reason and chosen pool.", ["reason", "pool"], registry=r
+        )
+        self.ttft = Histogram(
+            n.M_TTFT,
+            "Seconds from request received to the first token sent.",
+            ["pool"],
+            buckets=n.BUCKETS_TTFT,
+            registry=r,
+        )
         self.inter_token = Histogram(
-            n.M_INTER_TOKEN, "Mean seconds between output tokens after the first, per request.",
-            ["pool"], buckets=n.BUCKETS_INTER_TOKEN, registry=r)
-        self.duration = Histogram(n.M_DURATION, "Seconds from request received to response end.",
-                                  ["pool"], buckets=n.BUCKETS_DURATION, registry=r)
-        self.tokens = Counter(n.M_TOKENS, "Tokens reported by the upstream, by pool and type.",
-                              ["pool", "type"], registry=r)
-        self.in_flight = Gauge(n.M_IN_FLIGHT, "Upstream requests this proxy has open, per instance.",
-                               ["pool", "instance"], registry=r)
-        self.alpha = Gauge(n.M_ALPHA, "Observed per-token acceptance rate of a speculative pool.",
-                           ["pool"], registry=r)
-        self.snapshot_age = Gauge(n.M_SNAPSHOT_AGE, "Age in seconds of the freshest load reading per pool.",
-                                  ["pool"], registry=r)
-        self.healthy = Gauge(n.M_HEALTHY, "1 when the proxy can reach an upstream instance, else 0.",
-                             ["pool", "instance"], registry=r)
-        self.ejected = Gauge(n.M_EJECTED, "1 while outlier detection keeps an upstream instance out of rotation.",
-                             ["pool", "instance"], registry=r)
-        self.retries = Counter(n.M_RETRIES, "Upstream attempts repeated within the same pool.",
-                               ["pool"], registry=r)
-        self.failovers = Counter(n.M_FAILOVERS, "Upstream attempts moved to the other pool.",
-                                 ["from_pool", "to_pool"], registry=r)
-        self.auth_refused = Counter(n.M_AUTH_REFUSED, "Requests refused by client authentication, by reason (never by key).",
-                                    ["reason"], registry=r)
+            n.M_INTER_TOKEN,
+            "Mean seconds between output tokens after the first, per request.",
+            ["pool"],
+            buckets=n.BUCKETS_INTER_TOKEN,
+            registry=r,
+        )
+        self.duration = Histogram(
+            n.M_DURATION,
+            "Seconds from request received to response end.",
+            ["pool"],
+            buckets=n.BUCKETS_DURATION,
+            registry=r,
+        )
+        self.tokens = Counter(
+            n.M_TOKENS, "Tokens reported by the upstream, by pool and type.", ["pool", "type"], registry=r
+        )
+        self.in_flight = Gauge(
+            n.M_IN_FLIGHT, "Upstream requests this proxy has open, per instance.", ["pool", "instance"], registry=r
+        )
+        self.alpha = Gauge(n.M_ALPHA, "Observed per-token acceptance rate of a speculative pool.", ["pool"], registry=r)
+        self.snapshot_age = Gauge(
+            n.M_SNAPSHOT_AGE, "Age in seconds of the freshest load reading per pool.", ["pool"], registry=r
+        )
+        self.healthy = Gauge(
+            n.M_HEALTHY, "1 when the proxy can reach an upstream instance, else 0.", ["pool", "instance"], registry=r
+        )
+        self.ejected = Gauge(
+            n.M_EJECTED,
+            "1 while outlier detection keeps an upstream instance out of rotation.",
+            ["pool", "instance"],
+            registry=r,
+        )
+        self.retries = Counter(n.M_RETRIES, "Upstream attempts repeated within the same pool.", ["pool"], registry=r)
+        self.failovers = Counter(
+            n.M_FAILOVERS, "Upstream attempts moved to the other pool.", ["from_pool", "to_pool"], registry=r
+        )
+        self.auth_refused = Counter(
+            n.M_AUTH_REFUSED,
+            "Requests refused by client authentication, by reason (never by key).",
+            ["reason"],
+            registry=r,
+        )
         self.overhead = Histogram(
-            n.M_OVERHEAD, "Seconds per request spent in the proxy itself (not waiting on upstream).",
-            buckets=n.BUCKETS_OVERHEAD, registry=r)
+            n.M_OVERHEAD,
+            "Seconds per request spent in the proxy itself (not waiting on upstream).",
+            buckets=n.BUCKETS_OVERHEAD,
+            registry=r,
+        )
         self._snapshot_source: Callable[[], Snapshot | None] | None = None
         # Label children by label values: prometheus_client's labels() takes a lock and builds
         # tuples on every call; a request needs about eight of them.

@@ -83,12 +83,55 @@ OVERHEAD_HEADER_BYTES = OVERHEAD_HEADER.encode()
 TRACERESPONSE_HEADER_BYTES = b"traceresponse"
 
 # GenAI bucket boundaries (gen-ai-metrics.md@v1.41.0).
-BUCKETS_TTFT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                5.0, 7.5, 10.0)  # gen_ai.server.time_to_first_token
-BUCKETS_INTER_TOKEN = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-                       2.5)  # gen_ai.server.time_per_output_token
-BUCKETS_DURATION = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48,
-                    40.96, 81.92)  # gen_ai.client.operation.duration
+BUCKETS_TTFT = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)  # gen_ai.server.time_to_first_token
+BUCKETS_INTER_TOKEN = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)  # gen_ai.server.time_per_output_token
+BUCKETS_DURATION = (
+    0.01,
+    0.02,
+    0.04,
+    0.08,
+    0.16,
+    0.32,
+    0.64,
+    1.28,
+    2.56,
+    5.12,
+    10.24,
+    20.48,
+    40.96,
+    81.92,
+)  # gen_ai.client.operation.duration
 BUCKETS_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)  # token.usage
 # The proxy's own work per request: tens of microseconds to a few milliseconds.
 BUCKETS_OVERHEAD = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)

@@ -12,7 +12,8 @@ headers, TLS and endpoint resolution stay the SDK exporters' own.
 from __future__ import annotations
 
 import struct
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as SdkGrpcExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as SdkHttpExporter
@@ -89,7 +90,9 @@ def double_prefix(tag: bytes, key: str) -> bytes:
 _NO_LAYOUT: Any = object()
 
 
-def number_layout(tag: bytes, prefix: str, keys: Sequence[str], kinds: Sequence[type]) -> tuple[Callable[..., bytes], list[Any]] | None:
+def number_layout(
+    tag: bytes, prefix: str, keys: Sequence[str], kinds: Sequence[type]
+) -> tuple[Callable[..., bytes], list[Any]] | None:
     """A struct packer and its argument template for SpanEncoder.numbers (None: not all float or bool)."""
     formats, args = ["<"], []
     for key, kind in zip(keys, kinds):
@@ -188,8 +191,11 @@ class SpanEncoder:
             if value.__class__ is float:
                 out.append(self.double(tag, key, value))
             elif key in _UNIQUE:
-                out.append(self.string(tag, key, value) if value.__class__ is str else
-                           field(tag, field(b"\x0a", key.encode()) + field(b"\x12", any_value(value))))
+                out.append(
+                    self.string(tag, key, value)
+                    if value.__class__ is str
+                    else field(tag, field(b"\x0a", key.encode()) + field(b"\x12", any_value(value)))
+                )
             else:
                 out.append(self.pair(tag, key, value))
         return b"".join(out)
@@ -271,9 +277,16 @@ class SpanEncoder:
     ) -> bytes:
         """trace.v1.Span, framed as a ScopeSpans.spans field: `static` attributes from block(),
         then `attributes`; `events` are (name, time) pairs."""
-        return raw_span(trace_field(trace_id), span_id, context_fields(trace_state, parent_id), self.head(name, kind),
-                        start_ns, end_ns, static + self.attributes(b"\x4a", attributes),
-                        b"".join(self.event(*e) for e in events) + status_fields(status, description, parent_remote))
+        return raw_span(
+            trace_field(trace_id),
+            span_id,
+            context_fields(trace_state, parent_id),
+            self.head(name, kind),
+            start_ns,
+            end_ns,
+            static + self.attributes(b"\x4a", attributes),
+            b"".join(self.event(*e) for e in events) + status_fields(status, description, parent_remote),
+        )
 
 
 def head_fields(name: str, kind: SpanKind) -> bytes:
@@ -307,12 +320,23 @@ STATUS_UNSET = _STATUS[0] + _LOCAL_PARENT
 """status_fields() of a span without an error under a local parent."""
 
 
-def raw_span(trace: bytes, span_id: int, context: bytes, head: bytes, start_ns: int, end_ns: int,
-             attributes: bytes, tail: bytes) -> bytes:
+def raw_span(
+    trace: bytes, span_id: int, context: bytes, head: bytes, start_ns: int, end_ns: int, attributes: bytes, tail: bytes
+) -> bytes:
     """trace.v1.Span framed as a ScopeSpans.spans field, from its parts: trace_field(),
     context_fields(), SpanEncoder.head(), the attributes' bytes, then events and status_fields()."""
-    body = b"".join((trace, b"\x12\x08", span_id.to_bytes(8, "big"), context, head,
-                     _PACK_TIMES(0x39, start_ns, 0x41, end_ns), attributes, tail))
+    body = b"".join(
+        (
+            trace,
+            b"\x12\x08",
+            span_id.to_bytes(8, "big"),
+            context,
+            head,
+            _PACK_TIMES(0x39, start_ns, 0x41, end_ns),
+            attributes,
+            tail,
+        )
+    )
     return b"\x12" + length(len(body)) + body
 
 
@@ -320,7 +344,9 @@ def export_request(resource: Resource, scope: InstrumentationScope, data: Sequen
     """ExportTraceServiceRequest holding one resource's spans of one instrumentation scope;
     `data` are ScopeSpans.spans fields."""
     resource_field = field(b"\x0a", SpanEncoder().attributes(b"\x0a", resource.attributes))
-    scope_body = field(b"\x0a", scope.name.encode()) + (field(b"\x12", scope.version.encode()) if scope.version else b"")
+    scope_body = field(b"\x0a", scope.name.encode()) + (
+        field(b"\x12", scope.version.encode()) if scope.version else b""
+    )
     scope_field = field(b"\x0a", scope_body)
     # Framed from the lengths, then joined once: the spans (about 1 MB a batch) are copied once.
     scope_spans = len(scope_field) + sum(map(len, data))
@@ -339,8 +365,9 @@ class HttpExporter(SdkHttpExporter):
     def export(self, spans: Sequence[EncodedSpans]) -> SpanExportResult:  # type: ignore[override]
         if self._shutdown:
             return SpanExportResult.FAILURE
-        results = [self._client.export(export_request(self.resource, self.scope, chunk)).success
-                   for chunk in chunks(spans)]
+        results = [
+            self._client.export(export_request(self.resource, self.scope, chunk)).success for chunk in chunks(spans)
+        ]
         return SpanExportResult.SUCCESS if all(results) else SpanExportResult.FAILURE
 
 
@@ -355,7 +382,11 @@ class GrpcExporter(SdkGrpcExporter):
     def export(self, spans: Sequence[EncodedSpans]) -> SpanExportResult:  # type: ignore[override]
         export = super().export  # not in the comprehension: its own scope has no super()
         results = [export(chunk) for chunk in chunks(spans)]  # type: ignore[arg-type]
-        return SpanExportResult.SUCCESS if all(r is SpanExportResult.SUCCESS for r in results) else SpanExportResult.FAILURE
+        return (
+            SpanExportResult.SUCCESS
+            if all(r is SpanExportResult.SUCCESS for r in results)
+            else SpanExportResult.FAILURE
+        )
 
     def _translate_data(self, data: Sequence[bytes]) -> ExportTraceServiceRequest:  # type: ignore[override]
         return ExportTraceServiceRequest.FromString(export_request(self.resource, self.scope, data))

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 from opentelemetry import propagate, trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
@@ -33,14 +34,40 @@ class RequestRecorder(RequestHooks):
     """Called by the request path at fixed points (proxy.hooks.RequestHooks); never per chunk."""
 
     __slots__ = (
-        "_owner", "_tracing", "_endpoint", "_request_id", "_t0", "_t0_ns", "_t_attempt", "_t_first",
-        "_pool", "_instance", "_attempt", "_reason", "_stream", "_model", "_in_flight",
-        "_trace_id", "_span_id", "_sampled", "_trace_state", "_parent", "_user_agent", "_decided_at",
-        "_decision", "_features", "_override", "_params", "_content", "_attempt_id", "_attempt_status",
-        "_first_data", "_failed",
+        "_owner",
+        "_tracing",
+        "_endpoint",
+        "_request_id",
+        "_t0",
+        "_t0_ns",
+        "_t_attempt",
+        "_t_first",
+        "_pool",
+        "_instance",
+        "_attempt",
+        "_reason",
+        "_stream",
+        "_model",
+        "_in_flight",
+        "_trace_id",
+        "_span_id",
+        "_sampled",
+        "_trace_state",
+        "_parent",
+        "_user_agent",
+        "_decided_at",
+        "_decision",
+        "_features",
+        "_override",
+        "_params",
+        "_content",
+        "_attempt_id",
+        "_attempt_status",
+        "_first_data",
+        "_failed",
     )
 
-    def __init__(self, owner: "SpecrouteTelemetry", endpoint: str) -> None:
+    def __init__(self, owner: SpecrouteTelemetry, endpoint: str) -> None:
         self._owner = owner
         self._tracing: Tracing | None = owner.tracing
         self._endpoint = endpoint
@@ -91,15 +118,16 @@ class RequestRecorder(RequestHooks):
             parent = trace.get_current_span(parent_context).get_span_context()
             self._parent = parent if parent.is_valid else None
         self._trace_id, self._span_id, self._sampled, self._trace_state = tracing.root_context(
-            self._parent, parent_context, endpoint)
+            self._parent, parent_context, endpoint
+        )
         if self._sampled:
             self._user_agent = headers.get("user-agent", "")
 
     def decided(
         self,
         *,
-        decision: "Decision",
-        features: "Features",
+        decision: Decision,
+        features: Features,
         model: str | None,
         override: str | None,
         body: Mapping[str, Any] | None = None,
@@ -140,7 +168,7 @@ class RequestRecorder(RequestHooks):
             return
         flags = 1 if self._sampled else 0
         if self._tracing.w3c_only:  # type: ignore[union-attr]
-            headers["traceparent"] = "00-%032x-%016x-%02x" % (self._trace_id, span_id, flags)
+            headers["traceparent"] = f"00-{self._trace_id:032x}-{span_id:016x}-{flags:02x}"
         else:
             context = SpanContext(self._trace_id, span_id, False, TraceFlags(flags), self._trace_state)
             propagate.inject(headers, context=trace.set_span_in_context(NonRecordingSpan(context)))
@@ -178,8 +206,18 @@ class RequestRecorder(RequestHooks):
             self._in_flight = None
 
     def _attempt_trace(self, ended: float, error: str | None) -> AttemptTrace:
-        return AttemptTrace(self._attempt_id, self._attempt, self._pool, self._instance,  # type: ignore[arg-type]
-                            self._t_attempt, ended, self._attempt_status, self._t_first, self._first_data, error)
+        return AttemptTrace(
+            self._attempt_id,
+            self._attempt,
+            self._pool,
+            self._instance,  # type: ignore[arg-type]
+            self._t_attempt,
+            ended,
+            self._attempt_status,
+            self._t_first,
+            self._first_data,
+            error,
+        )
 
     # -- response --------------------------------------------------------------------------
     def finished(
@@ -206,32 +244,43 @@ class RequestRecorder(RequestHooks):
         inter_token_s = None
         if self._stream and self._t_first is not None and completion_tokens and completion_tokens > 1:
             inter_token_s = (end - self._t_first) / (completion_tokens - 1)
-        owner.metrics.finished(pool, owner.policy, outcome, duration_s, overhead_s,
-                               ttft_s if self._stream else None, inter_token_s, prompt_tokens, completion_tokens)
+        owner.metrics.finished(
+            pool,
+            owner.policy,
+            outcome,
+            duration_s,
+            overhead_s,
+            ttft_s if self._stream else None,
+            inter_token_s,
+            prompt_tokens,
+            completion_tokens,
+        )
         if self._sampled:
             self._submit(end, status, error_type, prompt_tokens, completion_tokens, finish_reasons, overhead_s)
         if owner.request_log is not None:
-            owner.request_log.write({
-                "ts": round(time.time(), 3),
-                "request_id": self._request_id,
-                "endpoint": self._endpoint,
-                "status": status,
-                "outcome": outcome,
-                "pool": self._pool,
-                "instance": self._instance,
-                "attempts": self._attempt,
-                "policy": owner.policy,
-                "reason": self._reason,
-                "model": self._model,
-                "stream": self._stream,
-                "ttft_ms": None if ttft_s is None else round(ttft_s * 1000, 3),
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "duration_ms": round(duration_s * 1000, 3),
-                "overhead_ms": round(overhead_s * 1000, 3),
-                "error_type": error_type,
-                "trace_id": "%032x" % self._trace_id if self._sampled else None,
-            })
+            owner.request_log.write(
+                {
+                    "ts": round(time.time(), 3),
+                    "request_id": self._request_id,
+                    "endpoint": self._endpoint,
+                    "status": status,
+                    "outcome": outcome,
+                    "pool": self._pool,
+                    "instance": self._instance,
+                    "attempts": self._attempt,
+                    "policy": owner.policy,
+                    "reason": self._reason,
+                    "model": self._model,
+                    "stream": self._stream,
+                    "ttft_ms": None if ttft_s is None else round(ttft_s * 1000, 3),
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "duration_ms": round(duration_s * 1000, 3),
+                    "overhead_ms": round(overhead_s * 1000, 3),
+                    "error_type": error_type,
+                    "trace_id": f"{self._trace_id:032x}" if self._sampled else None,
+                }
+            )
 
     def _submit(
         self,
@@ -252,13 +301,43 @@ class RequestRecorder(RequestHooks):
         if decision is None or features is None:  # refused before a route was chosen
             route: tuple[Any, ...] = (None, "", "", "", "", None, 0, {})
         else:
-            route = (self._decided_at, self._owner.policy, decision.pool, decision.reason, features.request_class,
-                     self._override, features.prompt_tokens, decision.scores)
-        self._tracing.submit(RequestTrace(  # type: ignore[union-attr]
-            self._endpoint, self._request_id, self._user_agent, self._trace_id, self._span_id,
-            self._trace_state or None, parent.span_id if parent else None, parent.is_remote if parent else False,
-            self._t0_ns, self._t0, *route, self._model, self._stream, self._params, self._content, attempts,
-            status, error_type, prompt_tokens, completion_tokens, finish_reasons, overhead_s, end))
+            route = (
+                self._decided_at,
+                self._owner.policy,
+                decision.pool,
+                decision.reason,
+                features.request_class,
+                self._override,
+                features.prompt_tokens,
+                decision.scores,
+            )
+        self._tracing.submit(
+            RequestTrace(  # type: ignore[union-attr]
+                self._endpoint,
+                self._request_id,
+                self._user_agent,
+                self._trace_id,
+                self._span_id,
+                self._trace_state or None,
+                parent.span_id if parent else None,
+                parent.is_remote if parent else False,
+                self._t0_ns,
+                self._t0,
+                *route,
+                self._model,
+                self._stream,
+                self._params,
+                self._content,
+                attempts,
+                status,
+                error_type,
+                prompt_tokens,
+                completion_tokens,
+                finish_reasons,
+                overhead_s,
+                end,
+            )
+        )
 
 
 def outcome_of(status: int, error_type: str | None) -> str:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fastapi import Response
 
@@ -25,7 +26,7 @@ log = logging.getLogger("specroute.telemetry")
 class SpecrouteTelemetry(Telemetry):
     """Makes one RequestRecorder per request; owns the tracer provider, metrics and log."""
 
-    def __init__(self, settings: "Settings", version: str, tracing: Tracing | None = None) -> None:
+    def __init__(self, settings: Settings, version: str, tracing: Tracing | None = None) -> None:
         self.policy = settings.policy
         self.trace_content = settings.trace_content
         if tracing is None and settings.traces_enabled:
@@ -37,7 +38,7 @@ class SpecrouteTelemetry(Telemetry):
         self.metrics = Metrics()
         self.request_log = RequestLog() if settings.request_log else None
 
-    def install(self, app: "FastAPI") -> None:
+    def install(self, app: FastAPI) -> None:
         metrics = self.metrics
 
         # async: rendering reads the fleet snapshot, which only the event loop may touch.
@@ -48,7 +49,7 @@ class SpecrouteTelemetry(Telemetry):
     def auth_refused(self, reason: str) -> None:
         self.metrics.auth_refused.labels(reason).inc()
 
-    def watch_snapshot(self, source: Callable[[], "Snapshot | None"]) -> None:
+    def watch_snapshot(self, source: Callable[[], Snapshot | None]) -> None:
         """Give /metrics the fleet's current snapshot (alpha and reading age at scrape time)."""
         self.metrics.watch_snapshot(source)
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import logging
 import random
 import re
-from typing import Any, Mapping, NamedTuple, Sequence
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from opentelemetry.trace import SpanContext, SpanKind, StatusCode, TraceFlags, TraceState
@@ -123,7 +124,6 @@ class RequestTrace(NamedTuple):
     ended: float
 
 
-
 class SpanWriter:
     """Writes RequestTraces as OTLP spans, on one thread only (the encoder's memo
     has no lock)."""
@@ -144,15 +144,28 @@ class SpanWriter:
         if t.decided is not None:
             static = encoder.block(
                 ("route", t.policy, t.pool, t.reason, t.request_class, t.override),
-                lambda: route_attributes(t.policy, t.pool, t.reason, t.request_class, t.override))
+                lambda: route_attributes(t.policy, t.pool, t.reason, t.request_class, t.override),
+            )
             # The policy's predictions and, added by proxy.signals, what it saw: each pool's load,
             # capacity, reading age and staleness, and the speculative pool's alpha.
-            attributes = (static + encoder.pair(_ATTRIBUTES, n.ROUTE_PROMPT_TOKENS, t.prompt_tokens)
-                          + encoder.numbers(_ATTRIBUTES, n.ROUTE_INPUT_PREFIX, t.scores))
+            attributes = (
+                static
+                + encoder.pair(_ATTRIBUTES, n.ROUTE_PROMPT_TOKENS, t.prompt_tokens)
+                + encoder.numbers(_ATTRIBUTES, n.ROUTE_INPUT_PREFIX, t.scores)
+            )
             # The decision span covers reading the body, building features and the policy call.
-            out.append(raw_span(trace, random.getrandbits(64) or 1, under_server,
-                                _DECISION_HEAD, start_ns,
-                                start_ns + int((t.decided - start) * 1e9), attributes, STATUS_UNSET))
+            out.append(
+                raw_span(
+                    trace,
+                    random.getrandbits(64) or 1,
+                    under_server,
+                    _DECISION_HEAD,
+                    start_ns,
+                    start_ns + int((t.decided - start) * 1e9),
+                    attributes,
+                    STATUS_UNSET,
+                )
+            )
         last = len(t.attempts) - 1
         for i, attempt in enumerate(t.attempts):
             out.append(self._attempt(t, attempt, i == last and attempt.error is None, trace, under_server))
@@ -160,21 +173,35 @@ class SpanWriter:
         # HTTP semconv: a SERVER span is an error for 5xx only (4xx is the client's).
         failed = status >= 500 or bool(error_type and status >= 400)
         endpoint, user_agent = t.endpoint, t.user_agent
-        static = encoder.block(("server", endpoint, user_agent, status, error_type, failed), lambda: {
-            n.HTTP_REQUEST_METHOD: "POST",
-            n.HTTP_ROUTE: endpoint,
-            n.URL_PATH: endpoint,
-            n.URL_SCHEME: "http",
-            n.USER_AGENT_ORIGINAL: user_agent,
-            n.HTTP_RESPONSE_STATUS_CODE: status,
-            **({n.ERROR_TYPE: error_type or str(status)} if failed else {}),
-        })
-        attributes = (static + encoder.string(_ATTRIBUTES, n.REQUEST_ID, t.request_id)
-                      + encoder.double(_ATTRIBUTES, n.OVERHEAD_MS, round(t.overhead_s * 1000, 3)))
-        out.append(raw_span(trace, t.span_id, context_fields(t.trace_state, t.parent_id),
-                            self._head(endpoint, _SERVER), start_ns,
-                            start_ns + int((t.ended - start) * 1e9), attributes,
-                            status_fields(StatusCode.ERROR if failed else StatusCode.UNSET, None, t.parent_remote)))
+        static = encoder.block(
+            ("server", endpoint, user_agent, status, error_type, failed),
+            lambda: {
+                n.HTTP_REQUEST_METHOD: "POST",
+                n.HTTP_ROUTE: endpoint,
+                n.URL_PATH: endpoint,
+                n.URL_SCHEME: "http",
+                n.USER_AGENT_ORIGINAL: user_agent,
+                n.HTTP_RESPONSE_STATUS_CODE: status,
+                **({n.ERROR_TYPE: error_type or str(status)} if failed else {}),
+            },
+        )
+        attributes = (
+            static
+            + encoder.string(_ATTRIBUTES, n.REQUEST_ID, t.request_id)
+            + encoder.double(_ATTRIBUTES, n.OVERHEAD_MS, round(t.overhead_s * 1000, 3))
+        )
+        out.append(
+            raw_span(
+                trace,
+                t.span_id,
+                context_fields(t.trace_state, t.parent_id),
+                self._head(endpoint, _SERVER),
+                start_ns,
+                start_ns + int((t.ended - start) * 1e9),
+                attributes,
+                status_fields(StatusCode.ERROR if failed else StatusCode.UNSET, None, t.parent_remote),
+            )
+        )
         return b"".join(out)
 
     def _attempt(self, t: RequestTrace, a: AttemptTrace, outcome: bool, trace: bytes, context: bytes) -> bytes:
@@ -184,8 +211,10 @@ class SpanWriter:
         params, items = self._request_attributes(t.params)
         attributes = encoder.block(
             ("attempt", t.endpoint, t.model, a.pool, a.instance, a.number, t.stream, items),
-            lambda: attempt_attributes(t.endpoint, t.model, a.pool, a.instance, a.number, t.stream, params,
-                                       self.address_of(a.instance)))
+            lambda: attempt_attributes(
+                t.endpoint, t.model, a.pool, a.instance, a.number, t.stream, params, self.address_of(a.instance)
+            ),
+        )
         if t.content is not None:
             attributes += encoder.string(_ATTRIBUTES, n.GEN_AI_INPUT_MESSAGES, t.content)
         events = b""
@@ -208,11 +237,20 @@ class SpanWriter:
             usage = (t.finish_reasons, t.input_tokens, t.output_tokens)
             error = t.error_type
         # What the response said, as one block: it repeats from request to request.
-        attributes += encoder.block(("outcome", a.status, response_model, *usage, error),
-                                    lambda: outcome_attributes(a.status, response_model, *usage, error))
-        return raw_span(trace, a.span_id, context, self._head(t.endpoint, t.model),
-                        start_ns + int((a.started - start) * 1e9), start_ns + int((a.ended - start) * 1e9),
-                        attributes, events + status_fields(StatusCode.ERROR if error else StatusCode.UNSET, error, False))
+        attributes += encoder.block(
+            ("outcome", a.status, response_model, *usage, error),
+            lambda: outcome_attributes(a.status, response_model, *usage, error),
+        )
+        return raw_span(
+            trace,
+            a.span_id,
+            context,
+            self._head(t.endpoint, t.model),
+            start_ns + int((a.started - start) * 1e9),
+            start_ns + int((a.ended - start) * 1e9),
+            attributes,
+            events + status_fields(StatusCode.ERROR if error else StatusCode.UNSET, error, False),
+        )
 
     def _head(self, endpoint: str, model: Any) -> bytes:
         """Name and kind of the SERVER span (`model` _SERVER) or of an attempt span, named
@@ -255,8 +293,14 @@ class SpanWriter:
         return address
 
 
-def outcome_attributes(status: int | None, response_model: bytes | None, finish_reasons: tuple[str, ...],
-                       input_tokens: int | None, output_tokens: int | None, error: str | None) -> dict[str, Any]:
+def outcome_attributes(
+    status: int | None,
+    response_model: bytes | None,
+    finish_reasons: tuple[str, ...],
+    input_tokens: int | None,
+    output_tokens: int | None,
+    error: str | None,
+) -> dict[str, Any]:
     """An attempt span's attributes from its response (and, for the last one, the request's end)."""
     attributes: dict[str, Any] = {}
     if status is not None:
@@ -275,8 +319,12 @@ def outcome_attributes(status: int | None, response_model: bytes | None, finish_
 
 
 def route_attributes(policy: str, pool: str, reason: str, request_class: str, override: str | None) -> dict[str, Any]:
-    attributes = {n.ROUTE_POLICY: policy, n.ROUTE_POOL: pool, n.ROUTE_REASON: reason,
-                  n.ROUTE_REQUEST_CLASS: request_class}
+    attributes = {
+        n.ROUTE_POLICY: policy,
+        n.ROUTE_POOL: pool,
+        n.ROUTE_REASON: reason,
+        n.ROUTE_REQUEST_CLASS: request_class,
+    }
     if override is not None:
         attributes[n.ROUTE_OVERRIDE] = override
     return attributes

@@ -20,7 +20,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Any, Protocol, Sequence
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from opentelemetry import propagate
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
@@ -120,8 +121,9 @@ class Tracing:
     for its sampler and resource, the batching of finished requests, and the span export: a
     child process (`export_process`, the default outside tests) or this process."""
 
-    def __init__(self, protocol: str, version: str, exporter: SpanExporter | None = None, *,
-                 export_process: bool = False) -> None:
+    def __init__(
+        self, protocol: str, version: str, exporter: SpanExporter | None = None, *, export_process: bool = False
+    ) -> None:
         # The sampler comes from OTEL_TRACES_SAMPLER(_ARG); atexit is replaced by shutdown().
         self.provider = TracerProvider(resource=make_resource(version), shutdown_on_exit=False)
         # OTEL_SDK_DISABLED=true: the provider hands out no-op tracers; so does nothing here.
@@ -136,7 +138,8 @@ class Tracing:
             self.export = ProcessExport(protocol, version)
         else:
             self.export = LocalExport(
-                exporter or (make_exporter(protocol, self.resource, self.scope) if self.enabled else SpanExporter()))
+                exporter or (make_exporter(protocol, self.resource, self.scope) if self.enabled else SpanExporter())
+            )
         self._pending: list[RequestTrace] = []
         self._timer: asyncio.TimerHandle | None = None
         self._closed = False
@@ -151,7 +154,9 @@ class Tracing:
     def new_span_id() -> int:
         return random.getrandbits(64) or 1
 
-    def root_context(self, parent: SpanContext | None, parent_context: Any, name: str) -> tuple[int, int, bool, TraceState]:
+    def root_context(
+        self, parent: SpanContext | None, parent_context: Any, name: str
+    ) -> tuple[int, int, bool, TraceState]:
         """The SERVER span's trace id, span id, sampled flag and trace state: the client's trace
         (if it sent one) or a new one, sampled as the configured sampler says."""
         if self.sampler is sampling.DEFAULT_ON:  # the default: the parent's choice, else sampled

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from deploy_tools import HERE, Compose, Kubeconform, package_dir
 
 
@@ -30,9 +29,7 @@ def compose(tmp_path_factory: pytest.TempPathFactory) -> Compose:
 
 @pytest.fixture(scope="session")
 def kubeconform() -> Kubeconform:
-    built = subprocess.run(
-        ["bash", str(HERE / "build_kubeconform.sh")], capture_output=True, text=True, timeout=900
-    )
+    built = subprocess.run(["bash", str(HERE / "build_kubeconform.sh")], capture_output=True, text=True, timeout=900)
     assert built.returncode == 0, built.stderr
     return Kubeconform(built.stdout.strip().splitlines()[-1])
 

@@ -111,10 +111,23 @@ class Kubeconform:
 
     def run(self, *inputs: str, version: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
         root = loadable_schemas(version)
-        location = str(root) + "/{{ .NormalizedKubernetesVersion }}-local{{ .StrictSuffix }}/{{ .ResourceKind }}{{ .KindSuffix }}.json"
+        location = (
+            str(root)
+            + "/{{ .NormalizedKubernetesVersion }}-local{{ .StrictSuffix }}/{{ .ResourceKind }}{{ .KindSuffix }}.json"
+        )
         return subprocess.run(
-            [self.binary, "-strict", "-summary", "-output", "text", "-kubernetes-version", version,
-             "-schema-location", location, *inputs],
+            [
+                self.binary,
+                "-strict",
+                "-summary",
+                "-output",
+                "text",
+                "-kubernetes-version",
+                version,
+                "-schema-location",
+                location,
+                *inputs,
+            ],
             input=stdin,
             capture_output=True,
             text=True,
@@ -131,7 +144,7 @@ PROXY_READY = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 def image_environment() -> dict[str, str]:
     """The ENV the Dockerfile's runtime stage bakes into the image (PATH aside: the venv's bin)."""
     text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
-    text = text[text.rindex("\nFROM "):]
+    text = text[text.rindex("\nFROM ") :]
     found: dict[str, str] = {}
     for line in text.splitlines():
         if line.startswith("ENV "):
@@ -156,18 +169,24 @@ class Service:
     port: int = 0
 
     @classmethod
-    def start(cls, name: str, service: dict[str, Any], workdir: Path, ready: re.Pattern[str],
-              timeout_s: float = 60) -> "Service":
+    def start(
+        cls, name: str, service: dict[str, Any], workdir: Path, ready: re.Pattern[str], timeout_s: float = 60
+    ) -> Service:
         command = list(service["command"])
         # The image puts the venv's bin first on PATH; so does this.
         command[0] = str(Path(sys.executable).parent / command[0])
         environment = {key: value for key, value in (service.get("environment") or {}).items() if value is not None}
-        env = {"PATH": os.environ.get("PATH", ""), "HOME": os.environ.get("HOME", "/root"),
-               **image_environment(), **environment}
+        env = {
+            "PATH": os.environ.get("PATH", ""),
+            "HOME": os.environ.get("HOME", "/root"),
+            **image_environment(),
+            **environment,
+        }
         log_path = workdir / f"{name}.log"
         with log_path.open("wb") as log:
-            process = subprocess.Popen(command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL)
+            process = subprocess.Popen(
+                command, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
         started = cls(name, process, log_path)
         started.port = int(poll(lambda: started._announced(ready), timeout_s, f"{name} to listen").group(1))
         return started

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import re
-import threading
 import signal
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import openai
 import pytest
-
 from deploy_tools import Service, Stream, poll, ready_status, start_proxy, stopped_cleanly
+
 from sim.testing import RunningTwin, twin
 
 TOKENS = 60
@@ -38,8 +38,9 @@ def slow_twin() -> Iterator[RunningTwin]:
 @contextlib.contextmanager
 def stream_in_flight(twin_url: str, drain_s: str, workdir: Path) -> Iterator[tuple[Service, Stream]]:
     """A proxy with this drain timeout, and a stream through it that has begun to arrive."""
-    proxy = start_proxy(workdir, SPECROUTE_SPEC_URLS=twin_url, SPECROUTE_POLICY="spec",
-                        SPECROUTE_DRAIN_TIMEOUT_S=drain_s)
+    proxy = start_proxy(
+        workdir, SPECROUTE_SPEC_URLS=twin_url, SPECROUTE_POLICY="spec", SPECROUTE_DRAIN_TIMEOUT_S=drain_s
+    )
     try:
         stream = Stream(proxy, TOKENS)
         stream.start()
@@ -77,15 +78,19 @@ def test_a_stream_longer_than_the_drain_is_cut_and_freed(slow_twin: RunningTwin,
         assert stream.error.code == "shutting_down", stream.error
         assert exited_after < 10, exited_after
         # The cancelled request left the twin: its GPU slot is free again.
-        poll(lambda: httpx.get(slow_twin.url + "/v1/loads", timeout=2).json()["loads"][0]["num_running_reqs"] == 0,
-             10, "the twin to drop the cancelled request")
+        poll(
+            lambda: httpx.get(slow_twin.url + "/v1/loads", timeout=2).json()["loads"][0]["num_running_reqs"] == 0,
+            10,
+            "the twin to drop the cancelled request",
+        )
 
 
 def test_sigterm_turns_ready_503_while_the_listener_stays_open(slow_twin: RunningTwin, tmp_path: Path) -> None:
     """With SPECROUTE_DRAIN_DELAY_S, a load balancer sees /ready answer 503 (not a refused
     connection) after SIGTERM, and only then the listener closes."""
-    proxy = start_proxy(tmp_path, SPECROUTE_SPEC_URLS=slow_twin.url, SPECROUTE_POLICY="spec",
-                        SPECROUTE_DRAIN_DELAY_S="3")
+    proxy = start_proxy(
+        tmp_path, SPECROUTE_SPEC_URLS=slow_twin.url, SPECROUTE_POLICY="spec", SPECROUTE_DRAIN_DELAY_S="3"
+    )
     try:
         proxy.process.send_signal(signal.SIGTERM)
         poll(lambda: ready_status(proxy) == 503, 2, "/ready to answer 503 after SIGTERM")
@@ -101,17 +106,33 @@ def test_sigterm_tells_a_request_still_waiting_for_its_first_byte_503(tmp_path: 
     """A real SIGTERM (not flags set in-process): the drain ends while a request waits on an
     upstream that has not answered; its client gets 503 `shutting_down`, not a dropped connection."""
     with twin("spec", seed=4, args=("--fault-first-token-delay-ms", "60000")) as stuck:
-        proxy = start_proxy(tmp_path, SPECROUTE_SPEC_URLS=stuck.url, SPECROUTE_POLICY="spec",
-                            SPECROUTE_DRAIN_TIMEOUT_S="0.5")
+        proxy = start_proxy(
+            tmp_path, SPECROUTE_SPEC_URLS=stuck.url, SPECROUTE_POLICY="spec", SPECROUTE_DRAIN_TIMEOUT_S="0.5"
+        )
         try:
             answers: list[httpx.Response] = []
-            waiter = threading.Thread(target=lambda: answers.append(httpx.post(
-                proxy.url + "/v1/chat/completions", timeout=30,
-                json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})))
+            waiter = threading.Thread(
+                target=lambda: answers.append(
+                    httpx.post(
+                        proxy.url + "/v1/chat/completions",
+                        timeout=30,
+                        json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                    )
+                )
+            )
             waiter.start()
-            poll(lambda: re.search(r"^specroute_in_flight_requests\{[^}]*\} 1\.0$",
-                                   httpx.get(proxy.url + "/metrics", timeout=2).text, re.M) is not None,
-                 10, "the request to reach its upstream")
+            poll(
+                lambda: (
+                    re.search(
+                        r"^specroute_in_flight_requests\{[^}]*\} 1\.0$",
+                        httpx.get(proxy.url + "/metrics", timeout=2).text,
+                        re.M,
+                    )
+                    is not None
+                ),
+                10,
+                "the request to reach its upstream",
+            )
             proxy.process.send_signal(signal.SIGTERM)
             waiter.join(30)
             assert answers and answers[0].status_code == 503

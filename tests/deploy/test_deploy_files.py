@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from deploy_tools import DEPLOY, K8S, K8S_VERSIONS, REPO, Compose, Kubeconform
 from packaging.requirements import Requirement
 
-from deploy_tools import DEPLOY, K8S, K8S_VERSIONS, REPO, Compose, Kubeconform
 from proxy.settings import ENV_PREFIX, Settings, variable_name
 
 COMPOSE_FILES = ("docker-compose.yml", "docker-compose.twins.yml")
@@ -153,12 +153,16 @@ def test_proxy_configmap_names_only_real_settings() -> None:
 
 
 def test_dockerfile_passes_hadolint(hadolint: str, tmp_path: Path) -> None:
-    done = subprocess.run([hadolint, "--failure-threshold", "info", str(DEPLOY / "Dockerfile")],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [hadolint, "--failure-threshold", "info", str(DEPLOY / "Dockerfile")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     # ... and hadolint is live: an unpinned base image and a root user are reported.
     bad = tmp_path / "Dockerfile"
-    bad.write_text("FROM python:latest\nUSER root\nCMD [\"python\"]\n")
+    bad.write_text('FROM python:latest\nUSER root\nCMD ["python"]\n')
     done = subprocess.run([hadolint, str(bad)], capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "DL3007" in done.stdout
 
@@ -179,8 +183,11 @@ def test_build_context_holds_exactly_what_the_image_copies() -> None:
     for line in (DEPLOY / "Dockerfile").read_text().splitlines():
         if line.startswith("COPY ") and "--from=" not in line:
             copied.update(source.rstrip("/") for source in line.split()[1:-1])
-    allowed = {line[1:].rstrip("/") for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
-               if line.startswith("!")}
+    allowed = {
+        line[1:].rstrip("/")
+        for line in (DEPLOY / "Dockerfile.dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
     assert copied == allowed
     assert all((REPO / source).exists() for source in copied)
 
@@ -208,7 +215,10 @@ def test_image_pins_every_runtime_dependency() -> None:
 def test_manifests_are_valid_kubernetes(kubeconform: Kubeconform, version: str) -> None:
     done = kubeconform.run(*(str(K8S / name) for name in MANIFESTS), version=version)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert f"{len(k8s_documents())} resources found in {len(MANIFESTS)} files - Valid: {len(k8s_documents())}," in done.stdout
+    assert (
+        f"{len(k8s_documents())} resources found in {len(MANIFESTS)} files - Valid: {len(k8s_documents())},"
+        in done.stdout
+    )
 
 
 def test_kubeconform_rejects_what_is_wrong(kubeconform: Kubeconform) -> None:

@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import pytest
-
 from deploy_tools import Service, Stream, poll, start_proxy, stopped_cleanly
+
 from sim.testing import RunningTwin, TwinSpec, twins
 
 CAP = 3
@@ -64,7 +64,7 @@ class Sampler(threading.Thread):
         while not self.stop.wait(0.02):
             self.max_load = max(self.max_load, spec_load(self.server))
 
-    def __enter__(self) -> "Sampler":
+    def __enter__(self) -> Sampler:
         self.start()
         return self
 
@@ -124,8 +124,11 @@ def test_two_proxies_keep_the_spec_pool_under_its_cap_together(fleet, tmp_path: 
             # The first chunk comes after the prefill: the request runs on its server, whose
             # load report now includes it. Then both proxies read that report.
             assert streams[-1].first_chunk.wait(30) and streams[-1].error is None, streams[-1].error
-            poll(lambda: all(seen_spec_load(p) == spec_load(spec) for p in proxies), 10,
-                 "both proxies to read the spec server")
+            poll(
+                lambda: all(seen_spec_load(p) == spec_load(spec) for p in proxies),
+                10,
+                "both proxies to read the spec server",
+            )
         dispatched_at = time.monotonic()
         for stream in streams:
             stream.join(120)
@@ -145,8 +148,11 @@ def test_without_fresh_backend_readings_each_proxy_fills_the_cap_alone(fleet, tm
     own count, and together they overfill the spec server. So the shared reading is what works."""
     spec, base = fleet
     streams: list[Stream] = []
-    frozen = {"SPECROUTE_POLL_INTERVAL_MS": "60000", "SPECROUTE_STALE_MS": "600000",
-              "SPECROUTE_DRAIN_TIMEOUT_S": "0"}  # no need to wait for the queued streams
+    frozen = {
+        "SPECROUTE_POLL_INTERVAL_MS": "60000",
+        "SPECROUTE_STALE_MS": "600000",
+        "SPECROUTE_DRAIN_TIMEOUT_S": "0",
+    }  # no need to wait for the queued streams
     with Sampler(spec) as sampler, two_proxies(spec, base, tmp_path, **frozen) as proxies:
         for n in range(REQUESTS):
             streams.append(Stream(proxies[n % 2], TOKENS))

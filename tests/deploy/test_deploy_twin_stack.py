@@ -15,7 +15,6 @@ import secrets
 import httpx
 import openai
 import pytest
-
 from deploy_tools import PROXY_READY, TWIN_READY, Compose, Jaeger, Service, poll, stopped_cleanly
 
 TWINS = "docker-compose.twins.yml"
@@ -71,7 +70,9 @@ def test_twin_stack_commands_serve_and_trace_outside_docker(compose: Compose, ja
             assert chunks[-1].choices[0].finish_reason in ("stop", "length")
         # The proxy's spans (OTLP/HTTP) and each twin's (OTLP/gRPC) meet in one trace per request.
         for pool, trace_id in traces.items():
-            jaeger.wait_for_spans(trace_id, lambda spans: {"specroute", f"sglang-{pool}"} <= {s["service"] for s in spans})
+            jaeger.wait_for_spans(
+                trace_id, lambda spans: {"specroute", f"sglang-{pool}"} <= {s["service"] for s in spans}
+            )
     finally:
         codes = {service.name: service.stop() for service in reversed(started)}
     assert stopped_cleanly(codes["specroute"], proxy.log()), proxy.log()

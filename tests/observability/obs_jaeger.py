@@ -9,8 +9,9 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -94,6 +95,7 @@ def poll(condition: Callable[[], Any], timeout_s: float, what: str, interval_s: 
 
 def attributes(items: list[dict[str, Any]] | None) -> dict[str, Any]:
     """OTLP-JSON attributes as a plain dict (int64 arrive as strings; arrays as lists)."""
+
     def value(v: dict[str, Any]) -> Any:
         if "stringValue" in v:
             return v["stringValue"]
@@ -106,6 +108,7 @@ def attributes(items: list[dict[str, Any]] | None) -> dict[str, Any]:
         if "arrayValue" in v:
             return [value(x) for x in v["arrayValue"].get("values", [])]
         return v
+
     return {item["key"]: value(item.get("value", {})) for item in items or []}
 
 
@@ -113,13 +116,20 @@ class Jaeger:
     def __init__(self, binary: str, workdir: Path) -> None:
         self.query_http, query_grpc, self.health, self.otlp_grpc, self.otlp_http = free_ports(5)
         config = workdir / "jaeger.yaml"
-        config.write_text(CONFIG.format(query_http=self.query_http, query_grpc=query_grpc,
-                                        health=self.health, otlp_grpc=self.otlp_grpc,
-                                        otlp_http=self.otlp_http))
+        config.write_text(
+            CONFIG.format(
+                query_http=self.query_http,
+                query_grpc=query_grpc,
+                health=self.health,
+                otlp_grpc=self.otlp_grpc,
+                otlp_http=self.otlp_http,
+            )
+        )
         self.log_path = workdir / "jaeger.log"
         self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen([binary, "--config", str(config)], stdout=self._log,
-                                        stderr=subprocess.STDOUT, cwd=workdir)
+        self.process = subprocess.Popen(
+            [binary, "--config", str(config)], stdout=self._log, stderr=subprocess.STDOUT, cwd=workdir
+        )
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.query_http}", timeout=10)
         poll(self._healthy, 60, "Jaeger to report healthy")
 
@@ -160,8 +170,9 @@ class Jaeger:
                     spans.append(span)
         return spans
 
-    def wait_for_spans(self, trace_id: str, ready: Callable[[list[dict[str, Any]]], bool],
-                       timeout_s: float = 30) -> list[dict[str, Any]]:
+    def wait_for_spans(
+        self, trace_id: str, ready: Callable[[list[dict[str, Any]]], bool], timeout_s: float = 30
+    ) -> list[dict[str, Any]]:
         """The trace's spans once `ready(spans)` holds (exporters batch; Jaeger stores at once)."""
         found: list[dict[str, Any]] = []
 
@@ -178,20 +189,28 @@ class Jaeger:
 
     def traces_of(self, service: str, since_ns: int) -> list[dict[str, Any]]:
         """Spans of every trace of `service` that started after since_ns (the search API)."""
+
         def rfc3339(ns: int) -> str:
             return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ns // 1_000_000_000)) + "Z"
 
-        response = self.http.get("/api/v3/traces", params={
-            "query.service_name": service,
-            "query.start_time_min": rfc3339(since_ns - 1_000_000_000),
-            "query.start_time_max": rfc3339(time.time_ns() + 60_000_000_000),
-            "query.num_traces": 100,
-        })
+        response = self.http.get(
+            "/api/v3/traces",
+            params={
+                "query.service_name": service,
+                "query.start_time_min": rfc3339(since_ns - 1_000_000_000),
+                "query.start_time_max": rfc3339(time.time_ns() + 60_000_000_000),
+                "query.num_traces": 100,
+            },
+        )
         if response.status_code == 404:
             return []
         response.raise_for_status()
-        return [span for rs in response.json()["result"]["resourceSpans"]
-                for ss in rs.get("scopeSpans", []) for span in ss.get("spans", [])]
+        return [
+            span
+            for rs in response.json()["result"]["resourceSpans"]
+            for ss in rs.get("scopeSpans", [])
+            for span in ss.get("spans", [])
+        ]
 
     def stop(self) -> None:
         self.http.close()

@@ -21,8 +21,15 @@ from proxy.telemetry.logs import RequestLog
 from proxy.telemetry.tracing import LocalExport, Tracing
 
 PROMPT = "the secret prompt text"
-BODY = {"model": "m", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 32,
-        "temperature": 0.25, "top_p": 0.5, "seed": 7, "stream": True}
+BODY = {
+    "model": "m",
+    "messages": [{"role": "user", "content": PROMPT}],
+    "max_tokens": 32,
+    "temperature": 0.25,
+    "top_p": 0.5,
+    "seed": 7,
+    "stream": True,
+}
 FIRST = b'data: {"id":"chatcmpl-abc","object":"chat.completion.chunk","model":"served/m","choices":[]}\n\n'
 
 
@@ -50,9 +57,13 @@ def failover_then_stream(t: SpecrouteTelemetry) -> None:
     """The hook calls of a streamed request whose spec attempt failed and base answered."""
     hooks = t.request_hooks("/v1/chat/completions")
     hooks.received(endpoint="/v1/chat/completions", request_id="req-1", headers={"user-agent": "t"}, body_bytes=99)
-    hooks.decided(decision=Decision("spec", "static", {"spec.load": 3.0, "spec.alpha": 0.6}),
-                  features=Features(prompt_tokens=10, max_tokens=32, stream=True), model="m",
-                  override=None, body=BODY)
+    hooks.decided(
+        decision=Decision("spec", "static", {"spec.load": 3.0, "spec.alpha": 0.6}),
+        features=Features(prompt_tokens=10, max_tokens=32, stream=True),
+        model="m",
+        override=None,
+        body=BODY,
+    )
     hooks.attempt_started(pool="spec", instance="http://127.0.0.1:1", attempt=1)
     hooks.attempt_failed(error="connect", retryable=True)
     hooks.attempt_started(pool="base", instance="http://127.0.0.1:2", attempt=2)
@@ -63,14 +74,24 @@ def failover_then_stream(t: SpecrouteTelemetry) -> None:
     assert extra[0][0] == b"x-specroute-overhead-ms" and float(extra[0][1]) >= 0
     hooks.first_chunk(FIRST)
     hooks.attempt_finished(status=200)
-    hooks.finished(status=200, error_type=None, prompt_tokens=10, completion_tokens=5,
-                   finish_reasons=("stop",), client_disconnected=False, upstream_wait_s=0.0)
+    hooks.finished(
+        status=200,
+        error_type=None,
+        prompt_tokens=10,
+        completion_tokens=5,
+        finish_reasons=("stop",),
+        client_disconnected=False,
+        upstream_wait_s=0.0,
+    )
 
 
 def samples(t: SpecrouteTelemetry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = t.metrics.render().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_metrics_count_requests_decisions_failovers_and_release_in_flight() -> None:
@@ -95,14 +116,31 @@ def test_histograms_use_the_genai_bucket_boundaries() -> None:
     got = samples(t)
 
     def bounds(metric: str) -> list[float]:
-        return sorted(float(dict(labels)["le"]) for (name, labels) in got
-                      if name == metric + "_bucket" and dict(labels).get("pool") == "base")
+        return sorted(
+            float(dict(labels)["le"])
+            for (name, labels) in got
+            if name == metric + "_bucket" and dict(labels).get("pool") == "base"
+        )
 
     assert bounds("specroute_time_to_first_token_seconds") == [*n.BUCKETS_TTFT, float("inf")]
     assert bounds("specroute_inter_token_seconds") == [*n.BUCKETS_INTER_TOKEN, float("inf")]
     assert bounds("specroute_request_duration_seconds") == [*n.BUCKETS_DURATION, float("inf")]
-    assert n.BUCKETS_DURATION == (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
-                                  10.24, 20.48, 40.96, 81.92)
+    assert n.BUCKETS_DURATION == (
+        0.01,
+        0.02,
+        0.04,
+        0.08,
+        0.16,
+        0.32,
+        0.64,
+        1.28,
+        2.56,
+        5.12,
+        10.24,
+        20.48,
+        40.96,
+        81.92,
+    )
 
 
 def test_one_json_log_line_per_request_without_prompt_text() -> None:
@@ -115,7 +153,12 @@ def test_one_json_log_line_per_request_without_prompt_text() -> None:
     assert PROMPT not in log_lines[0]
     line = json.loads(log_lines[0])
     assert line["request_id"] == "req-1"
-    assert (line["pool"], line["instance"], line["status"], line["reason"]) == ("base", "http://127.0.0.1:2", 200, "static")
+    assert (line["pool"], line["instance"], line["status"], line["reason"]) == (
+        "base",
+        "http://127.0.0.1:2",
+        200,
+        "static",
+    )
     assert (line["prompt_tokens"], line["completion_tokens"], line["attempts"]) == (10, 5, 2)
     assert line["ttft_ms"] is not None and line["duration_ms"] >= line["ttft_ms"]
 
@@ -168,17 +211,47 @@ def test_span_encoder_writes_what_the_sdk_encoder_writes() -> None:
     state = TraceState([("vendor", "x1")])
     parent = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(1), trace_state=state)
     context = SpanContext(0xABC, 0x123, is_remote=False, trace_flags=TraceFlags(1), trace_state=state)
-    attributes = {"s": "text é", "i": 7, "neg": -3, "f": 0.25, "b": False, "list": ["a", "b"], n.REQUEST_ID: "id é" * 40}
+    attributes = {
+        "s": "text é",
+        "i": 7,
+        "neg": -3,
+        "f": 0.25,
+        "b": False,
+        "list": ["a", "b"],
+        n.REQUEST_ID: "id é" * 40,
+    }
     static = encoder.block(("test",), lambda: {"s": "text é", "i": 7})
     dynamic = {"neg": -3, "f": 0.25, "b": False, "list": ["a", "b"], n.REQUEST_ID: "id é" * 40}  # a long unique one
-    mine = encoder.span("op", 0xABC, 0x123, state, 0xDEF, True, SpanKind.CLIENT, 10, 20, static, dynamic,
-                                [("first", 15)], StatusCode.ERROR, "boom")
-    sdk = ReadableSpan(name="op", context=context, parent=parent, resource=tracing.resource,
-                       attributes=attributes, events=[Event("first", timestamp=15)], kind=SpanKind.CLIENT,
-                       status=Status(StatusCode.ERROR, "boom"), start_time=10, end_time=20,
-                       instrumentation_scope=tracing.scope)
-    decoded = ExportTraceServiceRequest.FromString(
-        export_request(tracing.resource, tracing.scope, [mine]))
+    mine = encoder.span(
+        "op",
+        0xABC,
+        0x123,
+        state,
+        0xDEF,
+        True,
+        SpanKind.CLIENT,
+        10,
+        20,
+        static,
+        dynamic,
+        [("first", 15)],
+        StatusCode.ERROR,
+        "boom",
+    )
+    sdk = ReadableSpan(
+        name="op",
+        context=context,
+        parent=parent,
+        resource=tracing.resource,
+        attributes=attributes,
+        events=[Event("first", timestamp=15)],
+        kind=SpanKind.CLIENT,
+        status=Status(StatusCode.ERROR, "boom"),
+        start_time=10,
+        end_time=20,
+        instrumentation_scope=tracing.scope,
+    )
+    decoded = ExportTraceServiceRequest.FromString(export_request(tracing.resource, tracing.scope, [mine]))
     assert decoded == encode_spans([sdk])
 
 
@@ -189,17 +262,35 @@ def test_numbers_beyond_int64_in_a_body_do_not_corrupt_the_export() -> None:
     t = telemetry(exporter, request_log=False)
     hooks = t.request_hooks("/v1/chat/completions")
     hooks.received(endpoint="/v1/chat/completions", request_id="req-big", headers={}, body_bytes=99)
-    hooks.decided(decision=Decision("spec", "static", {}), features=Features(prompt_tokens=10, max_tokens=None, stream=False),
-                  model="m", override=None, body=BODY | {"max_tokens": 1e30, "seed": 1e20, "stream": False})
+    hooks.decided(
+        decision=Decision("spec", "static", {}),
+        features=Features(prompt_tokens=10, max_tokens=None, stream=False),
+        model="m",
+        override=None,
+        body=BODY | {"max_tokens": 1e30, "seed": 1e20, "stream": False},
+    )
     hooks.attempt_started(pool="spec", instance="http://127.0.0.1:1", attempt=1)
     hooks.first_chunk(b"{}")
     hooks.attempt_finished(status=200)
-    hooks.finished(status=200, error_type=None, prompt_tokens=10, completion_tokens=10**21,
-                   finish_reasons=("stop",), client_disconnected=False, upstream_wait_s=0.0)
+    hooks.finished(
+        status=200,
+        error_type=None,
+        prompt_tokens=10,
+        completion_tokens=10**21,
+        finish_reasons=("stop",),
+        client_disconnected=False,
+        upstream_wait_s=0.0,
+    )
     failover_then_stream(t)  # another request in the same batch
     t.tracing.flush()  # type: ignore[union-attr]
-    attempt = next(s for s in exporter.spans if s["name"] == "chat m" and s["attrs"].get(n.ATTEMPT_NUMBER) == "1"
-                   and n.GEN_AI_REQUEST_MAX_TOKENS in s["attrs"] and s["attrs"][n.GEN_AI_REQUEST_SEED] != "7")
+    attempt = next(
+        s
+        for s in exporter.spans
+        if s["name"] == "chat m"
+        and s["attrs"].get(n.ATTEMPT_NUMBER) == "1"
+        and n.GEN_AI_REQUEST_MAX_TOKENS in s["attrs"]
+        and s["attrs"][n.GEN_AI_REQUEST_SEED] != "7"
+    )
     assert attempt["attrs"][n.GEN_AI_REQUEST_MAX_TOKENS] == str(int(1e30))
     assert attempt["attrs"][n.GEN_AI_USAGE_OUTPUT_TOKENS] == str(10**21)
     assert len([s for s in exporter.spans if s["name"] == "POST /v1/chat/completions"]) == 2
@@ -221,7 +312,9 @@ def test_root_context_fast_paths_decide_as_the_sdk_samplers() -> None:
             tracing.sampler = sampler
             for parent in parents:
                 parent_context = None if parent is None else trace.set_span_in_context(trace.NonRecordingSpan(parent))
-                trace_id, span_id, sampled, trace_state = tracing.root_context(parent, parent_context, "/v1/chat/completions")
+                trace_id, span_id, sampled, trace_state = tracing.root_context(
+                    parent, parent_context, "/v1/chat/completions"
+                )
                 want = sampler.should_sample(parent_context, trace_id, "/v1/chat/completions")
                 assert sampled == want.decision.is_sampled(), (sampler, parent)
                 assert trace_state == (want.trace_state or TraceState()), (sampler, parent)
@@ -238,8 +331,12 @@ def test_numbers_write_what_the_attribute_encoder_writes() -> None:
     from proxy.telemetry.otlp import SpanEncoder
 
     encoder = SpanEncoder()
-    for scores in ({"load": 3.0, "stale": True, "alpha": 0.6}, {"load": 1.5, "stale": False, "alpha": -0.0},
-                   {"load": 2, "stale": True}, {}):
+    for scores in (
+        {"load": 3.0, "stale": True, "alpha": 0.6},
+        {"load": 1.5, "stale": False, "alpha": -0.0},
+        {"load": 2, "stale": True},
+        {},
+    ):
         want = SpanEncoder().attributes(b"\x4a", {"p." + key: value for key, value in scores.items()})
         assert encoder.numbers(b"\x4a", "p.", scores) == want, scores
 

@@ -10,8 +10,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -47,7 +48,10 @@ class Proxy:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "proxy.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port)],
             env={**os.environ, "SPECROUTE_LOG_LEVEL": "warning", **env},
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=cwd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=cwd,
         )
         poll(self._ready, 60, "specroute to answer /health")
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -94,9 +98,11 @@ def fleet(jaeger: Jaeger) -> Iterator[tuple[RunningTwin, RunningTwin]]:
     """A spec and a base twin exporting their request spans to Jaeger over OTLP grpc."""
     trace_args = ("--enable-trace", "--otlp-traces-endpoint", f"127.0.0.1:{jaeger.otlp_grpc}")
     env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_SERVICE_NAME": "sglang"}
-    with twins(TwinSpec("spec", time_scale=10, args=trace_args + ("--output-len", "fixed:12")),
-               TwinSpec("base", time_scale=10, args=trace_args + ("--output-len", "fixed:12")),
-               env=env) as (spec, base):
+    with twins(
+        TwinSpec("spec", time_scale=10, args=trace_args + ("--output-len", "fixed:12")),
+        TwinSpec("base", time_scale=10, args=trace_args + ("--output-len", "fixed:12")),
+        env=env,
+    ) as (spec, base):
         yield spec, base
 
 
@@ -129,9 +135,12 @@ def trace_id_of(headers: httpx.Headers) -> str:
 
 
 def full_trace(spans: list[dict[str, Any]], attempts: int = 1) -> bool:
-    return (len(by_name(spans, SERVER)) == 1 and len(by_name(spans, "specroute.route")) == 1
-            and len([s for s in spans if s["kind"] == CLIENT_KIND]) == attempts
-            and len([s for s in spans if s["service"] == "sglang"]) >= 1)
+    return (
+        len(by_name(spans, SERVER)) == 1
+        and len(by_name(spans, "specroute.route")) == 1
+        and len([s for s in spans if s["kind"] == CLIENT_KIND]) == attempts
+        and len([s for s in spans if s["service"] == "sglang"]) >= 1
+    )
 
 
 def one(spans: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
@@ -150,8 +159,13 @@ def test_streaming_and_json_requests_are_traced_through_proxy_and_twin(
         # Streaming, in a trace the client started: the proxy joins it.
         trace_id = new_trace_id()
         stream = p.client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
-            temperature=0.7, top_p=0.9, stream=True, stream_options={"include_usage": True},
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=12,
+            temperature=0.7,
+            top_p=0.9,
+            stream=True,
+            stream_options={"include_usage": True},
             extra_headers={"traceparent": client_traceparent(trace_id)},
         )
         chunks = list(stream)
@@ -165,7 +179,11 @@ def test_streaming_and_json_requests_are_traced_through_proxy_and_twin(
 
         # Not streaming, no client trace: the response's traceresponse header names the trace.
         raw = p.client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=12, temperature=0.7, top_p=0.9,
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=12,
+            temperature=0.7,
+            top_p=0.9,
         )
         completion = raw.parse()
         assert float(raw.headers["x-specroute-overhead-ms"]) >= 0
@@ -175,9 +193,11 @@ def test_streaming_and_json_requests_are_traced_through_proxy_and_twin(
         assert service in jaeger.services()
 
         # The same two requests in the Prometheus text format.
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-                   for family in text_string_to_metric_families(httpx.get(p.url + "/metrics", timeout=10).text)
-                   for s in family.samples}
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(httpx.get(p.url + "/metrics", timeout=10).text)
+            for s in family.samples
+        }
         assert samples[("specroute_requests_total", (("outcome", "ok"), ("policy", "spec"), ("pool", "spec")))] == 2
         assert samples[("specroute_time_to_first_token_seconds_count", (("pool", "spec"),))] == 1  # streams only
         assert samples[("specroute_request_duration_seconds_count", (("pool", "spec"),))] == 2
@@ -200,7 +220,11 @@ def check_trace(spans: list[dict[str, Any]], spec: RunningTwin, *, stream: bool,
 
     assert server["kind"] == SERVER_KIND
     s = server["attrs"]
-    assert (s["http.request.method"], s["http.route"], s["http.response.status_code"]) == ("POST", "/v1/chat/completions", 200)
+    assert (s["http.request.method"], s["http.route"], s["http.response.status_code"]) == (
+        "POST",
+        "/v1/chat/completions",
+        200,
+    )
     r = route["attrs"]
     assert (r["specroute.policy"], r["specroute.pool"], r["specroute.reason"]) == ("spec", "spec", "static")
     for key in ("spec.load", "base.load", "spec.stale", "base.stale"):
@@ -228,8 +252,9 @@ def check_trace(spans: list[dict[str, Any]], spec: RunningTwin, *, stream: bool,
         assert PROMPT not in json.dumps(span["attrs"]), "prompt text on a span without the opt-in"
 
 
-def test_otel_variables_in_a_dotenv_file_are_honoured(jaeger: Jaeger, fleet: tuple[RunningTwin, RunningTwin],
-                                                       tmp_path: Path) -> None:
+def test_otel_variables_in_a_dotenv_file_are_honoured(
+    jaeger: Jaeger, fleet: tuple[RunningTwin, RunningTwin], tmp_path: Path
+) -> None:
     spec, base = fleet
     env = proxy_env(jaeger, "grpc", "specroute-dotenv", spec.url, base.url)
     dotenv = {name: env.pop(name) for name in list(env) if name.startswith("OTEL_")}
@@ -238,8 +263,12 @@ def test_otel_variables_in_a_dotenv_file_are_honoured(jaeger: Jaeger, fleet: tup
     running = Proxy({**clean, **env}, tmp_path / "dotenv.log", cwd=tmp_path)
     try:
         trace_id = new_trace_id()
-        running.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
-                                               extra_headers={"traceparent": client_traceparent(trace_id)})
+        running.client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=4,
+            extra_headers={"traceparent": client_traceparent(trace_id)},
+        )
         spans = jaeger.wait_for_spans(trace_id, lambda s: any(x["service"] == "specroute-dotenv" for x in s))
     finally:
         running.stop()
@@ -260,7 +289,9 @@ def test_failover_shows_two_sibling_attempt_spans(
             doomed.process.wait(10)
             trace_id = new_trace_id()
             completion = p.client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=12,
+                model=MODEL,
+                messages=[{"role": "user", "content": PROMPT}],
+                max_tokens=12,
                 extra_headers={"traceparent": client_traceparent(trace_id)},
             )
             assert completion.choices[0].message.content
@@ -268,7 +299,9 @@ def test_failover_shows_two_sibling_attempt_spans(
             lines = p.log_lines()
             metrics = httpx.get(p.url + "/metrics", timeout=10).text
     server = one(spans, name=SERVER)
-    first, second = sorted((s for s in spans if s["kind"] == CLIENT_KIND), key=lambda s: s["attrs"]["specroute.attempt"])
+    first, second = sorted(
+        (s for s in spans if s["kind"] == CLIENT_KIND), key=lambda s: s["attrs"]["specroute.attempt"]
+    )
     assert first["parentSpanId"] == second["parentSpanId"] == server["spanId"]
     assert (first["attrs"]["specroute.pool"], first["attrs"]["error.type"]) == ("spec", "connect")
     assert first["status"]["code"] == 2  # ERROR
@@ -288,12 +321,16 @@ def test_sampler_from_environment(jaeger: Jaeger, fleet: tuple[RunningTwin, Runn
     started = time.time_ns()
     with proxy(tmp_path, "sampled", env) as p:
         unsampled = p.client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4)
+            model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4
+        )
         assert "traceresponse" not in unsampled.headers
         trace_id = new_trace_id()
         p.client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
-            extra_headers={"traceparent": client_traceparent(trace_id)})
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=4,
+            extra_headers={"traceparent": client_traceparent(trace_id)},
+        )
         jaeger.wait_for_spans(trace_id, full_trace)
     # Spans leave in order, so the unsampled request's would be in by now.
     servers = [s for s in jaeger.traces_of("specroute-sampled", started) if s["name"] == SERVER]
@@ -309,8 +346,11 @@ def test_sdk_disabled_sends_nothing_and_still_serves(
     with proxy(tmp_path, "disabled", env) as p:
         trace_id = new_trace_id()
         raw = p.client.chat.completions.with_raw_response.create(
-            model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
-            extra_headers={"traceparent": client_traceparent(trace_id)})
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=4,
+            extra_headers={"traceparent": client_traceparent(trace_id)},
+        )
         assert raw.parse().choices[0].message.content
         assert "traceresponse" not in raw.headers
         assert float(raw.headers["x-specroute-overhead-ms"]) >= 0
@@ -329,8 +369,11 @@ def test_spans_are_flushed_at_shutdown(jaeger: Jaeger, fleet: tuple[RunningTwin,
     trace_id = new_trace_id()
     with proxy(tmp_path, "flush", env) as p:
         p.client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=4,
-            extra_headers={"traceparent": client_traceparent(trace_id)})
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=4,
+            extra_headers={"traceparent": client_traceparent(trace_id)},
+        )
         jaeger.wait_for_spans(trace_id, lambda s: any(x["service"] == "sglang" for x in s))
         assert not [s for s in jaeger.spans(trace_id) if s["service"] == "specroute-flush"]
     # proxy() sent SIGTERM and waited for the exit
@@ -342,16 +385,30 @@ def traced_request(t: Any, trace_id: str) -> None:
     from fleet.types import Decision, Features
 
     hooks = t.request_hooks("/v1/chat/completions")
-    hooks.received(endpoint="/v1/chat/completions", request_id="req-" + trace_id[:8],
-                   headers={"traceparent": client_traceparent(trace_id)}, body_bytes=99)
-    hooks.decided(decision=Decision("spec", "static", {"spec.load": 1.0}),
-                  features=Features(prompt_tokens=10, max_tokens=4, stream=False), model=MODEL, override=None,
-                  body={"model": MODEL, "max_tokens": 4})
+    hooks.received(
+        endpoint="/v1/chat/completions",
+        request_id="req-" + trace_id[:8],
+        headers={"traceparent": client_traceparent(trace_id)},
+        body_bytes=99,
+    )
+    hooks.decided(
+        decision=Decision("spec", "static", {"spec.load": 1.0}),
+        features=Features(prompt_tokens=10, max_tokens=4, stream=False),
+        model=MODEL,
+        override=None,
+        body={"model": MODEL, "max_tokens": 4},
+    )
     hooks.attempt_started(pool="spec", instance="http://127.0.0.1:1", attempt=1)
     hooks.first_chunk(b'{"id":"chatcmpl-1","model":"m"}')
     hooks.attempt_finished(status=200)
-    hooks.finished(status=200, error_type=None, prompt_tokens=10, completion_tokens=4, finish_reasons=("stop",),
-                   client_disconnected=False)
+    hooks.finished(
+        status=200,
+        error_type=None,
+        prompt_tokens=10,
+        completion_tokens=4,
+        finish_reasons=("stop",),
+        client_disconnected=False,
+    )
 
 
 def test_a_killed_export_process_is_seen_and_replaced_at_the_next_batch(
@@ -361,13 +418,15 @@ def test_a_killed_export_process_is_seen_and_replaced_at_the_next_batch(
     default). Killed, it costs what it held, never the request path: the next batch sees its exit
     status (logged) and starts a new one (RESTART_S after the last start; 0 here), which exports it."""
     from proxy.settings import Settings
-    from proxy.telemetry import SpecrouteTelemetry
-    from proxy.telemetry import export_process
+    from proxy.telemetry import SpecrouteTelemetry, export_process
     from proxy.telemetry.tracing import Tracing
 
     monkeypatch.setattr(export_process, "RESTART_S", 0.0)
-    for name, value in {"OTEL_EXPORTER_OTLP_ENDPOINT": jaeger.otlp_http_endpoint,
-                        "OTEL_SERVICE_NAME": "specroute-restart", "OTEL_BSP_SCHEDULE_DELAY": "100"}.items():
+    for name, value in {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": jaeger.otlp_http_endpoint,
+        "OTEL_SERVICE_NAME": "specroute-restart",
+        "OTEL_BSP_SCHEDULE_DELAY": "100",
+    }.items():
         monkeypatch.setenv(name, value)  # the child reads them from the environment it inherits
     tracing = Tracing("http/protobuf", "test", export_process=True)
     export = tracing.export

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from policy_snapshots import snapshot
 
-from policies.admission import MIN_SCALE, TARGET_ATTAINMENT, Admission
 from fleet.costmodel import StepCostModel, seed_from_profile
 from fleet.types import Decision, Features
+from policies.admission import MIN_SCALE, TARGET_ATTAINMENT, Admission
 
 COST = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
 LATENCY = Features(prompt_tokens=1000, max_tokens=256)

@@ -2,8 +2,8 @@ import pytest
 
 from fleet.costmodel import AffineSeed, StepCostModel, seed_from_profile
 from fleet.state import FleetState, Reading, learn_from_response
-from policies.goodput import Goodput
 from fleet.types import Features
+from policies.goodput import Goodput
 
 
 def test_seed_is_the_twin_profile():
@@ -71,7 +71,9 @@ def test_an_unobserved_bucket_returns_to_the_seed():
     assert corrections[0] > 2.9  # one half-life: still trusted
     assert corrections[2] < 1.6  # 200 observations' worth at 3x, after 8 half-lives: 0.8 left
     assert corrections[3] == pytest.approx(1.0, abs=0.05)
-    assert model.at(10.0 + 12 * HALF_LIFE_S).decode_step_ms("spec", 1, 4) == pytest.approx(model.seed_step_ms(1, 4), rel=0.05)
+    assert model.at(10.0 + 12 * HALF_LIFE_S).decode_step_ms("spec", 1, 4) == pytest.approx(
+        model.seed_step_ms(1, 4), rel=0.05
+    )
     # reading at a time does not move the learning: a later observation re-learns from there
     model.observe("spec", 1, 3 * model.seed_step_ms(1, 4), now=10.0 + 12 * HALF_LIFE_S)
     assert 1.5 < model.correction("spec", 1, 10.0 + 12 * HALF_LIFE_S) < 2.0  # 1 observation vs prior_weight 2

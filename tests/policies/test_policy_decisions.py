@@ -1,13 +1,12 @@
 import pytest
+from policy_snapshots import snapshot
 
-from policies import registry
 from fleet.acceptance import accept_length
 from fleet.costmodel import StepCostModel, seed_from_profile
+from fleet.types import Features
+from policies import registry
 from policies.goodput import Goodput
 from policies.threshold import Threshold
-from fleet.types import Features
-
-from policy_snapshots import snapshot
 
 SHORT = Features(prompt_tokens=64, max_tokens=256, ignore_eos=True)
 
@@ -133,8 +132,12 @@ def test_goodput_counts_the_queued_prompt_tokens():
     assert policy.decide(small, snap).pool == "spec"
     # Base has 3 waiting prompts of 100 tokens; spec has 3 waiting prompts of 8,000 tokens each.
     pools = dict(snap.pools)
-    pools["spec"] = replace(pools["spec"], instances=(replace(pools["spec"].instances[0], waiting=3, waiting_tokens=24000),))
-    pools["base"] = replace(pools["base"], instances=(replace(pools["base"].instances[0], waiting=3, waiting_tokens=300),))
+    pools["spec"] = replace(
+        pools["spec"], instances=(replace(pools["spec"].instances[0], waiting=3, waiting_tokens=24000),)
+    )
+    pools["base"] = replace(
+        pools["base"], instances=(replace(pools["base"].instances[0], waiting=3, waiting_tokens=300),)
+    )
     decision = policy.decide(small, replace(snap, pools=pools))
     assert decision.pool == "base" and decision.scores["t_spec_s"] > decision.scores["t_base_s"]
 

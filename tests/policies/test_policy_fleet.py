@@ -80,8 +80,9 @@ def test_counters_feed_alpha():
     assert state.snapshot(0).pool("spec").alpha is None
     tau = accept_length(0.65, 3)
     for i in range(20):
-        state.on_reading("http://spec", Reading(at=i * 0.1, running=8, waiting=0,
-                                                tokens_total=i * 100 * tau, verify_total=i * 100))
+        state.on_reading(
+            "http://spec", Reading(at=i * 0.1, running=8, waiting=0, tokens_total=i * 100 * tau, verify_total=i * 100)
+        )
     assert state.snapshot(2.0).pool("spec").alpha == pytest.approx(0.65, abs=1e-3)
     assert state.snapshot(2.0).pool("base").alpha is None
 

@@ -32,18 +32,31 @@ import json
 import threading
 from dataclasses import dataclass, field
 
-FLAT_ERROR = {"object": "error", "message": "Service unavailable: engine overloaded", "type": "ServiceUnavailable",
-              "param": None, "code": 503}
+FLAT_ERROR = {
+    "object": "error",
+    "message": "Service unavailable: engine overloaded",
+    "type": "ServiceUnavailable",
+    "param": None,
+    "code": 503,
+}
 COMPLETION = {
-    "id": "fault-1", "object": "chat.completion", "created": 0, "model": "fault",
+    "id": "fault-1",
+    "object": "chat.completion",
+    "created": 0,
+    "model": "fault",
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
 }
 
 
 def sse_event(i: int) -> bytes:
-    event = {"id": "fault-1", "object": "chat.completion.chunk", "created": 0, "model": "fault",
-             "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}]}
+    event = {
+        "id": "fault-1",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "fault",
+        "choices": [{"index": 0, "delta": {"content": f"t{i} "}, "finish_reason": None}],
+    }
     return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
@@ -78,7 +91,7 @@ class FaultServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def __enter__(self) -> "FaultServer":
+    def __enter__(self) -> FaultServer:
         self._loop = asyncio.new_event_loop()
         ready = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
@@ -142,8 +155,10 @@ class FaultServer:
             body = json.dumps([{"num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": 0}]).encode()
             kind = b"application/json"
         else:
-            body = (f'sglang:num_running_reqs{{model_name="fault"}} {running}.0\n'
-                    f'sglang:num_queue_reqs{{model_name="fault"}} {waiting}.0\n').encode()
+            body = (
+                f'sglang:num_running_reqs{{model_name="fault"}} {running}.0\n'
+                f'sglang:num_queue_reqs{{model_name="fault"}} {waiting}.0\n'
+            ).encode()
             kind = b"text/plain; version=0.0.4"
         return b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s" % (kind, len(body), body)
 
@@ -156,14 +171,17 @@ class FaultServer:
             return True
         if kind == "status":
             body = json.dumps(FLAT_ERROR | {"code": int(arg)}).encode()
-            writer.write(b"HTTP/1.1 %s Error\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-                         b"content-length: %d\r\n\r\n%s" % (arg.encode(), len(body), body))
+            writer.write(
+                b"HTTP/1.1 %s Error\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+                b"content-length: %d\r\n\r\n%s" % (arg.encode(), len(body), body)
+            )
         elif kind == "echo":
             body = json.dumps(COMPLETION).encode()
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                         % (len(body), body))
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            )
         elif kind == "cutjson":  # announces a full JSON body, sends a few bytes, drops the connection
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n{\"id\": ")
+            writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n{"id": ')
             await writer.drain()
             writer.transport.abort()
             return False
@@ -182,7 +200,7 @@ class FaultServer:
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             for i in range(int(arg) + (kind == "cutmid")):
                 event = sse_event(i)
-                halves = (event[:len(event) // 2], event[len(event) // 2:])
+                halves = (event[: len(event) // 2], event[len(event) // 2 :])
                 for half in halves[:1] if kind == "cutmid" and i == int(arg) else halves:
                     writer.write(http_chunk(half))
                     await writer.drain()
@@ -198,13 +216,19 @@ class FaultServer:
             writer.transport.abort()
             return False
         elif kind == "trace500":
-            body = (b"Traceback (most recent call last):\n  File \"/opt/sglang/python/sglang/srt/managers/io.py\", "
-                    b"line 42, in generate\nConnectionRefusedError: [Errno 111] connect to 10.20.30.40:7000 refused\n")
-            writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
-                         % (len(body), body))
+            body = (
+                b'Traceback (most recent call last):\n  File "/opt/sglang/python/sglang/srt/managers/io.py", '
+                b"line 42, in generate\nConnectionRefusedError: [Errno 111] connect to 10.20.30.40:7000 refused\n"
+            )
+            writer.write(
+                b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
         elif kind == "redirect":
-            writer.write(b"HTTP/1.1 307 Temporary Redirect\r\nlocation: http://10.20.30.40:30000/v1/chat/completions\r\n"
-                         b"content-length: 0\r\n\r\n")
+            writer.write(
+                b"HTTP/1.1 307 Temporary Redirect\r\nlocation: http://10.20.30.40:30000/v1/chat/completions\r\n"
+                b"content-length: 0\r\n\r\n"
+            )
         elif kind == "ssecl":
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 100000\r\n\r\n")
             for i in range(int(arg)):
@@ -214,7 +238,7 @@ class FaultServer:
             return False
         elif kind == "noblank":
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
-            writer.write(http_chunk(b"data: {\"x\": \""))
+            writer.write(http_chunk(b'data: {"x": "'))
             piece = http_chunk(b"a" * 65536)
             try:
                 for _ in range(int(arg) * 16):
@@ -226,12 +250,14 @@ class FaultServer:
             return False
         elif kind == "hopheaders":
             body = json.dumps(COMPLETION).encode()
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-                         b"connection: keep-alive, x-internal-hop\r\nx-internal-hop: secret\r\n"
-                         b"proxy-authenticate: Basic realm=internal\r\nproxy-connection: keep-alive\r\nte: trailers\r\n"
-                         b"keep-alive: timeout=5\r\nx-specroute-backend: http://10.20.30.40:30000\r\n"
-                         b"proxy-authorization: Basic c2VjcmV0\r\nupgrade: h2c\r\ntrailer: x-sum\r\n"
-                         b"x-upstream-note: caf\xc3\xa9\r\n\r\n%s" % (len(body), body))
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                b"connection: keep-alive, x-internal-hop\r\nx-internal-hop: secret\r\n"
+                b"proxy-authenticate: Basic realm=internal\r\nproxy-connection: keep-alive\r\nte: trailers\r\n"
+                b"keep-alive: timeout=5\r\nx-specroute-backend: http://10.20.30.40:30000\r\n"
+                b"proxy-authorization: Basic c2VjcmV0\r\nupgrade: h2c\r\ntrailer: x-sum\r\n"
+                b"x-upstream-note: caf\xc3\xa9\r\n\r\n%s" % (len(body), body)
+            )
         elif kind == "flood":
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             for i in itertools.count():

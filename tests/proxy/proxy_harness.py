@@ -9,8 +9,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import uvicorn
@@ -65,8 +66,16 @@ def twin_running(twin: RunningTwin) -> int:
 
 
 UPSTREAM_5XX = "upstream server error"
-UPSTREAM_FAILURES = {"connect", "upstream_disconnected", "first_token_timeout", "chunk_timeout", "total_timeout",
-                     "upstream_redirect", "no_upstream", "upstream_event_too_large"}
+UPSTREAM_FAILURES = {
+    "connect",
+    "upstream_disconnected",
+    "first_token_timeout",
+    "chunk_timeout",
+    "total_timeout",
+    "upstream_redirect",
+    "no_upstream",
+    "upstream_event_too_large",
+}
 """Codes of the gateway errors the proxy answers for an upstream that failed (502/503/504)."""
 
 

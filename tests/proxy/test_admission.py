@@ -21,8 +21,9 @@ def dispatched(proxy: RunningProxy) -> int:
 def test_a_request_the_fleet_cannot_serve_in_time_gets_a_429_with_retry_after(twin_pair) -> None:
     spec, base = twin_pair
     # A first token within 1 ms is beyond any prefill: every request is refused.
-    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], profile="h200-llama8b",
-                       admission_ttft_s=0.001) as proxy:
+    with running_proxy(
+        spec_urls=[spec.url], base_urls=[base.url], profile="h200-llama8b", admission_ttft_s=0.001
+    ) as proxy:
         wait_for(lambda: proxy.app.router.snapshot().pools["spec"].age_s < 1, what="a load reading")
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
         try:
@@ -32,28 +33,41 @@ def test_a_request_the_fleet_cannot_serve_in_time_gets_a_429_with_retry_after(tw
             assert refused.status_code == 429 and refused.code == "fleet_overloaded"
             assert int(refused.response.headers["retry-after"]) >= 1
             assert "predicted-ttft" in refused.message
-        raw = httpx.post(proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES},
-                         headers={"x-specroute-class": "batch"})
+        raw = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json={"model": "m", "messages": MESSAGES},
+            headers={"x-specroute-class": "batch"},
+        )
         assert raw.status_code == 429 and raw.json()["error"]["type"] == "rate_limit_error"
         assert dispatched(proxy) == 0 and proxy.in_flight() == 0
     # Off (the default without an SLO): the same request is served.
     with running_proxy(spec_urls=[spec.url], base_urls=[base.url], profile="h200-llama8b") as proxy:
         reply = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0).chat.completions.create(
-            model="m", messages=MESSAGES, max_tokens=4)
+            model="m", messages=MESSAGES, max_tokens=4
+        )
         assert reply.usage is not None and reply.usage.completion_tokens == 4
 
 
 def test_past_max_open_requests_new_requests_are_refused_at_once_and_the_open_ones_finish(twin_pair) -> None:
     spec, base = twin_pair
     with running_proxy(spec_urls=[spec.url], base_urls=[base.url], max_open_requests=2) as proxy:
-        streams = [httpx.stream("POST", proxy.base_url + "/chat/completions", timeout=30,
-                                json={"model": "m", "messages": MESSAGES, "max_tokens": 20000, "stream": True})  # megabytes: open until read
-                   for _ in range(2)]
+        streams = [
+            httpx.stream(
+                "POST",
+                proxy.base_url + "/chat/completions",
+                timeout=30,
+                json={"model": "m", "messages": MESSAGES, "max_tokens": 20000, "stream": True},
+            )  # megabytes: open until read
+            for _ in range(2)
+        ]
         opened = [s.__enter__() for s in streams]
         try:
             assert all(r.status_code == 200 for r in opened)
-            refused = httpx.post(proxy.base_url + "/chat/completions", timeout=10,
-                                 json={"model": "m", "messages": MESSAGES, "max_tokens": 2})
+            refused = httpx.post(
+                proxy.base_url + "/chat/completions",
+                timeout=10,
+                json={"model": "m", "messages": MESSAGES, "max_tokens": 2},
+            )
             assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_open_requests"
             assert refused.headers["retry-after"] == "1"
             bodies = []
@@ -67,8 +81,9 @@ def test_past_max_open_requests_new_requests_are_refused_at_once_and_the_open_on
             for s in streams:
                 s.__exit__(None, None, None)
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
-        ok = httpx.post(proxy.base_url + "/chat/completions", timeout=10,
-                        json={"model": "m", "messages": MESSAGES, "max_tokens": 2})
+        ok = httpx.post(
+            proxy.base_url + "/chat/completions", timeout=10, json={"model": "m", "messages": MESSAGES, "max_tokens": 2}
+        )
         assert ok.status_code == 200
 
 
@@ -79,14 +94,16 @@ def test_the_admission_evaluation_meets_its_targets_on_one_fleet() -> None:
     assert on["lost"] == 0 and off["lost"] == 0
     assert on["admitted_met"] >= 0.95 > off["admitted_met"]
     assert on["goodput_rps"] >= off["goodput_rps"]
-    assert on["refused_batch"] / on["offered_batch"] > (on["refused"] - on["refused_batch"]) / (on["offered"] - on["offered_batch"])
+    assert on["refused_batch"] / on["offered_batch"] > (on["refused"] - on["refused_batch"]) / (
+        on["offered"] - on["offered_batch"]
+    )
 
 
 def test_a_streams_pace_is_judged_on_its_tokens_not_its_chunks() -> None:
     """Admission learns from each finished stream whether it met the targets: a spec stream's
     chunk carries several tokens, so the pace is per token (the usage's count when sent)."""
-    from policies.admission import Admission
     from fleet.state import FleetState
+    from policies.admission import Admission
     from proxy.pools import Instance
     from proxy.routing import Attempt
 

@@ -10,9 +10,9 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterator
 
 import httpx
 import openai
@@ -35,8 +35,9 @@ def bearer(key: str) -> dict[str, str]:
 @pytest.fixture()
 def keyed(twin_pair) -> Iterator[RunningProxy]:
     spec, base = twin_pair
-    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], api_keys="sk-good-1, sk-good-2",
-                       operator_api_keys="sk-operator") as proxy:
+    with running_proxy(
+        spec_urls=[spec.url], base_urls=[base.url], api_keys="sk-good-1, sk-good-2", operator_api_keys="sk-operator"
+    ) as proxy:
         yield proxy
 
 
@@ -63,8 +64,11 @@ def test_a_wrong_or_missing_key_gets_an_openai_401_that_never_echoes_it(keyed: R
     assert missing.status_code == 401 and error_of(missing)["code"] == "invalid_api_key"
     assert error_of(missing)["type"] == "authentication_error"
     assert missing.headers["www-authenticate"].startswith("Bearer")
-    malformed = httpx.post(keyed.base_url + "/completions", json={"model": "m", "prompt": "x"},
-                           headers={"authorization": "Basic c2stZ29vZC0xOg=="})
+    malformed = httpx.post(
+        keyed.base_url + "/completions",
+        json={"model": "m", "prompt": "x"},
+        headers={"authorization": "Basic c2stZ29vZC0xOg=="},
+    )
     assert malformed.status_code == 401 and "c2stZ29vZC0x" not in malformed.text
     # A key that is a known key's prefix, or one with a known key inside it, is not that key.
     for near in ("sk-good", "sk-good-1x", "xsk-good-1"):
@@ -72,12 +76,18 @@ def test_a_wrong_or_missing_key_gets_an_openai_401_that_never_echoes_it(keyed: R
 
     metrics = httpx.get(keyed.url + "/metrics")  # open by default
     assert metrics.status_code == 200
-    counts = {line.split("}")[0].split('reason="')[1].rstrip('"'): float(line.split()[-1])
-              for line in metrics.text.splitlines() if line.startswith("specroute_auth_refused_total{")}
+    counts = {
+        line.split("}")[0].split('reason="')[1].rstrip('"'): float(line.split()[-1])
+        for line in metrics.text.splitlines()
+        if line.startswith("specroute_auth_refused_total{")
+    }
     assert counts["missing"] >= 1 and counts["malformed"] >= 1 and counts["invalid"] >= 5
     assert "sk-wrong" not in metrics.text and "sk-good" not in metrics.text
-    assert keyed.app.router.pools["spec"].instances[0].dispatched_total + \
-        keyed.app.router.pools["base"].instances[0].dispatched_total == 0  # nothing refused went upstream
+    assert (
+        keyed.app.router.pools["spec"].instances[0].dispatched_total
+        + keyed.app.router.pools["base"].instances[0].dispatched_total
+        == 0
+    )  # nothing refused went upstream
 
 
 def test_probes_stay_open_and_the_state_endpoint_needs_an_operator_key(keyed: RunningProxy) -> None:
@@ -99,14 +109,26 @@ def test_probes_stay_open_and_the_state_endpoint_needs_an_operator_key(keyed: Ru
 def test_the_clients_key_never_goes_upstream_when_proxy_keys_are_on(twin_pair) -> None:
     _, base = twin_pair
     with FaultServer("echo") as upstream:
-        with running_proxy(spec_urls=[upstream.url], base_urls=[base.url], policy="spec", api_keys="sk-client") as proxy:
-            assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-client")).status_code == 200
-        with running_proxy(spec_urls=[upstream.url], base_urls=[base.url], policy="spec", api_keys="sk-client",
-                           spec_api_key="sk-pool") as proxy:
-            assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-client")).status_code == 200
+        with running_proxy(
+            spec_urls=[upstream.url], base_urls=[base.url], policy="spec", api_keys="sk-client"
+        ) as proxy:
+            assert (
+                httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-client")).status_code
+                == 200
+            )
+        with running_proxy(
+            spec_urls=[upstream.url], base_urls=[base.url], policy="spec", api_keys="sk-client", spec_api_key="sk-pool"
+        ) as proxy:
+            assert (
+                httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-client")).status_code
+                == 200
+            )
         with running_proxy(spec_urls=[upstream.url], base_urls=[base.url], policy="spec") as proxy:
             # No proxy keys: the client's Authorization is the upstream's business, as before.
-            assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-theirs")).status_code == 200
+            assert (
+                httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-theirs")).status_code
+                == 200
+            )
     posts = [r.headers.get("authorization") for r in upstream.requests if r.method == "POST"]
     assert posts == [None, "Bearer sk-pool", "Bearer sk-theirs"]
 
@@ -118,21 +140,31 @@ def test_who_may_pin_a_pool_is_a_setting(twin_pair) -> None:
         refused = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=pin)
         assert refused.status_code == 403 and error_of(refused)["code"] == "pool_pin_not_allowed"
         assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT).status_code == 200
-    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], pool_pin="operators",
-                       api_keys="sk-client", operator_api_keys="sk-operator") as proxy:
+    with running_proxy(
+        spec_urls=[spec.url],
+        base_urls=[base.url],
+        pool_pin="operators",
+        api_keys="sk-client",
+        operator_api_keys="sk-operator",
+    ) as proxy:
         refused = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=pin | bearer("sk-client"))
         assert refused.status_code == 403 and error_of(refused)["code"] == "operator_key_required"
         pinned = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=pin | bearer("sk-operator"))
         assert pinned.status_code == 200 and pinned.headers["x-specroute-pool"] == "base"
         assert pinned.headers["x-specroute-reason"] == "override"
-        assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-client")).status_code == 200
+        assert (
+            httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-client")).status_code == 200
+        )
 
 
-def test_the_keys_file_is_reread_when_it_changes_and_a_broken_edit_keeps_the_old_keys(twin_pair, tmp_path: Path) -> None:
+def test_the_keys_file_is_reread_when_it_changes_and_a_broken_edit_keeps_the_old_keys(
+    twin_pair, tmp_path: Path
+) -> None:
     spec, base = twin_pair
     keys = tmp_path / "keys"
     keys.write_text("# team a\nsk-file-a\n\n")
     with running_proxy(spec_urls=[spec.url], base_urls=[base.url], api_keys_file=str(keys)) as proxy:
+
         def status(key: str) -> int:
             return httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer(key)).status_code
 
@@ -168,7 +200,7 @@ class RecordingOtlpSink:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> "RecordingOtlpSink":
+    def __enter__(self) -> RecordingOtlpSink:
         self.thread.start()
         return self
 
@@ -183,23 +215,42 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_sighup_rereads_the_keys_file_and_no_key_reaches_logs_traces_config_or_errors(twin_pair, tmp_path: Path) -> None:
+def test_sighup_rereads_the_keys_file_and_no_key_reaches_logs_traces_config_or_errors(
+    twin_pair, tmp_path: Path
+) -> None:
     spec, _ = twin_pair
     keys = tmp_path / "keys"
     keys.write_text("sk-file-secret-AAAA\n")
     port = free_port()
-    secrets = {"SPECROUTE_API_KEYS": "sk-inline-secret-1", "SPECROUTE_OPERATOR_API_KEYS": "sk-operator-secret-2",
-               "SPECROUTE_SPEC_API_KEY": "sk-pool-secret-3"}
+    secrets = {
+        "SPECROUTE_API_KEYS": "sk-inline-secret-1",
+        "SPECROUTE_OPERATOR_API_KEYS": "sk-operator-secret-2",
+        "SPECROUTE_SPEC_API_KEY": "sk-pool-secret-3",
+    }
     with FaultServer("echo") as echo, RecordingOtlpSink() as sink:
         clean = {k: v for k, v in os.environ.items() if not k.startswith(("SPECROUTE_", "OTEL_"))}
-        env = {**clean, **secrets, "SPECROUTE_API_KEYS_FILE": str(keys), "SPECROUTE_SPEC_URLS": spec.url,
-               "SPECROUTE_BASE_URLS": echo.url, "SPECROUTE_PORT": str(port), "SPECROUTE_LOG_LEVEL": "debug",
-               "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url}
-        proc = subprocess.Popen([sys.executable, "-m", "proxy.cli", "serve"], env=env, cwd=tmp_path,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env = {
+            **clean,
+            **secrets,
+            "SPECROUTE_API_KEYS_FILE": str(keys),
+            "SPECROUTE_SPEC_URLS": spec.url,
+            "SPECROUTE_BASE_URLS": echo.url,
+            "SPECROUTE_PORT": str(port),
+            "SPECROUTE_LOG_LEVEL": "debug",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": sink.url,
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "serve"],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         url = f"http://127.0.0.1:{port}"
         bodies: list[str] = []
         try:
+
             def ready() -> bool:
                 assert proc.poll() is None, proc.communicate()
                 try:
@@ -210,7 +261,9 @@ def test_sighup_rereads_the_keys_file_and_no_key_reaches_logs_traces_config_or_e
             wait_for(ready, what="specroute serve ready", timeout=60)
 
             def post(key: str, **headers: str) -> httpx.Response:
-                response = httpx.post(url + "/v1/chat/completions", json=CHAT, headers=bearer(key) | headers, timeout=30)
+                response = httpx.post(
+                    url + "/v1/chat/completions", json=CHAT, headers=bearer(key) | headers, timeout=30
+                )
                 bodies.append(response.text)
                 return response
 
@@ -232,22 +285,43 @@ def test_sighup_rereads_the_keys_file_and_no_key_reaches_logs_traces_config_or_e
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-        config = subprocess.run([sys.executable, "-m", "proxy.cli", "config"], env=env, cwd=tmp_path,
-                                capture_output=True, text=True, timeout=60).stdout
+        config = subprocess.run(
+            [sys.executable, "-m", "proxy.cli", "config"],
+            env=env,
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
     upstream_auth = [r.headers.get("authorization") for r in echo.requests if r.method == "POST"]
     assert upstream_auth == [None]  # base has no pool key; the client's never goes on
-    assert '"status":200' in out.replace(" ", "") and sink.received, "nothing logged or traced: the check below would be empty"
-    everything = {"stdout": out, "stderr": err, "config": config, "responses": "\n".join(bodies),
-                  "traces": b"".join(sink.received).decode("latin-1")}
+    assert '"status":200' in out.replace(" ", "") and sink.received, (
+        "nothing logged or traced: the check below would be empty"
+    )
+    everything = {
+        "stdout": out,
+        "stderr": err,
+        "config": config,
+        "responses": "\n".join(bodies),
+        "traces": b"".join(sink.received).decode("latin-1"),
+    }
     for where, text in everything.items():
         for secret in ("secret-AAAA", "secret-BBBB", "secret-1", "secret-2", "secret-3", "secret-4"):
             assert secret not in text, f"{secret} found in {where}"
 
 
-@pytest.mark.parametrize(("host", "keys", "warned"), [
-    ("0.0.0.0", None, True), ("10.1.2.3", None, True), ("gpu-gateway.internal", None, True),
-    ("127.0.0.1", None, False), ("::1", None, False), ("localhost", None, False), ("0.0.0.0", "sk-a", False),
-])
+@pytest.mark.parametrize(
+    ("host", "keys", "warned"),
+    [
+        ("0.0.0.0", None, True),
+        ("10.1.2.3", None, True),
+        ("gpu-gateway.internal", None, True),
+        ("127.0.0.1", None, False),
+        ("::1", None, False),
+        ("localhost", None, False),
+        ("0.0.0.0", "sk-a", False),
+    ],
+)
 def test_start_up_warns_once_when_open_beyond_loopback(host: str, keys: str | None, warned: bool, caplog) -> None:
     from proxy.auth import Access, warn_if_open
     from proxy.settings import load_settings
@@ -260,16 +334,22 @@ def test_start_up_warns_once_when_open_beyond_loopback(host: str, keys: str | No
 
 def test_a_key_may_hold_at_most_its_share_of_open_requests(twin_pair) -> None:
     spec, base = twin_pair
-    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], api_keys="sk-a,sk-b", key_max_concurrency=2) as proxy:
+    with running_proxy(
+        spec_urls=[spec.url], base_urls=[base.url], api_keys="sk-a,sk-b", key_max_concurrency=2
+    ) as proxy:
         long = {"model": "m", "messages": MESSAGES, "max_tokens": 20000, "stream": True}  # megabytes: open until read
-        streams = [httpx.stream("POST", proxy.base_url + "/chat/completions", json=long, headers=bearer("sk-a"), timeout=30)
-                   for _ in range(2)]
+        streams = [
+            httpx.stream("POST", proxy.base_url + "/chat/completions", json=long, headers=bearer("sk-a"), timeout=30)
+            for _ in range(2)
+        ]
         try:
             assert all(s.__enter__().status_code == 200 for s in streams)
             third = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-a"))
             assert third.status_code == 429 and third.json()["error"]["code"] == "key_concurrency_limit"
             assert third.headers["retry-after"] == "1"
-            assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-b")).status_code == 200
+            assert (
+                httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-b")).status_code == 200
+            )
         finally:
             for s in streams:
                 s.__exit__(None, None, None)

@@ -14,8 +14,11 @@ def test_200_concurrent_streams_complete_with_the_right_token_counts(proxy: Runn
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, int, str | None, str]:
         max_tokens = 8 + i % 25  # every stream has its own length, so crossed streams would show
         stream = await client.chat.completions.create(
-            model="specroute/twin", messages=[{"role": "user", "content": f"Request {i}"}],
-            max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
+            model="specroute/twin",
+            messages=[{"role": "user", "content": f"Request {i}"}],
+            max_tokens=max_tokens,
+            stream=True,
+            stream_options={"include_usage": True},
         )
         usage, finish, chunks, ids = None, None, 0, set()
         async for chunk in stream:

@@ -30,8 +30,14 @@ def read_responses(sock: socket.socket, count: int) -> list[tuple[bytes, bytes]]
     while len(responses) < count:
         while b"\r\n\r\n" in data:
             head, rest = data.split(b"\r\n\r\n", 1)
-            length = next((int(line.split(b":", 1)[1]) for line in head.lower().split(b"\r\n")
-                           if line.startswith(b"content-length:")), 0)
+            length = next(
+                (
+                    int(line.split(b":", 1)[1])
+                    for line in head.lower().split(b"\r\n")
+                    if line.startswith(b"content-length:")
+                ),
+                0,
+            )
             if len(rest) < length:
                 break
             responses.append((head, rest[:length]))
@@ -40,7 +46,7 @@ def read_responses(sock: socket.socket, count: int) -> list[tuple[bytes, bytes]]
             break
         try:
             part = sock.recv(65536)
-        except (ConnectionResetError, socket.timeout):
+        except (TimeoutError, ConnectionResetError):
             break
         if not part:
             break
@@ -49,15 +55,19 @@ def read_responses(sock: socket.socket, count: int) -> list[tuple[bytes, bytes]]
 
 
 def post(body: bytes, extra: bytes = b"") -> bytes:
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\n%s\r\n" % (len(body), extra))
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n%s\r\n" % (len(body), extra)
+    )
 
 
 def test_a_pipelined_request_is_not_held_to_the_header_deadline_while_it_runs() -> None:
     # The second request's headers are in before the first response ends: the header deadline
     # must not start again for it (it used to: a 408 at 0.5 s in place of the upstream's answer).
-    with FaultServer("hang") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec",
-                                                        first_token_timeout_s=2.0, **GUARDED) as proxy:
+    with (
+        FaultServer("hang") as upstream,
+        running_proxy(spec_urls=[upstream.url], policy="spec", first_token_timeout_s=2.0, **GUARDED) as proxy,
+    ):
         body = json.dumps({**CHAT, "stream": True}).encode()
         with connect(proxy) as sock:
             started = time.monotonic()
@@ -86,11 +96,15 @@ def test_a_pipelined_body_is_not_counted_as_headers() -> None:
 def test_a_refusal_before_the_body_is_in_closes_the_connection() -> None:
     # 413 after 64 KiB of a declared 10 MB: the rest of the body must not be read as requests,
     # nor answered again; the client is told the connection closes.
-    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec",
-                                                        max_body_bytes=65536, **GUARDED) as proxy:
+    with (
+        FaultServer("echo") as upstream,
+        running_proxy(spec_urls=[upstream.url], policy="spec", max_body_bytes=65536, **GUARDED) as proxy,
+    ):
         with connect(proxy) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                         b"content-length: 10000000\r\n\r\n")
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: 10000000\r\n\r\n"
+            )
             try:
                 for _ in range(4):
                     sock.sendall(b"a" * 65536)
@@ -105,14 +119,29 @@ def test_every_hop_by_hop_header_stays_on_its_hop() -> None:
     with FaultServer("hopheaders") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
         body = json.dumps(CHAT).encode()
         with connect(proxy) as sock:
-            sock.sendall(post(body, b"proxy-authenticate: Basic realm=x\r\nkeep-alive: timeout=5\r\n"
-                                    b"trailer: x-sum\r\nupgrade: websocket\r\nx-keep: yes\r\n") + body)
+            sock.sendall(
+                post(
+                    body,
+                    b"proxy-authenticate: Basic realm=x\r\nkeep-alive: timeout=5\r\n"
+                    b"trailer: x-sum\r\nupgrade: websocket\r\nx-keep: yes\r\n",
+                )
+                + body
+            )
             responses = read_responses(sock, 1)
     assert responses, "no answer"
     head = responses[0][0].lower().split(b"\r\n")
     names = {line.split(b":", 1)[0] for line in head[1:]}
-    hop = {b"proxy-authenticate", b"proxy-authorization", b"proxy-connection", b"te", b"trailer",
-           b"transfer-encoding", b"upgrade", b"keep-alive", b"x-internal-hop"}
+    hop = {
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"keep-alive",
+        b"x-internal-hop",
+    }
     assert not names & hop, names & hop
     sent = [r for r in upstream.requests if r.method == "POST"][0].headers
     assert not set(sent) & {name.decode() for name in hop}, set(sent) & {name.decode() for name in hop}
@@ -122,8 +151,10 @@ def test_every_hop_by_hop_header_stays_on_its_hop() -> None:
 def test_behind_a_trusted_proxy_forwarded_also_ends_with_the_peer() -> None:
     # In append mode the front proxy is trusted to append; whatever the client wrote comes first,
     # and the address this proxy saw is last in both forms, so the upstream reads the real one.
-    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec",
-                                                        forwarded_headers="append") as proxy:
+    with (
+        FaultServer("echo") as upstream,
+        running_proxy(spec_urls=[upstream.url], policy="spec", forwarded_headers="append") as proxy,
+    ):
         body = json.dumps(CHAT).encode()
         with connect(proxy) as sock:
             sock.sendall(post(body, b"forwarded: for=6.6.6.6\r\nx-forwarded-for: 6.6.6.6\r\n") + body)
@@ -135,13 +166,16 @@ def test_behind_a_trusted_proxy_forwarded_also_ends_with_the_peer() -> None:
 
 def test_three_large_bodies_that_stall_are_cut_and_others_are_served(twin_pair) -> None:
     spec, base = twin_pair
-    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], header_timeout_s=DEADLINE_S,
-                       body_timeout_s=1.0) as proxy:
+    with running_proxy(
+        spec_urls=[spec.url], base_urls=[base.url], header_timeout_s=DEADLINE_S, body_timeout_s=1.0
+    ) as proxy:
         socks = [connect(proxy) for _ in range(3)]
         try:
             for sock in socks:  # 8 MB of a declared 15 MB each, then silence
-                sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                             b"content-length: 15000000\r\n\r\n" + b" " * 8_000_000)
+                sock.sendall(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                    b"content-length: 15000000\r\n\r\n" + b" " * 8_000_000
+                )
             with connect(proxy) as other:
                 other.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
                 assert read_responses(other, 1)[0][0].startswith(b"HTTP/1.1 200 ")

@@ -33,9 +33,15 @@ def test_demo_serves_the_sdk_and_stops_its_twins_on_sigterm() -> None:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")}
     with tempfile.TemporaryFile() as out:
-        demo = subprocess.Popen([sys.executable, "-m", "proxy.cli", "demo", "--port", str(port), "--time-scale", "20"],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        demo = subprocess.Popen(
+            [sys.executable, "-m", "proxy.cli", "demo", "--port", str(port), "--time-scale", "20"],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+        )
         try:
+
             def printed() -> str:
                 out.seek(0)
                 return out.read().decode(errors="replace")
@@ -55,4 +61,3 @@ def test_demo_serves_the_sdk_and_stops_its_twins_on_sigterm() -> None:
             demo.send_signal(signal.SIGTERM)
             demo.wait(30)
         assert all(refuses(url) for url in twin_urls)  # the twins went with the demo
-

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -65,7 +65,9 @@ def test_a_server_that_dies_fails_over_then_is_skipped(twin_pair) -> None:
     _, base = twin_pair
     with twin("spec", time_scale=TIME_SCALE) as doomed:
         # Polls far apart: the first request meets the dead server before any poll does.
-        with running_proxy(spec_urls=[doomed.url], base_urls=[base.url], policy="spec", poll_interval_ms=60_000) as proxy:
+        with running_proxy(
+            spec_urls=[doomed.url], base_urls=[base.url], policy="spec", poll_interval_ms=60_000
+        ) as proxy:
             doomed.process.terminate()
             doomed.process.wait(10)
             client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
@@ -112,9 +114,10 @@ def test_a_blackholed_server_costs_no_connect_timeout_per_request(twin_pair) -> 
 
 def test_5xx_retried_on_another_instance_of_the_same_pool_first(twin_pair) -> None:
     spec, base = twin_pair
-    with FaultServer("status:503") as bad, running_proxy(
-        spec_urls=[bad.url, spec.url], base_urls=[base.url], policy="spec"
-    ) as proxy:
+    with (
+        FaultServer("status:503") as bad,
+        running_proxy(spec_urls=[bad.url, spec.url], base_urls=[base.url], policy="spec") as proxy,
+    ):
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
         for _ in range(4):
             raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2)
@@ -124,9 +127,11 @@ def test_5xx_retried_on_another_instance_of_the_same_pool_first(twin_pair) -> No
 
 
 def test_gives_up_after_failover_and_tells_the_sdk_not_to_retry() -> None:
-    with FaultServer("status:503") as first, FaultServer("status:502") as second, running_proxy(
-        spec_urls=[first.url], base_urls=[second.url], policy="spec"
-    ) as proxy:
+    with (
+        FaultServer("status:503") as first,
+        FaultServer("status:502") as second,
+        running_proxy(spec_urls=[first.url], base_urls=[second.url], policy="spec") as proxy,
+    ):
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=2)
         with pytest.raises(openai.InternalServerError) as caught:
             client.chat.completions.create(model="m", messages=MESSAGES)
@@ -154,8 +159,9 @@ def test_upstream_429_reaches_the_sdk_with_its_retry_after() -> None:
 
 def test_mid_stream_failure_ends_with_an_error_event_not_a_clean_end() -> None:
     with FaultServer("cut:3") as cut, running_proxy(spec_urls=[cut.url], policy="spec") as proxy:
-        with httpx.stream("POST", proxy.base_url + "/chat/completions",
-                          json={"model": "m", "messages": MESSAGES, "stream": True}) as response:
+        with httpx.stream(
+            "POST", proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}
+        ) as response:
             assert response.status_code == 200
             body = response.read()
         events = [e for e in body.split(b"\n\n") if e]
@@ -173,13 +179,14 @@ def test_mid_stream_failure_ends_with_an_error_event_not_a_clean_end() -> None:
 
 def test_an_event_cut_in_half_upstream_never_reaches_the_client() -> None:
     with FaultServer("cutmid:3") as cut, running_proxy(spec_urls=[cut.url], policy="spec") as proxy:
-        with httpx.stream("POST", proxy.base_url + "/chat/completions",
-                          json={"model": "m", "messages": MESSAGES, "stream": True}) as response:
+        with httpx.stream(
+            "POST", proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}
+        ) as response:
             body = response.read()
         events = [e for e in body.split(b"\n\n") if e]
         assert len(events) == 5, body  # 3 whole events, the error, [DONE]: no half of the 4th
         assert all(e.startswith(b"data: {") for e in events[:4]) and events[4] == b"data: [DONE]"
-        assert b"upstream_disconnected" in events[3] and b't3 ' not in body
+        assert b"upstream_disconnected" in events[3] and b"t3 " not in body
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
         with pytest.raises(openai.APIError, match="mid-stream"):  # our error, not a JSON decode error
             for _ in client.chat.completions.create(model="m", messages=MESSAGES, stream=True):
@@ -205,9 +212,13 @@ def test_json_body_cut_upstream_breaks_the_client_connection() -> None:
 
 
 def test_first_token_timeout_is_504_and_closes_the_upstream_request() -> None:
-    with FaultServer("hang") as hang, running_proxy(spec_urls=[hang.url], policy="spec", first_token_timeout_s=0.5) as proxy:
-        response = httpx.post(proxy.base_url + "/chat/completions", timeout=30,
-                              json={"model": "m", "messages": MESSAGES, "stream": True})
+    with (
+        FaultServer("hang") as hang,
+        running_proxy(spec_urls=[hang.url], policy="spec", first_token_timeout_s=0.5) as proxy,
+    ):
+        response = httpx.post(
+            proxy.base_url + "/chat/completions", timeout=30, json={"model": "m", "messages": MESSAGES, "stream": True}
+        )
         assert response.status_code == 504
         assert error_of(response)["code"] == "first_token_timeout"
         assert response.headers["x-should-retry"] == "false"  # the SDK would only wait as long again
@@ -227,8 +238,9 @@ def test_a_json_answer_may_take_longer_than_the_first_token_timeout(slow_twin) -
 @pytest.mark.parametrize("setting", [{"chunk_timeout_s": 0.5}, {"total_timeout_s": 1.0, "connect_timeout_s": 0.5}])
 def test_stalled_stream_times_out_with_an_error_event(setting) -> None:
     with FaultServer("stall:2") as stall, running_proxy(spec_urls=[stall.url], policy="spec", **setting) as proxy:
-        response = httpx.post(proxy.base_url + "/chat/completions",
-                              json={"model": "m", "messages": MESSAGES, "stream": True}, timeout=30)
+        response = httpx.post(
+            proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}, timeout=30
+        )
         events = [e for e in response.content.split(b"\n\n") if e]
         assert len(events) == 4 and events[-1] == b"data: [DONE]"
         expected = b"chunk_timeout" if "chunk_timeout_s" in setting else b"total_timeout"
@@ -251,8 +263,12 @@ def slow_proxy(slow_twin: RunningTwin) -> Iterator[RunningProxy]:
 
 
 def test_client_disconnect_mid_stream_frees_the_upstream_slot(slow_twin, slow_proxy) -> None:
-    with httpx.stream("POST", slow_proxy.base_url + "/chat/completions", timeout=30,
-                      json={"model": "m", "messages": MESSAGES, "max_tokens": 4000, "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        slow_proxy.base_url + "/chat/completions",
+        timeout=30,
+        json={"model": "m", "messages": MESSAGES, "max_tokens": 4000, "stream": True},
+    ) as response:
         chunks = response.iter_raw()  # kept: a dropped iterator would close the response itself
         assert next(chunks).startswith(b"data: ")
         wait_for(lambda: twin_running(slow_twin) == 1, timeout=10, what="the twin to show the request")
@@ -264,8 +280,10 @@ def test_client_disconnect_mid_stream_frees_the_upstream_slot(slow_twin, slow_pr
 def test_client_disconnect_before_the_first_byte_frees_the_upstream_slot(slow_twin, slow_proxy) -> None:
     body = b'{"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4000}'
     with socket.create_connection(("127.0.0.1", slow_proxy.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
         wait_for(lambda: twin_running(slow_twin) == 1, timeout=10, what="the request to reach the twin")
     wait_for(lambda: twin_running(slow_twin) == 0, timeout=5, what="the twin to drop the request")
     wait_for(lambda: slow_proxy.in_flight() == 0, timeout=5, what="in-flight released")
@@ -281,17 +299,31 @@ def test_requests_still_running_when_the_drain_ends_are_told_so(slow_twin, capfd
 
 
 def drain_cut_requests(slow_twin: RunningTwin) -> None:
-    with FaultServer("hang") as hang, running_proxy(spec_urls=[hang.url], base_urls=[slow_twin.url],
-                                                     drain_timeout_s=0.5) as proxy:
-        stream = httpx.stream("POST", proxy.base_url + "/chat/completions", timeout=30, headers={"x-specroute-pool": "base"},
-                              json={"model": "m", "messages": MESSAGES, "max_tokens": 4000, "stream": True})
+    with (
+        FaultServer("hang") as hang,
+        running_proxy(spec_urls=[hang.url], base_urls=[slow_twin.url], drain_timeout_s=0.5) as proxy,
+    ):
+        stream = httpx.stream(
+            "POST",
+            proxy.base_url + "/chat/completions",
+            timeout=30,
+            headers={"x-specroute-pool": "base"},
+            json={"model": "m", "messages": MESSAGES, "max_tokens": 4000, "stream": True},
+        )
         response = stream.__enter__()
         chunks = response.iter_raw()
         assert next(chunks).startswith(b"data: ")
         waiting: list[httpx.Response] = []
-        waiter = threading.Thread(target=lambda: waiting.append(httpx.post(
-            proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES},
-            headers={"x-specroute-pool": "spec"}, timeout=30)))
+        waiter = threading.Thread(
+            target=lambda: waiting.append(
+                httpx.post(
+                    proxy.base_url + "/chat/completions",
+                    json={"model": "m", "messages": MESSAGES},
+                    headers={"x-specroute-pool": "spec"},
+                    timeout=30,
+                )
+            )
+        )
         waiter.start()
         wait_for(lambda: posts(hang) == 1, what="the second request to reach its upstream")
         proxy.app.draining = True
@@ -329,12 +361,32 @@ def test_bad_input_gets_openai_errors_while_others_are_served(twin_pair) -> None
         other = threading.Thread(target=long_stream)
         other.start()
         cases = [
-            (httpx.post(url, content=b'{"model": "m", "messages": [', headers={"content-type": "application/json"}), 400, "invalid_json"),
+            (
+                httpx.post(url, content=b'{"model": "m", "messages": [', headers={"content-type": "application/json"}),
+                400,
+                "invalid_json",
+            ),
             (httpx.post(url, content=b"[1, 2]", headers={"content-type": "application/json"}), 400, "invalid_json"),
-            (httpx.post(url, content=b"model=m", headers={"content-type": "application/x-www-form-urlencoded"}), 415, "unsupported_media_type"),
+            (
+                httpx.post(url, content=b"model=m", headers={"content-type": "application/x-www-form-urlencoded"}),
+                415,
+                "unsupported_media_type",
+            ),
             (httpx.post(url, content=b"{}"), 415, "unsupported_media_type"),
-            (httpx.post(url, content=b"{" + b" " * 5000 + b"}", headers={"content-type": "application/json"}), 413, "request_too_large"),
-            (httpx.post(url, content=iter([b"{", b" " * 3000, b" " * 3000, b"}"]), headers={"content-type": "application/json"}), 413, "request_too_large"),
+            (
+                httpx.post(url, content=b"{" + b" " * 5000 + b"}", headers={"content-type": "application/json"}),
+                413,
+                "request_too_large",
+            ),
+            (
+                httpx.post(
+                    url,
+                    content=iter([b"{", b" " * 3000, b" " * 3000, b"}"]),
+                    headers={"content-type": "application/json"},
+                ),
+                413,
+                "request_too_large",
+            ),
             (httpx.post(url, json={"messages": MESSAGES}, headers={"x-specroute-pool": "gpu"}), 400, "invalid_header"),
             (httpx.get(url), 405, "method_not_allowed"),
         ]
@@ -354,14 +406,18 @@ def test_a_client_that_stops_reading_is_cut_at_the_total_timeout() -> None:
     """A stalled reader blocks the relay in its send to the client, where no upstream read timer
     runs: the total deadline must still end the request and close its upstream request."""
     body = b'{"model": "m", "messages": [{"role": "user", "content": "Hi"}], "stream": true}'
-    with FaultServer("flood") as flood, running_proxy(spec_urls=[flood.url], policy="spec", total_timeout_s=2.0,
-                                                      connect_timeout_s=0.5) as proxy:
+    with (
+        FaultServer("flood") as flood,
+        running_proxy(spec_urls=[flood.url], policy="spec", total_timeout_s=2.0, connect_timeout_s=0.5) as proxy,
+    ):
         with socket.socket() as sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills fast: the relay blocks
             sock.settimeout(10)
             sock.connect(("127.0.0.1", proxy.port))
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                         b"content-length: %d\r\n\r\n%s" % (len(body), body))
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
             assert sock.recv(64).startswith(b"HTTP/1.1 200")
             # The client keeps its connection open and reads nothing more.
             wait_for(lambda: flood.open_connections == 0, timeout=30, what="the proxy to drop its upstream connection")
@@ -389,18 +445,28 @@ def test_a_rejected_request_is_logged_under_the_request_id_it_was_answered_with(
 def test_a_huge_model_name_stays_out_of_the_log_line(capfd) -> None:
     """The client chooses the model string: it goes upstream whole, but the log line and the
     spans carry at most 256 characters of it (a 5 MB name made a 5 MB line)."""
-    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec", request_log=True) as proxy:
+    with (
+        FaultServer("echo") as upstream,
+        running_proxy(spec_urls=[upstream.url], policy="spec", request_log=True) as proxy,
+    ):
         name = "m" * 1_000_000
-        response = httpx.post(proxy.base_url + "/chat/completions", timeout=30,
-                              json={"model": name, "messages": MESSAGES}, headers={"x-request-id": "huge-model"})
+        response = httpx.post(
+            proxy.base_url + "/chat/completions",
+            timeout=30,
+            json={"model": name, "messages": MESSAGES},
+            headers={"x-request-id": "huge-model"},
+        )
         assert response.status_code == 200
         assert json.loads([r for r in upstream.requests if r.method == "POST"][-1].body)["model"] == name
         seen: list[str] = []
 
         def logged() -> list[dict]:
             seen.append(capfd.readouterr().out)
-            return [json.loads(line) for line in "".join(seen).splitlines()
-                    if line.startswith("{") and '"huge-model"' in line]
+            return [
+                json.loads(line)
+                for line in "".join(seen).splitlines()
+                if line.startswith("{") and '"huge-model"' in line
+            ]
 
         line = wait_for(logged, timeout=10, what="the request's log line")[0]
         assert len(json.dumps(line)) < 4096 and line["model"] == "m" * 256

@@ -14,7 +14,7 @@ import socket
 import statistics
 import sys
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 from proxy_harness import RunningProxy, running_proxy
@@ -83,10 +83,15 @@ class KeepAliveClient:
 
 
 def chat_request(port: int, pool: str) -> bytes:
-    body = json.dumps({
-        "model": "specroute/twin", "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True},
-    }).encode()
+    body = json.dumps(
+        {
+            "model": "specroute/twin",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
         f"Content-Type: application/json\r\nx-specroute-pool: {pool}\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -123,7 +128,8 @@ def realtime_proxy(realtime_spec_twin: tuple[RunningTwin, RunningTwin]) -> Itera
 
 
 def test_keep_alive_first_token_comes_at_the_twins_prefill_time_directly_and_through_the_proxy(
-    realtime_spec_twin: tuple[RunningTwin, RunningTwin], realtime_proxy: RunningProxy,
+    realtime_spec_twin: tuple[RunningTwin, RunningTwin],
+    realtime_proxy: RunningProxy,
 ) -> None:
     spec, _ = realtime_spec_twin
     direct_ms, prompt_tokens = first_token_ms(int(spec.url.rsplit(":", 1)[1]))

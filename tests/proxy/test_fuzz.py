@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -17,20 +18,39 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from proxy_harness import RunningProxy, assert_upstream_failure, running_proxy, wait_for
 
-settings.register_profile("default", max_examples=150, deadline=None, derandomize=True,
-                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-settings.register_profile("nightly", max_examples=10_000, deadline=None,
-                          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+settings.register_profile(
+    "default",
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+settings.register_profile(
+    "nightly",
+    max_examples=10_000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
-                         st.text(max_size=20))
-json_values = st.recursive(json_scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)), max_leaves=12)
+json_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False), st.text(max_size=20)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
+    max_leaves=12,
+)
 messages = st.one_of(
-    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
-                                    "content": st.one_of(st.text(max_size=50), st.none(), json_values)}),
-             max_size=3),
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "system", "assistant", "tool", "x"]),
+                "content": st.one_of(st.text(max_size=50), st.none(), json_values),
+            }
+        ),
+        max_size=3,
+    ),
     json_values,
 )
 chat_bodies = st.fixed_dictionaries(
@@ -55,11 +75,17 @@ raw_bodies = st.one_of(
 # (the proxy must cope with the rest, bytes >= 0x80 included).
 header_values = st.one_of(
     st.text(max_size=40).filter(lambda t: t == t.strip() and all(ord(c) >= 0x20 and c != "\x7f" for c in t)),
-    st.binary(max_size=40).filter(lambda b: b == b.strip() and all(x >= 0x20 and x != 0x7f for x in b)),
+    st.binary(max_size=40).filter(lambda b: b == b.strip() and all(x >= 0x20 and x != 0x7F for x in b)),
 )
-headers = st.lists(st.tuples(st.sampled_from(["x-specroute-pool", "x-specroute-class", "x-request-id",
-                                               "content-type", "authorization", "x-other"]),
-                             header_values), max_size=4)
+headers = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["x-specroute-pool", "x-specroute-class", "x-request-id", "content-type", "authorization", "x-other"]
+        ),
+        header_values,
+    ),
+    max_size=4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +114,9 @@ def check(response: httpx.Response, streamed: bool) -> None:
         assert_upstream_failure(response)  # never one of the proxy's own
 
 
-def send(client: httpx.Client, proxy: RunningProxy, path: str, content: bytes, extra: list[tuple[Any, Any]]) -> httpx.Response:
+def send(
+    client: httpx.Client, proxy: RunningProxy, path: str, content: bytes, extra: list[tuple[Any, Any]]
+) -> httpx.Response:
     sent_headers = [("content-type", "application/json")]
     for name, value in extra:
         if isinstance(value, str):
@@ -117,7 +145,9 @@ def test_generated_raw_bytes_get_openai_errors(proxy, client, content, extra) ->
 
 def test_after_the_fuzzing_the_proxy_serves_and_holds_nothing(proxy, client) -> None:
     assert client.get(proxy.url + "/health").status_code == 200
-    ok = client.post(proxy.url + "/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                                               "max_tokens": 2})
+    ok = client.post(
+        proxy.url + "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert ok.status_code == 200
     wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -38,7 +38,7 @@ class HealthProbe:
                 self.slowest = max(self.slowest, time.perf_counter() - started)
                 self.answers += 1
 
-    def __enter__(self) -> "HealthProbe":
+    def __enter__(self) -> HealthProbe:
         self.thread.start()
         wait_for(lambda: self.answers > 3, what="the probe answering")
         return self
@@ -56,8 +56,9 @@ def proxy(twin_pair) -> Iterator[RunningProxy]:
 
 
 def post(proxy: RunningProxy, body: bytes) -> httpx.Response:
-    return httpx.post(proxy.base_url + "/chat/completions", content=body, timeout=60,
-                      headers={"content-type": "application/json"})
+    return httpx.post(
+        proxy.base_url + "/chat/completions", content=body, timeout=60, headers={"content-type": "application/json"}
+    )
 
 
 def test_millions_of_empty_objects_are_refused_without_stalling_the_loop(proxy: RunningProxy) -> None:
@@ -81,10 +82,19 @@ def test_a_big_legitimate_body_is_served_while_the_loop_keeps_answering(proxy: R
     assert probe.slowest < 0.5, f"/health waited {probe.slowest:.2f} s"
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("stream", "true"), ("stream", 1), ("model", 5), ("max_tokens", "10"), ("max_tokens", True),
-    ("max_completion_tokens", 2.5), ("n", "2"), ("n", 1.5),
-])
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("stream", "true"),
+        ("stream", 1),
+        ("model", 5),
+        ("max_tokens", "10"),
+        ("max_tokens", True),
+        ("max_completion_tokens", 2.5),
+        ("n", "2"),
+        ("n", 1.5),
+    ],
+)
 def test_fields_the_proxy_acts_on_must_have_their_openai_types(proxy: RunningProxy, field: str, value: object) -> None:
     refused = post(proxy, json.dumps({**CHAT, field: value}).encode())
     assert refused.status_code == 400
@@ -93,7 +103,12 @@ def test_fields_the_proxy_acts_on_must_have_their_openai_types(proxy: RunningPro
 
 
 def test_nulls_and_right_types_pass(proxy: RunningProxy) -> None:
-    ok = post(proxy, json.dumps({**CHAT, "stream": False, "max_tokens": 2, "n": 1, "model": "m", "max_completion_tokens": None}).encode())
+    ok = post(
+        proxy,
+        json.dumps(
+            {**CHAT, "stream": False, "max_tokens": 2, "n": 1, "model": "m", "max_completion_tokens": None}
+        ).encode(),
+    )
     assert ok.status_code == 200
 
 

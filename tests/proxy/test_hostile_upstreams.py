@@ -33,7 +33,10 @@ def test_an_upstream_traceback_never_reaches_the_client() -> None:
 
 def test_an_upstream_redirect_is_neither_followed_nor_passed_on(twin_pair) -> None:
     spec, base = twin_pair
-    with FaultServer("redirect") as bad, running_proxy(spec_urls=[bad.url], base_urls=[base.url], policy="spec") as proxy:
+    with (
+        FaultServer("redirect") as bad,
+        running_proxy(spec_urls=[bad.url], base_urls=[base.url], policy="spec") as proxy,
+    ):
         refused = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers={"x-specroute-pool": "spec"})
         assert refused.status_code == 502 and refused.json()["error"]["code"] == "upstream_redirect"
         assert "location" not in refused.headers and "10.20.30.40" not in refused.text
@@ -51,14 +54,17 @@ def test_a_stream_framed_by_content_length_that_breaks_ends_with_an_error_event(
     events = [line for line in body.split(b"\n") if line.startswith(b"data: ")]
     assert len(events) == 5 and b'"error"' in events[3] and events[4] == b"data: [DONE]"
     # The proxy's and uvicorn's loggers (the fault server's own loop may log its cancelled tasks).
-    assert not [r for r in caplog.records if r.exc_info and r.name.startswith(("uvicorn", "specroute"))], \
+    assert not [r for r in caplog.records if r.exc_info and r.name.startswith(("uvicorn", "specroute"))], (
         "a traceback was logged"
+    )
 
 
 def test_an_event_that_never_ends_is_cut_off_in_linear_time() -> None:
     with FaultServer("noblank:8") as bad, running_proxy(spec_urls=[bad.url], policy="spec") as proxy:
         started = time.monotonic()
-        with httpx.stream("POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": True}, timeout=60) as response:
+        with httpx.stream(
+            "POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": True}, timeout=60
+        ) as response:
             body = b"".join(response.iter_bytes())
         took = time.monotonic() - started
         health = httpx.get(proxy.url + "/health")
@@ -73,11 +79,13 @@ def test_hop_by_hop_and_upstream_routing_headers_stay_on_their_hop() -> None:
     with FaultServer("hopheaders") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
             body = json.dumps(CHAT).encode()
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                         b"content-length: %d\r\nconnection: keep-alive, x-secret-hop\r\nx-secret-hop: 1\r\n"
-                         b"te: trailers\r\nproxy-connection: keep-alive\r\nproxy-authorization: Basic Zm9v\r\n"
-                         b"x-forwarded-for: 6.6.6.6\r\nforwarded: for=6.6.6.6\r\nx-real-ip: 6.6.6.6\r\n"
-                         b"x-note: caf\xc3\xa9\r\nx-keep: yes\r\n\r\n%s" % (len(body), body))
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: keep-alive, x-secret-hop\r\nx-secret-hop: 1\r\n"
+                b"te: trailers\r\nproxy-connection: keep-alive\r\nproxy-authorization: Basic Zm9v\r\n"
+                b"x-forwarded-for: 6.6.6.6\r\nforwarded: for=6.6.6.6\r\nx-real-ip: 6.6.6.6\r\n"
+                b"x-note: caf\xc3\xa9\r\nx-keep: yes\r\n\r\n%s" % (len(body), body)
+            )
             data = b""
             while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
                 part = sock.recv(65536)
@@ -101,15 +109,19 @@ def test_a_header_that_is_not_utf8_is_refused() -> None:
     with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
             body = json.dumps(CHAT).encode()
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                         b"x-bad: \xff\xfe\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                b"x-bad: \xff\xfe\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            )
             data = sock.recv(65536)
     assert data.startswith(b"HTTP/1.1 400 ") and b'"param":"x-bad"' in data
 
 
 def test_behind_a_trusted_proxy_x_forwarded_for_is_appended() -> None:
-    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec",
-                                                        forwarded_headers="append") as proxy:
+    with (
+        FaultServer("echo") as upstream,
+        running_proxy(spec_urls=[upstream.url], policy="spec", forwarded_headers="append") as proxy,
+    ):
         httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers={"x-forwarded-for": "203.0.113.7"})
     sent = [r for r in upstream.requests if r.method == "POST"][0].headers
     assert sent["x-forwarded-for"] == "203.0.113.7, 127.0.0.1"
@@ -122,8 +134,9 @@ def test_requests_the_upstream_refuses_leave_no_load_behind(twin_pair) -> None:
         huge = [{"role": "user", "content": "x" * 1_000_000}]  # ~250k tokens each
         for _ in range(5):
             with pytest.raises(openai.BadRequestError):
-                client.chat.completions.create(model="m", messages=huge, max_tokens=2,
-                                               extra_headers={"x-specroute-pool": "spec"})
+                client.chat.completions.create(
+                    model="m", messages=huge, max_tokens=2, extra_headers={"x-specroute-pool": "spec"}
+                )
         spec = proxy.app.router.snapshot().pools["spec"].instances[0]
         assert spec.prompt_tokens_per_s < 1.0 and spec.dispatches_per_s < 0.01
         assert proxy.in_flight() == 0

@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections.abc import Callable, Coroutine
 from http.server import ThreadingHTTPServer
-from typing import Callable, Coroutine
 
 import pytest
 import uvloop

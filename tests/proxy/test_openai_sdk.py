@@ -7,9 +7,8 @@ import asyncio
 import httpx
 import openai
 import pytest
-
-from proxy_harness import RunningProxy, running_proxy, wait_for
 from proxy_faults import FaultServer
+from proxy_harness import RunningProxy, running_proxy, wait_for
 
 MESSAGES = [{"role": "user", "content": "Explain speculative decoding in one line."}]
 
@@ -79,7 +78,9 @@ def test_request_id_passes_through_and_pool_override(proxy: RunningProxy, twin_p
     client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
     for pool in ("base", "spec"):
         raw = client.chat.completions.with_raw_response.create(
-            model="specroute/twin", messages=MESSAGES, max_tokens=2,
+            model="specroute/twin",
+            messages=MESSAGES,
+            max_tokens=2,
             extra_headers={"x-request-id": f"req-{pool}-1", "x-specroute-pool": pool},
         )
         assert raw.headers["x-request-id"] == f"req-{pool}-1"
@@ -108,7 +109,8 @@ def test_body_and_headers_reach_the_backend_unchanged() -> None:
     )
     with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
         answer = httpx.post(
-            proxy.base_url + "/chat/completions", content=body,
+            proxy.base_url + "/chat/completions",
+            content=body,
             headers={"content-type": "application/json", "authorization": "Bearer client-key", "x-custom": "1"},
         )
         assert answer.status_code == 200
@@ -123,26 +125,36 @@ def test_body_and_headers_reach_the_backend_unchanged() -> None:
 def test_repeated_headers_are_joined_not_dropped() -> None:
     with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-        answer = httpx.post(proxy.base_url + "/chat/completions", json=body,
-                            headers=[("x-custom", "a"), ("x-custom", "b")])
+        answer = httpx.post(
+            proxy.base_url + "/chat/completions", json=body, headers=[("x-custom", "a"), ("x-custom", "b")]
+        )
         assert answer.status_code == 200
         assert [r for r in upstream.requests if r.method == "POST"][-1].headers["x-custom"] == "a, b"
-        twice = httpx.post(proxy.base_url + "/chat/completions", json=body,
-                           headers=[("x-specroute-pool", "spec"), ("x-specroute-pool", "base")])
+        twice = httpx.post(
+            proxy.base_url + "/chat/completions",
+            json=body,
+            headers=[("x-specroute-pool", "spec"), ("x-specroute-pool", "base")],
+        )
         assert twice.status_code == 400 and twice.json()["error"]["param"] == "x-specroute-pool"
 
 
 def test_the_query_string_reaches_the_backend_as_sent() -> None:
     with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
-                                       extra_query={"api-version": "2024-10-21", "tag": "a b&c"})
+        client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            extra_query={"api-version": "2024-10-21", "tag": "a b&c"},
+        )
         sent = [r for r in upstream.requests if r.method == "POST"][-1]
         assert sent.path == "/v1/chat/completions?api-version=2024-10-21&tag=a+b%26c"
 
 
 def test_pool_api_key_replaces_the_client_key() -> None:
-    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec", spec_api_key="pool-secret") as proxy:
+    with (
+        FaultServer("echo") as upstream,
+        running_proxy(spec_urls=[upstream.url], policy="spec", spec_api_key="pool-secret") as proxy,
+    ):
         client = openai.OpenAI(base_url=proxy.base_url, api_key="client-key", max_retries=0)
         client.chat.completions.create(model="m", messages=MESSAGES)
         sent = [r for r in upstream.requests if r.method == "POST"][-1]
@@ -153,8 +165,12 @@ def test_client_sockets_have_nagle_off(proxy: RunningProxy) -> None:
     """With Nagle on, a stream's small first chunk waits for the client's delayed ACK (~40 ms)."""
     import socket
 
-    with httpx.stream("POST", proxy.base_url + "/chat/completions", timeout=30,
-                      json={"model": "m", "messages": MESSAGES, "max_tokens": 50, "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        proxy.base_url + "/chat/completions",
+        timeout=30,
+        json={"model": "m", "messages": MESSAGES, "max_tokens": 50, "stream": True},
+    ) as response:
         chunks = response.iter_raw()
         next(chunks)
         sockets = [c.transport.get_extra_info("socket") for c in list(proxy.server.server_state.connections)]
@@ -169,8 +185,10 @@ def test_expect_100_continue_is_answered_by_the_proxy_not_forwarded() -> None:
     body = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 2000 + b'"}]}'
     with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
         with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                         b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % len(body))
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % len(body)
+            )
             assert sock.recv(1024).startswith(b"HTTP/1.1 100 Continue")
             sock.sendall(body)
             answer = b""

@@ -5,14 +5,14 @@ errors, documented statuses and content types), and none may be a 5xx of the pro
 from __future__ import annotations
 
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import schemathesis
-from schemathesis.checks import not_a_server_error
-from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
 from hypothesis import HealthCheck, given, settings
 from proxy_harness import RunningProxy, assert_upstream_failure, running_proxy
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
 
 MAX_EXAMPLES = 10_000 if os.environ.get("HYPOTHESIS_PROFILE") == "nightly" else 40
 
@@ -31,16 +31,16 @@ def test_every_operation_answers_as_described(proxy: RunningProxy) -> None:
     for operation in operations:
 
         @given(case=operation.as_strategy())
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+        @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
         def answers_as_described(case) -> None:
             if isinstance(case.body, dict):
                 case.body["max_tokens"] = 4  # generated answers short: the twins run for real
             response = case.call(timeout=30)
             # Semantics are the upstream's (the twin, like SGLang, validates far more than the
             # proxy's description says): whether a request should be accepted is not checked here.
-            case.validate_response(response, excluded_checks=[positive_data_acceptance, negative_data_rejection,
-                                                              not_a_server_error])
+            case.validate_response(
+                response, excluded_checks=[positive_data_acceptance, negative_data_rejection, not_a_server_error]
+            )
             if response.status_code >= 500:
                 assert_upstream_failure(response)
 

@@ -4,7 +4,7 @@ more than half a pool (or the fleet's last server) with it."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -21,6 +21,7 @@ MESSAGES = [{"role": "user", "content": "Say hi."}]
 
 # -- the rules, on a clock the test moves ----------------------------------------------------
 
+
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -33,8 +34,15 @@ def fleet_of(spec: int, base: int) -> tuple[FleetState, list[Pool]]:
     fleet = FleetState()
     pools = []
     for name, count in (("spec", spec), ("base", base)):
-        instances = [Instance(f"http://{name}{i}", name, fleet.add_instance(f"http://{name}{i}", name, DEFAULT_MAX_RUNNING),
-                              name=f"{name}-{i}") for i in range(count)]
+        instances = [
+            Instance(
+                f"http://{name}{i}",
+                name,
+                fleet.add_instance(f"http://{name}{i}", name, DEFAULT_MAX_RUNNING),
+                name=f"{name}-{i}",
+            )
+            for i in range(count)
+        ]
         pools.append(Pool(name, instances))  # type: ignore[arg-type]
     return fleet, pools
 
@@ -120,12 +128,15 @@ def test_a_first_token_far_later_than_the_pools_others_ejects() -> None:
 
 # -- over HTTP, with the twin's fault modes ------------------------------------------------------
 
+
 @pytest.fixture()
 def two_spec_twins() -> Iterator[list[RunningTwin]]:
     common = ("--output-len", "fixed:4096")
-    with twins(TwinSpec("spec", time_scale=TIME_SCALE, seed=11, args=common),
-               TwinSpec("spec", time_scale=TIME_SCALE, seed=12, args=common),
-               TwinSpec("base", time_scale=TIME_SCALE, seed=13, args=common)) as started:
+    with twins(
+        TwinSpec("spec", time_scale=TIME_SCALE, seed=11, args=common),
+        TwinSpec("spec", time_scale=TIME_SCALE, seed=12, args=common),
+        TwinSpec("base", time_scale=TIME_SCALE, seed=13, args=common),
+    ) as started:
         yield started
 
 
@@ -143,28 +154,46 @@ def state_of(proxy: RunningProxy, name: str) -> dict:
     return next(i for p in state["pools"].values() for i in p["instances"] if i["name"] == name)
 
 
-@pytest.mark.parametrize(("faults", "kind", "streamed"), [
-    ({"error_rate": 1.0}, "status_500", False),
-    ({"drop_after_chunks": 2}, "upstream_disconnected", True),
-    ({"hang_after_chunks": 2}, "chunk_timeout", True),
-    ({"first_token_delay_ms": 5000}, "first_token_timeout", True),
-])
+@pytest.mark.parametrize(
+    ("faults", "kind", "streamed"),
+    [
+        ({"error_rate": 1.0}, "status_500", False),
+        ({"drop_after_chunks": 2}, "upstream_disconnected", True),
+        ({"hang_after_chunks": 2}, "chunk_timeout", True),
+        ({"first_token_delay_ms": 5000}, "first_token_timeout", True),
+    ],
+)
 def test_a_server_that_answers_polls_but_fails_completions_stops_getting_traffic(
-    two_spec_twins: list[RunningTwin], faults: dict, kind: str, streamed: bool,
+    two_spec_twins: list[RunningTwin],
+    faults: dict,
+    kind: str,
+    streamed: bool,
 ) -> None:
     sick, well, base = two_spec_twins
     make_sick(sick, **faults)
-    with running_proxy(spec_urls=[sick.url, well.url], base_urls=[base.url], policy="spec",
-                       chunk_timeout_s=0.5, first_token_timeout_s=0.5) as proxy:
+    with running_proxy(
+        spec_urls=[sick.url, well.url],
+        base_urls=[base.url],
+        policy="spec",
+        chunk_timeout_s=0.5,
+        first_token_timeout_s=0.5,
+    ) as proxy:
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
         outcomes = []
         for _ in range(30):
             try:
                 if streamed:
-                    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-                        model="m", messages=MESSAGES, max_tokens=8, stream=True) if c.choices)
+                    text = "".join(
+                        c.choices[0].delta.content or ""
+                        for c in client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8, stream=True)
+                        if c.choices
+                    )
                 else:
-                    text = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8).choices[0].message.content
+                    text = (
+                        client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8)
+                        .choices[0]
+                        .message.content
+                    )
                 outcomes.append(bool(text))
             except (openai.APIError, httpx.HTTPError):
                 outcomes.append(False)
@@ -181,8 +210,9 @@ def test_a_server_that_answers_polls_but_fails_completions_stops_getting_traffic
 def test_a_healed_server_returns_through_a_half_open_probe(two_spec_twins: list[RunningTwin]) -> None:
     sick, well, base = two_spec_twins
     make_sick(sick, error_rate=1.0)
-    with running_proxy(spec_urls=[sick.url, well.url], base_urls=[base.url], policy="spec",
-                       outlier_ejection_s=1.0) as proxy:
+    with running_proxy(
+        spec_urls=[sick.url, well.url], base_urls=[base.url], policy="spec", outlier_ejection_s=1.0
+    ) as proxy:
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
 
         def ejected() -> bool:

@@ -31,7 +31,10 @@ def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
         ({"SPECROUTE_SPEC_URLS": "http://:30000"}, "SPECROUTE_SPEC_URLS"),
         ({"SPECROUTE_BASE_URLS": "http://gpu-a:300000"}, "SPECROUTE_BASE_URLS"),
         ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_TOTAL_TIMEOUT_S": "inf"}, "SPECROUTE_TOTAL_TIMEOUT_S"),
-        ({"SPECROUTE_BASE_URLS": "http://a:1", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"}, "OTEL_EXPORTER_OTLP_PROTOCOL"),
+        (
+            {"SPECROUTE_BASE_URLS": "http://a:1", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+            "OTEL_EXPORTER_OTLP_PROTOCOL",
+        ),
         # A blank host made uvicorn listen on every interface (an empty one means unset: 127.0.0.1):
         ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_HOST": " "}, "SPECROUTE_HOST"),
         ({"SPECROUTE_BASE_URLS": "http://gpu a:30000"}, "SPECROUTE_BASE_URLS"),
@@ -39,7 +42,9 @@ def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
         ({"SPECROUTE_BASE_URLS": "http://user:secret@gpu-a:30000"}, "SPECROUTE_BASE_URLS"),
     ],
 )
-def test_a_wrong_setting_stops_serve_with_one_line_naming_it(env: dict[str, str], variable: str, tmp_path: Path) -> None:
+def test_a_wrong_setting_stops_serve_with_one_line_naming_it(
+    env: dict[str, str], variable: str, tmp_path: Path
+) -> None:
     result = run(["serve"], env, tmp_path)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
@@ -49,10 +54,15 @@ def test_a_wrong_setting_stops_serve_with_one_line_naming_it(env: dict[str, str]
 
 
 def test_config_prints_effective_settings_with_secrets_masked(tmp_path: Path) -> None:
-    (tmp_path / ".env").write_text("SPECROUTE_BASE_URLS=http://10.0.0.2:30000,http://10.0.0.3:30000\nSPECROUTE_BASE_API_KEY=sk-base-secret\n")
+    (tmp_path / ".env").write_text(
+        "SPECROUTE_BASE_URLS=http://10.0.0.2:30000,http://10.0.0.3:30000\nSPECROUTE_BASE_API_KEY=sk-base-secret\n"
+    )
     result = run(["config"], {"SPECROUTE_SPEC_API_KEY": "sk-spec-secret", "SPECROUTE_MAX_ATTEMPTS": "2"}, tmp_path)
     assert result.returncode == 0, result.stderr
-    rows = dict(line.split(None, 1) if len(line.split(None, 1)) == 2 else (line.strip(), "") for line in result.stdout.splitlines())
+    rows = dict(
+        line.split(None, 1) if len(line.split(None, 1)) == 2 else (line.strip(), "")
+        for line in result.stdout.splitlines()
+    )
     assert rows["SPECROUTE_BASE_URLS"] == "http://10.0.0.2:30000,http://10.0.0.3:30000"  # from .env
     assert rows["SPECROUTE_MAX_ATTEMPTS"] == "2"  # from the environment
     assert rows["SPECROUTE_SPEC_API_KEY"] == rows["SPECROUTE_BASE_API_KEY"] == "********"
@@ -61,8 +71,10 @@ def test_config_prints_effective_settings_with_secrets_masked(tmp_path: Path) ->
 
 def test_an_empty_value_means_unset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # What an uncommented `NAME=` line of deploy/.env.example gives.
-    (tmp_path / ".env").write_text("SPECROUTE_BASE_URLS=http://a:1\nSPECROUTE_TRACES=\nSPECROUTE_HOST=\n"
-                                   "SPECROUTE_BASE_API_KEY=\nSPECROUTE_PROFILE=\n")
+    (tmp_path / ".env").write_text(
+        "SPECROUTE_BASE_URLS=http://a:1\nSPECROUTE_TRACES=\nSPECROUTE_HOST=\n"
+        "SPECROUTE_BASE_API_KEY=\nSPECROUTE_PROFILE=\n"
+    )
     monkeypatch.chdir(tmp_path)
     settings = load_settings()
     assert (settings.traces, settings.host, settings.base_api_key, settings.profile) == (None, "127.0.0.1", None, None)
@@ -118,17 +130,32 @@ def test_ctrl_c_stops_serve_and_its_span_export_without_a_traceback(tmp_path: Pa
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("SPECROUTE_", "OTEL_"))}
-    env = {**clean, "SPECROUTE_BASE_URLS": "http://127.0.0.1:9", "SPECROUTE_PORT": str(port),
-           "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_EXPORTER_OTLP_TIMEOUT": "1"}
-    proc = subprocess.Popen(SPECROUTE + ["serve"], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    env = {
+        **clean,
+        "SPECROUTE_BASE_URLS": "http://127.0.0.1:9",
+        "SPECROUTE_PORT": str(port),
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "1",
+    }
+    proc = subprocess.Popen(
+        SPECROUTE + ["serve"],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 30
         children: list[int] = []
         while not children and time.monotonic() < deadline:  # ready once the export process runs
             assert proc.poll() is None, proc.communicate()
-            children = [int(c) for task in Path(f"/proc/{proc.pid}/task").iterdir()
-                        for c in (task / "children").read_text().split()]
+            children = [
+                int(c)
+                for task in Path(f"/proc/{proc.pid}/task").iterdir()
+                for c in (task / "children").read_text().split()
+            ]
             with socket.socket() as probe:
                 if probe.connect_ex(("127.0.0.1", port)) != 0:
                     children = []

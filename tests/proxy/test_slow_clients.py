@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -20,8 +20,14 @@ WAIT_S = 10.0
 @pytest.fixture(scope="module")
 def guarded(twin_pair) -> Iterator[RunningProxy]:
     spec, base = twin_pair
-    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], header_timeout_s=DEADLINE_S,
-                       body_timeout_s=DEADLINE_S, keep_alive_timeout_s=DEADLINE_S, max_header_bytes=8192) as proxy:
+    with running_proxy(
+        spec_urls=[spec.url],
+        base_urls=[base.url],
+        header_timeout_s=DEADLINE_S,
+        body_timeout_s=DEADLINE_S,
+        keep_alive_timeout_s=DEADLINE_S,
+        max_header_bytes=8192,
+    ) as proxy:
         yield proxy
 
 
@@ -67,8 +73,10 @@ def test_headers_sent_half_or_a_byte_at_a_time_are_cut_at_the_header_deadline(gu
 
 def test_a_body_that_stops_half_way_is_cut_at_the_body_deadline(guarded: RunningProxy) -> None:
     with connect(guarded) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: 1000\r\n\r\n" + b'{"model": "')
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 1000\r\n\r\n" + b'{"model": "'
+        )
         data, took = read_until_closed(sock)
     assert data.startswith(b"HTTP/1.1 408 ") and b'"code":"body_timeout"' in data
     assert took < WAIT_S
@@ -93,16 +101,20 @@ def test_oversized_headers_get_431_and_the_rest_is_never_read(guarded: RunningPr
 
 def test_an_early_refusal_of_an_expected_body_closes_the_connection(guarded: RunningProxy) -> None:
     with connect(guarded) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: text/plain\r\n"
-                     b"content-length: 20\r\nexpect: 100-continue\r\n\r\n")
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: text/plain\r\n"
+            b"content-length: 20\r\nexpect: 100-continue\r\n\r\n"
+        )
         data, took = read_until_closed(sock)
     assert data.startswith(b"HTTP/1.1 415 ") and b"connection: close" in data.lower()
     assert b"100 Continue" not in data and took < WAIT_S
     # A client that sends its body at once (no Expect) may keep the connection after a refusal.
     with connect(guarded) as sock:
         body = b'{"model": "m"}'
-        refused = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: text/plain\r\n"
-                   b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        refused = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: text/plain\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
         sock.sendall(refused + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         data = b""
         while data.count(b"HTTP/1.1 ") < 2 or not data.endswith(b"}"):

@@ -4,7 +4,7 @@ polled and routed to by the proxy beside an SGLang spec twin, with the real open
 from __future__ import annotations
 
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -21,9 +21,17 @@ VLLM = ("--output-len", "fixed:4096")
 
 @pytest.fixture(scope="module")
 def sglang_spec_and_vllm_base() -> Iterator[list[RunningTwin]]:
-    with twins(TwinSpec("spec", profile="kimi-moe", time_scale=1.0, seed=21, args=("--output-len", "fixed:4096")),
-               TwinSpec("base", profile="kimi-moe-vllm", time_scale=1.0, seed=22, server="vllm",
-                        args=VLLM + ("--max-running-requests", "3"))) as started:
+    with twins(
+        TwinSpec("spec", profile="kimi-moe", time_scale=1.0, seed=21, args=("--output-len", "fixed:4096")),
+        TwinSpec(
+            "base",
+            profile="kimi-moe-vllm",
+            time_scale=1.0,
+            seed=22,
+            server="vllm",
+            args=VLLM + ("--max-running-requests", "3"),
+        ),
+    ) as started:
         yield started
 
 
@@ -63,7 +71,8 @@ def test_the_twin_speaks_vllm(sglang_spec_and_vllm_base: list[RunningTwin]) -> N
 
 
 def test_the_proxy_learns_a_vllm_server_reads_its_load_and_routes_to_it(
-    proxy: RunningProxy, sglang_spec_and_vllm_base: list[RunningTwin],
+    proxy: RunningProxy,
+    sglang_spec_and_vllm_base: list[RunningTwin],
 ) -> None:
     spec, base = sglang_spec_and_vllm_base
     state = base_state(proxy)
@@ -71,7 +80,8 @@ def test_the_proxy_learns_a_vllm_server_reads_its_load_and_routes_to_it(
     assert state["max_running"] == 256  # vLLM's --max-num-seqs default, until seen saturated
     client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=MESSAGES, max_tokens=4, extra_headers={"x-specroute-pool": "base"})
+        model=MODEL, messages=MESSAGES, max_tokens=4, extra_headers={"x-specroute-pool": "base"}
+    )
     assert raw.headers["x-specroute-pool"] == "base" and raw.parse().usage.completion_tokens == 4
     # Five long streams on a server that runs three at most: 3 running, 2 waiting, as its
     # /metrics says and the proxy reads; its cap is learned from the lasting saturation. The two
@@ -81,9 +91,14 @@ def test_the_proxy_learns_a_vllm_server_reads_its_load_and_routes_to_it(
 
     async def hold_five() -> None:
         async with httpx.AsyncClient(timeout=30) as client:
+
             async def hold() -> None:
-                async with client.stream("POST", proxy.base_url + "/chat/completions", headers={"x-specroute-pool": "base"},
-                                         json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "stream": True}) as response:
+                async with client.stream(
+                    "POST",
+                    proxy.base_url + "/chat/completions",
+                    headers={"x-specroute-pool": "base"},
+                    json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "stream": True},
+                ) as response:
                     assert response.status_code == 200
                     async for _ in response.aiter_raw():
                         pass
@@ -91,11 +106,18 @@ def test_the_proxy_learns_a_vllm_server_reads_its_load_and_routes_to_it(
             tasks = [asyncio.create_task(hold()) for _ in range(5)]
             try:
                 await asyncio.to_thread(
-                    wait_for, lambda: (vllm_gauge(base, "num_requests_running"), vllm_gauge(base, "num_requests_waiting")) == (3, 2),
-                    what="the vLLM twin saturated")
+                    wait_for,
+                    lambda: (
+                        (vllm_gauge(base, "num_requests_running"), vllm_gauge(base, "num_requests_waiting")) == (3, 2)
+                    ),
+                    what="the vLLM twin saturated",
+                )
                 await asyncio.to_thread(
-                    wait_for, lambda: (lambda s: (s["running"], s["waiting"], s["max_running"]) == (3, 2, 3))(base_state(proxy)),
-                    what="the proxy reading the vLLM load and cap", timeout=10)
+                    wait_for,
+                    lambda: (lambda s: (s["running"], s["waiting"], s["max_running"]) == (3, 2, 3))(base_state(proxy)),
+                    what="the proxy reading the vLLM load and cap",
+                    timeout=10,
+                )
                 snapshot = proxy.app.router.snapshot().pools["base"]
                 assert snapshot.capacity == 3 and snapshot.instances[0].load == 5
             finally:
@@ -119,7 +141,8 @@ def test_the_policy_counts_a_vllm_base_like_an_sglang_one_and_errors_come_back_o
 
         async def one() -> str:
             raw = await client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=MESSAGES, max_tokens=2, stream=True, stream_options={"include_usage": True})
+                model=MODEL, messages=MESSAGES, max_tokens=2, stream=True, stream_options={"include_usage": True}
+            )
             async for _ in raw.parse():
                 pass
             return raw.headers["x-specroute-pool"]
@@ -132,7 +155,9 @@ def test_the_policy_counts_a_vllm_base_like_an_sglang_one_and_errors_come_back_o
     assert set(pools) <= {"spec", "base"} and len(pools) == 6
     sync = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
     with pytest.raises(openai.BadRequestError) as refused:
-        sync.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=-1, extra_headers={"x-specroute-pool": "base"})
+        sync.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=-1, extra_headers={"x-specroute-pool": "base"}
+        )
     assert "max_new_tokens" in refused.value.message
     wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
@@ -142,7 +167,9 @@ def roomy_vllm_proxy(sglang_spec_and_vllm_base: list[RunningTwin]) -> Iterator[t
     """A vLLM base twin with room for 256 (vLLM's default cap), behind its own proxy."""
     spec = sglang_spec_and_vllm_base[0]
     with twins(TwinSpec("base", profile="kimi-moe-vllm", time_scale=1.0, seed=23, server="vllm")) as (base,):
-        with running_proxy(spec_urls=[spec.url], base_urls=[base.url], profile="kimi-moe", poll_interval_ms=20) as running:
+        with running_proxy(
+            spec_urls=[spec.url], base_urls=[base.url], profile="kimi-moe", poll_interval_ms=20
+        ) as running:
             yield base, running
 
 
@@ -159,17 +186,21 @@ def test_requests_waiting_for_the_next_step_do_not_lower_a_vllm_servers_cap(
 
     async def scenario() -> None:
         async with httpx.AsyncClient(timeout=30) as client:
+
             async def one() -> None:
                 body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20, "stream": True}
-                async with client.stream("POST", proxy.base_url + "/chat/completions", json=body,
-                                         headers={"x-specroute-pool": "base"}) as response:
+                async with client.stream(
+                    "POST", proxy.base_url + "/chat/completions", json=body, headers={"x-specroute-pool": "base"}
+                ) as response:
                     assert response.status_code == 200
                     async for _ in response.aiter_bytes():
                         pass
 
             async def watch(stop: asyncio.Event) -> None:
                 while not stop.is_set():
-                    state = (await client.get(proxy.url + "/v1/specroute/state")).json()["pools"]["base"]["instances"][0]
+                    state = (await client.get(proxy.url + "/v1/specroute/state")).json()["pools"]["base"]["instances"][
+                        0
+                    ]
                     seen.append((state["running"] or 0.0, state["waiting"] or 0.0, state["max_running"]))
                     await asyncio.sleep(0.005)
 
@@ -228,10 +259,12 @@ def test_a_model_name_only_sglang_accepts_gets_vllms_404_through_the_proxy(proxy
     # SGLang answers whatever model a request names, vLLM only its served name: a mixed fleet's
     # clients must name the vLLM server's model (docs/twin.md).
     client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
-    assert client.chat.completions.create(model="another", messages=MESSAGES, max_tokens=2,
-                                          extra_headers={"x-specroute-pool": "spec"}).choices
+    assert client.chat.completions.create(
+        model="another", messages=MESSAGES, max_tokens=2, extra_headers={"x-specroute-pool": "spec"}
+    ).choices
     with pytest.raises(openai.NotFoundError) as missing:
-        client.chat.completions.create(model="another", messages=MESSAGES, max_tokens=2,
-                                       extra_headers={"x-specroute-pool": "base"})
+        client.chat.completions.create(
+            model="another", messages=MESSAGES, max_tokens=2, extra_headers={"x-specroute-pool": "base"}
+        )
     assert "does not exist" in missing.value.message
     wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")

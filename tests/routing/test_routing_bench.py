@@ -27,9 +27,20 @@ def test_goodput_speculates_when_quiet_and_spills_over_when_busy():
 def _record(index, arrival, first, finish, tokens=11):
     from sim.virtual import RequestRecord
 
-    return RequestRecord(index=index, engine=1, engine_name="base", arrival=arrival, first_token_time=first,
-                         finish_time=finish, prompt_tokens=100, output_tokens=tokens, finish_reason="stop",
-                         verify_ct=0, alpha=0.0, request_class="latency")
+    return RequestRecord(
+        index=index,
+        engine=1,
+        engine_name="base",
+        arrival=arrival,
+        first_token_time=first,
+        finish_time=finish,
+        prompt_tokens=100,
+        output_tokens=tokens,
+        finish_reason="stop",
+        verify_ct=0,
+        alpha=0.0,
+        request_class="latency",
+    )
 
 
 def test_rates_are_scored_over_the_window_the_load_is_named_for():

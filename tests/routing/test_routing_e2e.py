@@ -23,18 +23,29 @@ SPEC_CAP = 8
 @pytest.fixture(scope="module")
 def fleet():
     common = ("--output-len", "fixed:4096")
-    with twins(TwinSpec("spec", time_scale=TIME_SCALE, seed=5, args=common + ("--max-running-requests", str(SPEC_CAP))),
-               TwinSpec("base", time_scale=TIME_SCALE, seed=6, args=common)) as (spec, base):
-        with running_proxy(spec_urls=[spec.url], base_urls=[base.url], policy="goodput", poll_interval_ms=20,
-                           stale_ms=3000, profile="h200-llama8b") as proxy:
+    with twins(
+        TwinSpec("spec", time_scale=TIME_SCALE, seed=5, args=common + ("--max-running-requests", str(SPEC_CAP))),
+        TwinSpec("base", time_scale=TIME_SCALE, seed=6, args=common),
+    ) as (spec, base):
+        with running_proxy(
+            spec_urls=[spec.url],
+            base_urls=[base.url],
+            policy="goodput",
+            poll_interval_ms=20,
+            stale_ms=3000,
+            profile="h200-llama8b",
+        ) as proxy:
             yield proxy, spec
 
 
 async def ask(client: openai.AsyncOpenAI, max_tokens: int, headers: dict[str, str] | None = None) -> tuple[str, str]:
     """One streamed chat completion; returns the (pool, reason) the proxy answered with."""
     async with client.chat.completions.with_streaming_response.create(
-        model="twin", messages=[{"role": "user", "content": "Tell me about routing."}],
-        max_tokens=max_tokens, stream=True, extra_headers=headers or {},
+        model="twin",
+        messages=[{"role": "user", "content": "Tell me about routing."}],
+        max_tokens=max_tokens,
+        stream=True,
+        extra_headers=headers or {},
     ) as response:
         pool, reason = response.headers["x-specroute-pool"], response.headers["x-specroute-reason"]
         chunks = [chunk async for chunk in await response.parse()]

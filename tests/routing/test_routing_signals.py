@@ -28,8 +28,13 @@ async def wait_for(condition, timeout_s: float, what: str):
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, max_tokens: int) -> None:
-    body = {"model": "twin", "messages": [{"role": "user", "content": "hello"}], "max_tokens": max_tokens,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": "twin",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
         assert response.status_code == 200
         async for _ in response.aiter_bytes():
@@ -38,11 +43,19 @@ async def stream_one(client: httpx.AsyncClient, url: str, max_tokens: int) -> No
 
 def test_signals_learn_poll_and_estimate_acceptance():
     # Real time (scale 2) here: the streams must outlast a few polls of the counters.
-    specs = (TwinSpec("spec", time_scale=2.0, seed=3, args=("--mean-alpha", "0.7")),
-             TwinSpec("base", time_scale=TIME_SCALE, seed=4))
+    specs = (
+        TwinSpec("spec", time_scale=2.0, seed=3, args=("--mean-alpha", "0.7")),
+        TwinSpec("base", time_scale=TIME_SCALE, seed=4),
+    )
     with twins(*specs) as (spec, base):
-        settings = load_settings(spec_urls=spec.url, base_urls=base.url, poll_interval_ms=20, stale_ms=2000,
-                                 acceptance_half_life_s=60, profile="h200-llama8b")
+        settings = load_settings(
+            spec_urls=spec.url,
+            base_urls=base.url,
+            poll_interval_ms=20,
+            stale_ms=2000,
+            acceptance_half_life_s=60,
+            profile="h200-llama8b",
+        )
         router = Router.from_settings(settings)
 
         async def scenario():
@@ -70,8 +83,11 @@ def test_signals_learn_poll_and_estimate_acceptance():
                 # polls after the last stream have read them (an early gauge alone may be off).
                 acceptance = router.fleet.acceptance
                 await wait_for(lambda: acceptance.evidence(time.monotonic()) > 500, 20, "acceptance evidence")
-                await wait_for(lambda: abs(router.snapshot().pool("spec").alpha - served) <= 0.05, 20,
-                               f"the alpha estimate to come within 0.05 of the served {served:.3f}")
+                await wait_for(
+                    lambda: abs(router.snapshot().pool("spec").alpha - served) <= 0.05,
+                    20,
+                    f"the alpha estimate to come within 0.05 of the served {served:.3f}",
+                )
             finally:
                 await router.stop()
 
@@ -91,8 +107,9 @@ def test_a_hung_instance_turns_stale_and_a_dead_one_unhealthy():
                 spec.process.send_signal(signal.SIGSTOP)
                 try:
                     await wait_for(lambda: router.snapshot().pool("spec").stale, 10, "the spec pool to turn stale")
-                    await wait_for(lambda: router.state()["pools"]["spec"]["instances"][0]["error"], 10,
-                                   "a poll to time out")
+                    await wait_for(
+                        lambda: router.state()["pools"]["spec"]["instances"][0]["error"], 10, "a poll to time out"
+                    )
                     assert router.snapshot().pool("spec").available  # slow is not dead
                     assert not router.snapshot().pool("base").stale
                     # The policy acts conservatively on a stale spec pool, and says why.
@@ -105,7 +122,9 @@ def test_a_hung_instance_turns_stale_and_a_dead_one_unhealthy():
                 # Dead: connections are refused; after a few polls it is skipped.
                 spec.process.terminate()
                 await asyncio.to_thread(spec.process.wait, 10)
-                await wait_for(lambda: not router.snapshot().pool("spec").available, 10, "the spec pool to turn unhealthy")
+                await wait_for(
+                    lambda: not router.snapshot().pool("spec").available, 10, "the spec pool to turn unhealthy"
+                )
                 assert router.ready  # base still takes work
                 decision = router.choose(Features(prompt_tokens=100), None)
                 assert (decision.pool, decision.reason) == ("base", "spec-down")
@@ -131,9 +150,14 @@ def test_an_instance_down_at_start_is_skipped_then_learned_once_it_answers():
                 assert (spec_state["healthy"], spec_state["reached"]) == (False, False)
                 assert (router.choose(Features(prompt_tokens=100), None).reason) == "spec-down"
                 holder.close()
-                await asyncio.to_thread(later.enter_context, twin("spec", time_scale=TIME_SCALE, args=("--port", str(port))))
-                await wait_for(lambda: router.state()["pools"]["spec"]["instances"][0]["healthy"], 10,
-                               "the spec server to be reached")
+                await asyncio.to_thread(
+                    later.enter_context, twin("spec", time_scale=TIME_SCALE, args=("--port", str(port)))
+                )
+                await wait_for(
+                    lambda: router.state()["pools"]["spec"]["instances"][0]["healthy"],
+                    10,
+                    "the spec server to be reached",
+                )
                 await wait_for(lambda: not router.snapshot().pool("spec").stale, 10, "its first reading")
                 spec_state = router.state()["pools"]["spec"]["instances"][0]
                 assert spec_state["probe"] == "/v1/loads" and spec_state["server_info"]["speculative"]
@@ -148,20 +172,30 @@ def test_an_instance_down_at_start_is_skipped_then_learned_once_it_answers():
 
 
 def test_parsers_cover_each_probe():
-    loads = {"loads": [{"num_running_reqs": 3, "num_waiting_reqs": 1, "max_running_requests": 48,
-                        "speculative": {"accept_length": 2.5}},
-                       {"num_running_reqs": 2, "num_waiting_reqs": 0, "max_running_requests": 48}]}
+    loads = {
+        "loads": [
+            {
+                "num_running_reqs": 3,
+                "num_waiting_reqs": 1,
+                "max_running_requests": 48,
+                "speculative": {"accept_length": 2.5},
+            },
+            {"num_running_reqs": 2, "num_waiting_reqs": 0, "max_running_requests": 48},
+        ]
+    }
     reading = reading_from_loads(loads, 1.0)
     # /v1/loads' accept_length is cumulative since start: too slow to route on, so not read
     assert (reading.running, reading.waiting, reading.max_running, reading.accept_length) == (5, 1, 96, None)
-    text = ('# HELP sglang:num_running_reqs x\nsglang:num_running_reqs{tp_rank="0"} 7\n'
-            'sglang:num_queue_reqs{tp_rank="0"} 2\nsglang:generation_tokens_total{is_streaming="true"} 100\n'
-            'sglang:generation_tokens_total{is_streaming="false"} 20\nsglang:spec_verify_calls_total 50\n'
-            'sglang:spec_accept_length{tp_rank="0"} 2.4\n')
+    text = (
+        '# HELP sglang:num_running_reqs x\nsglang:num_running_reqs{tp_rank="0"} 7\n'
+        'sglang:num_queue_reqs{tp_rank="0"} 2\nsglang:generation_tokens_total{is_streaming="true"} 100\n'
+        'sglang:generation_tokens_total{is_streaming="false"} 20\nsglang:spec_verify_calls_total 50\n'
+        'sglang:spec_accept_length{tp_rank="0"} 2.4\n'
+    )
     reading = reading_from_metrics(text, 2.0)
     assert (reading.running, reading.waiting, reading.tokens_total, reading.verify_total) == (7, 2, 120, 50)
     assert (reading.accept_length, reading.accept_steps) == (2.4, 40 * 7)
-    vllm = "vllm:num_requests_running{model_name=\"m\"} 4.0\nvllm:num_requests_waiting{model_name=\"m\"} 1.0\n"
+    vllm = 'vllm:num_requests_running{model_name="m"} 4.0\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
     assert reading_from_metrics(vllm, 0).running == 4
     assert parse_prometheus("garbage line\nsglang:num_running_reqs NaN\n", frozenset({"sglang:num_running_reqs"})) == {}
     reading = reading_from_get_load([{"num_reqs": 9, "num_waiting_reqs": 4}], 3.0)

@@ -12,17 +12,41 @@ from sim.testing import twin, wait_for
 
 DEADLINE_S = 30.0
 MESSAGES = [{"role": "user", "content": "What is the weather?"}]
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather for a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                                     "unit": {"type": "string", "enum": ["C", "F"]}},
-                   "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string"},
+                "days": {"type": "integer"},
+                "unit": {"type": "string", "enum": ["C", "F"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
 CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
-PERSON = {"type": "json_schema", "json_schema": {"name": "person", "schema": {
-    "type": "object", "required": ["name", "age"],
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "score": {"type": "number"},
-                   "member": {"type": "boolean"}, "tags": {"type": "array", "items": {"type": "string"}},
-                   "address": {"type": "object", "properties": {"street": {"type": "string"}}}}}}}
+PERSON = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "person",
+        "schema": {
+            "type": "object",
+            "required": ["name", "age"],
+            "properties": {
+                "name": {"type": "string"},
+                "age": {"type": "integer"},
+                "score": {"type": "number"},
+                "member": {"type": "boolean"},
+                "tags": {"type": "array", "items": {"type": "string"}},
+                "address": {"type": "object", "properties": {"street": {"type": "string"}}},
+            },
+        },
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +144,10 @@ def test_json_object_answers_with_a_json_object(spec):
 
 
 def test_json_schema_fills_every_property_with_its_type(spec):
-    for text in (chat(spec, response_format=PERSON, max_tokens=400).choices[0].message.content,
-                 "".join(c.choices[0].delta.content for c in stream(spec, response_format=PERSON, max_tokens=400)[0])):
+    for text in (
+        chat(spec, response_format=PERSON, max_tokens=400).choices[0].message.content,
+        "".join(c.choices[0].delta.content for c in stream(spec, response_format=PERSON, max_tokens=400)[0]),
+    ):
         person = json.loads(text)
         assert list(person) == ["name", "age", "score", "member", "tags", "address"]
         assert isinstance(person["name"], str) and isinstance(person["age"], int)
@@ -147,8 +173,14 @@ def test_json_cut_by_max_tokens_ends_with_length_and_is_not_closed(spec):
 
 
 def test_a_natural_end_closes_the_json_even_with_a_stop_string(spec):
-    r = chat(spec, response_format={"type": "json_object"}, max_tokens=3000, stop=[" the"], seed=5,
-             extra_body={"ignore_eos": True})
+    r = chat(
+        spec,
+        response_format={"type": "json_object"},
+        max_tokens=3000,
+        stop=[" the"],
+        seed=5,
+        extra_body={"ignore_eos": True},
+    )
     assert r.choices[0].finish_reason == "stop" and r.choices[0].matched_stop == " the"
     assert " the" not in json.loads(r.choices[0].message.content)["answer"]
 
@@ -164,7 +196,7 @@ def check_token_logprobs(entries, k):
         assert top == sorted(top, reverse=True) and all(lp <= 0 for lp in top)
         assert len({t.token for t in entry.top_logprobs}) == k
         if k:
-            assert entry.token in {t.token for t in entry.top_logprobs} and sum(2.718281828 ** lp for lp in top) <= 1.0001
+            assert entry.token in {t.token for t in entry.top_logprobs} and sum(2.718281828**lp for lp in top) <= 1.0001
 
 
 def test_chat_logprobs_per_token(spec):
@@ -190,15 +222,19 @@ def test_chat_logprobs_streamed_per_chunk(spec):
 
 
 def test_completions_logprobs_in_the_legacy_shape(spec):
-    c = client(spec).completions.create(model="twin", prompt="Once", max_tokens=12, logprobs=2,
-                                        extra_body={"ignore_eos": True})
+    c = client(spec).completions.create(
+        model="twin", prompt="Once", max_tokens=12, logprobs=2, extra_body={"ignore_eos": True}
+    )
     lp = c.choices[0].logprobs
     assert "".join(lp.tokens) == c.choices[0].text and len(lp.tokens) == 12
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(12)]
     assert all(v <= 0 for v in lp.token_logprobs)
     assert all(len(top) == 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
-    chunks = list(client(spec).completions.create(model="twin", prompt="Once", max_tokens=20, logprobs=1,
-                                                  stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        client(spec).completions.create(
+            model="twin", prompt="Once", max_tokens=20, logprobs=1, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     tokens = [t for ch in chunks for t in ch.choices[0].logprobs.tokens]
     offsets = [o for ch in chunks for o in ch.choices[0].logprobs.text_offset]
     assert len(tokens) == 20 and offsets == [sum(len(t) for t in tokens[:i]) for i in range(20)]
@@ -219,8 +255,9 @@ def test_n_choices_each_their_own_sequence(spec):
 
 
 def test_n_choices_stream_interleaved_with_their_index(spec):
-    content, chunks = stream(spec, n=2, max_tokens=30, stream_options={"include_usage": True},
-                             extra_body={"ignore_eos": True})
+    content, chunks = stream(
+        spec, n=2, max_tokens=30, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+    )
     indexes = [c.choices[0].index for c in content]
     assert set(indexes) == {0, 1}
     assert indexes.index(1) < len(indexes) - indexes[::-1].index(0) - 1  # interleaved, not one after the other
@@ -244,8 +281,14 @@ def test_n_2_holds_two_slots_and_a_disconnect_frees_both(spec):
     async def scenario():
         aclient = openai.AsyncOpenAI(base_url=spec.base_url, api_key="unused", max_retries=0, timeout=60)
         try:
-            s = await aclient.chat.completions.create(model="twin", messages=MESSAGES, n=2, max_tokens=20000,
-                                                      stream=True, extra_body={"ignore_eos": True, "rid": "pair"})
+            s = await aclient.chat.completions.create(
+                model="twin",
+                messages=MESSAGES,
+                n=2,
+                max_tokens=20000,
+                stream=True,
+                extra_body={"ignore_eos": True, "rid": "pair"},
+            )
             seen = set()
             async for chunk in s:
                 seen.add(chunk.choices[0].index)

@@ -97,8 +97,15 @@ def test_stop_strings_cut_the_text_stream_and_plain_alike(spec):
 
 
 def test_stream_one_chunk_per_step_with_usage_and_spec_details(spec):
-    chunks = list(chat(spec, max_tokens=200, stream=True, stream_options={"include_usage": True},
-                       extra_body={"ignore_eos": True, "return_spec_tokens_details": True}))
+    chunks = list(
+        chat(
+            spec,
+            max_tokens=200,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, "return_spec_tokens_details": True},
+        )
+    )
     content = [c for c in chunks if c.choices]
     assert content[0].choices[0].delta.role == "assistant"
     assert content[-1].choices[0].finish_reason == "length"
@@ -124,8 +131,11 @@ def test_completions_endpoint(base):
     c = client(base).completions.create(model="twin", prompt="Once upon a time")
     assert c.object == "text_completion"
     assert c.usage.prompt_tokens == 4 and c.usage.completion_tokens == 12  # natural length 12 < default 16
-    chunks = list(client(base).completions.create(model="twin", prompt=[1, 2, 3], max_tokens=5, stream=True,
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client(base).completions.create(
+            model="twin", prompt=[1, 2, 3], max_tokens=5, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert sum(words(c.choices[0].text) for c in chunks) == 5
     assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -139,27 +149,46 @@ def test_same_seed_same_text(base):
 # ---- errors --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("body,fragment", [
-    ({"model": "twin"}, "messages"),
-    ({"messages": "hello"}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n must be at least 1"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": "x"}, "n"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice requires tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes",
-      "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function", "function": {"name": "g"}},
-      "tools": [{"type": "function", "function": {"name": "f"}}]}, "Tool 'g' not found"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "json_schema"),
-    ({"messages": [{"role": "user", "content": "x"}],
-      "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "array"}}}},
-     "top-level type is not object"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "at least 0"),
-])
+@pytest.mark.parametrize(
+    "body,fragment",
+    [
+        ({"model": "twin"}, "messages"),
+        ({"messages": "hello"}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n must be at least 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": "x"}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice requires tools"),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tool_choice": "sometimes",
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            "tool_choice",
+        ),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            "Tool 'g' not found",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
+        ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}, "json_schema"),
+        (
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "array"}}},
+            },
+            "top-level type is not object",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "at least 0"),
+    ],
+)
 def test_bad_requests_get_sglang_400(spec, body, fragment):
     r = httpx.post(spec.url + "/v1/chat/completions", json=body, timeout=10)
     assert r.status_code == 400
@@ -172,14 +201,17 @@ def test_sdk_raises_bad_request(spec):
         chat(spec, n=0)
 
 
-@pytest.mark.parametrize("body,fragment", [
-    ({"prompt": "x", "logprobs": -1}, "logprobs must be between"),
-    ({"prompt": "x", "echo": True}, "does not support echo"),
-    ({"prompt": "x", "best_of": 2}, "does not support best_of"),
-    ({"prompt": "x", "suffix": "y"}, "does not support suffix"),
-    ({"prompt": ["x", "y"]}, "does not support batched prompts"),
-    ({"prompt": "x", "n": 0}, "n must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "body,fragment",
+    [
+        ({"prompt": "x", "logprobs": -1}, "logprobs must be between"),
+        ({"prompt": "x", "echo": True}, "does not support echo"),
+        ({"prompt": "x", "best_of": 2}, "does not support best_of"),
+        ({"prompt": "x", "suffix": "y"}, "does not support suffix"),
+        ({"prompt": ["x", "y"]}, "does not support batched prompts"),
+        ({"prompt": "x", "n": 0}, "n must be at least 1"),
+    ],
+)
 def test_bad_completions_get_sglang_400(spec, body, fragment):
     r = httpx.post(spec.url + "/v1/completions", json=body, timeout=10)
     assert r.status_code == 400 and fragment in r.json()["message"]
@@ -188,7 +220,9 @@ def test_bad_completions_get_sglang_400(spec, body, fragment):
 def test_wrong_content_type_and_bad_json(spec):
     r = httpx.post(spec.url + "/v1/chat/completions", content=b"{}", headers={"content-type": "text/plain"})
     assert r.status_code == 400 and "application/json" in r.json()["message"]
-    r = httpx.post(spec.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(
+        spec.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["object"] == "error"
 
 
@@ -210,8 +244,13 @@ def test_models_health_and_server_info(spec, base):
     assert httpx.get(spec.url + "/health").status_code == 200
     assert httpx.get(spec.url + "/health_generate", timeout=30).status_code == 200
     info = httpx.get(spec.url + "/server_info").json()
-    assert (info["speculative_algorithm"], info["speculative_num_steps"], info["speculative_eagle_topk"],
-            info["speculative_num_draft_tokens"], info["max_running_requests"]) == ("EAGLE3", 3, 1, 4, 48)
+    assert (
+        info["speculative_algorithm"],
+        info["speculative_num_steps"],
+        info["speculative_eagle_topk"],
+        info["speculative_num_draft_tokens"],
+        info["max_running_requests"],
+    ) == ("EAGLE3", 3, 1, 4, 48)
     assert info["internal_states"][0]["avg_spec_accept_length"] > 1.0
     assert (info["profile"], info["time_scale"]) == ("kimi-linear", 20.0)
     info = httpx.get(base.url + "/server_info").json()
@@ -259,8 +298,12 @@ async def chunk_times(t, n_streams, max_tokens, **extra):
     async def one():
         times = []
         stream = await aclient.chat.completions.create(
-            model="twin", messages=[{"role": "user", "content": "Go."}], max_tokens=max_tokens, stream=True,
-            extra_body={"ignore_eos": True, **extra})
+            model="twin",
+            messages=[{"role": "user", "content": "Go."}],
+            max_tokens=max_tokens,
+            stream=True,
+            extra_body={"ignore_eos": True, **extra},
+        )
         async for chunk in stream:
             if chunk.choices:
                 times.append((time.monotonic(), words(chunk.choices[0].delta.content or "")))
@@ -311,8 +354,9 @@ def test_batched_decode_speed_matches_profile_over_http():
 
 def test_tokens_per_verify_step_match_formula_over_http():
     alpha = 0.6
-    with twin("spec", "kimi-linear", time_scale=40, seed=3,
-              args=("--mean-alpha", str(alpha), "--alpha-concentration", "1e7")) as t:
+    with twin(
+        "spec", "kimi-linear", time_scale=40, seed=3, args=("--mean-alpha", str(alpha), "--alpha-concentration", "1e7")
+    ) as t:
         streams = asyncio.run(chunk_times(t, 2, 3000))
     per_step = [n for times in streams for _, n in times[1:-1]]  # drop the prefill token and the capped last step
     assert len(per_step) > 2000
@@ -330,8 +374,13 @@ def test_49th_request_waits_and_a_disconnect_frees_its_slot():
 
 async def _cap_scenario(t):
     aclient = openai.AsyncOpenAI(base_url=t.base_url, api_key="unused", max_retries=0, timeout=120)
-    body = dict(model="twin", messages=[{"role": "user", "content": "Go."}], max_tokens=20000, stream=True,
-                extra_body={"ignore_eos": True})
+    body = dict(
+        model="twin",
+        messages=[{"role": "user", "content": "Go."}],
+        max_tokens=20000,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
 
     async def until(condition, what):
         # The polls block, so they run in a thread while this loop keeps the streams open.
@@ -343,8 +392,10 @@ async def _cap_scenario(t):
         last = await aclient.chat.completions.create(**body)
         streams.append(last)
         await until(lambda: (loads(t)["num_running_reqs"], loads(t)["num_waiting_reqs"]) == (48, 1), "49th waiting")
-        await until(lambda: (metric(t, "sglang:num_running_reqs"), metric(t, "sglang:num_queue_reqs")) == (48, 1),
-                    "metrics showing the queue")
+        await until(
+            lambda: (metric(t, "sglang:num_running_reqs"), metric(t, "sglang:num_queue_reqs")) == (48, 1),
+            "metrics showing the queue",
+        )
         # The 49th has produced nothing yet; one of the first 48 leaves: the 49th takes its slot.
         first_of_last = asyncio.ensure_future(last.__anext__())
         await asyncio.sleep(0)
@@ -364,18 +415,24 @@ async def _cap_scenario(t):
 def test_a_non_streaming_client_that_leaves_frees_its_slot():
     with twin("spec", "kimi-linear", time_scale=1) as t:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(t.url + "/v1/chat/completions", timeout=httpx.Timeout(10, read=1.0),
-                       json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 30000, "ignore_eos": True})
+            httpx.post(
+                t.url + "/v1/chat/completions",
+                timeout=httpx.Timeout(10, read=1.0),
+                json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 30000, "ignore_eos": True},
+            )
         wait_for(lambda: metric(t, "sglang:num_aborted_requests_total") == 1, "the abort")
         wait_for(lambda: loads(t)["num_running_reqs"] == 0, "the slot freed")
         assert json.loads(httpx.get(t.url + "/v1/loads").text)["loads"][0]["num_waiting_reqs"] == 0
 
 
-@pytest.mark.parametrize("body,fragment", [
-    ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
-    ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature must be non-negative"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p must be in (0, 1]"),
-])
+@pytest.mark.parametrize(
+    "body,fragment",
+    [
+        ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature must be non-negative"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p must be in (0, 1]"),
+    ],
+)
 def test_sampling_and_message_validation(spec, body, fragment):
     r = httpx.post(spec.url + "/v1/chat/completions", json=body, timeout=10)
     assert r.status_code == 400 and fragment in r.json()["message"]
@@ -411,12 +468,20 @@ def test_request_id_is_the_response_id_and_must_be_unique_while_running(spec):
     async def clash():
         aclient = openai.AsyncOpenAI(base_url=spec.base_url, api_key="unused", max_retries=0)
         stream = await aclient.chat.completions.create(
-            model="twin", messages=[{"role": "user", "content": "x"}], max_tokens=20000, stream=True,
-            extra_body={"ignore_eos": True, "rid": "busy-rid"})
+            model="twin",
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=20000,
+            stream=True,
+            extra_body={"ignore_eos": True, "rid": "busy-rid"},
+        )
         try:
             with pytest.raises(openai.BadRequestError, match="Duplicate request id"):
-                await aclient.chat.completions.create(model="twin", messages=[{"role": "user", "content": "x"}],
-                                                      max_tokens=3, extra_body={"rid": "busy-rid"})
+                await aclient.chat.completions.create(
+                    model="twin",
+                    messages=[{"role": "user", "content": "x"}],
+                    max_tokens=3,
+                    extra_body={"rid": "busy-rid"},
+                )
         finally:
             await stream.close()
             await aclient.close()
@@ -464,22 +529,35 @@ def test_faults_make_a_twin_sick_on_purpose_and_heal_it(spec):
     assert httpx.post(spec.url + "/specroute/twin/faults", json={"lag": 1}, timeout=5).status_code == 400
     try:
         assert httpx.post(spec.url + "/specroute/twin/faults", json={"error_rate": 1.0}, timeout=5).status_code == 200
-        refused = httpx.post(spec.url + "/v1/chat/completions", timeout=10,
-                             json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        refused = httpx.post(
+            spec.url + "/v1/chat/completions",
+            timeout=10,
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
         assert refused.status_code == 500 and refused.json()["type"] == "InternalServerError"
         assert httpx.get(spec.url + "/health", timeout=5).status_code == 200
         assert "num_running_reqs" in loads(spec)
         httpx.post(spec.url + "/specroute/twin/faults", json={"drop_after_chunks": 1}, timeout=5)
         with pytest.raises(httpx.RemoteProtocolError):
-            with httpx.stream("POST", spec.url + "/v1/chat/completions", timeout=10,
-                              json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                    "max_tokens": 8, "stream": True}) as stream:
+            with httpx.stream(
+                "POST",
+                spec.url + "/v1/chat/completions",
+                timeout=10,
+                json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True},
+            ) as stream:
                 for _ in stream.iter_bytes():
                     pass
     finally:
         healed = httpx.post(spec.url + "/specroute/twin/faults", json={}, timeout=5)
-    assert healed.json() == {"error_rate": 0.0, "first_token_delay_ms": 0.0, "hang_after_chunks": None,
-                             "drop_after_chunks": None}
-    ok = httpx.post(spec.url + "/v1/chat/completions", timeout=10,
-                    json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert healed.json() == {
+        "error_rate": 0.0,
+        "first_token_delay_ms": 0.0,
+        "hang_after_chunks": None,
+        "drop_after_chunks": None,
+    }
+    ok = httpx.post(
+        spec.url + "/v1/chat/completions",
+        timeout=10,
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert ok.status_code == 200

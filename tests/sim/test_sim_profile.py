@@ -24,8 +24,8 @@ def test_table_profile_reproduces_every_measured_point():
     rows = measured_rows()
     assert len(rows) > 100
     for row in rows:
-        b, t, l, ms = int(row["B"]), int(row["T"]), int(row["L"]), float(row["ms"])
-        got = profile.target_ms(b, t, l) if row["kind"] == "target" else profile.draft_ms(b, l)
+        b, t, length, ms = int(row["B"]), int(row["T"]), int(row["L"]), float(row["ms"])
+        got = profile.target_ms(b, t, length) if row["kind"] == "target" else profile.draft_ms(b, length)
         assert got == pytest.approx(ms, rel=1e-9), row
 
 
@@ -63,8 +63,16 @@ def test_kimi_presets_follow_their_formulas():
 
 def test_user_profile_from_a_file(tmp_path):
     path = tmp_path / "mine.json"
-    path.write_text(json.dumps({"name": "mine", "step": {"kind": "affine", "fixed_ms": 10, "per_token_ms": 1},
-                                "draft_step_ms": 0.5, "prefill": {"fixed_ms": 1, "per_token_ms": 0.1}}))
+    path.write_text(
+        json.dumps(
+            {
+                "name": "mine",
+                "step": {"kind": "affine", "fixed_ms": 10, "per_token_ms": 1},
+                "draft_step_ms": 0.5,
+                "prefill": {"fixed_ms": 1, "per_token_ms": 0.1},
+            }
+        )
+    )
     profile = load_profile(str(path))
     assert profile.spec_step_ms(2, 3, 100) == pytest.approx(3 * 0.5 + 10 + 8)
     with pytest.raises(ValueError, match="unknown profile"):
@@ -82,7 +90,9 @@ def test_engine_overheads_add_to_each_step_and_seed_the_cost_model_alike():
 
     gpu, sglang = load_profile("h200-llama8b"), load_profile("h200-llama8b-sglang")
     for batch in (1, 16, 48, 200):
-        assert sglang.spec_step_ms(batch, 3, 1024) == pytest.approx(gpu.spec_step_ms(batch, 3, 1024) + 0.48 + 0.025 * batch)
+        assert sglang.spec_step_ms(batch, 3, 1024) == pytest.approx(
+            gpu.spec_step_ms(batch, 3, 1024) + 0.48 + 0.025 * batch
+        )
         assert sglang.base_step_ms(batch, 1024) == gpu.base_step_ms(batch, 1024)  # the overlap scheduler hides its own
     # The router's cost model, seeded with the profile, predicts the same steps.
     seeded = StepCostModel(seed_from_profile("h200-llama8b-sglang"), num_draft_tokens=3)
@@ -102,12 +112,20 @@ def test_a_profile_without_overheads_is_unchanged_and_bad_overheads_are_refused(
     from fleet.profile import NO_OVERHEADS, parse_profile
 
     assert load_profile("h200-llama8b").spec_overheads == NO_OVERHEADS
-    doc = {"name": "x", "step": {"kind": "affine", "fixed_ms": 5, "per_token_ms": 0.1},
-           "prefill": {"fixed_ms": 1, "per_token_ms": 0.01}}
+    doc = {
+        "name": "x",
+        "step": {"kind": "affine", "fixed_ms": 5, "per_token_ms": 0.1},
+        "prefill": {"fixed_ms": 1, "per_token_ms": 0.01},
+    }
     plain = parse_profile(doc, tmp_path)
     assert plain.spec_step_ms(8, 3, 100) == 3 * 1.0 + 5 + 0.1 * 8 * 4  # k drafts (1.0 ms default) + verify
-    with_overheads = parse_profile({**doc, "overheads": {"spec": {"per_draft_step_ms": 0.5, "per_step_ms": 1.0},
-                                                         "base": {"per_request_ms": 0.01}}}, tmp_path)
+    with_overheads = parse_profile(
+        {
+            **doc,
+            "overheads": {"spec": {"per_draft_step_ms": 0.5, "per_step_ms": 1.0}, "base": {"per_request_ms": 0.01}},
+        },
+        tmp_path,
+    )
     assert with_overheads.spec_step_ms(8, 3, 100) == pytest.approx(plain.spec_step_ms(8, 3, 100) + 3 * 0.5 + 1.0)
     assert with_overheads.base_step_ms(8, 100) == pytest.approx(plain.base_step_ms(8, 100) + 0.08)
     for bad in ({"spec": {"per_token_ms": 1}}, {"spec": {"per_step_ms": -1}}):

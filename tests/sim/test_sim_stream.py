@@ -3,9 +3,9 @@
 import asyncio
 import json
 
+from fleet.profile import load_profile
 from sim.engine import EngineConfig
 from sim.lengths import parse_output_lengths
-from fleet.profile import load_profile
 from sim.protocol import parse_request
 from sim.server import Call, Twin, TwinOptions
 from sim.shape import ChoiceShape
@@ -22,8 +22,12 @@ def run_to_completion(twin, req):
 def test_a_stream_whose_steps_all_queued_sends_every_token_and_one_finish():
     config = EngineConfig("spec", load_profile("kimi-linear"), output_lengths=parse_output_lengths("fixed:40"))
     twin = Twin(TwinOptions(mode="spec", profile="kimi-linear"), config)
-    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 100,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     request = parse_request("chat", body)
     req = twin.engine.new_request(5, now=0.0, max_new_tokens=100, stop=())
     call = Call(req, twin.metrics, True, ChoiceShape(request, 0, req.rid))

@@ -4,9 +4,9 @@ import statistics
 
 import pytest
 
+from fleet.profile import load_profile, tokens_per_verify_step
 from sim.engine import Engine, EngineConfig
 from sim.lengths import parse_output_lengths
-from fleet.profile import load_profile, tokens_per_verify_step
 from sim.virtual import AlphaChange, Arrival, simulate
 
 KIMI = load_profile("kimi-linear")
@@ -112,8 +112,11 @@ def test_the_49th_request_on_a_spec_server_waits():
 
 def test_waiting_request_starts_when_a_slot_frees():
     spec = engine("spec", KIMI, max_running_requests=2)
-    arrivals = [Arrival(0.0, 100, max_tokens=20, ignore_eos=True), Arrival(0.0, 100, max_tokens=200, ignore_eos=True),
-                Arrival(0.0, 100, max_tokens=20, ignore_eos=True)]
+    arrivals = [
+        Arrival(0.0, 100, max_tokens=20, ignore_eos=True),
+        Arrival(0.0, 100, max_tokens=200, ignore_eos=True),
+        Arrival(0.0, 100, max_tokens=20, ignore_eos=True),
+    ]
     records, _ = run([spec], arrivals)
     by_index = {r.index: r for r in records}
     # The third waits for the first to finish, then its prefill is the very next iteration.
@@ -128,7 +131,7 @@ def test_prefill_runs_before_decode_and_stalls_it():
     kinds = [s.kind for s in steps if 1.0 <= s.start]
     # 20,000 prompt tokens at 8,192 per iteration: three prefill iterations back to back.
     first = kinds.index("prefill")
-    assert kinds[first:first + 3] == ["prefill"] * 3
+    assert kinds[first : first + 3] == ["prefill"] * 3
     chunk_sizes = [s.tokens_per_seq for s in steps if s.kind == "prefill" and s.start >= 1.0]
     assert chunk_sizes == [8192, 8192, 20000 - 2 * 8192]
 
@@ -173,8 +176,11 @@ def test_router_sees_every_engine_and_can_pick_by_name():
         fleet_seen.append([(v.name, v.mode, v.max_running_requests, v.num_draft_tokens) for v in fleet])
         return "base" if arrival.prompt_tokens > 500 else "spec"
 
-    records, _ = run([engine("spec", KIMI), engine("base", KIMI)],
-                     [Arrival(0.0, 100, max_tokens=5), Arrival(0.0, 1000, max_tokens=5)], router=router)
+    records, _ = run(
+        [engine("spec", KIMI), engine("base", KIMI)],
+        [Arrival(0.0, 100, max_tokens=5), Arrival(0.0, 1000, max_tokens=5)],
+        router=router,
+    )
     assert fleet_seen[0] == [("spec", "spec", 48, 3), ("base", "base", 256, 0)]
     assert {r.index: r.engine_name for r in records} == {0: "spec", 1: "base"}
 
@@ -230,8 +236,16 @@ def test_gauges_refresh_on_sglang_cadence():
     seen = []
 
     def observe(step):
-        seen.append((step.kind, spec.decode_iterations, spec.gauges["spec_accept_length"],
-                     spec.gauges["num_running_reqs"], spec.num_running, spec.load_snapshot["num_running_reqs"]))
+        seen.append(
+            (
+                step.kind,
+                spec.decode_iterations,
+                spec.gauges["spec_accept_length"],
+                spec.gauges["num_running_reqs"],
+                spec.num_running,
+                spec.load_snapshot["num_running_reqs"],
+            )
+        )
 
     arrivals = [Arrival(i * 0.2, 100, max_tokens=100, ignore_eos=True) for i in range(40)]
     simulate([spec], arrivals, to_first, on_step=observe)

@@ -29,15 +29,27 @@ def test_the_vllm_presets_give_the_deployments_vllm_speeds_beside_sglangs(name):
 
 
 def test_server_vllm_is_refused_for_a_spec_twin():
-    done = subprocess.run([sys.executable, "-m", "sim", "--mode", "spec", "--server", "vllm", "--port", "0"],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "sim", "--mode", "spec", "--server", "vllm", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2 and "--mode base" in done.stderr
 
 
 @pytest.fixture(scope="module")
 def vllm_twin():
-    with twins(TwinSpec("base", "kimi-moe-vllm", time_scale=20, seed=5, server="vllm",
-                        args=("--max-running-requests", "2", "--output-len", "fixed:4096"))) as (running,):
+    with twins(
+        TwinSpec(
+            "base",
+            "kimi-moe-vllm",
+            time_scale=20,
+            seed=5,
+            server="vllm",
+            args=("--max-running-requests", "2", "--output-len", "fixed:4096"),
+        )
+    ) as (running,):
         yield running
 
 
@@ -60,12 +72,17 @@ def test_metrics_have_vllms_names_types_and_labels(vllm_twin):
     got = families(vllm_twin)
     model_id = httpx.get(vllm_twin.url + "/v1/models", timeout=5).json()["data"][0]["id"]
     expected = {
-        "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
-        "vllm:num_requests_waiting_by_reason": "gauge", "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+        "vllm:num_requests_waiting_by_reason": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
         # the parser names counters without their _total suffix
-        "vllm:prompt_tokens": "counter", "vllm:generation_tokens": "counter",
-        "vllm:request_success": "counter", "vllm:num_preemptions": "counter",
-        "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+        "vllm:prompt_tokens": "counter",
+        "vllm:generation_tokens": "counter",
+        "vllm:request_success": "counter",
+        "vllm:num_preemptions": "counter",
+        "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:inter_token_latency_seconds": "histogram",
         "vllm:e2e_request_latency_seconds": "histogram",
     }
     assert {name: got[name].type for name in expected if name in got} == expected
@@ -73,30 +90,48 @@ def test_metrics_have_vllms_names_types_and_labels(vllm_twin):
     for family in (got[name] for name in expected):
         for sample in family.samples:
             assert sample.labels["model_name"] == model_id and sample.labels["engine"] == "0"
-    success = {s.labels["finished_reason"]: s.value for s in got["vllm:request_success"].samples
-               if s.name == "vllm:request_success_total"}
+    success = {
+        s.labels["finished_reason"]: s.value
+        for s in got["vllm:request_success"].samples
+        if s.name == "vllm:request_success_total"
+    }
     assert success.get("length", 0) >= 1
     assert [s.value for s in got["vllm:generation_tokens"].samples if s.name.endswith("_total")][0] >= 3
 
 
 def test_running_and_waiting_are_live_on_metrics(vllm_twin):
     # Three long streams on a server that runs two at a time: 2 running, 1 waiting, while held open.
-    streams = [httpx.stream("POST", vllm_twin.base_url + "/chat/completions", timeout=30,
-                            json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "stream": True})
-               for _ in range(3)]
+    streams = [
+        httpx.stream(
+            "POST",
+            vllm_twin.base_url + "/chat/completions",
+            timeout=30,
+            json={"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "stream": True},
+        )
+        for _ in range(3)
+    ]
     try:
         for s in streams:
             assert s.__enter__().status_code == 200
-        wait_for(lambda: (gauge(vllm_twin, "vllm:num_requests_running"), gauge(vllm_twin, "vllm:num_requests_waiting"))
-                 == (2.0, 1.0), what="2 running and 1 waiting on the vLLM twin's /metrics")
-        by_reason = {s.labels["reason"]: s.value for s in families(vllm_twin)["vllm:num_requests_waiting_by_reason"].samples}
+        wait_for(
+            lambda: (
+                (gauge(vllm_twin, "vllm:num_requests_running"), gauge(vllm_twin, "vllm:num_requests_waiting"))
+                == (2.0, 1.0)
+            ),
+            what="2 running and 1 waiting on the vLLM twin's /metrics",
+        )
+        by_reason = {
+            s.labels["reason"]: s.value for s in families(vllm_twin)["vllm:num_requests_waiting_by_reason"].samples
+        }
         assert by_reason == {"capacity": 1.0, "deferred": 0.0}
         assert 0 < gauge(vllm_twin, "vllm:kv_cache_usage_perc") <= 1
     finally:
         for s in streams:
             s.__exit__(None, None, None)
-    wait_for(lambda: gauge(vllm_twin, "vllm:num_requests_running") + gauge(vllm_twin, "vllm:num_requests_waiting") == 0,
-             what="the vLLM twin idle again")
+    wait_for(
+        lambda: gauge(vllm_twin, "vllm:num_requests_running") + gauge(vllm_twin, "vllm:num_requests_waiting") == 0,
+        what="the vLLM twin idle again",
+    )
 
 
 def test_endpoints_are_vllms_and_sglangs_own_are_missing(vllm_twin):
@@ -106,15 +141,22 @@ def test_endpoints_are_vllms_and_sglangs_own_are_missing(vllm_twin):
     assert httpx.get(vllm_twin.url + "/version", timeout=5).json() == {"version": "0.33.0"}
     assert httpx.get(vllm_twin.url + "/load", timeout=5).json() == {"server_load": 0}
     card = httpx.get(vllm_twin.url + "/v1/models", timeout=5).json()["data"][0]
-    assert card["owned_by"] == "vllm" and card["max_model_len"] == 32768 and card["permission"][0]["object"] == "model_permission"
+    assert (
+        card["owned_by"] == "vllm"
+        and card["max_model_len"] == 32768
+        and card["permission"][0]["object"] == "model_permission"
+    )
     for sglang_only in ("/v1/loads", "/server_info", "/get_load", "/get_model_info", "/health_generate", "/metrics/x"):
         missing = httpx.get(vllm_twin.url + sglang_only, timeout=5)
         assert (missing.status_code, missing.json()) == (404, {"detail": "Not Found"}), sglang_only
 
 
 def test_errors_are_nested_with_the_status_as_code(vllm_twin):
-    bad = httpx.post(vllm_twin.base_url + "/chat/completions", timeout=5,
-                     json={"model": MODEL, "messages": MESSAGES, "max_tokens": -1})
+    bad = httpx.post(
+        vllm_twin.base_url + "/chat/completions",
+        timeout=5,
+        json={"model": MODEL, "messages": MESSAGES, "max_tokens": -1},
+    )
     assert bad.status_code == 400
     assert bad.json()["error"]["type"] == "BadRequestError" and bad.json()["error"]["code"] == 400
     assert set(bad.json()) == {"error"} and set(bad.json()["error"]) == {"message", "type", "param", "code"}
@@ -126,8 +168,11 @@ def test_errors_are_nested_with_the_status_as_code(vllm_twin):
 
 def test_a_chat_stream_opens_with_the_role_then_one_token_per_chunk(vllm_twin):
     client = openai.OpenAI(base_url=vllm_twin.base_url, api_key="none", max_retries=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=5, stream=True, stream_options={"include_usage": True}
+        )
+    )
     opening, *content, final = chunks
     assert opening.choices[0].delta.role == "assistant" and opening.choices[0].delta.content == ""
     assert len(content) == 5 and all(c.choices[0].delta.role is None and c.choices[0].delta.content for c in content)
@@ -155,8 +200,9 @@ def test_nothing_of_a_chat_stream_goes_out_while_the_request_waits(vllm_twin):
     # still queued has its headers and no body yet (a router timing first bytes relies on it).
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 3000, "stream": True}
     streams = [httpx.stream("POST", vllm_twin.base_url + "/chat/completions", timeout=30, json=body) for _ in range(2)]
-    queued = httpx.stream("POST", vllm_twin.base_url + "/chat/completions", json=body,
-                          timeout=httpx.Timeout(30, read=0.5))
+    queued = httpx.stream(
+        "POST", vllm_twin.base_url + "/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.5)
+    )
     try:
         for s in streams:
             assert s.__enter__().status_code == 200
@@ -170,13 +216,19 @@ def test_nothing_of_a_chat_stream_goes_out_while_the_request_waits(vllm_twin):
     finally:
         for s in (*streams, queued):
             s.__exit__(None, None, None)
-    wait_for(lambda: gauge(vllm_twin, "vllm:num_requests_running") + gauge(vllm_twin, "vllm:num_requests_waiting") == 0,
-             what="the vLLM twin idle again")
+    wait_for(
+        lambda: gauge(vllm_twin, "vllm:num_requests_running") + gauge(vllm_twin, "vllm:num_requests_waiting") == 0,
+        what="the vLLM twin idle again",
+    )
 
 
 def test_a_model_it_does_not_serve_is_not_found(vllm_twin):
     client = openai.OpenAI(base_url=vllm_twin.base_url, api_key="none", max_retries=0)
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=3)
-    assert missing.value.body == {"message": "The model `gpt-4o` does not exist.", "type": "NotFoundError",
-                                  "param": None, "code": 404}
+    assert missing.value.body == {
+        "message": "The model `gpt-4o` does not exist.",
+        "type": "NotFoundError",
+        "param": None,
+        "code": 404,
+    }
