@@ -3,8 +3,8 @@
     .venv/bin/python -m bench.proxy_parts            # all variants, c64-json and c64-stream
 
 Variants (each `specroute serve` in its own process, in front of bench.proxy_upstream):
-  bare      the request path only: no telemetry, no signals poller, the `spec` policy
-  signals   + the signals poller (proxy/signals.py)
+  bare      the request path only: no telemetry, the `spec` policy, load polls once a minute
+  signals   + the load pollers every 100 ms (proxy/poller.py)
   telemetry + telemetry (metrics, traces when configured), no JSON request log
   log       + the JSON request log
   defaults  + the goodput policy: `specroute serve` as shipped
@@ -17,7 +17,7 @@ import sys
 from bench.proxy_bench import CHUNKS, SCENARIOS, free_port, measure, process
 
 VARIANTS: dict[str, dict[str, str]] = {
-    "bare": {"SPECROUTE_POLICY": "spec"},
+    "bare": {"SPECROUTE_POLICY": "spec", "SPECROUTE_POLL_INTERVAL_MS": "60000"},
     "signals": {"SPECROUTE_POLICY": "spec"},
     "telemetry": {"SPECROUTE_POLICY": "spec", "SPECROUTE_REQUEST_LOG": "false"},
     "log": {"SPECROUTE_POLICY": "spec"},
@@ -26,20 +26,12 @@ VARIANTS: dict[str, dict[str, str]] = {
 
 
 def serve(variant: str) -> None:
-    from fleet.state import FleetState
-    from policies import registry
     from proxy.app import SpecrouteApp
-    from proxy.pools import pools_from_settings
-    from proxy.routing import Router
     from proxy.server import DrainingServer, build_app, uvicorn_config
     from proxy.settings import load_settings
 
     settings = load_settings()
-    if variant == "bare":
-        fleet = FleetState()
-        policy = registry.create(settings.policy, settings.policy_params())
-        app = SpecrouteApp(settings, router=Router(fleet, pools_from_settings(settings, fleet), policy))
-    elif variant == "signals":
+    if variant in ("bare", "signals"):
         app = SpecrouteApp(settings)  # the default Telemetry() records nothing
     else:
         app = build_app(settings)

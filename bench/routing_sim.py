@@ -1,11 +1,12 @@
 """One routing run on the twin's virtual clock, with the very policy objects the proxy serves.
 
-The router sees the fleet the way the proxy does (fleet/state.py, the shared snapshot
-builder): each engine's /v1/loads snapshot as it stood at the last poll (every
-`poll_interval_s`, published on SGLang's own cadence, so it lags), adjusted by the router's own
-dispatches and completions since; the acceptance from the token/verify counters (read every
-fifth poll, as proxy/signals.py does) and from each finished spec request; the step-cost model
-seeded from the profile and corrected by each finished stream's inter-chunk gap.
+The router sees the fleet the way the proxy does, through the same fleet model (fleet/model.py)
+read on the same cadence (fleet/cadence.py): each engine's /v1/loads answer as it stood at the
+last poll (every `poll_interval_s`, published on SGLang's own cadence, so it lags), parsed by
+the proxy's SGLang backend and adjusted by the router's own dispatches and completions since;
+the acceptance from the token/verify counters (read on the polls `reads_counters` picks, as the
+proxy's poller does) and from each finished spec request; the step-cost model seeded from the
+profile and corrected by observed decode steps.
 """
 
 from __future__ import annotations
@@ -17,21 +18,22 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from fleet.acceptance import DEFAULT_HALF_LIFE_S, alpha_from_accept_length
-from fleet.costmodel import StepCostModel, seed_from_profile
+from fleet.cadence import POLL_INTERVAL_S, gauge_steps, reads_counters
+from fleet.costmodel import seed_from_profile
+from fleet.model import FleetModel
 from fleet.profile import load_profile
-from fleet.state import FleetState, Reading, learn_from_response
+from fleet.readings import ResponseEvidence
 from fleet.types import Decision, Features, PoolName, Snapshot
 from policies import registry
 from policies.admission import Admission
 from policies.base import Policy
+from proxy.backends import sglang
 from sim.engine import Engine, EngineConfig
 from sim.lengths import parse_output_lengths
 from sim.virtual import AlphaChange, Arrival, EngineView, RequestRecord, StepObservation, simulate
 
 POOL_OF_ENGINE: tuple[PoolName, PoolName] = ("spec", "base")
 URLS = ("virtual://spec", "virtual://base")
-METRICS_EVERY = 5  # proxy/signals.py reads /metrics (counters, gauge) every fifth poll as well
-GAUGE_INTERVAL_STEPS = 40
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ class VirtualRouter:
 
     policy: Policy
     setup: Setup
-    poll_interval_s: float = 0.1
+    poll_interval_s: float = POLL_INTERVAL_S
     stale_s: float = 1.0
     half_life_s: float = DEFAULT_HALF_LIFE_S
     keep_snapshots: bool = False
@@ -107,8 +109,7 @@ class VirtualRouter:
     """Admission control as the proxy runs it (policies/admission.py); None: every request admitted."""
     refusals: list[tuple[float, str, str]] = field(default_factory=list)
     """(time, rule, request class) per refused request."""
-    fleet: FleetState = field(init=False)
-    cost: StepCostModel = field(init=False)
+    fleet: FleetModel = field(init=False)
     decisions: list[tuple[float, PoolName, str, float | None]] = field(default_factory=list)
     """(time, pool, reason, the spec pool's alpha estimate) per request."""
     snapshots: list[tuple[Features, Snapshot]] = field(default_factory=list)
@@ -119,12 +120,14 @@ class VirtualRouter:
     _engines: Sequence[Engine] = ()
 
     def __post_init__(self) -> None:
-        self.fleet = FleetState(
-            stale_after_s=self.stale_s, half_life_s=self.half_life_s, num_draft_tokens=self.setup.num_steps
+        self.fleet = FleetModel(
+            {"spec": self.setup.num_steps, "base": 0},
+            stale_after_s=self.stale_s,
+            half_life_s=self.half_life_s,
+            seed=seed_from_profile(self.setup.profile),
         )
         self.fleet.add_instance(URLS[0], "spec", self.setup.spec_max_running)
         self.fleet.add_instance(URLS[1], "base", self.setup.base_max_running)
-        self.cost = StepCostModel(seed_from_profile(self.setup.profile), num_draft_tokens=self.setup.num_steps)
 
     def attach(self, engines: Sequence[Engine]) -> None:
         self._engines = engines
@@ -137,23 +140,16 @@ class VirtualRouter:
         at = math.floor(now / self.poll_interval_s) * self.poll_interval_s
         self._polls += 1
         for url, view in zip(URLS, self._views):
-            snap = view.load_snapshot
-            spec = view.speculative
-            with_counters = spec and self._polls % METRICS_EVERY == 1
-            self.fleet.on_reading(
-                url,
-                Reading(
-                    at=at,
-                    running=float(snap.get("num_running_reqs", 0)),
-                    waiting=float(snap.get("num_waiting_reqs", 0)),
-                    max_running=int(snap.get("max_running_requests", 0)) or None,
-                    waiting_tokens=float(snap.get("num_waiting_uncached_tokens", 0)),
-                    accept_length=view.gauges.get("spec_accept_length") if with_counters else None,
-                    accept_steps=GAUGE_INTERVAL_STEPS * float(snap.get("num_running_reqs", 0)),
-                    tokens_total=float(view.generation_tokens_total) if with_counters else None,
-                    verify_total=float(view.spec_verify_calls_total) if with_counters else None,
-                ),
-            )
+            reading = sglang.reading_from_loads({"loads": [view.load_snapshot]}, at)
+            if view.speculative and reads_counters(self._polls):
+                reading = replace(
+                    reading,
+                    accept_length=view.gauges.get("spec_accept_length"),
+                    accept_steps=gauge_steps(reading.running),
+                    tokens_total=float(view.generation_tokens_total),
+                    verify_total=float(view.spec_verify_calls_total),
+                )
+            self.fleet.on_reading(url, reading)
         self._next_poll = at + self.poll_interval_s
 
     def on_step(self, step: StepObservation) -> None:
@@ -163,11 +159,7 @@ class VirtualRouter:
             # steps themselves are seen (every fourth, at the batch the router's view shows).
             self._steps += 1
             if self._steps % 4 == 0:
-                signals = self.fleet.instances[URLS[step.engine]]
-                batch = min(max(signals.adjusted_load(), 1.0), float(signals.max_running))
-                self.cost.observe(
-                    POOL_OF_ENGINE[step.engine], batch, step.duration_s * 1000, now=step.start + step.duration_s
-                )
+                self.fleet.on_step(URLS[step.engine], step.start + step.duration_s, step.duration_s * 1000)
 
     def route(self, arrival: Arrival, views: Sequence[EngineView]) -> int | None:
         self._poll_until(arrival.time)
@@ -178,7 +170,7 @@ class VirtualRouter:
             request_class=arrival.request_class,  # type: ignore[arg-type]
             ignore_eos=arrival.ignore_eos,
         )
-        snapshot = self.fleet.snapshot(arrival.time, self.cost)
+        snapshot = self.fleet.snapshot(arrival.time)
         decision = self.policy.decide(features, snapshot)
         if self.admission is not None:
             refusal = self.admission.admit(features, snapshot, decision)
@@ -197,15 +189,12 @@ class VirtualRouter:
             self.admission.observe(self.setup.slo.met(record))
         url = URLS[record.engine]
         spec = record.engine == 0
-        learn_from_response(
-            self.fleet,
-            self.cost,
-            url,
-            record.finish_time,
+        evidence = ResponseEvidence(
             tokens=record.output_tokens,
             verify_steps=record.verify_ct if spec else None,
             decode_s=record.finish_time - record.first_token_time,
         )
+        self.fleet.on_response(url, record.finish_time, evidence)
         self.fleet.on_complete(url, record.finish_time)
 
 

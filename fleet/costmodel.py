@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from fleet.profile import Profile, load_profile
-from fleet.types import PoolName
 
 
 class Seed(Protocol):
@@ -150,6 +150,7 @@ class StepCostModel:
         memory: float = 200.0,
         prior_weight: float = 2.0,
         half_life_s: float = DEFAULT_HALF_LIFE_S,
+        pools: Mapping[str, int] | None = None,
     ):
         if not half_life_s > 0:
             raise ValueError(f"half_life_s must be positive, not {half_life_s!r}")
@@ -159,18 +160,19 @@ class StepCostModel:
         self.half_life_s = half_life_s
         self.now = 0.0
         """The latest time the model was told (by `observe` or `at`)."""
-        self._pools: dict[str, _PoolModel] = {
-            "spec": _PoolModel(tokens_per_seq=num_draft_tokens + 1),
-            "base": _PoolModel(tokens_per_seq=1),
-        }
+        self._pools: dict[str, _PoolModel] = {}
+        # Pool name -> tokens drafted per verify step (0: plain); the mission's two by default.
+        for name, k in (pools if pools is not None else {"spec": num_draft_tokens, "base": 0}).items():
+            self.set_draft_tokens(name, k)
 
-    def set_draft_tokens(self, pool: PoolName, num_draft_tokens: int) -> None:
+    def set_draft_tokens(self, pool: str, num_draft_tokens: int) -> None:
         """What /server_info said: the verify width changes the seed curve (learning restarts)."""
         width = num_draft_tokens + 1 if num_draft_tokens > 0 else 1
-        if self._pools[pool].tokens_per_seq != width:
+        known = self._pools.get(pool)
+        if known is None or known.tokens_per_seq != width:
             self._pools[pool] = _PoolModel(tokens_per_seq=width)
 
-    def tokens_per_seq(self, pool: PoolName) -> int:
+    def tokens_per_seq(self, pool: str) -> int:
         return self._pools[pool].tokens_per_seq
 
     def seed_step_ms(self, batch: float, tokens_per_seq: int) -> float:
@@ -180,9 +182,7 @@ class StepCostModel:
             step += (tokens_per_seq - 1) * self.seed.draft_ms(b)
         return step
 
-    def observe(
-        self, pool: PoolName, batch: float, step_ms: float, weight: float = 1.0, now: float | None = None
-    ) -> None:
+    def observe(self, pool: str, batch: float, step_ms: float, weight: float = 1.0, now: float | None = None) -> None:
         """One observed engine step (or a mean of `weight` steps) at this batch size, at `now`."""
         if batch < 1 or step_ms <= 0 or not math.isfinite(step_ms) or weight <= 0:
             return
@@ -205,7 +205,7 @@ class StepCostModel:
             self.now = now
         return now
 
-    def correction(self, pool: PoolName, batch: float, now: float | None = None) -> float:
+    def correction(self, pool: str, batch: float, now: float | None = None) -> float:
         model = self._pools[pool]
         xs, learned = model.xs, model.learned
         if not xs:
@@ -224,11 +224,11 @@ class StepCostModel:
 
     # StepCost protocol (what policies read; a snapshot carries `at(now)` instead)
 
-    def decode_step_ms(self, pool: PoolName, batch: int, tokens_per_seq: int, now: float | None = None) -> float:
+    def decode_step_ms(self, pool: str, batch: int, tokens_per_seq: int, now: float | None = None) -> float:
         batch = max(batch, 1)
         return self.seed_step_ms(batch, tokens_per_seq) * self.correction(pool, batch, now)
 
-    def prefill_ms(self, pool: PoolName, tokens: int) -> float:
+    def prefill_ms(self, pool: str, tokens: int) -> float:
         return self.seed.prefill_ms(max(tokens, 1), self._pools[pool].tokens_per_seq > 1)
 
     def estimates(
@@ -251,10 +251,10 @@ class StepCostAt:
         self.model = model
         self.now = now
 
-    def decode_step_ms(self, pool: PoolName, batch: int, tokens_per_seq: int) -> float:
+    def decode_step_ms(self, pool: str, batch: int, tokens_per_seq: int) -> float:
         return self.model.decode_step_ms(pool, batch, tokens_per_seq, self.now)
 
-    def prefill_ms(self, pool: PoolName, tokens: int) -> float:
+    def prefill_ms(self, pool: str, tokens: int) -> float:
         return self.model.prefill_ms(pool, tokens)
 
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from fleet.state import FleetState
+from fleet.model import FleetModel
 from proxy.pools import Instance, Pool
 
 FAILURES = frozenset({"connect", "upstream_disconnected", "first_token_timeout", "chunk_timeout"})
@@ -58,7 +58,7 @@ class OutlierDetector:
     def __init__(
         self,
         pools: Iterable[Pool],
-        fleet: FleetState,
+        fleet: FleetModel,
         *,
         consecutive_failures: int,
         ejection_s: float,

@@ -1,10 +1,11 @@
-"""The fleet as the proxy holds it: pools of upstream instances, their load kept in FleetState."""
+"""The fleet as the proxy holds it: pools of upstream instances, their load kept in the fleet model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fleet.state import FleetState, InstanceSignals
+from fleet.instance import InstanceSignals
+from fleet.model import FleetModel
 from fleet.types import POOLS, PoolName
 from proxy.settings import Settings
 
@@ -49,7 +50,7 @@ class Pool:
         return any(i.healthy for i in self.instances)
 
 
-def pools_from_settings(settings: Settings, fleet: FleetState) -> dict[PoolName, Pool]:
+def pools_from_settings(settings: Settings, fleet: FleetModel) -> dict[PoolName, Pool]:
     keys = {"spec": settings.spec_api_key, "base": settings.base_api_key}
     urls = {"spec": settings.spec_urls, "base": settings.base_urls}
     pools: dict[PoolName, Pool] = {}

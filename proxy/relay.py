@@ -21,7 +21,7 @@ from fleet.types import Decision, PoolName
 from proxy import body as request_body
 from proxy import scan
 from proxy.errors import ProxyError, normalise_upstream_error, stream_error_event
-from proxy.hooks import NO_HOOKS, RequestHooks, Telemetry
+from proxy.hooks import RequestHooks, Telemetry
 from proxy.pools import Instance
 from proxy.routing import Attempt, Router, RoutingInputError, read_overrides
 from proxy.settings import Settings
@@ -562,9 +562,8 @@ class CompletionHandler:
         content = response.content
         is_stream = exchange.streaming = response.content_type == "text/event-stream"
         per_chunk = is_stream and hooks.wants_chunks
-        # The tail's usage also feeds the routing signals (output length; acceptance on spec).
-        keep_tail = hooks is not NO_HOOKS or attempt.wants_summary
-        tail: deque[bytes] | None = deque(maxlen=4) if keep_tail else None
+        # The tail's usage also feeds the fleet model (output length; acceptance on spec).
+        tail: deque[bytes] = deque(maxlen=4)
         await exchange.start(response.status, relayed_headers(response, is_stream))
         hooks.first_chunk(first)
         expect_chunk_gaps(response, self.settings.chunk_timeout_s)
@@ -588,8 +587,7 @@ class CompletionHandler:
                     attempt.chunk(events)
                     if per_chunk:
                         hooks.chunk(size=len(chunk), events=events, tokens=events)
-                if tail is not None:
-                    tail.append(chunk)
+                tail.append(chunk)
             began = perf_counter()
             try:
                 chunk = await content.readany()
@@ -599,14 +597,13 @@ class CompletionHandler:
         # The upstream ended cleanly after an unterminated event: it goes on as it came.
         partial = splitter.rest() if splitter is not None else b""
         await send({"type": "http.response.body", "body": partial, "more_body": False})
-        if partial and tail is not None:
+        if partial:
             tail.append(partial)
-        if tail is not None:
-            # Usage, spec details and the last finish reason sit in the last few hundred bytes;
-            # 4 KB keeps the scan ~12 us (16 KB: ~54 us). Earlier choices' reasons of a long n>1
-            # JSON answer can fall outside it.
-            exchange.summary = scan.summarise(b"".join(tail)[-4096:])
-        attempt.finished(exchange.summary if tail is not None else None, complete=True)
+        # Usage, spec details and the last finish reason sit in the last few hundred bytes; 4 KB
+        # keeps the scan ~12 us (16 KB: ~54 us). Earlier choices' reasons of a long n>1 JSON
+        # answer can fall outside it.
+        exchange.summary = scan.summarise(b"".join(tail)[-4096:])
+        attempt.finished(exchange.summary, complete=True)
         hooks.attempt_finished(status=response.status)
 
     async def end_with_error(self, exchange: Exchange, kind: str) -> None:

@@ -3,8 +3,9 @@
 The request path asks `Router.choose` for a pool, `Router.pick` for an instance in it, and wraps
 every upstream attempt in the `Attempt` that `Router.dispatch` returns: the attempt is told of
 the first byte, each chunk, and how it ended, and it releases its instance exactly once whatever
-the exit path (finish, failure, client disconnect, exception). Polled signals (proxy/signals.py)
-plug in behind `snapshot()`; the policy itself stays pure (policies/).
+the exit path (finish, failure, client disconnect, exception). Behind `snapshot()` is the fleet
+model (fleet/model.py), which the pollers (proxy/poller.py) and the attempts feed; the policy
+itself stays pure (policies/).
 """
 
 from __future__ import annotations
@@ -14,16 +15,19 @@ import time
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
+from fleet.costmodel import seed_from_profile
 from fleet.features import count_prompt_tokens, default_request_class
-from fleet.state import FleetState
-from fleet.types import Decision, Features, PoolName, Snapshot, StepCost
+from fleet.model import FleetModel
+from fleet.readings import ResponseEvidence
+from fleet.types import Decision, Features, PoolName, Snapshot
 from policies import registry
 from policies.admission import Admission, Refusal
 from policies.base import Policy
 from proxy.outliers import OutlierDetector
+from proxy.poller import Pollers
 from proxy.pools import Instance, Pool, other_pool, pools_from_settings
 from proxy.settings import Settings
-from proxy.signals import Signals
+from proxy.state import DecisionLog, fleet_state
 
 if TYPE_CHECKING:
     from proxy.scan import Summary
@@ -84,7 +88,6 @@ class Attempt:
         "started",
         "tokens",
         "open",
-        "signals",
         "chunks",
         "last_at",
         "gaps",
@@ -98,9 +101,8 @@ class Attempt:
 
     def __init__(
         self,
-        fleet: FleetState,
+        fleet: FleetModel,
         instance: Instance,
-        signals: Signals | None = None,
         prompt_tokens: int = 0,
         outliers: OutlierDetector | None = None,
         stream: bool = False,
@@ -118,8 +120,7 @@ class Attempt:
         self.started = False
         self.tokens = 0
         self.open = True
-        # Stream evidence for the cost model and the acceptance estimate (proxy/signals.py).
-        self.signals = signals
+        # Stream evidence for the cost model and the acceptance estimate (fleet/model.py).
         self.chunks = 0
         self.last_at = 0.0
         self.gaps: list[float] = []
@@ -137,30 +138,26 @@ class Attempt:
 
     def chunk(self, tokens: int) -> None:
         self.tokens += tokens
-        if tokens > 0 and self.signals is not None:
+        if tokens > 0:
             now = time.monotonic()
             if self.chunks and len(self.gaps) < MAX_GAPS:
                 self.gaps.append(now - self.last_at)
             self.last_at = now
             self.chunks += 1
 
-    @property
-    def wants_summary(self) -> bool:
-        """True when the response's usage tail feeds the signals (output length, acceptance)."""
-        return self.signals is not None
-
     def finished(self, summary: Summary | None = None, complete: bool = False) -> None:
         """The attempt ended without an upstream failure; `complete`: its response was relayed
         to the end (else the client left, the upstream refused it with a 4xx, or the proxy is
         stopping); `summary` is its usage tail when the relay kept one."""
-        if self.open and self.signals is not None:
-            self.signals.observe(
-                self.instance,
-                events=self.tokens,
-                gaps_s=self.gaps,
+        if self.open:
+            evidence = ResponseEvidence.from_stream(
+                self.tokens,
+                self.gaps,
                 completion_tokens=summary.completion_tokens if summary else None,
                 verify_steps=summary.spec_verify_ct if summary else None,
+                ttft_s=self.ttft_s,
             )
+            self.fleet.on_response(self.instance.url, time.monotonic(), evidence)
         if self.open and complete and self.admission is not None and self.ttft_s is not None:
             tokens = summary.completion_tokens if summary and summary.completion_tokens else self.tokens
             self.admission.observe(self.met_targets(self.admission, tokens))
@@ -208,31 +205,41 @@ class Attempt:
 
 
 class Router:
+    """Owns the pools and the fleet model, asks the policy, and keeps in-flight exact."""
+
     def __init__(
         self,
-        fleet: FleetState,
+        settings: Settings,
+        fleet: FleetModel,
         pools: Mapping[PoolName, Pool],
         policy: Policy,
-        signals: Signals | None = None,
-        outliers: OutlierDetector | None = None,
+        outliers: OutlierDetector,
         admission: Admission | None = None,
     ) -> None:
+        self.settings = settings
         self.fleet = fleet
         self.pools = dict(pools)
         self.policy = policy
-        self.signals = signals
         self.outliers = outliers
         self.admission = admission if admission is not None and admission.enabled else None
-        self.cost: StepCost | None = signals.cost if signals is not None else None
-        """The step-cost model handed to policies in each snapshot (signals set it)."""
+        self.pollers = Pollers(
+            self.instances(),
+            fleet,
+            interval_s=settings.poll_interval_ms / 1000,
+            timeout_s=max(settings.stale_ms / 1000, 0.5),
+        )
+        self.decisions = DecisionLog(settings.state_decisions)
         self._turn = itertools.count()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Router:
-        fleet = FleetState(
+        fleet = FleetModel(
+            {"spec": settings.num_draft_tokens, "base": 0},
+            speculative=("spec",),
             stale_after_s=settings.stale_ms / 1000,
             half_life_s=settings.acceptance_half_life_s,
-            num_draft_tokens=settings.num_draft_tokens,
+            seed=seed_from_profile(settings.profile) if settings.profile else None,
+            costmodel_half_life_s=settings.costmodel_half_life_s,
         )
         policy = registry.create(settings.policy, settings.policy_params())
         pools = pools_from_settings(settings, fleet)
@@ -245,28 +252,23 @@ class Router:
             slow_factor=settings.outlier_slow_factor,
         )
         admission = Admission(*settings.admission_limits)
-        return cls(fleet, pools, policy, Signals(settings, fleet, pools), outliers, admission)
+        return cls(settings, fleet, pools, policy, outliers, admission)
 
-    # -- lifecycle (signals polling starts and stops here) --------------------------------------
+    # -- lifecycle (polling starts and stops here) ----------------------------------------------
     async def start(self) -> None:
-        """Learn each instance (/server_info), poll once, then keep polling in the background."""
-        if self.signals is not None:
-            await self.signals.start()
+        """Learn each instance, poll once, then keep polling in the background."""
+        await self.pollers.start()
 
     async def stop(self) -> None:
         """End background work."""
-        if self.signals is not None:
-            await self.signals.stop()
+        await self.pollers.stop()
 
     def state(self) -> dict[str, Any]:
         """GET /v1/specroute/state: the live snapshot, alpha, cost estimates, last decisions."""
-        if self.signals is None:
-            return {"policy": self.policy.name, "pools": {}, "decisions": []}
-        state = self.signals.state()
-        if self.outliers is not None:
-            for pool in state["pools"].values():
-                for instance in pool["instances"]:
-                    instance["outlier"] = self.outliers.state_of(instance["url"])
+        state = fleet_state(self.settings, self.fleet, self.pollers, self.decisions, time.monotonic())
+        for pool in state["pools"].values():
+            for instance in pool["instances"]:
+                instance["outlier"] = self.outliers.state_of(instance["url"])
         if self.admission is not None:
             state["admission"] = {
                 "ttft_limit_s": self.admission.ttft_limit_s,
@@ -285,9 +287,8 @@ class Router:
         return [i for pool in self.pools.values() for i in pool.instances]
 
     def snapshot(self) -> Snapshot:
-        if self.outliers is not None:
-            self.outliers.refresh()  # an ejection that ended makes its server available again
-        return self.fleet.snapshot(time.monotonic(), self.cost)
+        self.outliers.refresh()  # an ejection that ended makes its server available again
+        return self.fleet.snapshot(time.monotonic())
 
     def choose(self, features: Features, override: PoolName | None, snapshot: Snapshot | None = None) -> Decision:
         """The pool for a request: the override when given, else the policy's pick; a pool with
@@ -302,8 +303,7 @@ class Router:
             if not self.pools[decision.pool].available and self.pools[other_pool(decision.pool)].available:
                 reason = "ejected" if self.all_ejected(decision.pool) else "unavailable"
                 decision = Decision(pool=other_pool(decision.pool), reason=reason, scores=decision.scores)
-        if self.signals is not None:
-            decision = self.signals.explain(features, decision, snapshot)
+        decision = self.decisions.explain(features, decision, snapshot)
         return decision
 
     def admit(self, features: Features, decision: Decision, snapshot: Snapshot) -> Refusal | None:
@@ -326,11 +326,7 @@ class Router:
         an instance back (ejected, or half-open with its one probe running)."""
         outliers = self.outliers
         # admits() first: it ends an ejection whose time is up, which makes the instance healthy.
-        candidates = [
-            i
-            for i in self.pools[pool].instances
-            if i not in exclude and (outliers is None or outliers.admits(i)) and i.healthy
-        ]
+        candidates = [i for i in self.pools[pool].instances if i not in exclude and outliers.admits(i) and i.healthy]
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
         start = next(self._turn) % len(candidates)
@@ -355,4 +351,4 @@ class Router:
     ) -> Attempt:
         """Start an attempt on `instance`; the caller must end it (finished/failed) on every path."""
         admission = self.admission if stream and request_class == "latency" else None
-        return Attempt(self.fleet, instance, self.signals, prompt_tokens, self.outliers, stream, admission)
+        return Attempt(self.fleet, instance, prompt_tokens, self.outliers, stream, admission)

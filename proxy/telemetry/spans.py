@@ -146,7 +146,7 @@ class SpanWriter:
                 ("route", t.policy, t.pool, t.reason, t.request_class, t.override),
                 lambda: route_attributes(t.policy, t.pool, t.reason, t.request_class, t.override),
             )
-            # The policy's predictions and, added by proxy.signals, what it saw: each pool's load,
+            # The policy's predictions and, added by proxy.state.DecisionLog, what it saw: each pool's load,
             # capacity, reading age and staleness, and the speculative pool's alpha.
             attributes = (
                 static

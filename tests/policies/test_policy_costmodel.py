@@ -1,7 +1,8 @@
 import pytest
 
 from fleet.costmodel import AffineSeed, StepCostModel, seed_from_profile
-from fleet.state import FleetState, Reading, learn_from_response
+from fleet.model import FleetModel
+from fleet.readings import Reading, ResponseEvidence
 from fleet.types import Features
 from policies.goodput import Goodput
 
@@ -102,25 +103,30 @@ def test_aging_without_a_clock_changes_nothing():
 def test_goodput_returns_to_an_avoided_spec_pool_once_its_inflated_steps_age():
     """Spec's steps were observed 3x slow (CPU contention): goodput sends a quiet request to
     base, and spec gets no observations; some half-lives later it is tried again."""
-    fleet = FleetState(stale_after_s=1.0, num_draft_tokens=3)
+    fleet = FleetModel(
+        {"spec": 3, "base": 0},
+        stale_after_s=1.0,
+        seed=seed_from_profile("h200-llama8b"),
+        costmodel_half_life_s=HALF_LIFE_S,
+    )
     fleet.add_instance("http://spec", "spec", 48)
     fleet.add_instance("http://base", "base", 256)
-    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3, half_life_s=HALF_LIFE_S)
+    cost = fleet.cost
     for i in range(300):  # 200 observations' worth (the memory) at 3x on spec, at the seed on base
         now = i * 0.02
-        learn_from_response(fleet, cost, "http://spec", now, step_ms=3 * cost.seed_step_ms(1, 4))
-        learn_from_response(fleet, cost, "http://base", now, step_ms=cost.seed_step_ms(1, 1))
+        fleet.on_response("http://spec", now, ResponseEvidence(step_ms=3 * cost.seed_step_ms(1, 4)))
+        fleet.on_response("http://base", now, ResponseEvidence(step_ms=cost.seed_step_ms(1, 1)))
     policy = Goodput()
     request = Features(prompt_tokens=500)
 
     def quiet(now):
         for url in ("http://spec", "http://base"):
             fleet.on_reading(url, Reading(at=now, running=0, waiting=0))
-        return fleet.snapshot(now, cost)
+        return fleet.snapshot(now)
 
     assert policy.decide(request, quiet(6.0)).pool == "base"
     assert policy.decide(request, quiet(6.0 + 2 * HALF_LIFE_S)).pool == "base"
     decision = policy.decide(request, quiet(6.0 + 10 * HALF_LIFE_S))
     assert decision.pool == "spec", decision
     # the same model, read at an earlier moment, still predicts spec slow
-    assert policy.decide(request, fleet.snapshot(6.0, cost)).pool == "base"
+    assert policy.decide(request, fleet.snapshot(6.0)).pool == "base"

@@ -3,11 +3,12 @@ import math
 import pytest
 
 from fleet.acceptance import accept_length
-from fleet.state import FleetState, Reading
+from fleet.model import FleetModel
+from fleet.readings import Reading, ResponseEvidence
 
 
 def fleet(stale_after_s=0.5):
-    state = FleetState(stale_after_s=stale_after_s, half_life_s=1.0, num_draft_tokens=3)
+    state = FleetModel({"spec": 3, "base": 0}, stale_after_s=stale_after_s, half_life_s=1.0)
     state.add_instance("http://spec", "spec", 48)
     state.add_instance("http://base", "base", 256)
     return state
@@ -95,11 +96,11 @@ def test_queued_prompt_tokens_and_learned_output_length():
     assert (base.waiting, base.waiting_tokens) == (3, 3500)
     assert state.snapshot(1.1).mean_output_tokens is None
     for tokens in (100, 300):
-        state.on_output(tokens)
+        state.on_response("http://base", 1.1, ResponseEvidence(tokens=tokens))
     snap = state.snapshot(1.1)
     assert (snap.mean_output_tokens, snap.output_samples) == (200, 2)  # a plain mean at first
     for _ in range(500):
-        state.on_output(1000)
+        state.on_response("http://base", 1.1, ResponseEvidence(tokens=1000))
     snap = state.snapshot(1.1)
     assert snap.output_samples == 50 and snap.mean_output_tokens == pytest.approx(1000, abs=1)  # then it moves
 
@@ -115,7 +116,7 @@ def test_an_idle_servers_gauge_is_not_evidence():
 
 
 def test_dispatch_rates_follow_what_was_sent_and_fade():
-    from fleet.state import RATE_WINDOW_S
+    from fleet.instance import RATE_WINDOW_S
 
     state = fleet()
     for i in range(40):  # 20 requests/s of 1,000 prompt tokens for 2 s

@@ -102,12 +102,12 @@ def test_the_admission_evaluation_meets_its_targets_on_one_fleet() -> None:
 def test_a_streams_pace_is_judged_on_its_tokens_not_its_chunks() -> None:
     """Admission learns from each finished stream whether it met the targets: a spec stream's
     chunk carries several tokens, so the pace is per token (the usage's count when sent)."""
-    from fleet.state import FleetState
+    from fleet.model import FleetModel
     from policies.admission import Admission
     from proxy.pools import Instance
     from proxy.routing import Attempt
 
-    fleet = FleetState()
+    fleet = FleetModel()
     instance = Instance("http://spec", "spec", fleet.add_instance("http://spec", "spec", 48), name="spec-0")
     attempt = Attempt(fleet, instance, stream=True)
     attempt.dispatched_at -= 1.0  # dispatched a second ago, first token at 0.1 s: 0.9 s of decoding

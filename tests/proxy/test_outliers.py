@@ -11,7 +11,7 @@ import openai
 import pytest
 from proxy_harness import TIME_SCALE, RunningProxy, running_proxy, wait_for
 
-from fleet.state import FleetState
+from fleet.model import FleetModel
 from proxy.outliers import OutlierDetector
 from proxy.pools import DEFAULT_MAX_RUNNING, Instance, Pool
 from sim.testing import RunningTwin, TwinSpec, twins
@@ -30,8 +30,8 @@ class Clock:
         return self.now
 
 
-def fleet_of(spec: int, base: int) -> tuple[FleetState, list[Pool]]:
-    fleet = FleetState()
+def fleet_of(spec: int, base: int) -> tuple[FleetModel, list[Pool]]:
+    fleet = FleetModel()
     pools = []
     for name, count in (("spec", spec), ("base", base)):
         instances = [
@@ -47,7 +47,7 @@ def fleet_of(spec: int, base: int) -> tuple[FleetState, list[Pool]]:
     return fleet, pools
 
 
-def detector(pools: list[Pool], fleet: FleetState, clock: Clock, **overrides: float) -> OutlierDetector:
+def detector(pools: list[Pool], fleet: FleetModel, clock: Clock, **overrides: float) -> OutlierDetector:
     params = {"consecutive_failures": 5, "ejection_s": 30.0, "max_ejection_s": 300.0, "slow_factor": 5.0} | overrides
     return OutlierDetector(pools, fleet, clock=clock, **params)  # type: ignore[arg-type]
 

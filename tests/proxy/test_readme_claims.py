@@ -159,7 +159,7 @@ def test_an_instance_turns_unhealthy_after_three_failed_polls() -> None:
                 await asyncio.to_thread(spec.process.wait, 10)
                 health = []
                 for _ in range(3):
-                    await router.signals.poll_once()
+                    await router.pollers.poll_once()
                     health.append(router.pools["spec"].instances[0].healthy)
                 return health
             finally:

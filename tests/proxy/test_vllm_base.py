@@ -222,8 +222,8 @@ def test_requests_waiting_for_the_next_step_do_not_lower_a_vllm_servers_cap(
 
 
 def test_a_vllm_cap_is_learned_from_lasting_saturation_only() -> None:
-    from fleet.state import Reading
-    from proxy.signals import VLLM_FULL_FOR_S, vllm_cap
+    from fleet.readings import Reading
+    from proxy.backends.vllm import VLLM_FULL_FOR_S, vllm_cap
 
     def at(t: float, running: float, waiting: float) -> Reading:
         return Reading(at=t, running=running, waiting=waiting)

@@ -1,4 +1,4 @@
-"""proxy/signals.py against real twin servers on 127.0.0.1: learning, polling, acceptance."""
+"""proxy/poller.py and proxy/backends/ against real twin servers on 127.0.0.1: learning, polling, acceptance."""
 
 import asyncio
 import contextlib
@@ -11,9 +11,11 @@ import pytest
 
 from fleet.acceptance import accept_length, alpha_from_accept_length
 from fleet.types import Features
+from proxy.backends import VLLM
+from proxy.backends.prometheus import parse_prometheus
+from proxy.backends.sglang import reading_from_get_load, reading_from_loads, reading_from_metrics
 from proxy.routing import Router
 from proxy.settings import load_settings
-from proxy.signals import parse_prometheus, reading_from_get_load, reading_from_loads, reading_from_metrics
 from sim.testing import TwinSpec, twin, twins
 
 TIME_SCALE = 10.0
@@ -81,7 +83,8 @@ def test_signals_learn_poll_and_estimate_acceptance():
                 # The accept-length gauge and the counters on /metrics (every fifth poll) are the
                 # evidence; the counters count finished streams, so the estimate agrees once the
                 # polls after the last stream have read them (an early gauge alone may be off).
-                acceptance = router.fleet.acceptance
+                acceptance = router.fleet.acceptance("spec")
+                assert acceptance is not None
                 await wait_for(lambda: acceptance.evidence(time.monotonic()) > 500, 20, "acceptance evidence")
                 await wait_for(
                     lambda: abs(router.snapshot().pool("spec").alpha - served) <= 0.05,
@@ -196,7 +199,7 @@ def test_parsers_cover_each_probe():
     assert (reading.running, reading.waiting, reading.tokens_total, reading.verify_total) == (7, 2, 120, 50)
     assert (reading.accept_length, reading.accept_steps) == (2.4, 40 * 7)
     vllm = 'vllm:num_requests_running{model_name="m"} 4.0\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
-    assert reading_from_metrics(vllm, 0).running == 4
+    assert VLLM("/metrics").read(vllm, 0).running == 4
     assert parse_prometheus("garbage line\nsglang:num_running_reqs NaN\n", frozenset({"sglang:num_running_reqs"})) == {}
     reading = reading_from_get_load([{"num_reqs": 9, "num_waiting_reqs": 4}], 3.0)
     assert (reading.running, reading.waiting) == (5, 4)

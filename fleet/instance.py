@@ -1,0 +1,111 @@
+"""One instance as the router tracks it: its last reading and our own traffic to it since.
+
+Between polls, an instance's last reading is adjusted by the dispatches and completions this
+router saw since the reading was taken (sent after it: +1; finished after it: -1), so a burst is
+seen at once, and other proxy replicas' load still shows through the server's own figures.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from fleet.acceptance import CounterDelta
+from fleet.readings import Reading
+
+# The window of the dispatch rates: about how long a burst of prefills keeps stalling the decode
+# steps of the requests already running.
+RATE_WINDOW_S = 2.0
+
+
+@dataclass(slots=True)
+class EventRate:
+    """Events (or amounts) per second, exponentially weighted over RATE_WINDOW_S."""
+
+    weighted: float = 0.0
+    at: float = 0.0
+
+    def add(self, now: float, amount: float = 1.0) -> None:
+        self.weighted = self._decayed(now) + amount
+        self.at = max(now, self.at)
+
+    def remove(self, added_at: float, now: float, amount: float = 1.0) -> None:
+        """Take back an amount added at `added_at` (what is left of it at `now`)."""
+        left = amount * math.exp(-max(now - added_at, 0.0) / RATE_WINDOW_S)
+        self.weighted = max(self._decayed(now) - left, 0.0)
+        self.at = max(now, self.at)
+
+    def per_s(self, now: float) -> float:
+        return self._decayed(now) / RATE_WINDOW_S
+
+    def _decayed(self, now: float) -> float:
+        return self.weighted * math.exp(-max(now - self.at, 0.0) / RATE_WINDOW_S)
+
+
+@dataclass(slots=True)
+class InstanceSignals:
+    url: str
+    pool: str
+    max_running: int
+    healthy: bool = True
+    """Reachable: its load polls (or the last connection) succeed."""
+    ejected: bool = False
+    """Answering, but answering badly: out of rotation for a while (proxy/outliers.py)."""
+    reading: Reading | None = None
+    local_in_flight: int = 0
+    """Our requests on this instance now (the fallback load when it cannot be polled)."""
+    events: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=65536))
+    """(time, +1 dispatch / -1 completion, prompt tokens of a dispatch) since the current reading."""
+    counters: CounterDelta = field(default_factory=CounterDelta)
+    last_gauge: float | None = None
+    polled: bool = True
+    """False when the server answers no load endpoint: its load is our own in-flight count."""
+    prompt_tokens_sent: EventRate = field(default_factory=EventRate)
+    """Prompt tokens this router sent here per second (their prefill stalls the decode)."""
+    sent: EventRate = field(default_factory=EventRate)
+    """Requests this router sent here per second."""
+
+    def adjusted(self) -> tuple[float, float]:
+        """(running, waiting): the reading, less completions since it and plus dispatches since
+        it. A request sent after the reading is counted as waiting (queued for prefill) and a
+        completion frees a running slot; SGLang moves waiting requests in at its next prefill."""
+        if self.reading is None or not self.polled:
+            running = float(min(self.local_in_flight, self.max_running))
+            return running, self.local_in_flight - running
+        since = self.reading.at
+        sent = sum(1 for at, sign, _ in self.events if at >= since and sign > 0)
+        done = sum(1 for at, sign, _ in self.events if at >= since and sign < 0)
+        running = self.reading.running - done
+        waiting = self.reading.waiting + sent
+        if running < 0:  # more completions than the reading had running: they came from the queue
+            waiting += running
+            running = 0.0
+        waiting = max(waiting, 0.0)
+        # The server frees a slot just before its last chunk reaches us, so a poll answered in
+        # between no longer counts a request whose completion we then subtract again. Our own
+        # open requests are a floor: the server holds at least those.
+        missing = self.local_in_flight - (running + waiting)
+        if missing > 0:
+            to_running = min(missing, max(self.max_running - running, 0.0))
+            running += to_running
+            waiting += missing - to_running
+        return running, waiting
+
+    def waiting_tokens(self) -> float | None:
+        """The reading's unprefilled prompt tokens plus those of our dispatches since it."""
+        if self.reading is None or not self.polled or self.reading.waiting_tokens is None:
+            return None
+        since = self.reading.at
+        return self.reading.waiting_tokens + sum(t for at, sign, t in self.events if at >= since and sign > 0)
+
+    def adjusted_load(self) -> float:
+        running, waiting = self.adjusted()
+        return running + waiting
+
+    def age(self, now: float) -> float:
+        if not self.polled:
+            return 0.0  # our own count is always current
+        if self.reading is None:
+            return math.inf
+        return max(now - self.reading.at, 0.0)

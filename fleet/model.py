@@ -1,0 +1,261 @@
+"""The fleet model: every observation the router makes goes in, a policy Snapshot comes out.
+
+Both the proxy (its pollers and request path, proxy/) and the virtual-clock evaluation (bench/
+routing_sim.py) feed this one object, so what was evaluated is what is served. It takes:
+- a server's description (`on_server`): speculative or not, its draft width, its running cap;
+- a load reading (`on_reading`): running, waiting, unprefilled tokens, acceptance counters;
+- our own traffic (`on_dispatch`, `on_complete`, `on_refused`), which adjusts the last reading
+  until the next one (fleet/instance.py);
+- a finished response's evidence (`on_response`): its inter-chunk gap corrects the step-cost
+  model, its tokens per verify step the acceptance estimate, its length the output mean;
+- a decode step seen directly (`on_step`, the virtual clock's shortcut for the chunk gaps);
+- health and ejection (`set_health`, `set_ejected`);
+and gives `snapshot(now)`. Nothing reads a clock: every call takes `now` in seconds.
+
+Pools are data: each has a name and a draft width (0: not speculative); the mission's two,
+"spec" and "base", are only the default. A reading older than `stale_after_s` marks its pool
+stale (policies then act conservatively).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+from fleet.acceptance import DEFAULT_HALF_LIFE_S, AcceptanceEstimator
+from fleet.costmodel import DEFAULT_HALF_LIFE_S as COST_HALF_LIFE_S
+from fleet.costmodel import Seed, StepCostModel
+from fleet.instance import InstanceSignals
+from fleet.readings import Reading, ResponseEvidence, ServerDescription
+from fleet.types import InstanceState, PoolState, Snapshot
+
+# Finished requests the mean output length covers (a moving mean over about as many after that).
+OUTPUT_MEMORY = 50
+DEFAULT_POOLS: Mapping[str, int] = {"spec": 3, "base": 0}
+"""Pool name -> tokens drafted per verify step (0: a plain pool)."""
+
+
+@dataclass(slots=True)
+class PoolSignals:
+    """What the model learns per pool (beyond its instances)."""
+
+    name: str
+    num_draft_tokens: int
+    role: bool
+    """Configured to speculate (its servers should say so; it drafts once num_draft_tokens > 0)."""
+    acceptance: AcceptanceEstimator | None
+    """The pool's acceptance estimate (speculative pools only)."""
+    decode_s: float = 0.0
+    """Mean decode time of its recent requests (how far the server's counters lag)."""
+
+    @property
+    def speculative(self) -> bool:
+        return self.role and self.num_draft_tokens > 0
+
+
+class FleetModel:
+    """Per-instance readings and events, per-pool acceptance, the step-cost model and the
+    output-length mean; builds Snapshots on demand."""
+
+    def __init__(
+        self,
+        pools: Mapping[str, int] = DEFAULT_POOLS,
+        *,
+        speculative: Collection[str] | None = None,
+        stale_after_s: float = 1.0,
+        half_life_s: float = DEFAULT_HALF_LIFE_S,
+        seed: Seed | None = None,
+        costmodel_half_life_s: float = COST_HALF_LIFE_S,
+    ):
+        self.stale_after_s = stale_after_s
+        self.half_life_s = half_life_s
+        """The acceptance estimate's half-life."""
+        self.pools: dict[str, PoolSignals] = {}
+        self.instances: dict[str, InstanceSignals] = {}
+        self.cost = StepCostModel(seed, pools=pools, half_life_s=costmodel_half_life_s)
+        self.mean_output_tokens: float | None = None
+        self.output_samples = 0
+        """Running mean of finished requests' output tokens (the traffic's typical length)."""
+        for name, num_draft_tokens in pools.items():
+            self.add_pool(name, num_draft_tokens, None if speculative is None else name in speculative)
+
+    def add_pool(self, name: str, num_draft_tokens: int = 0, speculative: bool | None = None) -> PoolSignals:
+        """A pool drafting `num_draft_tokens` per verify step; `speculative`: its role (default:
+        it drafts), which a server's description may fill in with its own draft width."""
+        role = num_draft_tokens > 0 if speculative is None else speculative
+        estimator = AcceptanceEstimator(num_draft_tokens, self.half_life_s) if role else None
+        pool = self.pools[name] = PoolSignals(name, num_draft_tokens, role, estimator)
+        self.cost.set_draft_tokens(name, num_draft_tokens)
+        return pool
+
+    def add_instance(self, url: str, pool: str, max_running: int) -> InstanceSignals:
+        if pool not in self.pools:
+            self.add_pool(pool)
+        signals = InstanceSignals(url=url, pool=pool, max_running=max_running)
+        self.instances[url] = signals
+        return signals
+
+    def acceptance(self, pool: str = "spec") -> AcceptanceEstimator | None:
+        known = self.pools.get(pool)
+        return known.acceptance if known is not None else None
+
+    # -- what servers say -----------------------------------------------------------------------
+
+    def on_server(self, url: str, description: ServerDescription) -> bool:
+        """A server's description; False when it contradicts its pool's role (a speculative
+        server in a plain pool, or the reverse): it is then taken as configured."""
+        signals = self.instances[url]
+        if description.max_running:
+            signals.max_running = description.max_running
+        pool = self.pools[signals.pool]
+        if description.speculative and pool.role and description.num_draft_tokens:
+            self.set_draft_tokens(pool.name, description.num_draft_tokens)
+        return description.speculative == pool.role
+
+    def set_draft_tokens(self, pool: str, num_draft_tokens: int) -> None:
+        """A speculative pool's k (from /server_info); a change restarts its acceptance estimate
+        and the cost model's verify width."""
+        known = self.pools[pool]
+        if num_draft_tokens != known.num_draft_tokens:
+            known.num_draft_tokens = num_draft_tokens
+            known.acceptance = AcceptanceEstimator(num_draft_tokens, self.half_life_s)
+        self.cost.set_draft_tokens(pool, num_draft_tokens)
+
+    def on_reading(self, url: str, reading: Reading) -> None:
+        signals = self.instances[url]
+        if signals.reading is not None and reading.at < signals.reading.at:
+            return  # an answer overtaken by a newer one
+        signals.reading = reading
+        signals.polled = True
+        if reading.max_running:
+            signals.max_running = reading.max_running
+        while signals.events and signals.events[0][0] < reading.at:
+            signals.events.popleft()
+        pool = self.pools[signals.pool]
+        if pool.acceptance is None:
+            return
+        if reading.tokens_total is not None and reading.verify_total is not None:
+            delta = signals.counters.add(reading.tokens_total, reading.verify_total)
+            if delta is not None:
+                pool.acceptance.observe_counters(reading.at, *delta, age_s=pool.decode_s / 2)
+        # The gauge is refreshed once per decode-log interval: a value seen before adds nothing,
+        # and an idle server's gauge still holds an old interval's value (SGLang keeps it).
+        if reading.accept_length is not None and reading.accept_length != signals.last_gauge:
+            signals.last_gauge = reading.accept_length
+            if reading.running > 0:
+                pool.acceptance.observe_gauge(reading.at, reading.accept_length, reading.accept_steps)
+
+    def on_unpolled(self, url: str) -> None:
+        """The server has no load endpoint: fall back to our own in-flight count for it."""
+        self.instances[url].polled = False
+
+    def set_health(self, url: str, healthy: bool) -> None:
+        self.instances[url].healthy = healthy
+
+    def set_ejected(self, url: str, ejected: bool) -> None:
+        self.instances[url].ejected = ejected
+
+    # -- our own traffic ------------------------------------------------------------------------
+
+    def on_dispatch(self, url: str, now: float, prompt_tokens: int = 0) -> None:
+        signals = self.instances[url]
+        signals.local_in_flight += 1
+        signals.prompt_tokens_sent.add(now, prompt_tokens)
+        signals.sent.add(now)
+        if signals.polled:
+            signals.events.append((now, +1, prompt_tokens))
+
+    def on_complete(self, url: str, now: float) -> None:
+        signals = self.instances[url]
+        signals.local_in_flight = max(signals.local_in_flight - 1, 0)
+        if signals.polled:
+            signals.events.append((now, -1, 0))
+
+    def on_refused(self, url: str, dispatched_at: float, now: float, prompt_tokens: int = 0) -> None:
+        """The server refused a request dispatched at `dispatched_at` (a 4xx): it never ran, so
+        its dispatch is undone rather than completed. Its prompt tokens would otherwise count as
+        prefill work sent there (five refused 1 MB prompts moved the next requests to base)."""
+        signals = self.instances[url]
+        signals.local_in_flight = max(signals.local_in_flight - 1, 0)
+        signals.prompt_tokens_sent.remove(dispatched_at, now, prompt_tokens)
+        signals.sent.remove(dispatched_at, now)
+        if signals.polled:
+            try:
+                signals.events.remove((dispatched_at, +1, prompt_tokens))
+            except ValueError:
+                signals.events.append((now, -1, 0))  # aged out of the window: count it as done
+
+    # -- evidence -------------------------------------------------------------------------------
+
+    def on_response(self, url: str, now: float, evidence: ResponseEvidence) -> None:
+        """What one finished response teaches: its step gap corrects the cost model at about the
+        instance's present batch, its tokens per verify step (a speculative pool's) are
+        acceptance evidence as old as half its decode time. Call it before the completion is
+        counted (on_complete): the batch includes the request."""
+        signals = self.instances[url]
+        if evidence.tokens:
+            self._on_output(evidence.tokens)
+        if evidence.step_ms is not None and evidence.step_ms > 0:
+            self.on_step(url, now, evidence.step_ms)
+        pool = self.pools[signals.pool]
+        if pool.acceptance is None:
+            return
+        if evidence.tokens and evidence.verify_steps:
+            age_s = evidence.decode_s / 2
+            pool.acceptance.observe_request(now, evidence.tokens, evidence.verify_steps, age_s)
+            # A running mean of the pool's decode time: how far the counters lag.
+            pool.decode_s += 0.1 * (2 * age_s - pool.decode_s)
+
+    def on_step(self, url: str, now: float, step_ms: float) -> None:
+        """One decode step of the instance seen to take `step_ms`, at the batch the model holds."""
+        signals = self.instances[url]
+        batch = min(max(signals.adjusted_load(), 1.0), float(signals.max_running))
+        self.cost.observe(signals.pool, batch, step_ms, now=now)
+
+    def _on_output(self, tokens: int) -> None:
+        # The plain mean of the first OUTPUT_MEMORY responses, then a moving one over about as
+        # many (output lengths are heavy-tailed: a few samples say little).
+        self.output_samples = min(self.output_samples + 1, OUTPUT_MEMORY)
+        mean = self.mean_output_tokens or 0.0
+        self.mean_output_tokens = mean + (tokens - mean) / self.output_samples
+
+    # -- the snapshot ---------------------------------------------------------------------------
+
+    def snapshot(self, now: float) -> Snapshot:
+        """The fleet at `now`; the cost model as it predicts then (its corrections' trust aged)."""
+        pools: dict[str, PoolState] = {}
+        for pool in self.pools.values():
+            members = [s for s in self.instances.values() if s.pool == pool.name]
+            if not members:
+                continue
+            states = tuple(self._instance_state(s, now) for s in members)
+            healthy_ages = [st.age_s for st in states if st.healthy]
+            pools[pool.name] = PoolState(
+                name=pool.name,  # type: ignore[arg-type]
+                instances=states,
+                speculative=pool.speculative,
+                num_draft_tokens=pool.num_draft_tokens,
+                alpha=pool.acceptance.alpha() if pool.acceptance is not None else None,
+                stale=bool(healthy_ages) and min(healthy_ages) > self.stale_after_s,
+            )
+        return Snapshot(
+            pools=pools,
+            cost=self.cost.at(now),
+            mean_output_tokens=self.mean_output_tokens,
+            output_samples=self.output_samples,
+        )
+
+    def _instance_state(self, signals: InstanceSignals, now: float) -> InstanceState:
+        running, waiting = signals.adjusted()
+        return InstanceState(
+            url=signals.url,
+            running=running,
+            waiting=waiting,
+            max_running=signals.max_running,
+            healthy=signals.healthy and not signals.ejected,
+            ejected=signals.ejected,
+            age_s=signals.age(now),
+            waiting_tokens=signals.waiting_tokens(),
+            prompt_tokens_per_s=signals.prompt_tokens_sent.per_s(now),
+            dispatches_per_s=signals.sent.per_s(now),
+        )

@@ -1,0 +1,82 @@
+"""What the router learns from its servers, in their words translated: a load reading, a
+server's description, and a finished response's evidence. Backends (proxy/backends/) and the
+virtual clock's router (bench/routing_sim.py) produce these; the fleet model (fleet/model.py)
+takes them."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One instance's load as its server reported it."""
+
+    at: float
+    """When the poll was sent (a reading cannot be newer than that)."""
+    running: float
+    waiting: float
+    max_running: int | None = None
+    waiting_tokens: float | None = None
+    """Prompt tokens not yet prefilled (/v1/loads num_waiting_uncached_tokens), if reported."""
+    accept_length: float | None = None
+    """The server's recent-interval accept-length gauge (sglang:spec_accept_length), if read."""
+    accept_steps: float = 1.0
+    """About how many request-verify steps that gauge covers (interval iterations x batch)."""
+    tokens_total: float | None = None
+    verify_total: float | None = None
+    """Monotonic counters (generation tokens, spec verify calls), if the server exports them."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerDescription:
+    """What a server says about itself (SGLang's /server_info; a vLLM server by its metrics)."""
+
+    kind: str
+    """The backend kind that recognised it: "sglang", "vllm", "openai"."""
+    speculative: bool = False
+    num_draft_tokens: int = 0
+    """Tokens drafted per verify step (speculative_num_steps with a chain draft)."""
+    max_running: int | None = None
+    """Its running cap, when it says (SGLang's max_running_requests)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseEvidence:
+    """What one finished response taught: its tokens, its verify steps on a spec server, its
+    typical inter-chunk gap (one engine decode step) and how long it decoded."""
+
+    tokens: int | None = None
+    """Completion tokens (the usage's count, else the content events)."""
+    verify_steps: int | None = None
+    step_ms: float | None = None
+    """Its median inter-chunk gap: one decode step at about the instance's present batch (SGLang
+    and the twin send one chunk per step; the median leaves out gaps other prefills stretched)."""
+    decode_s: float = 0.0
+    """From its first content chunk to its last."""
+    ttft_s: float | None = None
+    """From dispatch to its first byte, for a stream."""
+
+    @classmethod
+    def from_stream(
+        cls,
+        events: int,
+        gaps_s: list[float],
+        completion_tokens: int | None = None,
+        verify_steps: int | None = None,
+        ttft_s: float | None = None,
+    ) -> ResponseEvidence:
+        """A relayed response: `events` content events, `gaps_s` the gaps between the reads that
+        carried them, and what its usage tail said (tokens; verify steps with SGLang's spec
+        details). Without verify steps a spec stream's events stand for them: one event per
+        verify step, less the first token's (from prefill) and the usage one."""
+        if verify_steps is None and completion_tokens and events >= 3:
+            verify_steps = events - 2
+        return cls(
+            tokens=completion_tokens,
+            verify_steps=verify_steps,
+            step_ms=1000 * statistics.median(gaps_s) if gaps_s else None,
+            decode_s=sum(gaps_s),
+            ttft_s=ttft_s,
+        )

@@ -1,0 +1,113 @@
+"""GET /v1/specroute/state: the live snapshot, each instance's polling, the acceptance and cost
+estimates, and a ring of recent decisions with what each one saw."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from fleet.model import FleetModel
+from fleet.types import Decision, Features, Snapshot
+from proxy.poller import Pollers
+from proxy.settings import Settings
+
+
+class DecisionLog:
+    """The last decisions, each with the fleet inputs it saw added to its scores."""
+
+    def __init__(self, size: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.recent: deque[dict[str, Any]] = deque(maxlen=size)
+
+    def explain(self, features: Features, decision: Decision, snapshot: Snapshot) -> Decision:
+        """The decision with what it saw added to its scores (for telemetry and the state
+        endpoint), recorded in the ring of recent decisions."""
+        scores = {**decision_inputs(snapshot), **decision.scores}
+        explained = Decision(pool=decision.pool, reason=decision.reason, scores=scores)
+        self.recent.append(
+            {
+                "at": round(self.clock(), 3),
+                "pool": decision.pool,
+                "reason": decision.reason,
+                "class": features.request_class,
+                "prompt_tokens": features.prompt_tokens,
+                "scores": scores,
+            }
+        )
+        return explained
+
+
+def decision_inputs(snapshot: Snapshot) -> dict[str, float]:
+    """Flat numbers of what a decision saw: `<pool>.load`, `<pool>.capacity`, `<pool>.age_s`
+    (omitted before any reading), `<pool>.stale` (1.0 or 0.0), `spec.alpha` (once estimated)."""
+    out: dict[str, float] = {}
+    for name, pool in snapshot.pools.items():
+        out[f"{name}.load"] = pool.running + pool.waiting
+        out[f"{name}.capacity"] = float(pool.capacity)
+        if not math.isinf(pool.age_s):
+            out[f"{name}.age_s"] = round(pool.age_s, 4)
+        out[f"{name}.stale"] = 1.0 if pool.stale else 0.0
+        if pool.speculative and pool.alpha is not None:
+            out[f"{name}.alpha"] = round(pool.alpha, 4)
+    return out
+
+
+def _age(seconds: float) -> float | None:
+    return None if math.isinf(seconds) else round(seconds, 3)
+
+
+def fleet_state(
+    settings: Settings, fleet: FleetModel, pollers: Pollers, decisions: DecisionLog, now: float
+) -> dict[str, Any]:
+    snap = fleet.snapshot(now)
+    pools: dict[str, Any] = {}
+    for name, pool in snap.pools.items():
+        instances = []
+        for i in pool.instances:
+            poller = pollers.by_url[i.url]
+            instances.append(
+                {
+                    "url": i.url,
+                    "name": poller.instance.name,
+                    "running": i.running,
+                    "waiting": i.waiting,
+                    "max_running": i.max_running,
+                    "healthy": i.healthy,
+                    "reached": poller.reached,
+                    "age_s": _age(i.age_s),
+                    "probe": poller.probe,
+                    "kind": poller.backend.kind if poller.backend is not None else None,
+                    "error": poller.error,
+                    "server_info": poller.info,
+                }
+            )
+        pools[name] = {
+            "speculative": pool.speculative,
+            "num_draft_tokens": pool.num_draft_tokens,
+            "alpha": pool.alpha,
+            "stale": pool.stale,
+            "age_s": _age(pool.age_s),
+            "instances": instances,
+        }
+    acceptance = fleet.acceptance("spec")
+    return {
+        "policy": settings.policy,
+        "poll_interval_ms": settings.poll_interval_ms,
+        "stale_ms": settings.stale_ms,
+        "pools": pools,
+        "acceptance": {
+            "accept_length": acceptance.accept_length() if acceptance is not None else None,
+            "alpha": acceptance.alpha() if acceptance is not None else None,
+            "evidence_steps": round(acceptance.evidence(now), 1) if acceptance is not None else 0.0,
+            "half_life_s": settings.acceptance_half_life_s,
+        },
+        "cost_model": {
+            "profile": settings.profile,
+            "decode_step_ms": fleet.cost.estimates(now=now),
+            "half_life_s": settings.costmodel_half_life_s,
+        },
+        "decisions": list(decisions.recent),
+    }
