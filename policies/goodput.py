@@ -1,38 +1,59 @@
 """`goodput` (the default): send each request where it is predicted to finish sooner.
 
-For each pool, on the instance the request would join:
+For each pool, on the instance the request would join (`predict`):
   wait    = requests over the cap ahead of it x (a typical request's time / cap), 0 below the cap
   prefill = the cost model's prefill time for the waiting prompts and this one (FCFS, chunked)
   decode  = output tokens / tau(alpha, k) x step(B + 1, k + 1) on spec, tokens x step(B + 1, 1) on base
             (output tokens: max_tokens if the request runs to it, else the recent mean, capped)
   others  = what joining costs the B requests already decoding there (our prefill stalls them,
-            and each of their steps gets longer),
-            weighted by `externality` (1 = count their time like ours, 0 = ignore it)
-and picks the smaller sum. Counting the others' slowdown is what keeps the fleet near the best
-mean latency instead of each request grabbing the faster pool until it is no longer faster.
-Taking the spec pool's last free slot also costs the *slot price*: the next request then has to
-go to base, where a prompt of the recent mean length costs the requests running there its
-prefill. So when spec is about full its slots go to the long prompts (whose prefill would stall
-base's large batch most) and short prompts go to base.
+            and each of their steps gets longer), weighted by `externality` (1 = count their
+            time like ours, 0 = ignore it) and, with a TPOT target, by 1 / (1 - TPOT / target)
+            (`pressure`: a pool near its target is hurt much more by one more prefill)
+Counting the others' slowdown is what keeps the fleet near the best mean latency instead of each
+request grabbing the faster pool until it is no longer faster. Prefills stall decode (SGLang
+runs them before the next decode step): at the rate this router has sent prompts to an
+instance, a share `busy` of its time goes to prefill, and the predicted time per output token
+(TPOT) there is step / tau / (1 - busy).
 
-Prefills stall decode (SGLang runs them before the next decode step): at the rate this router has
-sent prompts to an instance, a share `busy` of its time goes to prefill, and the time per output
-token there is step / tau / (1 - busy). That is the predicted TPOT.
+`decide` then applies these rules in order; the first that returns a Decision decides
+(docs/routing.md, "`goodput`'s rules, in order", describes each under the same name). Three
+only amend the case for the rules after them (marked "amends"). The SLO rules need targets
+(`slo_ttft_s`, `slo_tpot_ms`; 0 = none, the default) and a `latency` request; `spec-full`
+needs a `latency` request. Figures are from the virtual-clock evaluation (`python -m
+bench.routing`, seeds 0-2 pooled unless stated), with the commit that recorded them.
 
-With a service-level objective (`slo_ttft_s`, `slo_tpot_ms`; 0 = none) a `latency` request that
-meets it on one pool only goes there (`slo-spec`, `slo-base`); one that can meet it queued on a
-full spec pool may queue there (and then competes on cost); one met on neither pool queues there
-when base's prefill backlog would outlast spec's queue by more than a TTFT target
-(`spec-backlog`); and the slowdown imposed on the others is weighted by 1 / (1 - TPOT / target)
-(a pool near its TPOT target is hurt much more by one more prefill). Without an SLO:
+Each rule, its reason tokens, and what it earned:
 
-Request classes:
-- `latency` never queues on the spec pool past its cap (`spec-full` sends it to base), but for the
-  SLO exceptions above (it meets its targets there, or `spec-backlog`: it is served sooner there);
-- `batch` goes where the fleet's total token throughput gains most from one more sequence.
-
-A stale spec reading (older than SPECROUTE_STALE_MS) is not trusted: the request goes to base
-(`stale`), the pool that degrades gracefully under load, until fresh readings return.
+ 1. `pool-down` (`spec-down`, `base-down`, `none-healthy`): no figure recorded; every policy has
+    this guard.
+ 2. `stale` (`stale`): no figure recorded; issue 4 asked for conservative routing on a stale
+    reading.
+ 3. `throughput` (`throughput-spec`, `throughput-base`; batch class): no figure recorded; issue
+    4's rule, and the routing evaluation sends latency requests only.
+ 4. `slo-queue-allowance` (amends: the request may queue on a full spec pool): came with SLO-aware
+    routing (dcb59ca, bcedd6d), which together with `slo-one-pool`, the pressure weighting and
+    `slot-price` took Poisson 110 % from 0.92-0.99x to 1.04-1.30x the oracle split on the four
+    fleets that missed it (missed targets 13 -> 5). Checking TTFT at the wait's 90th percentile
+    instead of its mean (94d18a8): queued requests that missed TTFT went from 75 of 870 to 18 of
+    823 on kimi-linear at 256 clients, which went from 0.58x to 0.64x the oracle split, kimi-moe
+    at 256 clients from 0.97x to 1.01x (96ea7b9, 4e4cf4e).
+ 5. `slo-one-pool` (`slo-spec`, `slo-base`): no figure of its own; it came with SLO-aware routing,
+    whose joint figure is under 4.
+ 6. `slo-triage` (amends: score `slo_lost`, both pools re-costed): no figure of its own; with the
+    two other TPOT corrections of 360d8dd, missed targets went from 3 to 1 and the h200 code
+    trace from 1.11x to 1.16x the oracle split (34db47f). Triaging every request instead had cost
+    kimi-moe at 90-110 % a third of its SLO goodput.
+ 7. `spec-backlog` (`spec-backlog`): the h200 code trace went from 1.13x to 1.18x the oracle split
+    (mean E2E 6.61 s -> 4.64 s), kimi-linear's from 1.17x to 1.20x (4cd6915, 4e4cf4e).
+ 8. `spec-full` (`spec-full`): issue 4's rule. Before the SLO rules, removing it made SLO goodput
+    at overload worse: 30.1 against 37.0 req/s on h200 a=0.45 (docs/routing.md before bcedd6d).
+    Its known cost: kimi-linear at 256 clients, 0.65x the oracle split (docs/routing.md).
+ 9. `slot-price` (amends: spec's cost + the price): with the SLO rules, the overload figure under
+    4; without SLO targets Poisson 110 % went from 0.92-1.11x to 0.93-1.26x the oracle split,
+    together with the stretched queue prediction (bcedd6d).
+10. `sooner` (`spec-sooner`, `base-sooner`; the cost comparison, always decides): the policy as a
+    whole, mean E2E 0.17-1.00x the better static policy on every run and p99 at most 1.00x (the
+    run of 2026-12-03 in docs/routing.md).
 """
 
 from __future__ import annotations
@@ -41,7 +62,7 @@ import math
 from dataclasses import dataclass
 
 from fleet.acceptance import accept_length
-from fleet.types import Decision, Features, InstanceState, PoolState, Snapshot, StepCost
+from fleet.types import Decision, Features, InstanceState, PoolName, PoolState, Snapshot, StepCost
 from policies.registry import register
 
 # Past this share of time spent prefilling, a server's decode is predicted 10x slower; the cap
@@ -89,6 +110,38 @@ class Prediction:
     @property
     def cost_s(self) -> float:
         return self.total_s + self.others_s
+
+
+@dataclass(slots=True)
+class Context:
+    """One decision's case, as the rules after the guards read it. Three rules amend it instead
+    of deciding: `slo-queue-allowance` (may_queue_on_spec), `slo-triage` (lost, and the
+    predictions re-costed) and `slot-price` (price); every other field is set before the rules."""
+
+    features: Features
+    snapshot: Snapshot
+    cost: StepCost
+    spec: PoolState
+    base: PoolState
+    joined_spec: InstanceState
+    joined_base: InstanceState
+    n_out: int
+    """The output tokens planned for (`Goodput.output_tokens`)."""
+    on_spec: Prediction
+    on_base: Prediction
+    scores: dict[str, float]
+    """What the decision exposes (the proxy merges it into traces, logs and the state endpoint)."""
+    batch_class: bool
+    spec_full: bool
+    """The request would queue past the spec instance's running cap."""
+    slo_checked: bool = False
+    """SLO targets are set and the request is latency class: meets_spec/meets_base are known."""
+    meets_spec: bool = False
+    meets_base: bool = False
+    may_queue_on_spec: bool = False
+    lost: bool = False
+    price: float = 0.0
+    """The slot price added to spec's cost in `sooner`."""
 
 
 @register("goodput")
@@ -225,7 +278,33 @@ class Goodput:
             others_tpot_s=others_tpot_ms / 1000,
         )
 
+    # -- The decision: guards on the snapshot, then the rules on the predictions, in order. ----
+    # Each returns a Decision, or None to pass on; docs/routing.md, "`goodput`'s rules, in order",
+    # describes each under the same name, and the module docstring says what each one earned.
+
     def decide(self, features: Features, snapshot: Snapshot) -> Decision:
+        for guard in (self.pool_down, self.stale):
+            if (decision := guard(snapshot)) is not None:
+                return decision
+        c = self.context(features, snapshot)
+        for rule in (
+            self.throughput,
+            self.slo_queue_allowance,
+            self.slo_one_pool,
+            self.slo_triage,
+            self.spec_backlog,
+            self.spec_full,
+            self.slot_price,
+        ):
+            if (decision := rule(c)) is not None:
+                return decision
+        return self.sooner(c)
+
+    # Guards: the snapshot alone.
+
+    def pool_down(self, snapshot: Snapshot) -> Decision | None:
+        """`pool-down`: a pool with no healthy instance gets nothing (`spec-down`, `base-down`;
+        `none-healthy` when neither has one, and base is named)."""
         spec, base = snapshot.pool("spec"), snapshot.pool("base")
         spec_up = spec is not None and spec.available
         base_up = base is not None and base.available
@@ -233,9 +312,21 @@ class Goodput:
             return Decision(pool="base", reason="spec-down" if base_up else "none-healthy")
         if not base_up:
             return Decision(pool="spec", reason="base-down")
-        assert spec is not None and base is not None
-        if spec.stale:
+        return None
+
+    def stale(self, snapshot: Snapshot) -> Decision | None:
+        """`stale`: a spec reading older than SPECROUTE_STALE_MS is not trusted; base degrades
+        gracefully under load, a wrong spec decision can queue past its cap."""
+        spec = snapshot.pool("spec")
+        if spec is not None and spec.stale:
             return Decision(pool="base", reason="stale")
+        return None
+
+    def context(self, features: Features, snapshot: Snapshot) -> Context:
+        """The predictions on both pools (both up, as the guards made sure) and what the rules
+        after the guards read; `scores` holds what the decision exposes."""
+        spec, base = snapshot.pool("spec"), snapshot.pool("base")
+        assert spec is not None and base is not None
         if snapshot.cost is None:
             raise ValueError("the goodput policy needs a step-cost model in the snapshot")
         joined_spec, joined_base = spec.least_loaded(), base.least_loaded()
@@ -253,56 +344,130 @@ class Goodput:
             "tpot_spec_ms": round(on_spec.tpot_s * 1000, 3),
             "tpot_base_ms": round(on_base.tpot_s * 1000, 3),
         }
-        spec_full = on_spec.over_cap > 0
-        if features.request_class == "batch":
-            gain_spec = 0.0 if spec_full else self._gain(spec, joined_spec, snapshot.cost)
-            gain_base = 0.0 if on_base.over_cap > 0 else self._gain(base, joined_base, snapshot.cost)
-            scores["gain_spec_tok_s"] = round(gain_spec, 3)
-            scores["gain_base_tok_s"] = round(gain_base, 3)
-            if gain_spec > 0 or gain_base > 0:
-                pool = "spec" if gain_spec > gain_base else "base"
-                return Decision(pool=pool, reason=f"throughput-{pool}", scores=scores)
-        else:
-            if self.slo_aware:
-                meets_spec, meets_base = self.meets_slo(on_spec), self.meets_slo(on_base)
-                scores["slo_spec"], scores["slo_base"] = float(meets_spec), float(meets_base)
-                if spec_full and meets_spec:
-                    spec_full = False  # queued on spec it still meets its target: it may wait
-                elif meets_spec != meets_base:
-                    pool = "spec" if meets_spec else "base"
-                    return Decision(pool=pool, reason=f"slo-{pool}", scores=scores)
-                elif not meets_spec:
-                    # Met on neither pool: this request is lost whatever we do. It should cost
-                    # the requests that can still meet theirs as little as possible, and those
-                    # running on a pool already past its TPOT target cannot: their delay counts
-                    # as plain latency there, not near-target pressure.
-                    scores["slo_lost"] = 1.0
-                    on_spec = self.predict(spec, joined_spec, features, snapshot.cost, n_out, triage=True)
-                    on_base = self.predict(base, joined_base, features, snapshot.cost, n_out, triage=True)
-                    scores["cost_spec_s"] = round(on_spec.cost_s, 6)
-                    scores["cost_base_s"] = round(on_base.cost_s, 6)
-                    # Keeping a lost request out of spec's queue spares spec's slots for requests
-                    # it can still serve in time, but in a burst it piles the whole overflow onto
-                    # base's prefill queue: spec empties and idles while base works through a
-                    # backlog that every arrival after the burst then finds in the way (spec alone
-                    # takes them and misses too). Once base's first token is more than a TTFT
-                    # target later than spec's, spec would sit ready a whole target's time while
-                    # base still cannot serve anyone: the lost request queues on spec instead,
-                    # where its own first token also comes sooner. Not past base's cap: there
-                    # base's queue is one for slots too, which does not clear when the burst ends.
-                    if spec_full and on_base.over_cap <= 0 and on_base.ttft_s - on_spec.ttft_s > self.slo_ttft_s > 0:
-                        return Decision(pool="spec", reason="spec-backlog", scores=scores)
-            if spec_full:
-                return Decision(pool="base", reason="spec-full", scores=scores)
-        price = 0.0
-        if joined_spec.load + 1 >= joined_spec.max_running:
-            price = self.slot_price(snapshot, base, joined_base, features)
-            scores["slot_price_s"] = round(price, 6)
-        if (on_spec.cost_s + price) * (1 + self.margin) < on_base.cost_s:
-            return Decision(pool="spec", reason="spec-sooner", scores=scores)
-        return Decision(pool="base", reason="base-sooner", scores=scores)
+        c = Context(
+            features=features,
+            snapshot=snapshot,
+            cost=snapshot.cost,
+            spec=spec,
+            base=base,
+            joined_spec=joined_spec,
+            joined_base=joined_base,
+            n_out=n_out,
+            on_spec=on_spec,
+            on_base=on_base,
+            scores=scores,
+            batch_class=features.request_class == "batch",
+            spec_full=on_spec.over_cap > 0,
+        )
+        # The SLO check: latency requests only, with targets set.
+        c.slo_checked = self.slo_aware and not c.batch_class
+        if c.slo_checked:
+            c.meets_spec, c.meets_base = self.meets_slo(on_spec), self.meets_slo(on_base)
+            scores["slo_spec"], scores["slo_base"] = float(c.meets_spec), float(c.meets_base)
+        return c
 
-    def slot_price(self, snapshot: Snapshot, base: PoolState, joined_base: InstanceState, features: Features) -> float:
+    # The batch class.
+
+    def throughput(self, c: Context) -> Decision | None:
+        """`throughput`: a batch request goes where the fleet's token throughput gains most from
+        one more sequence (`throughput-spec`, `throughput-base`); a pool past its cap gains
+        nothing. When neither gains, it passes on to `slot-price` and `sooner` (the SLO rules and
+        `spec-full` are for latency requests)."""
+        if not c.batch_class:
+            return None
+        gain_spec = 0.0 if c.spec_full else self._gain(c.spec, c.joined_spec, c.cost)
+        gain_base = 0.0 if c.on_base.over_cap > 0 else self._gain(c.base, c.joined_base, c.cost)
+        c.scores["gain_spec_tok_s"] = round(gain_spec, 3)
+        c.scores["gain_base_tok_s"] = round(gain_base, 3)
+        if gain_spec > 0 or gain_base > 0:
+            pool: PoolName = "spec" if gain_spec > gain_base else "base"
+            return Decision(pool=pool, reason=f"throughput-{pool}", scores=c.scores)
+        return None
+
+    # SLO rules: latency requests, with targets set (`slo_checked`).
+
+    def slo_queue_allowance(self, c: Context) -> Decision | None:
+        """`slo-queue-allowance`: a request that meets its targets even queued past spec's cap
+        (TTFT at the wait's 90th percentile) may queue there: it skips `slo-one-pool` and
+        `spec-full` and competes on cost, slot price included. Decides nothing itself."""
+        if c.slo_checked and c.spec_full and c.meets_spec:
+            c.may_queue_on_spec = True
+        return None
+
+    def slo_one_pool(self, c: Context) -> Decision | None:
+        """`slo-one-pool`: a request that meets its targets on one pool only goes there
+        (`slo-spec`, `slo-base`)."""
+        if c.slo_checked and not c.may_queue_on_spec and c.meets_spec != c.meets_base:
+            pool: PoolName = "spec" if c.meets_spec else "base"
+            return Decision(pool=pool, reason=f"slo-{pool}", scores=c.scores)
+        return None
+
+    def slo_triage(self, c: Context) -> Decision | None:
+        """`slo-triage`: a request met on neither pool is lost whatever we do; it should cost the
+        requests that can still meet theirs as little as possible, and those running on a pool
+        already past its TPOT target cannot: their delay is re-costed as plain latency there
+        (`predict(triage=True)`, score `slo_lost`). Decides nothing itself: `spec-backlog`,
+        `spec-full` or `sooner` do, on the re-costed predictions."""
+        if not (c.slo_checked and not c.meets_spec and not c.meets_base):
+            return None
+        c.lost = True
+        c.scores["slo_lost"] = 1.0
+        c.on_spec = self.predict(c.spec, c.joined_spec, c.features, c.cost, c.n_out, triage=True)
+        c.on_base = self.predict(c.base, c.joined_base, c.features, c.cost, c.n_out, triage=True)
+        c.scores["cost_spec_s"] = round(c.on_spec.cost_s, 6)
+        c.scores["cost_base_s"] = round(c.on_base.cost_s, 6)
+        return None
+
+    def spec_backlog(self, c: Context) -> Decision | None:
+        """`spec-backlog`: a lost request queues on a full spec pool when base, below its cap,
+        would give its first token more than a TTFT target later than spec.
+
+        Keeping a lost request out of spec's queue spares spec's slots for requests it can still
+        serve in time, but in a burst it piles the whole overflow onto base's prefill queue:
+        spec empties and idles while base works through a backlog that every arrival after the
+        burst then finds in the way (spec alone takes them and misses too). Once base's first
+        token is more than a TTFT target later than spec's, spec would sit ready a whole
+        target's time while base still cannot serve anyone: the lost request queues on spec
+        instead, where its own first token also comes sooner. Not past base's cap: there base's
+        queue is one for slots too, which does not clear when the burst ends."""
+        if (
+            c.lost
+            and c.spec_full
+            and c.on_base.over_cap <= 0
+            and c.on_base.ttft_s - c.on_spec.ttft_s > self.slo_ttft_s > 0
+        ):
+            return Decision(pool="spec", reason="spec-backlog", scores=c.scores)
+        return None
+
+    def spec_full(self, c: Context) -> Decision | None:
+        """`spec-full`: a latency request never queues on the spec pool past its cap (but for
+        `slo-queue-allowance` and `spec-backlog` above): it goes to base."""
+        if not c.batch_class and c.spec_full and not c.may_queue_on_spec:
+            return Decision(pool="base", reason="spec-full", scores=c.scores)
+        return None
+
+    # The cost comparison.
+
+    def slot_price(self, c: Context) -> Decision | None:
+        """`slot-price`: taking spec's last free slot (or a place in its queue) costs the next
+        request its turn; it is added to spec's side in `sooner`. Decides nothing itself."""
+        if c.joined_spec.load + 1 >= c.joined_spec.max_running:
+            c.price = self.last_slot_cost(c.snapshot, c.base, c.joined_base, c.features)
+            c.scores["slot_price_s"] = round(c.price, 6)
+        return None
+
+    def sooner(self, c: Context) -> Decision:
+        """`sooner`: the smaller predicted cost wins (`spec-sooner`, `base-sooner`); spec must be
+        cheaper by `margin`, its slot price included. Always decides."""
+        if (c.on_spec.cost_s + c.price) * (1 + self.margin) < c.on_base.cost_s:
+            return Decision(pool="spec", reason="spec-sooner", scores=c.scores)
+        return Decision(pool="base", reason="base-sooner", scores=c.scores)
+
+    # Helpers of the rules.
+
+    def last_slot_cost(
+        self, snapshot: Snapshot, base: PoolState, joined_base: InstanceState, features: Features
+    ) -> float:
         """What taking the spec pool's last free slot costs: the next request then goes to base,
         where a prompt of the recent mean length costs the requests running there its prefill."""
         sent = sum(i.dispatches_per_s for p in snapshot.pools.values() for i in p.healthy_instances)

@@ -1,0 +1,192 @@
+"""goodput's rules, one by one, on hand-built snapshots: each test names its rule and checks the
+reason token the rule gives (or, for the rules that only amend the case, the token of the rule
+that then decides). The order is checked against docs/routing.md and the module docstring."""
+
+import re
+from pathlib import Path
+
+import pytest
+from policy_snapshots import pool, snapshot
+
+import policies.goodput
+from fleet.costmodel import StepCostModel, seed_from_profile
+from fleet.types import Decision, Features, Snapshot
+from policies.goodput import Goodput
+
+RULES = (
+    "pool-down",
+    "stale",
+    "throughput",
+    "slo-queue-allowance",
+    "slo-one-pool",
+    "slo-triage",
+    "spec-backlog",
+    "spec-full",
+    "slot-price",
+    "sooner",
+)
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "routing.md"
+SHORT = Features(prompt_tokens=64, max_tokens=256, ignore_eos=True)
+LONG = Features(prompt_tokens=4000)
+BATCH = Features(prompt_tokens=64, max_tokens=256, request_class="batch")
+# Base prefills 30 prompts/s of 1,000 tokens: its decode is stretched past a 50 ms TPOT target.
+PRESSED = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
+
+
+@pytest.fixture
+def cost():
+    return StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+
+
+def slo_policy() -> Goodput:
+    return Goodput(slo_ttft_s=1.0, slo_tpot_ms=50.0)
+
+
+def _with(snap, name, **changes):
+    """The snapshot with the named pool's one instance changed."""
+    from dataclasses import replace
+
+    pools = dict(snap.pools)
+    pools[name] = replace(pools[name], instances=(replace(pools[name].instances[0], **changes),))
+    return replace(snap, pools=pools)
+
+
+def test_decide_applies_the_rules_in_the_documented_order(cost):
+    """decide calls the rules in RULES' order; docs/routing.md and the module docstring list
+    them in that order under the same names."""
+    policy, called = Goodput(), []
+
+    def recorder(name, method):
+        def rule(arg):
+            called.append(name)
+            return method(arg) if name == "sooner" else None
+
+        return rule
+
+    for name in RULES:
+        attr = name.replace("-", "_")
+        setattr(policy, attr, recorder(name, getattr(policy, attr)))
+    policy.decide(SHORT, snapshot(0, 0, cost))
+    assert tuple(called) == RULES
+    section = DOCS.read_text().split("### `goodput`'s rules, in order", 1)[1].split("\n## ", 1)[0]
+    assert tuple(re.findall(r"^ ?\d+\. `([a-z-]+)`", section, re.M)) == RULES
+    docstring = policies.goodput.__doc__ or ""
+    assert tuple(re.findall(r"^ ?\d+\. `([a-z-]+)`", docstring, re.M)) == RULES
+
+
+def _reason(decision: Decision) -> tuple[str, str]:
+    return decision.pool, decision.reason
+
+
+def test_pool_down(cost):
+    policy = Goodput()
+    assert _reason(policy.decide(SHORT, snapshot(0, 0, cost, healthy=False))) == ("base", "spec-down")
+    no_spec = Snapshot(pools={"base": pool("base", 0, 256)}, cost=cost)
+    assert _reason(policy.decide(SHORT, no_spec)) == ("base", "spec-down")
+    base_down = Snapshot(pools={"spec": pool("spec", 0), "base": pool("base", 0, 256, healthy=False)}, cost=cost)
+    assert _reason(policy.decide(SHORT, base_down)) == ("spec", "base-down")
+    both_down = Snapshot(pools={"spec": pool("spec", 0, healthy=False), "base": pool("base", 0, healthy=False)})
+    assert _reason(policy.decide(SHORT, both_down)) == ("base", "none-healthy")
+    # A guard needs no cost model, and comes before `stale`.
+    stale_base_down = Snapshot(pools={"spec": pool("spec", 0, stale=True), "base": pool("base", 0, healthy=False)})
+    assert _reason(policy.decide(SHORT, stale_base_down)) == ("spec", "base-down")
+
+
+def test_stale(cost):
+    policy = Goodput()
+    assert _reason(policy.decide(SHORT, snapshot(0, 0, cost, stale=True))) == ("base", "stale")
+    assert _reason(policy.decide(SHORT, snapshot(0, 0, None, stale=True))) == ("base", "stale")
+    # Past the guards the rules need the cost model.
+    with pytest.raises(ValueError, match="step-cost model"):
+        policy.decide(SHORT, snapshot(0, 0, None))
+
+
+def test_throughput(cost):
+    policy = slo_policy()
+    assert _reason(policy.decide(BATCH, snapshot(0, 0, cost))) == ("spec", "throughput-spec")
+    assert _reason(policy.decide(BATCH, snapshot(47, 10, cost))) == ("base", "throughput-base")
+    # Neither pool gains (both past their caps): the batch request skips the SLO rules and
+    # `spec-full` and goes by the cost comparison, even onto spec's queue.
+    both_full = policy.decide(BATCH, snapshot(60, 300, cost))
+    assert both_full.scores["gain_spec_tok_s"] == 0.0 and both_full.scores["gain_base_tok_s"] == 0.0
+    assert "slo_spec" not in both_full.scores and "slot_price_s" in both_full.scores
+    assert _reason(both_full) == ("spec", "spec-sooner")
+
+
+def test_slo_queue_allowance(cost):
+    # Spec two past its cap but the slow end of the wait still meets the TTFT target; base misses
+    # its TPOT target. Met on spec only, yet the request does not get `slo-spec`: it may queue on
+    # spec and competes on cost there, slot price included.
+    snap = _with(snapshot(50, 200, cost), "base", **PRESSED)
+    decision = slo_policy().decide(LONG, snap)
+    assert decision.scores["slo_spec"] == 1.0 and decision.scores["slo_base"] == 0.0
+    assert decision.scores["batch_spec"] == 48.0 and "slot_price_s" in decision.scores
+    assert _reason(decision) == ("spec", "spec-sooner")
+    # Without targets there is no allowance.
+    assert _reason(Goodput().decide(LONG, snap)) == ("base", "spec-full")
+
+
+def test_slo_one_pool(cost):
+    # Spec below its cap but with 60,000 prompt tokens queued: a first token there misses 1 s.
+    spec_backlogged = _with(snapshot(10, 10, cost), "spec", waiting=6.0, waiting_tokens=60_000.0)
+    decision = slo_policy().decide(Features(prompt_tokens=2000), spec_backlogged)
+    assert (decision.scores["slo_spec"], decision.scores["slo_base"]) == (0.0, 1.0)
+    assert _reason(decision) == ("base", "slo-base")
+    # Base's decode stretched past the TPOT target, spec one slot short of full.
+    base_pressed = _with(snapshot(46, 200, cost), "base", **PRESSED)
+    assert _reason(slo_policy().decide(SHORT, base_pressed)) == ("spec", "slo-spec")
+
+
+def test_slo_triage(cost):
+    # Lost on both: base past its TPOT target, spec's queue past the TTFT target; spec has room.
+    snap = _with(snapshot(30, 60, cost), "base", **PRESSED)
+    snap = _with(snap, "spec", waiting=6.0, waiting_tokens=60_000.0)
+    decision = slo_policy().decide(Features(prompt_tokens=2000), snap)
+    assert decision.scores["slo_lost"] == 1.0
+    # Base's requests miss their target anyway: re-costed, the stall there is plain latency.
+    assert decision.scores["cost_base_s"] < decision.scores["cost_spec_s"]
+    assert _reason(decision) == ("base", "base-sooner")
+
+
+def test_spec_backlog(cost):
+    # Spec six past its cap, base below its cap with a burst's prompts waiting: lost on both.
+    burst = _with(snapshot(54, 120, cost), "base", waiting=60.0, waiting_tokens=200_000.0, **PRESSED)
+    decision = slo_policy().decide(LONG, burst)
+    assert decision.scores["slo_lost"] == 1.0
+    assert _reason(decision) == ("spec", "spec-backlog")
+    # Past base's cap its queue is one for slots as well, which does not clear after a burst.
+    base_full = _with(snapshot(54, 316, cost), "base", waiting_tokens=200_000.0, **PRESSED)
+    assert _reason(slo_policy().decide(LONG, base_full)) == ("base", "spec-full")
+
+
+def test_spec_full(cost):
+    assert _reason(Goodput().decide(SHORT, snapshot(48, 250, cost))) == ("base", "spec-full")
+    # With targets: the request lost on both pools, base's backlog short.
+    short_backlog = _with(snapshot(54, 70, cost), "base", waiting=10.0, waiting_tokens=20_000.0, **PRESSED)
+    decision = slo_policy().decide(LONG, short_backlog)
+    assert decision.scores["slo_lost"] == 1.0
+    assert _reason(decision) == ("base", "spec-full")
+
+
+def test_slot_price(cost):
+    # Spec has one free slot; recent prompts averaged 1,000 tokens; base runs 200 requests.
+    snap = _with(snapshot(47, 200, cost), "base", dispatches_per_s=20.0, prompt_tokens_per_s=20_000.0)
+    snap = _with(snap, "spec", dispatches_per_s=10.0, prompt_tokens_per_s=10_000.0)
+    short = Goodput().decide(Features(prompt_tokens=200), snap)
+    # Spec alone is cheaper for the short prompt; the price of its last slot sends it to base.
+    assert short.scores["cost_spec_s"] < short.scores["cost_base_s"]
+    assert short.scores["cost_spec_s"] + short.scores["slot_price_s"] > short.scores["cost_base_s"]
+    assert _reason(short) == ("base", "base-sooner")
+    assert _reason(Goodput().decide(LONG, snap)) == ("spec", "spec-sooner")
+
+
+def test_sooner(cost):
+    assert _reason(Goodput().decide(SHORT, snapshot(0, 0, cost))) == ("spec", "spec-sooner")
+    # Spec's measured steps three times the profile's: base is sooner.
+    slow = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+    for _ in range(200):
+        for b in (8, 16):
+            slow.observe("spec", b, 3 * slow.seed_step_ms(b, 4))
+    decision = Goodput().decide(SHORT, snapshot(10, 10, slow))
+    assert decision.scores["cost_spec_s"] > decision.scores["cost_base_s"]
+    assert _reason(decision) == ("base", "base-sooner")
