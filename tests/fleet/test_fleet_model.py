@@ -1,0 +1,79 @@
+"""The fleet model beyond the mission's two pools, and the backend seam's kinds."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleet.model import FleetModel
+from fleet.readings import Reading, ResponseEvidence, ServerDescription
+from proxy import backends
+from proxy.backends import VLLM, OpenAICompatible, SGLang
+
+
+def test_pools_are_data_each_speculative_one_with_its_own_acceptance() -> None:
+    fleet = FleetModel({"spec-a": 3, "spec-b": 5, "base": 0})
+    for url, pool in (("http://a", "spec-a"), ("http://b", "spec-b"), ("http://c", "base")):
+        fleet.add_instance(url, pool, 48)
+    fleet.on_response("http://a", 1.0, ResponseEvidence(tokens=41, verify_steps=10, decode_s=0.2))
+    fleet.on_response("http://b", 1.0, ResponseEvidence(tokens=21, verify_steps=10, decode_s=0.2))
+    snap = fleet.snapshot(1.0)
+    assert list(snap.pools) == ["spec-a", "spec-b", "base"]
+    a, b, base = (snap.pools[name] for name in ("spec-a", "spec-b", "base"))
+    assert (a.speculative, a.num_draft_tokens, b.num_draft_tokens, base.speculative) == (True, 3, 5, False)
+    assert a.alpha is not None and b.alpha is not None and base.alpha is None
+    assert a.alpha > b.alpha  # 4 tokens per verify step with k=3 against 2 with k=5
+    assert fleet.cost.tokens_per_seq("spec-b") == 6 and fleet.cost.tokens_per_seq("base") == 1
+
+
+def test_a_server_description_sets_the_cap_and_the_draft_width_and_a_wrong_role_is_reported() -> None:
+    fleet = FleetModel({"spec": 3, "base": 0})
+    fleet.add_instance("http://s", "spec", 48)
+    fleet.add_instance("http://b", "base", 48)
+    assert fleet.on_server(
+        "http://s", ServerDescription("sglang", speculative=True, num_draft_tokens=4, max_running=32)
+    )
+    snap = fleet.snapshot(0.0)
+    assert (snap.pools["spec"].num_draft_tokens, snap.pools["spec"].instances[0].max_running) == (4, 32)
+    assert fleet.cost.tokens_per_seq("spec") == 5
+    assert not fleet.on_server("http://b", ServerDescription("sglang", speculative=True, num_draft_tokens=3))
+    assert not fleet.snapshot(0.0).pools["base"].speculative  # taken as configured
+
+
+def test_a_spec_role_learns_its_width_from_the_server_when_none_was_configured() -> None:
+    fleet = FleetModel({"spec": 0, "base": 0}, speculative=("spec",))
+    fleet.add_instance("http://s", "spec", 48)
+    assert not fleet.snapshot(0.0).pools["spec"].speculative
+    fleet.on_server("http://s", ServerDescription("sglang", speculative=True, num_draft_tokens=3))
+    assert fleet.snapshot(0.0).pools["spec"].speculative
+
+
+LOADS = '{"loads": [{"num_running_reqs": 2, "num_waiting_reqs": 1, "max_running_requests": 48}]}'
+SGLANG_METRICS = "sglang:num_running_reqs 3\nsglang:num_queue_reqs 0\n"
+VLLM_METRICS = 'vllm:num_requests_running{model_name="m"} 4\nvllm:num_requests_waiting{model_name="m"} 0\n'
+
+
+@pytest.mark.parametrize(
+    ("path", "text", "kind", "running"),
+    [
+        ("/v1/loads", LOADS, SGLang, 2),
+        ("/metrics", SGLANG_METRICS, SGLang, 3),
+        ("/metrics", VLLM_METRICS, VLLM, 4),
+        ("/get_load", '[{"num_reqs": 5, "num_waiting_reqs": 1}]', SGLang, 4),
+    ],
+)
+def test_each_kind_recognises_its_answers_and_reads_them(path: str, text: str, kind: type, running: float) -> None:
+    backend = backends.recognise(path, text)
+    assert isinstance(backend, kind) and backend.load_path == path
+    assert backend.read(text, 1.0).running == running
+
+
+def test_an_answer_no_kind_reads_is_not_taken_for_a_load_endpoint() -> None:
+    assert backends.recognise("/metrics", "process_cpu_seconds_total 1\n") is None
+    assert backends.load_paths() == ("/v1/loads", "/metrics", "/get_load")
+    assert OpenAICompatible().load_path is None and OpenAICompatible.liveness_path == "/health"
+
+
+def test_vllm_reports_its_default_cap_until_it_is_seen_saturated() -> None:
+    backend = VLLM("/metrics")
+    assert backend.default_description().max_running == 256
+    assert backend.read(VLLM_METRICS, 0.0) == Reading(at=0.0, running=4, waiting=0, max_running=256, accept_steps=160)
