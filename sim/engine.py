@@ -24,7 +24,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from fleet.profile import Profile
 from sim.lengths import OutputLengths, parse_output_lengths
@@ -69,6 +69,12 @@ class EngineConfig:
     @property
     def speculative(self) -> bool:
         return self.mode == "spec"
+
+    @property
+    def max_running(self) -> int:
+        """max_running_requests, the mode's default filled in (__post_init__ does it)."""
+        assert self.max_running_requests is not None
+        return self.max_running_requests
 
 
 def check_alpha(alpha: float) -> None:
@@ -313,7 +319,7 @@ class Engine:
     def begin_step(self, now: float) -> Step | None:
         """Pick the next iteration's batch, or None when idle."""
         cfg = self.config
-        if self.prefilling is not None or (self.waiting and self.num_running < cfg.max_running_requests):
+        if self.prefilling is not None or (self.waiting and self.num_running < cfg.max_running):
             return self._prefill_step(now)
         if not self.running:
             return None
@@ -341,7 +347,7 @@ class Engine:
             chunks.append(take)
             budget -= take
             open_chunk = take < rest
-        slots = cfg.max_running_requests - len(self.running) - len(reqs)
+        slots = cfg.max_running - len(self.running) - len(reqs)
         while budget > 0 and slots > 0 and self.waiting and not open_chunk:
             req = self.waiting.pop(next(iter(self.waiting)))
             take = min(req.prompt_tokens, budget)
@@ -493,7 +499,7 @@ class Engine:
         elif gauges == "idle":
             self.gauges["gen_throughput"] = 0.0  # spec gauges keep their last value while idle
         used = self._context_sum
-        snapshot = {
+        snapshot: dict[str, Any] = {
             "timestamp": now,
             "dp_rank": 0,
             "num_running_reqs": self.num_running,
@@ -505,7 +511,7 @@ class Engine:
             "token_usage": self.token_usage,
             "gen_throughput": self.gauges.get("gen_throughput", 0.0),
             "cache_hit_rate": 0.0,
-            "utilization": min(self.num_running / cfg.max_running_requests, 1.0),
+            "utilization": min(self.num_running / cfg.max_running, 1.0),
             "queues": {"waiting": self.num_waiting, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": 0},
         }
         if cfg.speculative and self.spec_num_forward_ct:

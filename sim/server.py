@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.context import Context
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
@@ -153,14 +154,14 @@ class Twin:
 
     # ---- tracing: the observability engineer's hook ------------------------------------------
 
-    def trace_context(self, headers: Mapping[str, str]) -> object | None:
+    def trace_context(self, headers: Mapping[str, str]) -> Context | None:
         """W3C trace context of an incoming request (traceparent/tracestate), used only with
         --enable-trace; with tracing off the headers are ignored, as in SGLang."""
         return self.tracer.extract(headers) if self.tracer is not None else None
 
     # ---- generation ---------------------------------------------------------------------
 
-    async def generate(self, kind: str, http: HttpRequest) -> Response:
+    async def generate(self, kind: str, http: HttpRequest) -> Reply:
         if http.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             raise TwinError("Content-Type must be application/json", err_type="Bad Request")
         try:
@@ -598,6 +599,10 @@ class SseResponse:
             await self.chunks.aclose()  # type: ignore[attr-defined]
 
 
+Reply = Response | SseResponse
+"""What a route returns: a Starlette response, or the ASGI stream above (Starlette calls either)."""
+
+
 async def sick_stream(chunks: AsyncIterator[bytes], faults: Faults) -> AsyncIterator[bytes]:
     """`chunks` cut short as the faults say: hung (no further byte, no end) or dropped."""
     sent = 0
@@ -634,8 +639,8 @@ def error_response(exc: TwinError, server: str = "sglang") -> JSONResponse:
 def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
     twin = Twin(options, config)
 
-    def guarded(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[HttpRequest], Awaitable[Response]]:
-        async def endpoint(request: HttpRequest) -> Response:
+    def guarded(handler: Callable[[HttpRequest], Awaitable[Reply]]) -> Callable[[HttpRequest], Awaitable[Reply]]:
+        async def endpoint(request: HttpRequest) -> Reply:
             try:
                 return await handler(request)
             except TwinError as exc:
@@ -643,10 +648,10 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
 
         return endpoint
 
-    async def chat(request: HttpRequest) -> Response:
+    async def chat(request: HttpRequest) -> Reply:
         return await twin.generate("chat", request)
 
-    async def completions(request: HttpRequest) -> Response:
+    async def completions(request: HttpRequest) -> Reply:
         return await twin.generate("completion", request)
 
     async def models(request: HttpRequest) -> Response:

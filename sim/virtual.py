@@ -135,7 +135,7 @@ class EngineView:
 
     @property
     def max_running_requests(self) -> int:
-        return self._engine.config.max_running_requests  # type: ignore[return-value]
+        return self._engine.config.max_running
 
     @property
     def num_draft_tokens(self) -> int:
@@ -231,9 +231,10 @@ def simulate(
         while in_flight and in_flight[0][0] <= t:
             end, _, i = heapq.heappop(in_flight)
             step = steps[i]
+            assert step is not None  # in_flight holds an entry only for an engine with a step
             steps[i] = None
             engine = engines[i]
-            touched = engine.finish_step(step, end)  # type: ignore[arg-type]
+            touched = engine.finish_step(step, end)
             if on_step is not None:
                 on_step(
                     StepObservation(
@@ -241,15 +242,16 @@ def simulate(
                         engine.name,
                         step.kind,
                         step.batch,
-                        step.tokens_per_seq,  # type: ignore[union-attr]
+                        step.tokens_per_seq,
                         step.start,
                         step.duration_s,
                         sum(r.last_emitted for r in touched),
                     )
-                )  # type: ignore[union-attr]
+                )
             for req in touched:
                 if req.finished:
-                    record = _record(req, i, engine.name, classes.pop(req.tag, "latency"))  # type: ignore[arg-type]
+                    assert isinstance(req.tag, int)  # the arrival's index, set below
+                    record = _record(req, req.tag, i, engine.name, classes.pop(req.tag, "latency"))
                     records.append(record)
                     for follow_up in (on_finish(record) or ()) if on_finish is not None else ():
                         heapq.heappush(pending, (follow_up.time, next_index, follow_up))
@@ -280,9 +282,9 @@ def simulate(
     return records
 
 
-def _record(req: Request, engine: int, name: str, request_class: str) -> RequestRecord:
+def _record(req: Request, index: int, engine: int, name: str, request_class: str) -> RequestRecord:
     return RequestRecord(
-        index=req.tag,  # type: ignore[arg-type]
+        index=index,
         engine=engine,
         engine_name=name,
         arrival=req.arrival,
