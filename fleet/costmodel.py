@@ -236,7 +236,7 @@ class StepCostModel:
     ) -> dict[str, dict[str, float]]:
         """Predicted step ms per pool at a few batch sizes (for /v1/specroute/state)."""
         return {
-            pool: {str(b): round(self.decode_step_ms(pool, b, model.tokens_per_seq, now), 3) for b in batches}  # type: ignore[arg-type]
+            pool: {str(b): round(self.decode_step_ms(pool, b, model.tokens_per_seq, now), 3) for b in batches}
             for pool, model in self._pools.items()
         }
 

@@ -8,6 +8,7 @@ from fleet.types import Decision, Features, Snapshot
 
 
 class Policy(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def decide(self, features: Features, snapshot: Snapshot) -> Decision: ...
