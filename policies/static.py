@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from fleet.types import Decision, Features, PoolName, Snapshot
 from policies.registry import register
 
 
+@dataclass
 class Static:
-    def __init__(self, pool: PoolName):
-        self.pool: PoolName = pool
-        self.name: str = pool
+    pool: PoolName
+
+    @property
+    def name(self) -> str:
+        return self.pool
 
     def decide(self, features: Features, snapshot: Snapshot) -> Decision:
         return Decision(pool=self.pool, reason="static")
