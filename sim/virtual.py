@@ -300,9 +300,7 @@ def simulate(
                 output_len=arrival.output_tokens,
                 rid=f"r{index}",
                 cache_key=(
-                    None
-                    if arrival.prefix is None
-                    else engine.block_key(arrival.prefix, arrival.prefix_block_tokens)
+                    None if arrival.prefix is None else engine.block_key(arrival.prefix, arrival.prefix_block_tokens)
                 ),
             )
             req.tag = index
