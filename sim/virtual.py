@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from sim.engine import Engine, Request, Step
@@ -36,6 +36,13 @@ class Arrival:
     ignore_eos: bool = False
     request_class: str = "latency"
     stream: bool = True
+    prefix: tuple[Hashable, ...] | None = None
+    """The prompt's blocks for the prefix cache, `prefix_block_tokens` tokens each, e.g. the
+    Mooncake trace's `hash_ids` (equal leading ids are a shared prefix). None: the request neither
+    uses nor fills the cache (token counts only, as the routing evaluation feeds them)."""
+    prefix_block_tokens: int = 512
+    """Tokens per block of `prefix` (Mooncake's: 512). Engines whose `page_size` equals it use
+    the ids as pages directly (fast); a page size that divides it splits each block."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +85,8 @@ class RequestRecord:
     alpha: float
     """The request's own per-token acceptance probability (spec engines; 0 on base)."""
     request_class: str
+    cached_tokens: int = 0
+    """Prompt tokens the engine's prefix cache held at admission (not prefilled)."""
 
     @property
     def ttft(self) -> float:
@@ -173,6 +182,22 @@ class EngineView:
     @property
     def load_snapshot(self) -> dict:
         return dict(self._engine.load_snapshot)
+
+    def cached_tokens(self, arrival: Arrival) -> int:
+        """Tokens of the arrival's prefix this engine's cache holds now (an oracle: a real
+        router only approximates it); 0 without a prefix or a cache. Touches nothing."""
+        engine = self._engine
+        if arrival.prefix is None or engine.cache is None:
+            return 0
+        key = engine.block_key(arrival.prefix, arrival.prefix_block_tokens)
+        page = engine.config.page_size
+        return min(engine.cache.peek(key) * page, max(arrival.prompt_tokens - 1, 0)) // page * page
+
+    @property
+    def cache_size(self) -> int:
+        """Tokens in the engine's prefix cache (locked and evictable)."""
+        cache = self._engine.cache
+        return cache.total_size if cache is not None else 0
 
 
 Router = Callable[[Arrival, Sequence[EngineView]], "int | str | None"]
@@ -274,6 +299,9 @@ def simulate(
                 ignore_eos=arrival.ignore_eos,
                 output_len=arrival.output_tokens,
                 rid=f"r{index}",
+                cache_key=(
+                    None if arrival.prefix is None else engine.block_key(arrival.prefix, arrival.prefix_block_tokens)
+                ),
             )
             req.tag = index
             classes[index] = arrival.request_class
@@ -296,4 +324,5 @@ def _record(req: Request, index: int, engine: int, name: str, request_class: str
         verify_ct=req.verify_ct,
         alpha=req.alpha,
         request_class=request_class,
+        cached_tokens=req.cached_tokens,
     )
