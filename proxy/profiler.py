@@ -287,18 +287,24 @@ class Profiler:
             raise ProfileError(f"{shown}/v1/models answered {models.status_code}")
         model = str(models.json()["data"][0]["id"])
         backend: Backend | None = None
+        reported_cap: int | None = None
         for path in load_paths():
             answer = await self._get(url, path)
             if answer.status_code == 200:
                 backend = recognise(path, answer.text)
                 if backend is not None and backend.kind != "openai":
+                    try:
+                        reported_cap = backend.read(answer.text, time.time()).max_running
+                    except (ValueError, KeyError, TypeError):
+                        pass
                     break
         if backend is None or backend.kind == "openai":
             raise ProfileError(
                 f"{shown}: no load endpoint answered (SGLang /v1/loads or /metrics, vLLM /metrics): "
                 "its idleness cannot be checked"
             )
-        server = Server(url, shown, backend.kind, backend, model, False, 0, VLLM_DEFAULT_MAX_NUM_SEQS)
+        cap = reported_cap or VLLM_DEFAULT_MAX_NUM_SEQS  # /v1/loads or /metrics may say it
+        server = Server(url, shown, backend.kind, backend, model, False, 0, cap)
         if backend.info_path:
             info = await self._get(url, backend.info_path)
             if info.status_code == 200:
@@ -306,7 +312,9 @@ class Profiler:
                 facts = server_info_facts(doc)
                 server.speculative = facts["speculative"]
                 server.num_steps = facts["num_draft_tokens"]
-                server.cap = int(facts["max_running_requests"] or server.cap)
+                states = doc.get("internal_states") or [{}]
+                effective = states[0].get("effective_max_running_requests_per_dp") if states else None
+                server.cap = int(facts["max_running_requests"] or effective or server.cap)
                 server.context_length = doc.get("context_length")
                 if doc.get("twin"):  # the twin says how much faster than its physics it runs
                     server.time_scale = float(doc.get("time_scale") or 1.0)
