@@ -42,7 +42,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from fleet.profile import Profile, load_profile, tokens_per_verify_step
+from fleet.acceptance import alpha_from_accept_length
+from fleet.profile import Profile, load_profile
 from proxy.backends import Backend, load_paths, recognise
 from proxy.backends.prometheus import parse_prometheus
 from proxy.backends.sglang import server_info_facts
@@ -93,19 +94,6 @@ def batch_sizes(cap: int) -> list[int]:
     if cap > 1:
         sizes.append(cap)
     return sizes
-
-
-def alpha_from_accept_length(accept_length: float, num_steps: int) -> float:
-    """The per-token acceptance whose tau = (1 - a^(k+1)) / (1 - a) is `accept_length`."""
-    target = min(max(accept_length, 1.0), num_steps + 1 - 1e-6)
-    lo, hi = 0.0, 0.999999
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if tokens_per_verify_step(mid, num_steps) < target:
-            lo = mid
-        else:
-            hi = mid
-    return (lo + hi) / 2
 
 
 def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
