@@ -11,10 +11,11 @@ profile and corrected by observed decode steps.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,6 +36,7 @@ from sim.virtual import AlphaChange, Arrival, EngineView, RequestRecord, StepObs
 
 POOL_OF_ENGINE: tuple[PoolName, PoolName] = ("spec", "base")
 URLS = ("virtual://spec", "virtual://base")
+"""The one-instance-per-pool fleet's engines (`Setup.pools()` and `Setup.urls()` in general)."""
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class Slo:
 
 @dataclass(frozen=True)
 class Setup:
-    """A fleet: one spec and one base server on the same profile."""
+    """A fleet: spec and base servers on the same profile (one of each by default)."""
 
     profile: str
     alpha: float
@@ -57,6 +59,32 @@ class Setup:
     spec_max_running: int = 48
     base_max_running: int = 256
     seed: int = 0
+    spec_instances: int = 1
+    base_instances: int = 1
+    """Servers per pool: the spec ones come first in `engines()`, then the base ones."""
+    page_size: int = 1
+    """Prefix-cache page of every engine (SGLang's --page-size; 512 serves Mooncake's blocks as
+    pages). Only arrivals with a `prefix` use the cache."""
+    context_length: int | None = None
+    """The engines' context (None: the twin's default, 32,768; the Mooncake trace's prompts
+    reach 123,000 tokens)."""
+
+    def pools(self) -> tuple[PoolName, ...]:
+        """The pool of each engine, in `engines()` order."""
+        spec: tuple[PoolName, ...] = ("spec",) * self.spec_instances
+        return spec + ("base",) * self.base_instances
+
+    def names(self) -> tuple[str, ...]:
+        """Engine names: the pool's name alone with one instance per pool (as always), else
+        `spec-0`, `spec-1`, ..., `base-0`, ..."""
+        if self.spec_instances == 1 and self.base_instances == 1:
+            return POOL_OF_ENGINE
+        return tuple(f"spec-{i}" for i in range(self.spec_instances)) + tuple(
+            f"base-{i}" for i in range(self.base_instances)
+        )
+
+    def urls(self) -> tuple[str, ...]:
+        return tuple(f"virtual://{name}" for name in self.names())
 
     def engines(self) -> list[Engine]:
         prof = load_profile(self.profile)
@@ -64,13 +92,25 @@ class Setup:
             profile=prof,
             num_steps=self.num_steps,
             mean_alpha=self.alpha,
-            seed=self.seed,
             output_lengths=parse_output_lengths("azure-conv"),
         )
-        return [
-            Engine(EngineConfig(mode="spec", max_running_requests=self.spec_max_running, **common), "spec"),  # type: ignore[arg-type]
-            Engine(EngineConfig(mode="base", max_running_requests=self.base_max_running, **common), "base"),  # type: ignore[arg-type]
-        ]
+        if self.page_size != 1:
+            common["page_size"] = self.page_size
+        if self.context_length is not None:
+            common["context_length"] = self.context_length
+        caps = {"spec": self.spec_max_running, "base": self.base_max_running}
+        engines = []
+        for pool, name in zip(self.pools(), self.names()):
+            # The first instance of a pool draws as the one-instance fleet does; the others
+            # draw their own acceptance and output lengths.
+            nth = int(name.rpartition("-")[2]) if "-" in name else 0
+            engines.append(
+                Engine(
+                    EngineConfig(mode=pool, max_running_requests=caps[pool], seed=self.seed + 7919 * nth, **common),  # type: ignore[arg-type]
+                    name,
+                )
+            )
+        return engines
 
 
 class Split:
@@ -123,6 +163,10 @@ class VirtualRouter:
     _next_poll: float = 0.0
     _views: Sequence[EngineView] = ()
     _engines: Sequence[Engine] = ()
+    urls: tuple[str, ...] = field(init=False)
+    pool_of_engine: tuple[PoolName, ...] = field(init=False)
+    _members: dict[PoolName, tuple[int, ...]] = field(init=False)
+    _turn: Iterator[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.fleet = FleetModel(
@@ -131,8 +175,29 @@ class VirtualRouter:
             half_life_s=self.half_life_s,
             seed=seed_from_profile(self.setup.profile),
         )
-        self.fleet.add_instance(URLS[0], "spec", self.setup.spec_max_running)
-        self.fleet.add_instance(URLS[1], "base", self.setup.base_max_running)
+        self.urls = self.setup.urls()
+        self.pool_of_engine = self.setup.pools()
+        caps = {"spec": self.setup.spec_max_running, "base": self.setup.base_max_running}
+        for url, pool in zip(self.urls, self.pool_of_engine):
+            self.fleet.add_instance(url, pool, caps[pool])
+        self._members = {
+            pool: tuple(i for i, p in enumerate(self.pool_of_engine) if p == pool) for pool in ("spec", "base")
+        }
+        self._turn = itertools.count()
+
+    def pick(self, pool: PoolName) -> int:
+        """The engine of `pool` a request goes to: the least loaded relative to its cap, ties
+        rotating, as the proxy's Router.pick (proxy/routing.py) chooses an instance."""
+        members = self._members[pool]
+        if len(members) == 1:
+            return members[0]
+        start = next(self._turn) % len(members)
+        rotated = members[start:] + members[:start]
+        instances = self.fleet.instances
+        return min(
+            rotated,
+            key=lambda i: instances[self.urls[i]].adjusted_load() / max(instances[self.urls[i]].max_running, 1),
+        )
 
     def attach(self, engines: Sequence[Engine]) -> None:
         self._engines = engines
@@ -144,7 +209,7 @@ class VirtualRouter:
             return
         at = math.floor(now / self.poll_interval_s) * self.poll_interval_s
         self._polls += 1
-        for url, view in zip(URLS, self._views):
+        for url, view in zip(self.urls, self._views):
             reading = sglang.reading_from_loads({"loads": [view.load_snapshot]}, at)
             if view.speculative and reads_counters(self._polls):
                 reading = replace(
@@ -164,7 +229,7 @@ class VirtualRouter:
             # steps themselves are seen (every fourth, at the batch the router's view shows).
             self._steps += 1
             if self._steps % 4 == 0:
-                self.fleet.on_step(URLS[step.engine], step.start + step.duration_s, step.duration_s * 1000)
+                self.fleet.on_step(self.urls[step.engine], step.start + step.duration_s, step.duration_s * 1000)
 
     def route(self, arrival: Arrival, views: Sequence[EngineView]) -> int | None:
         self._poll_until(arrival.time)
@@ -185,15 +250,15 @@ class VirtualRouter:
         self.decisions.append((arrival.time, decision.pool, decision.reason, snapshot.pools["spec"].alpha))
         if self.keep_snapshots:
             self.snapshots.append((features, snapshot))
-        index = POOL_OF_ENGINE.index(decision.pool)
-        self.fleet.on_dispatch(URLS[index], arrival.time, arrival.prompt_tokens)
+        index = self.pick(decision.pool)
+        self.fleet.on_dispatch(self.urls[index], arrival.time, arrival.prompt_tokens)
         return index
 
     def on_finish(self, record: RequestRecord) -> None:
         if self.admission is not None and record.request_class == "latency":
             self.admission.observe(self.setup.slo.met(record))
-        url = URLS[record.engine]
-        spec = record.engine == 0
+        url = self.urls[record.engine]
+        spec = self.pool_of_engine[record.engine] == "spec"
         evidence = ResponseEvidence(
             tokens=record.output_tokens,
             verify_steps=record.verify_ct if spec else None,
@@ -213,6 +278,10 @@ class Workload:
     lengths: Sequence[tuple[int, int]] = ()
     warmup_s: float = 0.0
     alpha_changes: Sequence[AlphaChange] = ()
+    follow_up: Callable[[RequestRecord], Iterable[Arrival]] | None = None
+    """Open arrivals that send more as requests finish (a session's next turn after its think
+    time): called with each finished request's record; what it returns is numbered after the
+    list's, in the order returned."""
 
 
 def closed_loop(clients: int, total: int, lengths: Sequence[tuple[int, int]]) -> Workload:
@@ -233,12 +302,20 @@ class RunResult:
     warmup_s: float
     closed: bool
     refusals: list[tuple[float, str, str]] = field(default_factory=list)
+    running_mean: tuple[float, ...] = ()
+    """Per engine, its running requests averaged over time from the warm-up to the last step
+    (`run(track_running=True)`; empty otherwise)."""
 
     def measured(self) -> list[RequestRecord]:
         return [r for r in self.records if r.arrival >= self.warmup_s]
 
     def summary(self) -> dict[str, float]:
         return summarize([self])
+
+
+def is_spec(record: RequestRecord) -> bool:
+    """Whether a request ran on a spec server (`Setup.names()`: spec, or spec-0, spec-1, ...)."""
+    return record.engine_name.startswith("spec")
 
 
 def summarize(results: Sequence[RunResult]) -> dict[str, float]:
@@ -283,7 +360,7 @@ def summarize(results: Sequence[RunResult]) -> dict[str, float]:
         "throughput_tok_s": tokens / span,
         "slo_goodput_rps": met / window,
         "slo_attainment": sum(1 for result, recs in measured for r in recs if result.slo.met(r)) / len(rs),
-        "spec_share": sum(1 for r in rs if r.engine == 0) / len(rs),
+        "spec_share": sum(1 for r in rs if is_spec(r)) / len(rs),
     }
 
 
@@ -294,8 +371,11 @@ def run(
     keep_snapshots: bool = False,
     poll_interval_s: float = 0.1,
     admission: Admission | None = None,
+    track_running: bool = False,
 ) -> RunResult:
-    """`admission`: refuse requests up front as the proxy does (policies/admission.py)."""
+    """`admission`: refuse requests up front as the proxy does (policies/admission.py);
+    `track_running`: average each engine's running requests over time (open arrivals, from
+    `workload.warmup_s`), into `RunResult.running_mean`."""
     engines = setup.engines()
     router = VirtualRouter(
         make_policy(policy_name, setup.slo),
@@ -310,17 +390,34 @@ def run(
     def on_finish(record: RequestRecord) -> Iterable[Arrival]:
         nonlocal sent
         router.on_finish(record)
+        if workload.follow_up is not None:
+            return tuple(workload.follow_up(record))
         if workload.clients and sent < workload.closed_total:
             prompt, output = workload.lengths[sent % len(workload.lengths)]
             sent += 1
             return (Arrival(time=record.finish_time, prompt_tokens=prompt, output_tokens=output),)
         return ()
 
+    on_step: Callable[[StepObservation], None] = router.on_step
+    area = [0.0] * len(engines)
+    clock = [workload.warmup_s, workload.warmup_s]  # (since, last step end)
+    if track_running:
+
+        def on_step(step: StepObservation) -> None:
+            router.on_step(step)
+            # Running counts change only at step ends (admission with a prefill step, finish at
+            # a step's end); each engine's count holds from the previous step end to this one.
+            end = step.start + step.duration_s
+            if end > clock[1]:
+                for i, engine in enumerate(engines):
+                    area[i] += engine.num_running * (end - clock[1])
+                clock[1] = end
+
     records = simulate(
         engines,
         workload.arrivals,
         router.route,
-        on_step=router.on_step,
+        on_step=on_step,
         on_finish=on_finish,
         alpha_changes=workload.alpha_changes,
     )
@@ -339,6 +436,7 @@ def run(
         warmup_s,
         closed=workload.clients > 0,
         refusals=router.refusals,
+        running_mean=tuple(a / max(clock[1] - clock[0], 1e-9) for a in area) if track_running else (),
     )
 
 
@@ -353,6 +451,6 @@ def with_alpha(snapshot: Snapshot, alpha: float) -> Snapshot:
 def effective_alpha(records: Sequence[RequestRecord], k: int) -> float:
     """The acceptance the spec engine actually delivered to these requests: alpha of their pooled
     tokens per verify step (per-request alphas vary, so this is not the configured mean)."""
-    tokens = sum(r.output_tokens - 1 for r in records if r.engine == 0 and r.verify_ct)
-    steps = sum(r.verify_ct for r in records if r.engine == 0)
+    tokens = sum(r.output_tokens - 1 for r in records if is_spec(r) and r.verify_ct)
+    steps = sum(r.verify_ct for r in records if is_spec(r))
     return alpha_from_accept_length(tokens / steps, k) if steps else math.nan
