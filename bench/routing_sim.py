@@ -71,8 +71,9 @@ class Setup:
 
     def pools(self) -> tuple[PoolName, ...]:
         """The pool of each engine, in `engines()` order."""
-        spec: tuple[PoolName, ...] = ("spec",) * self.spec_instances
-        return spec + ("base",) * self.base_instances
+        spec: list[PoolName] = ["spec"] * self.spec_instances
+        base: list[PoolName] = ["base"] * self.base_instances
+        return (*spec, *base)
 
     def names(self) -> tuple[str, ...]:
         """Engine names: the pool's name alone with one instance per pool (as always), else
