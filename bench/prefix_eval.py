@@ -121,7 +121,10 @@ def workload_of(job: Job) -> tuple[Setup, Workload]:
         return setup, Workload(compressed, warmup_s=compressed[len(compressed) // 10].time)
     sessions = script(session_requests(job, target))
     scale = sessions.session_rate() * sessions.mean_turns() / target
-    return replace(setup, page_size=sessions.block_tokens), sessions.workload(scale)
+    workload = sessions.workload(scale)
+    if job.quick:  # too short to reach a steady rate: a smoke test scores every request
+        workload.warmup_s = 0.0
+    return replace(setup, page_size=sessions.block_tokens), workload
 
 
 def session_requests(job: Job, target_rps: float) -> int:
@@ -133,7 +136,7 @@ def session_requests(job: Job, target_rps: float) -> int:
 def window_end(job: Job) -> float:
     """The last arrival time scored: a session workload's last session start (its rate decays
     after it); open arrivals: all."""
-    if job.workload == "mooncake":
+    if job.workload == "mooncake" or job.quick:
         return float("inf")
     target = job.level * capacity(SETUPS[job.setup_name], job.workload, REQUESTS[job.workload])
     sessions = script(session_requests(job, target))
