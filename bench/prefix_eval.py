@@ -36,7 +36,7 @@ from typing import Any
 
 from bench.routing import H200_SLO, KIMI_SLO, SPLITS, capacity_rps, oracle
 from bench.routing_sim import RunResult, Setup, Workload, run, summarize
-from bench.sessions import generate
+from bench.sessions import Script, generate
 from sim.mooncake import BLOCK_TOKENS, mooncake_arrivals, read_mooncake, reuse
 from sim.virtual import Arrival
 
@@ -98,6 +98,7 @@ def natural(workload: str, n: int) -> list[Arrival]:
     return script(n).natural_arrivals()[:n]
 
 
+@cache
 def capacity(setup: Setup, workload: str, n: int) -> float:
     """bench.routing's capacity (each server at its running cap, summed; here every server of
     both pools) at the workload's mean output and mean *uncached* prompt: the prompt tokens an
@@ -199,8 +200,16 @@ def report(results: list[dict[str, Any]], elapsed_s: float, quick: bool) -> str:
         "| workload | requests | mean prompt | mean output | prefix tokens seen before | blocks seen before |",
         "|---|---|---|---|---|---|",
     ]
-    for workload in WORKLOADS:
-        arrivals = natural(workload, (QUICK_REQUESTS if quick_run else REQUESTS)[workload])
+    sizes = QUICK_REQUESTS if quick_run else REQUESTS
+    sessions = script(sizes["sessions"])
+    streams = [(w, natural(w, sizes[w])) for w in WORKLOADS] + [
+        (
+            f"sessions: {kind}s only",
+            Script(tuple(s for s in sessions.sessions if s.kind == kind), sessions.block_tokens).natural_arrivals(),
+        )
+        for kind in ("chat", "agent")
+    ]
+    for workload, arrivals in streams:
         share = reuse(arrivals)
         lines.append(
             f"| {workload} | {len(arrivals)} | {statistics.fmean(a.prompt_tokens for a in arrivals):.0f} | "
