@@ -25,8 +25,9 @@ Hashes are SHA-256 of the running stream, truncated to 8 bytes (a little-endian 
 across processes and machines (Python's `hash` is not), and the fastest hashlib digest here
 (2.0 GB/s with the CPU's SHA extensions, against 1.4 for BLAKE2b; bench/prefix_index.py). Past
 that floor the cost is the Python loop, about 0.25 us a block, hence blocks of 256 tokens by
-default; a caller hashes a request once and keeps the tuple (for its decision, its insert after
-dispatch and any failover).
+default. `PromptBlocks` hashes a request's prompt only as far as its decision needs (a little
+past the first block no instance holds) and keeps the hashes for the insert after dispatch,
+which hashes the rest, and for a failover.
 
 Block ids that come with a request (the virtual clock's `Arrival.prefix`, e.g. the Mooncake
 trace's `hash_ids`) are chained the same way by `chain_ids`, so the evaluation and the proxy
@@ -39,8 +40,8 @@ import hashlib
 import struct
 import sys
 import zlib
-from collections.abc import Hashable, Iterable, Mapping
-from typing import Any
+from collections.abc import Collection, Container, Hashable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, overload
 
 import orjson
 
@@ -152,23 +153,7 @@ def _ints(digests: list[bytes]) -> tuple[int, ...]:
 def chain(data: bytes, block_bytes: int, max_blocks: int | None = None) -> tuple[int, ...]:
     """Hashes of `data`'s whole blocks of `block_bytes`, each covering the blocks before it
     (at most `max_blocks`, the leading ones)."""
-    if block_bytes <= 0:
-        raise ValueError("block_bytes must be positive")
-    n = len(data) // block_bytes
-    if max_blocks is not None:
-        n = min(n, max_blocks)
-    if n <= 0:
-        return ()
-    # One running hash; digest() reads it without ending it (no copy of the state per block).
-    running = hashlib.sha256()
-    update, digest = running.update, running.digest
-    view = memoryview(data)
-    digests: list[bytes] = []
-    append = digests.append
-    for start in range(0, n * block_bytes, block_bytes):
-        update(view[start : start + block_bytes])
-        append(digest())
-    return _ints(digests)
+    return PromptBlocks(data, block_bytes, max_blocks).all()
 
 
 def block_hashes(
@@ -181,6 +166,112 @@ def block_hashes(
     if data is None:
         return ()
     return chain(data, block_tokens * CHARS_PER_TOKEN, max_blocks)
+
+
+LEADING_CHUNK = 4
+"""Blocks `PromptBlocks.hash_while_held` hashes first (then twice as many each time)."""
+
+
+class PromptBlocks(Sequence[int]):
+    """One request's block hashes, computed only as far as they are read: a decision needs the
+    blocks some instance may hold (`PrefixIndex.match` stops soon after the first block none
+    holds), the insert after dispatch all of them. Keep it for the request's life (its
+    decision, its insert, a failover's second decision): nothing is hashed twice. The same
+    hashes as `block_hashes`."""
+
+    __slots__ = ("_view", "_block", "_n", "_hashes", "_update", "_digest")
+
+    def __init__(self, data: bytes, block_bytes: int, max_blocks: int | None = None):
+        if block_bytes <= 0:
+            raise ValueError("block_bytes must be positive")
+        n = len(data) // block_bytes
+        self._n = n if max_blocks is None else max(min(n, max_blocks), 0)
+        self._view = memoryview(data)
+        self._block = block_bytes
+        self._hashes: list[int] = []
+        running = hashlib.sha256()
+        self._update, self._digest = running.update, running.digest
+
+    @classmethod
+    def of(
+        cls, body: Mapping[str, Any], block_tokens: int = BLOCK_TOKENS, max_blocks: int | None = None
+    ) -> PromptBlocks:
+        """A request body's blocks (none when it has no single prompt)."""
+        return cls(prompt_stream(body) or b"", block_tokens * CHARS_PER_TOKEN, max_blocks)
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def computed(self) -> int:
+        """Blocks hashed so far."""
+        return len(self._hashes)
+
+    def _extend(self, upto: int) -> None:
+        """Hash up to block `upto` (excluded): one running SHA-256, whose digest() reads it
+        without ending it, one int conversion for all the new blocks."""
+        hashes, block, view = self._hashes, self._block, self._view
+        update, digest = self._update, self._digest
+        digests: list[bytes] = []
+        append = digests.append
+        for start in range(len(hashes) * block, min(upto, self._n) * block, block):
+            update(view[start : start + block])
+            append(digest())
+        hashes += _ints(digests)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[int, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> int | tuple[int, ...]:
+        if isinstance(i, slice):
+            _, stop, step = i.indices(self._n)
+            self._extend(stop if step > 0 else self._n)
+            return tuple(self._hashes[i])
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            raise IndexError("block index out of range")
+        if i >= len(self._hashes):
+            self._extend(i + 1)
+        return self._hashes[i]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self[:])
+
+    def all(self) -> tuple[int, ...]:
+        """Every block's hash (what `insert` records)."""
+        return self[:]
+
+    def hashed(self) -> Sequence[int]:
+        """The hashes computed so far (read them, do not change them)."""
+        return self._hashes
+
+    def hash_while_held(self, holders: Collection[Container[int]]) -> int:
+        """Hashes blocks in growing chunks (LEADING_CHUNK, then twice as many each time) until
+        no holder contains a chunk's last block, or all are hashed; returns how many are
+        hashed. Holders that are prefix-closed (the prefix index's) hold none past that point,
+        so a match needs no more; at most twice the matched blocks plus LEADING_CHUNK are
+        hashed, and never more than all of them."""
+        n = self._n
+        if not holders:
+            return 0
+        hashes = self._hashes
+        chunk = LEADING_CHUNK
+        end = len(hashes)
+        while end < n:
+            end = min(end + chunk, n)
+            self._extend(end)
+            last = hashes[end - 1]
+            for holder in holders:
+                if last in holder:
+                    break
+            else:
+                return end
+            chunk *= 2
+        return len(hashes)
 
 
 def _id_bytes(block: Hashable) -> bytes:

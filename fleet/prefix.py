@@ -34,7 +34,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from fleet.blocks import BLOCK_TOKENS
+from fleet.blocks import BLOCK_TOKENS, PromptBlocks
 
 DEFAULT_MAX_BLOCKS = 100_000
 DEFAULT_TRUST_HALF_LIFE_S = 60.0
@@ -104,7 +104,7 @@ class PrefixIndex:
         if lru is None:
             lru = self._lru[instance] = OrderedDict()
         cap = self.capacity_blocks(instance)
-        if len(hashes) > cap:
+        if len(hashes) > cap or isinstance(hashes, PromptBlocks):
             hashes = hashes[:cap]
         self._seq += 1
         seq = self._seq
@@ -181,16 +181,24 @@ class PrefixIndex:
     ) -> dict[str, int]:
         """Per instance (those the index knows, or `instances`), the leading blocks of `hashes`
         it likely holds: the matched depth times its trust, rounded down (`raw`: the depth
-        alone). Touches nothing (routing there is what `insert` records)."""
+        alone). Touches nothing (routing there is what `insert` records). `hashes` given as
+        `PromptBlocks` are hashed only a little past the first block no instance holds."""
         out: dict[str, int] = {}
-        names = self._lru.keys() if instances is None else instances
+        names = self._lru.keys() if instances is None else tuple(instances)
+        limit = len(hashes)
+        if isinstance(hashes, PromptBlocks):
+            # Hash only as far as some instance holds the prompt: the rest waits for `insert`.
+            blocks = hashes
+            held = [lru for lru in (self._lru.get(name) for name in names) if lru]
+            limit = blocks.hash_while_held(held)
+            hashes = blocks.hashed()
         for name in names:
             lru = self._lru.get(name)
-            if not lru or not hashes or hashes[0] not in lru:
+            if not lru or not limit or hashes[0] not in lru:
                 out[name] = 0
                 continue
             # Bisection on the matched depth: the instance's blocks are prefix-closed.
-            lo, hi = 1, min(len(hashes), len(lru))
+            lo, hi = 1, min(limit, len(lru))
             while lo < hi:
                 mid = (lo + hi + 1) >> 1
                 if hashes[mid - 1] in lru:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fleet.blocks import block_hashes, chain, chain_ids, prompt_stream
+from fleet.blocks import LEADING_CHUNK, PromptBlocks, block_hashes, chain, chain_ids, prompt_stream
 from fleet.prefix import PrefixIndex
 from sim.tokens import prompt_token_ids
 
@@ -142,6 +142,41 @@ def test_hashing_stops_at_max_blocks():
     body = chat("x" * 100_000)
     full = block_hashes(body, 64)
     assert block_hashes(body, 64, max_blocks=10) == full[:10]
+
+
+def test_prompt_blocks_are_the_same_hashes_computed_when_read():
+    body = chat("x" * 40_000)
+    eager = block_hashes(body, 64)
+    lazy = PromptBlocks.of(body, 64)
+    assert len(lazy) == len(eager) and lazy.computed == 0
+    assert lazy[3] == eager[3] and lazy.computed == 4
+    assert lazy[-1] == eager[-1] and lazy.computed == len(eager)
+    assert lazy[2:9:3] == eager[2:9:3] and tuple(lazy) == lazy.all() == eager
+    assert PromptBlocks.of(body, 64)[::-1] == eager[::-1]
+    with pytest.raises(IndexError):
+        lazy[len(eager)]
+    capped = PromptBlocks.of(body, 64, max_blocks=5)
+    assert len(capped) == 5 and capped.all() == eager[:5]
+    assert len(PromptBlocks.of({"prompt": ["a", "b"]})) == 0
+    assert PromptBlocks(b"x" * 100, 10).all() == chain(b"x" * 100, 10)
+
+
+def test_a_decision_hashes_only_as_far_as_some_instance_holds_the_prompt():
+    index = PrefixIndex(block_tokens=64)
+    turn = chat("Summarise docs/routing.md " * 40)
+    index.insert("a", PromptBlocks.of(turn, 64), 0.0)  # the insert hashes all of it
+    other = block_hashes(chat("something else " * 200), 64)
+    index.insert("b", other, 0.0)
+    held = len(block_hashes(turn, 64))
+    system = sum(1 for x, y in zip(other, block_hashes(turn, 64)) if x == y)
+    follow_up = PromptBlocks.of(chat("Summarise docs/routing.md " * 40, "It says " * 900, "Go on"), 64)
+    assert index.match(follow_up, 1.0) == {"a": held, "b": system}  # b: the shared system prompt
+    assert 0 < system < held
+    assert held + 1 <= follow_up.computed <= 2 * held + LEADING_CHUNK and follow_up.computed < len(follow_up)
+    unseen = PromptBlocks.of(chat("x" * 50_000, system="no one has this"), 64)
+    assert index.match(unseen, 1.0) == {"a": 0, "b": 0} and unseen.computed == LEADING_CHUNK
+    assert index.match(PromptBlocks.of({}, 64), 1.0) == {"a": 0, "b": 0}
+    assert PrefixIndex().match(unseen, 1.0) == {}
 
 
 def test_given_block_ids_are_chained_by_position():
@@ -285,20 +320,27 @@ def test_bisection_finds_the_leading_run_under_random_traffic():
     index = PrefixIndex(block_tokens=1, max_blocks=300)
     names = ["a", "b", "c"]
     index.set_capacity("a", 80)
+
+    def stream(prompt: tuple[int, ...]) -> bytes:
+        return b"".join(k.to_bytes(4, "little") for k in prompt)  # one 4-byte block per item
+
     # Conversations: each prompt extends an earlier one (or starts one of a few system prompts).
-    prompts: list[tuple] = [("sys", k) for k in range(4)]
+    prompts: list[tuple[int, ...]] = [(1000 + k,) for k in range(4)]
     deep = 0
     for step in range(3000):
         stem = rng.choice(prompts)
         prompt = stem + tuple(rng.randrange(5) for _ in range(rng.randint(0, 12)))
         prompts.append(prompt)
-        hashes = chain_ids(prompt)
-        index.insert(rng.choice(names), hashes, float(step))
+        index.insert(rng.choice(names), chain(stream(prompt), 4), float(step))
         if step % 500 == 499:
             index.forget(rng.choice(names))
-        probe = chain_ids(rng.choice(prompts) + (rng.randrange(5),))
+        asked = stream(rng.choice(prompts) + (rng.randrange(5),))
+        probe = chain(asked, 4)
         got = index.match(probe, float(step), raw=True, instances=names)
         assert got == {n: linear_depth(index, n, probe) for n in names}
+        lazy = PromptBlocks(asked, 4)
+        assert index.match(lazy, float(step), raw=True, instances=names) == got
+        assert lazy.computed <= 2 * max(got.values()) + LEADING_CHUNK
         deep += max(got.values()) > 3
     assert len(index) <= 300 and index.blocks("a") <= 80
     assert index.evicted > 1000 and deep > 300  # the caps were hit, and long prefixes matched
