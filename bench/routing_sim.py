@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import random
 import statistics
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -22,7 +23,7 @@ from fleet.cadence import POLL_INTERVAL_S, gauge_steps, reads_counters
 from fleet.costmodel import seed_from_profile
 from fleet.model import FleetModel
 from fleet.profile import load_profile
-from fleet.readings import ResponseEvidence
+from fleet.readings import Dispatch, ResponseEvidence
 from fleet.types import Decision, Features, PoolName, Snapshot
 from policies import registry
 from policies.admission import Admission
@@ -113,6 +114,8 @@ class VirtualRouter:
     decisions: list[tuple[float, PoolName, str, float | None]] = field(default_factory=list)
     """(time, pool, reason, the spec pool's alpha estimate) per request."""
     snapshots: list[tuple[Features, Snapshot]] = field(default_factory=list)
+    _sent: dict[tuple[float, int, int], deque[Dispatch]] = field(default_factory=dict)
+    """Each request's dispatch record until it finishes, by (arrival time, prompt, engine)."""
     _polls: int = 0
     _steps: int = 0
     _next_poll: float = 0.0
@@ -181,7 +184,8 @@ class VirtualRouter:
         if self.keep_snapshots:
             self.snapshots.append((features, snapshot))
         index = POOL_OF_ENGINE.index(decision.pool)
-        self.fleet.on_dispatch(URLS[index], arrival.time, arrival.prompt_tokens)
+        sent = self.fleet.on_dispatch(URLS[index], arrival.time, arrival.prompt_tokens)
+        self._sent.setdefault((arrival.time, arrival.prompt_tokens, index), deque()).append(sent)
         return index
 
     def on_finish(self, record: RequestRecord) -> None:
@@ -189,10 +193,13 @@ class VirtualRouter:
             self.admission.observe(self.setup.slo.met(record))
         url = URLS[record.engine]
         spec = record.engine == 0
+        sent = self._sent.get((record.arrival, record.prompt_tokens, record.engine))
         evidence = ResponseEvidence(
             tokens=record.output_tokens,
             verify_steps=record.verify_ct if spec else None,
             decode_s=record.finish_time - record.first_token_time,
+            ttft_s=record.ttft,
+            dispatch=sent.popleft() if sent else None,
         )
         self.fleet.on_response(url, record.finish_time, evidence)
         self.fleet.on_complete(url, record.finish_time)

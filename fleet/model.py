@@ -19,6 +19,7 @@ stale (policies then act conservatively).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
@@ -26,11 +27,13 @@ from fleet.acceptance import DEFAULT_HALF_LIFE_S, AcceptanceEstimator
 from fleet.costmodel import DEFAULT_HALF_LIFE_S as COST_HALF_LIFE_S
 from fleet.costmodel import Seed, StepCostModel
 from fleet.instance import InstanceSignals
-from fleet.readings import Reading, ResponseEvidence, ServerDescription
+from fleet.readings import Dispatch, Reading, ResponseEvidence, ServerDescription
 from fleet.types import InstanceState, PoolState, Snapshot
 
 # Finished requests the mean output length covers (a moving mean over about as many after that).
 OUTPUT_MEMORY = 50
+PREFILL_CHUNK_TOKENS = 8192
+"""Prompt tokens one prefill iteration takes at most (SGLang's --chunked-prefill-size default)."""
 DEFAULT_POOLS: Mapping[str, int] = {"spec": 3, "base": 0}
 """Pool name -> tokens drafted per verify step (0: a plain pool)."""
 
@@ -157,13 +160,19 @@ class FleetModel:
 
     # -- our own traffic ------------------------------------------------------------------------
 
-    def on_dispatch(self, url: str, now: float, prompt_tokens: int = 0) -> None:
+    def on_dispatch(self, url: str, now: float, prompt_tokens: int = 0) -> Dispatch:
+        """A request sent to `url`; the returned record, handed back with its response's
+        evidence, lets its time to first token teach the prefill cost."""
         signals = self.instances[url]
+        running, waiting = signals.adjusted()
+        ahead = signals.waiting_tokens() if waiting > 0 else 0.0
+        sent = Dispatch(url, now, prompt_tokens, ahead, running, running + waiting + 1 <= signals.max_running)
         signals.local_in_flight += 1
         signals.prompt_tokens_sent.add(now, prompt_tokens)
         signals.sent.add(now)
         if signals.polled:
             signals.events.append((now, +1, prompt_tokens))
+        return sent
 
     def on_complete(self, url: str, now: float) -> None:
         signals = self.instances[url]
@@ -197,6 +206,8 @@ class FleetModel:
             self._on_output(evidence.tokens)
         if evidence.step_ms is not None and evidence.step_ms > 0:
             self.on_step(url, now, evidence.step_ms)
+        if evidence.ttft_s is not None and evidence.dispatch is not None:
+            self._on_first_token(signals, now, evidence.ttft_s, evidence.dispatch)
         pool = self.pools[signals.pool]
         if pool.acceptance is None:
             return
@@ -211,6 +222,21 @@ class FleetModel:
         signals = self.instances[url]
         batch = min(max(signals.adjusted_load(), 1.0), float(signals.max_running))
         self.cost.observe(signals.pool, batch, step_ms, now=now)
+
+    def _on_first_token(self, signals: InstanceSignals, now: float, ttft_s: float, sent: Dispatch) -> None:
+        """A stream's time to first token as prefill evidence: when it found a free slot and a
+        known queue ahead, its first token came after the decode step in flight (half a step on
+        average) and the prefill of the queue and its own prompt, chunked as SGLang does."""
+        if not sent.free_slot or sent.ahead_tokens is None or sent.prompt_tokens < 1:
+            return
+        queued = sent.ahead_tokens + sent.prompt_tokens
+        chunks = math.ceil(queued / PREFILL_CHUNK_TOKENS)
+        in_flight_ms = 0.0
+        if sent.running >= 1:
+            width = self.cost.tokens_per_seq(signals.pool)
+            in_flight_ms = self.cost.decode_step_ms(signals.pool, int(sent.running), width, now) / 2
+        prefill_ms = (1000 * ttft_s - in_flight_ms) / chunks
+        self.cost.observe_prefill(signals.pool, queued / chunks, prefill_ms, now)
 
     def _on_output(self, tokens: int) -> None:
         # The plain mean of the first OUTPUT_MEMORY responses, then a moving one over about as

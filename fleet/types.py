@@ -112,11 +112,16 @@ class PoolState:
 
 
 class StepCost(Protocol):
-    """Milliseconds one engine step takes; implemented by fleet.costmodel."""
+    """Milliseconds one engine step or prefill takes, learned online; implemented by fleet.costmodel."""
 
     def decode_step_ms(self, pool: PoolName, batch: int, tokens_per_seq: int) -> float: ...
 
     def prefill_ms(self, pool: PoolName, tokens: int) -> float: ...
+
+    def evidence(self, pool: PoolName, batch: float, prefill: bool = False) -> float:
+        """Observations' worth behind the prediction at `batch` (or prompt tokens per prefill
+        iteration, with `prefill`); 0 when it is the seed's guess alone."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

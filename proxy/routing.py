@@ -97,6 +97,7 @@ class Attempt:
         "ttft_s",
         "admission",
         "prompt_tokens",
+        "sent",
     )
 
     def __init__(
@@ -125,7 +126,7 @@ class Attempt:
         self.last_at = 0.0
         self.gaps: list[float] = []
         instance.dispatched_total += 1
-        fleet.on_dispatch(instance.url, self.dispatched_at, prompt_tokens)
+        self.sent = fleet.on_dispatch(instance.url, self.dispatched_at, prompt_tokens)
         if outliers is not None:
             outliers.dispatched(instance)
 
@@ -156,6 +157,7 @@ class Attempt:
                 completion_tokens=summary.completion_tokens if summary else None,
                 verify_steps=summary.spec_verify_ct if summary else None,
                 ttft_s=self.ttft_s,
+                dispatch=self.sent,
             )
             self.fleet.on_response(self.instance.url, time.monotonic(), evidence)
         if self.open and complete and self.admission is not None and self.ttft_s is not None:

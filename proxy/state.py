@@ -107,6 +107,9 @@ def fleet_state(
         "cost_model": {
             "profile": settings.profile,
             "decode_step_ms": fleet.cost.estimates(now=now),
+            # Per pool: predicted prefill ms by prompt length, and the evidence behind each
+            # prediction (observations' worth; 0 = the profile's or the prior's guess alone).
+            "learned": fleet.cost.confidence(now=now),
             "half_life_s": settings.costmodel_half_life_s,
         },
         "decisions": list(decisions.recent),
