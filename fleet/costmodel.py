@@ -90,6 +90,11 @@ def seed_from_profile(name_or_path: str, context: float = 1024.0) -> ProfileSeed
 
 # Batch sizes at which corrections are learned; an observation updates its nearest bucket.
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# A bucket's short memory (observations) and the gap between its short and long means that
+# counts as a change of the server (a step time that doubled is followed in about 20
+# observations instead of some 400; docs/routing.md, "What is learned").
+FAST_MEMORY = 16.0
+CHANGE_RATIO = 1.25
 # Prompt tokens per prefill iteration at which prefill corrections are learned.
 PREFILL_BUCKETS: tuple[int, ...] = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -105,6 +110,10 @@ class _Bucket:
     """Observations' worth of trust as of `at`; it halves every half-life after."""
     at: float = 0.0
     """When the bucket was last fed."""
+    recent: float = 1.0
+    """A short-memory mean of the same ratios (about FAST_MEMORY observations): when it leaves
+    the long mean by more than CHANGE_RATIO, the server changed, and the long mean restarts from
+    it instead of averaging the change away over `memory` observations."""
 
     def trust(self, now: float, half_life_s: float) -> float:
         age = now - self.at
@@ -215,9 +224,13 @@ class StepCostModel:
         self._learn(model.prefill.bucket(_nearest(PREFILL_BUCKETS, tokens), now), ratio, 1.0, now)
 
     def _learn(self, bucket: _Bucket, ratio: float, weight: float, now: float) -> None:
+        fresh = bucket.weight == 0
         bucket.weight = min(bucket.trust(now, self.half_life_s) + weight, self.memory)
         bucket.ratio += (ratio - bucket.ratio) * weight / bucket.weight
+        bucket.recent = ratio if fresh else bucket.recent + (ratio - bucket.recent) * min(weight / FAST_MEMORY, 1.0)
         bucket.at = max(bucket.at, now)
+        if bucket.weight > FAST_MEMORY and abs(math.log(bucket.recent / bucket.ratio)) > math.log(CHANGE_RATIO):
+            bucket.ratio, bucket.weight = bucket.recent, FAST_MEMORY
 
     def at(self, now: float) -> StepCostAt:
         """The model as it predicts at `now` (what a Snapshot carries; the StepCost protocol)."""
