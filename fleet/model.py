@@ -167,6 +167,7 @@ class FleetModel:
         running, waiting = signals.adjusted()
         ahead = signals.waiting_tokens() if waiting > 0 else 0.0
         sent = Dispatch(url, now, prompt_tokens, ahead, running, running + waiting + 1 <= signals.max_running)
+        signals.recent_dispatches.append(now)
         signals.local_in_flight += 1
         signals.prompt_tokens_sent.add(now, prompt_tokens)
         signals.sent.add(now)
@@ -224,10 +225,17 @@ class FleetModel:
         self.cost.observe(signals.pool, batch, step_ms, now=now)
 
     def _on_first_token(self, signals: InstanceSignals, now: float, ttft_s: float, sent: Dispatch) -> None:
-        """A stream's time to first token as prefill evidence: when it found a free slot and a
-        known queue ahead, its first token came after the decode step in flight (half a step on
-        average) and the prefill of the queue and its own prompt, chunked as SGLang does."""
+        """A stream's time to first token as prefill evidence. When it found a free slot and a
+        known queue ahead, and no request of ours followed it there before its first token (one
+        that may have joined its prefill batch), its first token came after the decode step in
+        flight (half a step on average) and the prefill of the queue and its own prompt, chunked
+        as SGLang does. Samples that other requests' prefills may have stretched would teach a
+        prefill slower than the server's (they made the routing evaluation worse: 9 missed
+        targets against 3)."""
         if not sent.free_slot or sent.ahead_tokens is None or sent.prompt_tokens < 1:
+            return
+        first_token_at = sent.at + ttft_s
+        if any(sent.at < at <= first_token_at for at in signals.recent_dispatches):
             return
         queued = sent.ahead_tokens + sent.prompt_tokens
         chunks = math.ceil(queued / PREFILL_CHUNK_TOKENS)
