@@ -1,10 +1,12 @@
 # Two commands set everything up on a fresh machine: `make run` and `make test`.
+# For contributors: `make check` (lint, format, types; seconds) and `make unit` (the tests that
+# need no external binary: no Jaeger or kubeconform build).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test install bench clean jaeger kubeconform
+.PHONY: run check unit test install bench clean jaeger kubeconform
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +28,17 @@ jaeger:
 kubeconform:
 	bash tests/deploy/build_kubeconform.sh >/dev/null
 
-test: $(STAMP) jaeger kubeconform
+# ruff (lint, then the formatter in check mode) and mypy, configured in pyproject.toml.
+check: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+# The tests that run no external binary (tests/conftest.py marks the others `external`).
+unit: $(STAMP)
+	$(BIN)/python -m pytest -m "not external"
+
+test: check jaeger kubeconform
 	$(BIN)/python -m pytest
 
 # Every benchmark whose figures docs/ records (long); `python -m bench` lists them.
@@ -34,4 +46,4 @@ bench: $(STAMP)
 	$(BIN)/python -m bench all
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

@@ -35,7 +35,8 @@ SEEDS = (0, 1, 2)
 
 def arrivals(rate: float, sample: Sequence[tuple[int, int]], seed: int) -> list[Arrival]:
     rng = random.Random(seed)
-    t, out = 0.0, []
+    t = 0.0
+    out: list[Arrival] = []
     i = 0
     while True:
         t += rng.expovariate(rate)

@@ -193,14 +193,14 @@ def main() -> None:
             for client in CLIENTS:
                 cmd = [sys.executable, "-m", "bench.proxy_minimal", client, str(upstream_port), "{port}"]
                 targets.append((f"minimal/{client}", cmd, {}))
-        for name, cmd, env in targets:
-            if cmd is None:
+        for name, template, env in targets:
+            if template is None:
                 for scenario in SCENARIOS:
                     rows.append((name, scenario.name, measure(upstream_port, scenario, scale, upstream_proc.pid)))
                     print(table(rows[-1:]).splitlines()[-1], flush=True)
                 continue
             port = free_port()
-            cmd = [part.replace("{port}", str(port)) for part in cmd]
+            cmd = [part.replace("{port}", str(port)) for part in template]
             if "SPECROUTE_PORT" in env:
                 env = {**env, "SPECROUTE_PORT": str(port)}
             with process(cmd, port, env) as proc:

@@ -13,6 +13,7 @@ import asyncio
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import httptools
 
@@ -38,7 +39,9 @@ class _Conn(asyncio.Protocol):
         self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # asyncio.Protocol passes a BaseTransport; a TCP connection's is a Transport (uvloop's
+        # does not subclass it, so a cast rather than an isinstance check).
+        self.transport = cast(asyncio.Transport, transport)
         transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -12,6 +12,7 @@ import asyncio
 import json
 import socket
 import sys
+from typing import cast
 
 import httptools
 import uvloop
@@ -69,7 +70,9 @@ class Handler(asyncio.Protocol):
         self.url = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # asyncio.Protocol passes a BaseTransport; a TCP connection's is a Transport (uvloop's
+        # does not subclass it, so a cast rather than an isinstance check).
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

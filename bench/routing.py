@@ -168,8 +168,8 @@ def execute(job: Job) -> dict[str, Any]:
             told = shadow.decide(features, with_alpha(snapshot, before if t < DROP_AT_S else after))
             # A request the told policy finds close to a tie (predicted costs within 5 %) may go
             # either way: it does not count as a routing disagreement.
-            costs = [told.scores.get("cost_spec_s"), told.scores.get("cost_base_s")]
-            tie = None not in costs and abs(costs[0] - costs[1]) <= 0.05 * min(costs)
+            spec_s, base_s = told.scores.get("cost_spec_s"), told.scores.get("cost_base_s")
+            tie = spec_s is not None and base_s is not None and abs(spec_s - base_s) <= 0.05 * min(spec_s, base_s)
             out["decisions"].append((t, pool, pool if tie else told.pool, alpha))
         out["alphas"] = (before, after)
     return out
@@ -242,7 +242,7 @@ def analyse(results: list[dict[str, Any]]) -> dict[str, Any]:
         g, s, b = runs["goodput"], runs["spec"], runs["base"]
         static_mean = min(s["mean_e2e_s"], b["mean_e2e_s"])
         static_p99 = min(s["p99_e2e_s"], b["p99_e2e_s"])
-        row = {
+        row: dict[str, Any] = {
             "setup": setup,
             "kind": kind,
             "level": level,

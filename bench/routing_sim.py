@@ -17,6 +17,7 @@ import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from fleet.acceptance import DEFAULT_HALF_LIFE_S, alpha_from_accept_length
 from fleet.cadence import POLL_INTERVAL_S, gauge_steps, reads_counters
@@ -86,13 +87,17 @@ class Split:
         return Decision(pool=pool, reason="split")
 
 
-def make_policy(name: str, slo: Slo | None = None) -> Policy:
-    """A policy by name; goodput is told the fleet's SLO (SPECROUTE_SLO_* in the proxy)."""
+def make_policy(name: str, slo: Slo | None = None, **params: Any) -> Policy:
+    """A policy by name, with the parameters it declares (policies/registry.py) at their defaults
+    but for `params`; a policy that declares SLO targets (goodput's `slo_ttft_s`, `slo_tpot_ms`:
+    SPECROUTE_GOODPUT_SLO_* in the proxy) is told the fleet's `slo`."""
     if name.startswith("split-"):
         return Split(float(name.removeprefix("split-")))
-    if name == "goodput" and slo is not None:
-        return registry.create(name, {"slo_ttft_s": slo.ttft_s, "slo_tpot_ms": slo.tpot_s * 1000})
-    return registry.create(name)
+    declared = registry.params_of(name)
+    if slo is not None and declared is not None:
+        targets = {"slo_ttft_s": slo.ttft_s, "slo_tpot_ms": slo.tpot_s * 1000}
+        params = {key: value for key, value in targets.items() if key in declared.model_fields} | params
+    return registry.create(name, params)
 
 
 @dataclass

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 
-from fleet.profile import load_profile
-from sim.engine import Engine, EngineConfig
+from fleet.profile import Profile, load_profile
+from sim.engine import Engine, EngineConfig, Mode
 from sim.virtual import Arrival, StepObservation, simulate
 
 # Reference tables: batch sizes, then spec/base per-stream speed by mean alpha (k=3).
@@ -36,7 +36,7 @@ REFERENCE = {
 }
 
 
-def per_stream_speed(mode: str, profile, batch: int, alpha: float) -> float:
+def per_stream_speed(mode: Mode, profile: Profile, batch: int, alpha: float) -> float:
     """Decode tokens/s of one stream, over the decode steps that ran the full batch (when spec
     streams start to finish, the batch shrinks and the rest speed up); small batches are
     repeated (seeds 1..R) to average out the randomness of acceptance over a short stream."""

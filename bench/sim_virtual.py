@@ -14,11 +14,12 @@ import argparse
 import random
 import statistics
 import time
+from collections.abc import Sequence
 
 from fleet.profile import load_profile
 from sim.engine import Engine, EngineConfig
 from sim.lengths import read_trace
-from sim.virtual import Arrival, simulate
+from sim.virtual import Arrival, EngineView, simulate
 
 # Arrival rates (per simulated second) that keep about 100 streams in flight on a spec + base pair.
 RATE_FOR_100_STREAMS = {"h200-llama8b": 31.0, "kimi-linear": 8.5, "kimi-moe": 7.5}
@@ -44,7 +45,7 @@ def run(n: int, rate: float, profile_name: str, seed: int) -> dict[str, float]:
     ]
     batch = []
 
-    def router(arrival: Arrival, views) -> int:
+    def router(arrival: Arrival, views: Sequence[EngineView]) -> int:
         spec = views[0]
         return 0 if spec.running + spec.waiting < spec.max_running_requests else 1
 

@@ -61,8 +61,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pydantic import Field
+
 from fleet.acceptance import accept_length
 from fleet.types import Decision, Features, InstanceState, PoolName, PoolState, Snapshot, StepCost
+from policies.base import PolicyParams
 from policies.registry import register
 
 # Past this share of time spent prefilling, a server's decode is predicted 10x slower; the cap
@@ -144,27 +147,35 @@ class Context:
     """The slot price added to spec's cost in `sooner`."""
 
 
-@register("goodput")
+class GoodputParams(PolicyParams):
+    """SPECROUTE_GOODPUT_*: what the policy assumes before it has learned, and the SLO."""
+
+    output_tokens: int = Field(
+        256, ge=1, description="output tokens to plan for when a request does not run to max_tokens."
+    )
+    default_alpha: float = Field(
+        0.5, ge=0, lt=1, description="acceptance assumed before the spec pool has reported any."
+    )
+    externality: float = Field(1.0, ge=0, description="weight of the slowdown a request causes the batch it joins.")
+    slo_ttft_s: float = Field(
+        0.0, ge=0, description="time-to-first-token target in seconds (0: none); see SLO-aware routing."
+    )
+    slo_tpot_ms: float = Field(0.0, ge=0, description="time-per-output-token target in milliseconds (0: none).")
+
+
+@register("goodput", params=GoodputParams)
 class Goodput:
     name = "goodput"
 
-    def __init__(
-        self,
-        default_output_tokens: int = 256,
-        default_alpha: float = 0.5,
-        externality: float = 1.0,
-        margin: float = 0.0,
-        prefill_chunk_tokens: int = 8192,
-        slo_ttft_s: float = 0.0,
-        slo_tpot_ms: float = 0.0,
-    ):
-        self.default_output_tokens = default_output_tokens
-        self.default_alpha = default_alpha
-        self.externality = externality
+    def __init__(self, params: GoodputParams | None = None, *, margin: float = 0.0, prefill_chunk_tokens: int = 8192):
+        params = params or GoodputParams()
+        self.default_output_tokens = params.output_tokens
+        self.default_alpha = params.default_alpha
+        self.externality = params.externality
         self.margin = margin
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.slo_ttft_s = slo_ttft_s
-        self.slo_tpot_ms = slo_tpot_ms
+        self.slo_ttft_s = params.slo_ttft_s
+        self.slo_tpot_ms = params.slo_tpot_ms
 
     @property
     def slo_aware(self) -> bool:

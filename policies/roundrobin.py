@@ -6,6 +6,7 @@ from fleet.types import POOLS, Decision, Features, PoolName, Snapshot
 from policies.registry import register
 
 
+@register("round-robin")
 class RoundRobin:
     name = "round-robin"
 
@@ -20,8 +21,3 @@ class RoundRobin:
             if state is not None and state.available:
                 return Decision(pool=pool, reason="round-robin")
         return Decision(pool="base", reason="none-healthy")
-
-
-@register("round-robin")
-def round_robin() -> RoundRobin:
-    return RoundRobin()

@@ -9,21 +9,34 @@ to a larger batch when more drafts are accepted, so they are multiplied by
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from fleet.acceptance import accept_length
 from fleet.types import Decision, Features, PoolName, Snapshot
+from policies.base import PolicyParams
 from policies.registry import register
 
 
+class ThresholdParams(PolicyParams):
+    """SPECROUTE_THRESHOLD_*: the two loads of the hysteresis."""
+
+    enter: float = Field(24, gt=0, description="spec load below which traffic returns to spec.")
+    exit: float = Field(40, gt=0, description="spec load at which traffic leaves for base.")
+
+    def problems(self) -> list[str]:
+        return ["{enter} must not exceed {exit}"] if self.enter > self.exit else []
+
+
+@register("threshold", params=ThresholdParams)
 class Threshold:
     name = "threshold"
 
     def __init__(
-        self, enter: float = 24, exit: float = 40, reference_alpha: float = 0.6, scale_with_alpha: bool = True
+        self, params: ThresholdParams | None = None, *, reference_alpha: float = 0.6, scale_with_alpha: bool = True
     ):
-        if not 0 < enter <= exit:
-            raise ValueError("threshold needs 0 < enter <= exit")
-        self.enter = float(enter)
-        self.exit = float(exit)
+        params = params or ThresholdParams()
+        self.enter = float(params.enter)
+        self.exit = float(params.exit)
         self.reference_alpha = reference_alpha
         self.scale_with_alpha = scale_with_alpha
         self._mode: PoolName = "spec"
@@ -56,10 +69,3 @@ class Threshold:
             self._mode = "spec"
         reason = "under-threshold" if self._mode == "spec" else "over-threshold"
         return Decision(pool=self._mode, reason=reason, scores=scores)
-
-
-@register("threshold")
-def threshold(
-    enter: float = 24, exit: float = 40, reference_alpha: float = 0.6, scale_with_alpha: bool = True
-) -> Threshold:
-    return Threshold(enter, exit, reference_alpha, scale_with_alpha)

@@ -11,7 +11,7 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -164,7 +164,7 @@ def auth_headers(api_key: str | None) -> list[tuple[str, str]]:
 
 
 def error_response(
-    status: int, message: str, code: str | None = None, headers: dict[str, str] | None = None
+    status: int, message: str, code: str | None = None, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
     return JSONResponse({"error": error_object(message, error_type_for(status), code)}, status, headers=headers)
 

@@ -159,9 +159,9 @@ class BodyReader:
             self.pool = None
             return await asyncio.to_thread(read, *args)
         if isinstance(result[0], int):
-            status, message, code, param = result  # type: ignore[misc]
+            status, message, code, param = result
             raise ProxyError(status, message, code=code, param=param)
-        return result  # type: ignore[return-value]
+        return result
 
     async def close(self) -> None:
         """End the worker process (in a thread: the loop keeps serving while it exits)."""

@@ -55,7 +55,8 @@ def pools_from_settings(settings: Settings, fleet: FleetModel) -> dict[PoolName,
     urls = {"spec": settings.spec_urls, "base": settings.base_urls}
     pools: dict[PoolName, Pool] = {}
     for name in POOLS:
-        key = keys[name].get_secret_value() if keys[name] else None
+        secret = keys[name]
+        key = (secret.get_secret_value() or None) if secret is not None else None
         instances = [
             Instance(
                 url,

@@ -13,6 +13,7 @@ import logging
 import socket
 from collections.abc import Callable
 from types import FrameType
+from typing import cast
 
 import uvicorn
 
@@ -82,19 +83,23 @@ class DrainingServer(uvicorn.Server):
 
 def uvicorn_config(app: SpecrouteApp, settings: Settings) -> uvicorn.Config:
     limits = Limits(settings.header_timeout_s, settings.body_timeout_s, settings.max_header_bytes)
+    # uvicorn annotates both timeouts `int`, but only hands them to loop.call_later and
+    # asyncio.timeout, which take fractional seconds: the settings' floats pass through unrounded.
+    keep_alive_s = cast(int, settings.keep_alive_timeout_s)
+    drain_s = cast(int, settings.drain_timeout_s)
     return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         loop="uvloop",
         http=guarded_protocol(limits),  # httptools, with deadlines and a header size limit
-        timeout_keep_alive=settings.keep_alive_timeout_s,
+        timeout_keep_alive=keep_alive_s,
         lifespan="on",
         log_level=settings.log_level,
         access_log=False,  # the telemetry's JSON request log replaces it
         server_header=False,
         proxy_headers=False,  # no X-Forwarded-* rewriting: the client address is the peer's
-        timeout_graceful_shutdown=settings.drain_timeout_s,
+        timeout_graceful_shutdown=drain_s,
         backlog=4096,
     )
 

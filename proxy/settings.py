@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, create_model, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from yarl import URL
 
 from fleet.acceptance import DEFAULT_HALF_LIFE_S
 from fleet.costmodel import DEFAULT_HALF_LIFE_S as COSTMODEL_HALF_LIFE_S
+from policies import registry
+from policies.goodput import GoodputParams
 
 ENV_PREFIX = "SPECROUTE_"
 
@@ -19,7 +21,9 @@ class SettingsError(Exception):
     """A wrong setting, phrased as one line that names the variable."""
 
 
-class Settings(BaseSettings):
+class _SettingsHead(BaseSettings):
+    """The settings listed before the policies' parameters (see `Settings`)."""
+
     model_config = SettingsConfigDict(
         env_prefix=ENV_PREFIX,
         env_file=".env",
@@ -106,25 +110,38 @@ class Settings(BaseSettings):
     state_decisions: int = Field(
         64, ge=1, le=10_000, description="Recent routing decisions kept for GET /v1/specroute/state."
     )
-    threshold_enter: float = Field(
-        24, gt=0, description="threshold policy: spec load below which traffic returns to spec."
-    )
-    threshold_exit: float = Field(40, gt=0, description="threshold policy: spec load at which traffic leaves for base.")
-    goodput_output_tokens: int = Field(
-        256, ge=1, description="goodput policy: output tokens to plan for when a request does not run to max_tokens."
-    )
-    goodput_default_alpha: float = Field(
-        0.5, ge=0, lt=1, description="goodput policy: acceptance assumed before the spec pool has reported any."
-    )
-    goodput_externality: float = Field(
-        1.0, ge=0, description="goodput policy: weight of the slowdown a request causes the batch it joins."
-    )
-    goodput_slo_ttft_s: float = Field(
-        0.0, ge=0, description="goodput policy: time-to-first-token target in seconds (0: none); see SLO-aware routing."
-    )
-    goodput_slo_tpot_ms: float = Field(
-        0.0, ge=0, description="goodput policy: time-per-output-token target in milliseconds (0: none)."
-    )
+
+
+def policy_setting(policy: str, param: str) -> str:
+    """The setting of policy `policy`'s parameter `param`: `<policy>_<param>`
+    (SPECROUTE_<POLICY>_<PARAM>), a dash in the policy's name read as an underscore."""
+    return f"{policy}_{param}".replace("-", "_")
+
+
+def policy_fields() -> dict[str, Any]:
+    """One setting per parameter a policy declares (policies/base.py `PolicyParams`): its type,
+    default and bounds as declared, its help prefixed with the policy's name."""
+    fields: dict[str, Any] = {}
+    for policy, params in registry.declared_params().items():
+        for param, info in params.model_fields.items():
+            annotation = Annotated[(info.annotation, *info.metadata)] if info.metadata else info.annotation
+            field = Field(info.default, description=f"{policy} policy: {info.description}")
+            fields[policy_setting(policy, param)] = (annotation, field)
+    return fields
+
+
+# The policies' parameters go between the routing settings and the rest, as fields built from
+# their declarations (there is no hand-written field per parameter). The type checker sees the
+# class without them: read them through `Settings.policy_params`.
+if TYPE_CHECKING:
+    _SettingsWithPolicies = _SettingsHead
+else:
+    _SettingsWithPolicies = create_model("_SettingsWithPolicies", __base__=_SettingsHead, **policy_fields())
+
+
+class Settings(_SettingsWithPolicies):
+    """Every SPECROUTE_* setting: those of `_SettingsHead`, then one per declared policy
+    parameter (`policy_setting`), then these."""
 
     # Admission (policies/admission.py): refuse up front what the fleet cannot serve in time
     admission_ttft_s: float | None = Field(
@@ -306,8 +323,6 @@ class Settings(BaseSettings):
     @field_validator("policy")
     @classmethod
     def _check_policy(cls, value: str) -> str:
-        from policies import registry
-
         if value not in registry.names():
             raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(registry.names())}")
         return value
@@ -322,9 +337,13 @@ class Settings(BaseSettings):
         return value or None
 
     @model_validator(mode="after")
-    def _check_timeouts(self) -> Settings:
-        if self.threshold_enter > self.threshold_exit:
-            raise ValueError("SPECROUTE_THRESHOLD_ENTER must not exceed SPECROUTE_THRESHOLD_EXIT")
+    def _check_across(self) -> Settings:
+        for policy, params in registry.declared_params().items():
+            # The policy's own cross-checks (threshold: enter <= exit), naming the variables.
+            names = {param: variable_name(policy_setting(policy, param)) for param in params.model_fields}
+            problems = params.model_construct(**self.policy_params(policy)).describe_problems(names)
+            if problems:
+                raise ValueError("; ".join(problems))
         if self.total_timeout_s < self.connect_timeout_s:
             raise ValueError("SPECROUTE_TOTAL_TIMEOUT_S must not be shorter than SPECROUTE_CONNECT_TIMEOUT_S")
         urls = self.spec_urls + self.base_urls
@@ -333,25 +352,20 @@ class Settings(BaseSettings):
             raise ValueError(f"SPECROUTE_SPEC_URLS/SPECROUTE_BASE_URLS list {', '.join(repeated)} more than once")
         return self
 
-    def policy_params(self) -> dict[str, Any]:
-        """Keyword arguments for policies.registry.create(self.policy, ...)."""
-        if self.policy == "threshold":
-            return {"enter": self.threshold_enter, "exit": self.threshold_exit}
-        if self.policy == "goodput":
-            return {
-                "default_output_tokens": self.goodput_output_tokens,
-                "default_alpha": self.goodput_default_alpha,
-                "externality": self.goodput_externality,
-                "slo_ttft_s": self.goodput_slo_ttft_s,
-                "slo_tpot_ms": self.goodput_slo_tpot_ms,
-            }
-        return {}
+    def policy_params(self, policy: str | None = None) -> dict[str, Any]:
+        """Policy `policy`'s (default: the chosen one's) declared parameters as set here, by
+        parameter name: the keyword arguments of policies.registry.create(policy, ...)."""
+        params = registry.params_of(policy or self.policy)
+        if params is None:
+            return {}
+        return {param: getattr(self, policy_setting(policy or self.policy, param)) for param in params.model_fields}
 
     @property
     def admission_limits(self) -> tuple[float, float]:
         """(TTFT seconds, TPOT seconds) admission holds requests to; 0 where off."""
-        ttft = self.admission_ttft_s if self.admission_ttft_s is not None else self.goodput_slo_ttft_s
-        tpot_ms = self.admission_tpot_ms if self.admission_tpot_ms is not None else self.goodput_slo_tpot_ms
+        slo = GoodputParams(**self.policy_params("goodput"))
+        ttft = self.admission_ttft_s if self.admission_ttft_s is not None else slo.slo_ttft_s
+        tpot_ms = self.admission_tpot_ms if self.admission_tpot_ms is not None else slo.slo_tpot_ms
         return ttft, tpot_ms / 1000
 
     def require_upstreams(self) -> None:

@@ -62,7 +62,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--context-length", type=int, default=32768)
     p.add_argument(
-        "--max-total-tokens", type=int, default=1_000_000, help="KV pool size for token_usage (not enforced)"
+        "--max-total-tokens",
+        type=int,
+        default=1_000_000,
+        help="KV pool size in tokens: bounds the prefix cache (LRU eviction); token_usage is reported against it",
+    )
+    p.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        help="tokens per prefix-cache page (SGLang's default 1; 16, vLLM's block size, with --server vllm)",
+    )
+    p.add_argument("--disable-radix-cache", action="store_true", help="no prefix cache (SGLang spelling)")
+    p.add_argument(
+        "--enable-cache-report",
+        action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens (SGLang spelling)",
+    )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="the same with --server vllm (vLLM's spelling)",
     )
     p.add_argument("--decode-log-interval", type=int, default=40)
     p.add_argument("--load-snapshot-publish-interval", type=int, default=15)
@@ -112,6 +132,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_size=args.chunked_prefill_size,
         context_length=args.context_length,
         max_total_num_tokens=args.max_total_tokens,
+        page_size=args.page_size if args.page_size is not None else (16 if args.server == "vllm" else 1),
+        enable_prefix_cache=not args.disable_radix_cache,
         output_lengths=parse_output_lengths(args.output_len),
         decode_log_interval=args.decode_log_interval,
         load_publish_interval=args.load_snapshot_publish_interval,
@@ -167,6 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         output_len=args.output_len,
         faults=faults,
         server=args.server,
+        enable_cache_report=args.enable_cache_report or args.enable_prompt_tokens_details,
     )
     app = create_app(options, config)
     server = uvicorn.Server(

@@ -15,7 +15,12 @@ Scheduling follows SGLang with speculation's defaults (overlap and mixed-chunk o
   is prefilled in the following iterations (chunked prefill), one chunk per iteration;
 - a prefill produces each finished prompt's first token; a decode step produces one token per
   sequence (base) or 1 + the accepted drafts (spec: k draft steps, then a verify step of k+1);
-- KV memory is not a limit: `token_usage` is reported, never enforced (docs/twin.md).
+- a prefix cache (SGLang's RadixCache, sim/radix.py) holds the prompts of past and running
+  requests that carry a cache key, within the KV pool (`max_total_num_tokens`): a new prompt's
+  cached prefix is not prefilled again; unlocked pages are evicted least recently used first when
+  the pool needs the room; requests without a key (the virtual clock fed token counts only) never
+  touch it;
+- KV memory does not limit admission: `token_usage` is reported, never enforced (docs/twin.md).
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from fleet.profile import Profile
 from sim.lengths import OutputLengths, parse_output_lengths
+from sim.radix import RadixCache, RadixNode
 from sim.text import TextStream
 
 Mode = Literal["spec", "base"]
@@ -52,6 +58,11 @@ class EngineConfig:
     chunked_prefill_size: int = 8192
     context_length: int = 32768
     max_total_num_tokens: int = 1_000_000
+    """KV pool size in tokens: bounds the prefix cache (with the running requests' contexts)."""
+    page_size: int = 1
+    """Tokens per prefix-cache page (SGLang's --page-size, default 1; only full pages are cached)."""
+    enable_prefix_cache: bool = True
+    """SGLang's radix cache is on unless --disable-radix-cache."""
     output_lengths: OutputLengths = field(default_factory=lambda: parse_output_lengths("azure-conv"))
     decode_log_interval: int = 40
     load_publish_interval: int = 15
@@ -64,11 +75,19 @@ class EngineConfig:
             raise ValueError(f"mode must be spec or base, not {self.mode!r}")
         if self.max_running_requests < 1 or self.num_steps < 1 or self.chunked_prefill_size < 1:
             raise ValueError("max_running_requests, num_steps and chunked_prefill_size must be >= 1")
+        if self.page_size < 1 or self.max_total_num_tokens < 1:
+            raise ValueError("page_size and max_total_num_tokens must be >= 1")
         check_alpha(self.mean_alpha)
 
     @property
     def speculative(self) -> bool:
         return self.mode == "spec"
+
+    @property
+    def max_running(self) -> int:
+        """max_running_requests, the mode's default filled in (__post_init__ does it)."""
+        assert self.max_running_requests is not None
+        return self.max_running_requests
 
 
 def check_alpha(alpha: float) -> None:
@@ -101,6 +120,10 @@ class Request:
         "updated",
         "listener",
         "tag",
+        "cache_key",
+        "cached_tokens",
+        "cache_node",
+        "cache_locked",
     )
 
     def __init__(
@@ -136,6 +159,14 @@ class Request:
         """Simulated time of the last step that touched this request."""
         self.listener: Callable[[Request], None] | None = None
         self.tag: object = None
+        self.cache_key: tuple | None = None
+        """Prefix-cache pages of the prompt (full pages only); None: the request is not cached."""
+        self.cached_tokens = 0
+        """Prompt tokens found in the prefix cache at admission (usage's cached_tokens)."""
+        self.cache_node: RadixNode | None = None
+        """The deepest cache node this request holds locked."""
+        self.cache_locked = 0
+        """Tokens of the prompt this request holds locked in the cache."""
 
     @property
     def finished(self) -> bool:
@@ -188,6 +219,12 @@ class Engine:
         self.in_prefill: dict[str, Request] = {}
         """The requests of the prefill step in flight (they hold running slots)."""
         self._context_sum = 0  # sum of context tokens over `running`
+        self.cache = RadixCache(config.page_size) if config.enable_prefix_cache else None
+        self._running_locked = 0  # sum of cache_locked over `running` (their tokens the cache holds)
+        self.cached_tokens_total = 0  # sglang:cached_tokens_total (finished requests)
+        self.prefix_cache_queries = 0  # vllm:prefix_cache_queries (prompt tokens looked up at admission)
+        self.prefix_cache_hits = 0  # vllm:prefix_cache_hits (of those, tokens found cached)
+        self.cache_hit_rate = 0.0  # of the last prefill batch, as SGLang's prefill stats
         self._seq = 0
         # Server-side counters (SGLang scheduler + tokenizer manager)
         self.spec_num_accept_tokens = 0
@@ -224,10 +261,13 @@ class Engine:
         rid: str | None = None,
         stop: tuple[str, ...] | None = None,
         text_seed: int | None = None,
+        cache_key: tuple | None = None,
     ) -> Request:
         """A request as the server would create it; `output_len` overrides the drawn length.
 
         `stop` None means no text is generated (the virtual clock counts tokens only).
+        `cache_key` (pages, see `page_key`/`block_key`) lets the prefix cache serve and keep the
+        prompt; None leaves the cache out of it.
         """
         self._seq += 1
         room = max(self.config.context_length - prompt_tokens, 0)
@@ -241,7 +281,29 @@ class Engine:
         if stop is not None:
             seed = text_seed if text_seed is not None else self.config.seed * 1_000_003 + self._seq
             text = TextStream(seed, stop)
-        return Request(rid or f"{self.name}-{self._seq}", prompt_tokens, target, by_length, max_new_tokens, now, text)
+        req = Request(rid or f"{self.name}-{self._seq}", prompt_tokens, target, by_length, max_new_tokens, now, text)
+        if cache_key is not None and self.cache is not None:
+            req.cache_key = tuple(cache_key)
+        return req
+
+    def page_key(self, token_ids: list[int]) -> tuple:
+        """Token ids as the cache's pages: the ids themselves with page size 1, else tuples of
+        `page_size` ids (a partial last page is not cached)."""
+        p = self.config.page_size
+        if p == 1:
+            return tuple(token_ids)
+        return tuple(tuple(token_ids[i : i + p]) for i in range(0, len(token_ids) - p + 1, p))
+
+    def block_key(self, blocks: tuple, block_tokens: int) -> tuple:
+        """Block ids of `block_tokens` tokens each (e.g. Mooncake's 512-token hash_ids) as pages:
+        the ids themselves when a block is a page, else (block, i) for its i-th page."""
+        p = self.config.page_size
+        if block_tokens == p:
+            return tuple(blocks)
+        if block_tokens % p:
+            raise ValueError(f"blocks of {block_tokens} tokens do not split into pages of {p}")
+        per = block_tokens // p
+        return tuple((b, i) for b in blocks for i in range(per))
 
     def add(self, req: Request) -> None:
         req.alpha = self._draw_alpha() if self.config.speculative else 0.0
@@ -255,6 +317,7 @@ class Engine:
             req = self.running.pop(rid, None)
             if req is not None:
                 self._context_sum -= req.context
+                self._running_locked -= req.cache_locked
         if self.prefilling is not None and self.prefilling.rid == rid:
             req, self.prefilling = self.prefilling, None
         if req is None or req.finished:
@@ -313,7 +376,7 @@ class Engine:
     def begin_step(self, now: float) -> Step | None:
         """Pick the next iteration's batch, or None when idle."""
         cfg = self.config
-        if self.prefilling is not None or (self.waiting and self.num_running < cfg.max_running_requests):
+        if self.prefilling is not None or (self.waiting and self.num_running < cfg.max_running):
             return self._prefill_step(now)
         if not self.running:
             return None
@@ -341,18 +404,29 @@ class Engine:
             chunks.append(take)
             budget -= take
             open_chunk = take < rest
-        slots = cfg.max_running_requests - len(self.running) - len(reqs)
+        slots = cfg.max_running - len(self.running) - len(reqs)
+        hit = 0
         while budget > 0 and slots > 0 and self.waiting and not open_chunk:
             req = self.waiting.pop(next(iter(self.waiting)))
-            take = min(req.prompt_tokens, budget)
+            if req.cache_key is not None:
+                self._match(req)
+                hit += req.cached_tokens
+            rest = req.prompt_tokens - req.prefilled
+            take = min(rest, budget)
             reqs.append(req)
             chunks.append(take)
             budget -= take
             slots -= 1
-            if take < req.prompt_tokens:
+            if take < rest:
                 self.prefilling = req  # the rest follows in the next iterations
                 open_chunk = True
         tokens = sum(chunks)
+        if hit:
+            self.cache_hit_rate = hit / (hit + tokens)
+            self._fit_cache(tokens)
+        elif self.cache is not None and self.cache.total_size:
+            self.cache_hit_rate = 0.0
+            self._fit_cache(tokens)
         ms = cfg.profile.prefill_ms(tokens, speculative=cfg.speculative)
         self.in_prefill = {req.rid: req for req in reqs}
         return Step("prefill", reqs, ms / 1000.0, len(reqs), tokens, now, chunks)
@@ -376,6 +450,8 @@ class Engine:
             if req.finished:
                 continue  # aborted while its prefill ran
             req.prefilled += chunk
+            if req.cache_key is not None:
+                self._cache_prefilled(req)
             if req.prefilled < req.prompt_tokens:
                 continue
             if self.prefilling is req:
@@ -388,6 +464,7 @@ class Engine:
             if not req.finished:
                 self.running[req.rid] = req
                 self._context_sum += req.context
+                self._running_locked += req.cache_locked
         self._publish(now, "prefill" if self.has_work else "idle")
         return touched
 
@@ -431,7 +508,10 @@ class Engine:
             if req.finished:
                 del self.running[req.rid]
                 self._context_sum -= req.context
+                self._running_locked -= req.cache_locked
         self._interval_tokens += step_tokens
+        if self.cache is not None and self.cache.total_size:
+            self._fit_cache(0)
         self.decode_iterations += 1
         it = self.decode_iterations
         if it % cfg.decode_log_interval == 0:
@@ -462,6 +542,8 @@ class Engine:
         req.finish_reason = reason
         req.finish_time = now
         req.updated = now
+        if req.cache_node is not None:
+            self._release(req)
         if reason == "abort":
             if req.listener is not None:
                 req.last_emitted = 0
@@ -469,6 +551,7 @@ class Engine:
             return
         self.finished_requests += 1
         self.finished_prompt_tokens += req.prompt_tokens
+        self.cached_tokens_total += req.cached_tokens
         self.finished_generation_tokens += req.output_tokens
         self.finished_verify_ct += req.verify_ct
 
@@ -492,20 +575,20 @@ class Engine:
             self._interval_tokens = self._interval_accept = self._interval_forward = self._interval_correct = 0
         elif gauges == "idle":
             self.gauges["gen_throughput"] = 0.0  # spec gauges keep their last value while idle
-        used = self._context_sum
-        snapshot = {
+        used = self.num_used_tokens
+        snapshot: dict[str, Any] = {
             "timestamp": now,
             "dp_rank": 0,
             "num_running_reqs": self.num_running,
             "num_waiting_reqs": self.num_waiting,
-            "num_waiting_uncached_tokens": sum(r.prompt_tokens for r in self.waiting.values()),
+            "num_waiting_uncached_tokens": self.waiting_uncached_tokens(),
             "num_used_tokens": used,
             "max_total_num_tokens": cfg.max_total_num_tokens,
             "max_running_requests": cfg.max_running_requests,
             "token_usage": self.token_usage,
             "gen_throughput": self.gauges.get("gen_throughput", 0.0),
-            "cache_hit_rate": 0.0,
-            "utilization": min(self.num_running / cfg.max_running_requests, 1.0),
+            "cache_hit_rate": round(self.cache_hit_rate, 4),
+            "utilization": min(self.num_running / cfg.max_running, 1.0),
             "queues": {"waiting": self.num_waiting, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": 0},
         }
         if cfg.speculative and self.spec_num_forward_ct:
@@ -516,5 +599,77 @@ class Engine:
         self.load_snapshot = snapshot
 
     @property
+    def num_used_tokens(self) -> int:
+        """KV tokens in use: the running requests' contexts, their cached prefixes counted once
+        (the cache's locked pages), as SGLang's max_total - (available + evictable)."""
+        if self.cache is None:
+            return self._context_sum
+        return self._context_sum - self._running_locked + self.cache.protected_size
+
+    @property
     def token_usage(self) -> float:
-        return round(self._context_sum / self.config.max_total_num_tokens, 4)
+        return round(self.num_used_tokens / self.config.max_total_num_tokens, 4)
+
+    def waiting_uncached_tokens(self) -> int:
+        """Prompt tokens of the waiting requests that the cache does not hold now."""
+        total = 0
+        cache, page = self.cache, self.config.page_size
+        for r in self.waiting.values():
+            total += r.prompt_tokens
+            if r.cache_key is not None and cache is not None:
+                total -= min(cache.peek(r.cache_key) * page, r.prompt_tokens - 1)
+        return total
+
+    # ---- the prefix cache --------------------------------------------------------------------
+
+    def _match(self, req: Request) -> None:
+        """Admission: lock the prompt's longest cached prefix; that much needs no prefill. At
+        least the last prompt token is computed (its logits give the first output token)."""
+        cache = self.cache
+        assert cache is not None and req.cache_key is not None
+        pages, node = cache.match_prefix(req.cache_key)
+        page = self.config.page_size
+        cached = min(pages * page, req.prompt_tokens - 1)
+        usable = cached // page
+        if usable < pages:  # keep only whole pages within the usable prefix
+            pages, node = cache.match_prefix(req.cache_key[:usable])
+        cached = pages * page
+        cache.lock(node)
+        req.cache_node = node
+        req.cache_locked = cached
+        req.cached_tokens = req.prefilled = cached
+        self.prefix_cache_queries += req.prompt_tokens
+        self.prefix_cache_hits += cached
+
+    def _cache_prefilled(self, req: Request) -> None:
+        """After a prefill chunk: the prompt's computed full pages go into the cache and the
+        request holds them instead of its old prefix (SGLang's cache_unfinished_req)."""
+        cache = self.cache
+        assert cache is not None and req.cache_key is not None
+        pages = min(req.prefilled // self.config.page_size, len(req.cache_key))
+        if pages * self.config.page_size <= req.cache_locked:
+            return
+        _, node = cache.insert(req.cache_key[:pages])
+        cache.lock(node)
+        if req.cache_node is not None:
+            cache.unlock(req.cache_node)
+        req.cache_node = node
+        req.cache_locked = pages * self.config.page_size
+
+    def _release(self, req: Request) -> None:
+        """A request ends: its prefix stays cached (refreshed), unlocked (cache_finished_req)."""
+        cache = self.cache
+        assert cache is not None and req.cache_node is not None and req.cache_key is not None
+        cache.insert(req.cache_key[: req.cache_locked // self.config.page_size])
+        cache.unlock(req.cache_node)
+        req.cache_node = None
+
+    def _fit_cache(self, incoming: int) -> None:
+        """Evict unlocked pages, least recently used first, until the cache, the running
+        requests' own tokens and `incoming` new ones fit in the KV pool."""
+        cache = self.cache
+        assert cache is not None
+        over = cache.total_size + self._context_sum - self._running_locked + incoming
+        over -= self.config.max_total_num_tokens
+        if over > 0:
+            cache.evict(over)

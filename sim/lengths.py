@@ -11,6 +11,7 @@ Spellings (the `--output-len` option):
 from __future__ import annotations
 
 import csv
+import io
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ def read_trace(name: str) -> tuple[TraceRow, ...]:
         filename = TRACES[name]
     except KeyError:
         raise ValueError(f"unknown trace {name!r}; choose one of {', '.join(TRACES)}") from None
-    with (resources.files("sim") / "data" / filename).open(newline="") as f:
+    # Binary, wrapped here: Traversable.open promises no newline= (not every resource reader takes it).
+    with (resources.files("sim") / "data" / filename).open("rb") as raw, io.TextIOWrapper(raw, newline="") as f:
         return tuple(
             TraceRow(r["TIMESTAMP"], int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(f)
         )

@@ -63,6 +63,7 @@ class EngineCollector:
             ("num_queue_reqs", "The number of requests in the waiting queue."),
             ("token_usage", "The token usage."),
             ("gen_throughput", "The generation throughput (token/s)."),
+            ("cache_hit_rate", "The prefix cache hit rate."),
         ):
             g = GaugeMetricFamily(f"sglang:{name}", doc, labels=names)
             g.add_metric(values, float(gauges.get(name, 0.0)))
@@ -109,6 +110,14 @@ class TwinMetrics:
         self.num_requests = Counter(
             "sglang:num_requests", "Number of requests processed.", by_stream, registry=self.registry
         )
+        # SGLang labels it by where the prefix was found (device, host, storage); the twin's
+        # cache is the device's radix tree only.
+        self.cached_tokens = Counter(
+            "sglang:cached_tokens",
+            "Number of cached prompt tokens.",
+            ["model_name", "cache_source"],
+            registry=self.registry,
+        ).labels(model_name, "device")
         self.ttft = Histogram(
             "sglang:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
@@ -143,10 +152,17 @@ class TwinMetrics:
             self.itl.observe(per_token)
 
     def observe_finish(
-        self, streaming: bool, prompt_tokens: int, completion_tokens: int, e2e_s: float, finish_reason: str = "stop"
+        self,
+        streaming: bool,
+        prompt_tokens: int,
+        completion_tokens: int,
+        e2e_s: float,
+        finish_reason: str = "stop",
+        cached_tokens: int = 0,
     ) -> None:
         flag = _flag(streaming)
         self.prompt_tokens.labels(self.model_name, flag).inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
         self.generation_tokens.labels(self.model_name, flag).inc(completion_tokens)
         self.num_requests.labels(self.model_name, flag).inc()
         self.e2e.labels(self.model_name, flag).observe(e2e_s)

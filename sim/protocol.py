@@ -236,12 +236,14 @@ def stop_strings(request: ChatCompletionRequest | CompletionRequest) -> tuple[st
     return tuple(request.stop)
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI usage as SGLang writes it; `cached_tokens` None leaves out prompt_tokens_details
+    (SGLang fills it only with --enable-cache-report)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
         "reasoning_tokens": 0,
     }
 

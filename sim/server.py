@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry.context import Context
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response
@@ -41,6 +42,7 @@ from sim.protocol import (
     usage,
 )
 from sim.shape import ChoiceShape
+from sim.tokens import prompt_token_ids
 from sim.tracing import TwinSpan, TwinTracer
 
 log = logging.getLogger("sim.server")
@@ -70,6 +72,9 @@ class TwinOptions:
     """Sickness on purpose (sim/faults.py); none by default."""
     server: str = "sglang"
     """Whose HTTP shapes the twin serves: sglang, or vllm (a base server; sim/vllm.py)."""
+    enable_cache_report: bool = False
+    """usage.prompt_tokens_details.cached_tokens (SGLang --enable-cache-report; vLLM
+    --enable-prompt-tokens-details)."""
 
     @property
     def vllm(self) -> bool:
@@ -122,6 +127,7 @@ class Call:
                 req.output_tokens,
                 max(req.updated - req.arrival, 0.0),
                 req.finish_reason or "stop",
+                req.cached_tokens,
             )
         if req.finished and self.span is not None:
             span, self.span = self.span, None
@@ -153,14 +159,14 @@ class Twin:
 
     # ---- tracing: the observability engineer's hook ------------------------------------------
 
-    def trace_context(self, headers: Mapping[str, str]) -> object | None:
+    def trace_context(self, headers: Mapping[str, str]) -> Context | None:
         """W3C trace context of an incoming request (traceparent/tracestate), used only with
         --enable-trace; with tracing off the headers are ignored, as in SGLang."""
         return self.tracer.extract(headers) if self.tracer is not None else None
 
     # ---- generation ---------------------------------------------------------------------
 
-    async def generate(self, kind: str, http: HttpRequest) -> Response:
+    async def generate(self, kind: str, http: HttpRequest) -> Reply:
         if http.headers.get("content-type", "").split(";")[0].strip() != "application/json":
             raise TwinError("Content-Type must be application/json", err_type="Bad Request")
         try:
@@ -181,6 +187,8 @@ class Twin:
         parent = self.trace_context(http.headers)
         prompt_tokens = max(count_prompt_tokens(body), 1)
         check_context(prompt_tokens, request.max_new_tokens, self.config.context_length)
+        ids = prompt_token_ids(body) if self.engine.cache is not None else None
+        cache_key = self.engine.page_key(ids) if ids is not None and len(ids) == prompt_tokens else None
         loop = self.running_loop
         rid = request.rid or uuid.uuid4().hex
         # n > 1: one engine request per choice, as SGLang runs n sequences.
@@ -201,6 +209,7 @@ class Twin:
                 rid=r,
                 stop=stop_strings(request),
                 text_seed=request.seed + index if request.seed is not None else None,
+                cache_key=cache_key,
             )
             shape.bind(req.target_len, req.ends_by_length)
             call = Call(req, self.metrics, request.stream, shape, queue)
@@ -256,7 +265,7 @@ class Twin:
             "created": int(time.time()),
             "model": request.model,
             "choices": choices,
-            "usage": self._usage(reqs[0].prompt_tokens, sum(req.output_tokens for req in reqs)),
+            "usage": self._usage(reqs),
         }
         meta = kind == "chat" and getattr(request, "return_meta_info", False)
         if self.config.speculative and request.return_spec_tokens_details:
@@ -301,12 +310,17 @@ class Twin:
             "finish_reason": {"type": req.finish_reason, "matched": req.matched_stop},
             "prompt_tokens": req.prompt_tokens,
             "completion_tokens": req.output_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": req.cached_tokens,
             "e2e_latency": (req.finish_time or 0.0) - req.arrival,
         }
 
-    def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-        body = usage(prompt_tokens, completion_tokens)
+    def _usage(self, reqs: list[Request], completion_tokens: int | None = None) -> dict[str, Any]:
+        """Usage of one HTTP request (its n sequences): the prompt once, every sequence's
+        completion tokens and, with the cache report on, every sequence's cached tokens."""
+        if completion_tokens is None:
+            completion_tokens = sum(req.output_tokens for req in reqs)
+        cached = sum(req.cached_tokens for req in reqs) if self.options.enable_cache_report else None
+        body = usage(reqs[0].prompt_tokens, completion_tokens, cached)
         return vllm.as_vllm_usage(body) if self.options.vllm else body
 
     async def _stream(
@@ -326,7 +340,6 @@ class Twin:
             first = [False] * len(calls)
         emitted = 0
         remaining = len(calls)
-        prompt_tokens = reqs[0].prompt_tokens
         while remaining:
             index, text, n, done = await calls[0].queue.get()
             call = calls[index]
@@ -382,7 +395,7 @@ class Twin:
                     "created": created,
                     "model": request.model,
                     "choices": [vllm.as_vllm_choice(choice) if self.options.vllm else choice],
-                    "usage": self._usage(prompt_tokens, emitted) if continuous else None,
+                    "usage": self._usage(reqs, emitted) if continuous else None,
                 }
                 first[index] = False
                 yield sse(chunk)
@@ -406,7 +419,7 @@ class Twin:
                     "created": created,
                     "model": request.model,
                     "choices": [],
-                    "usage": self._usage(prompt_tokens, sum(req.output_tokens for req in reqs)),
+                    "usage": self._usage(reqs),
                 }
             )
         yield b"data: [DONE]\n\n"
@@ -436,6 +449,7 @@ class Twin:
             # Filled from the metrics stats object in SGLang: reads 0 without --enable-metrics.
             snapshot["gen_throughput"] = 0.0
             snapshot["utilization"] = 0.0
+            snapshot["cache_hit_rate"] = 0.0
             if "speculative" in snapshot:
                 snapshot["speculative"] = dict(snapshot["speculative"], accept_rate=0.0)
         sections = {part.strip() for part in include.split(",") if part.strip()}
@@ -474,6 +488,9 @@ class Twin:
             "max_running_requests": cfg.max_running_requests,
             "max_total_num_tokens": cfg.max_total_num_tokens,
             "chunked_prefill_size": cfg.chunked_prefill_size,
+            "page_size": cfg.page_size,
+            "disable_radix_cache": not cfg.enable_prefix_cache,
+            "enable_cache_report": opts.enable_cache_report,
             "enable_metrics": opts.enable_metrics,
             "enable_trace": opts.enable_trace,
             "otlp_traces_endpoint": opts.otlp_traces_endpoint,
@@ -598,6 +615,10 @@ class SseResponse:
             await self.chunks.aclose()  # type: ignore[attr-defined]
 
 
+Reply = Response | SseResponse
+"""What a route returns: a Starlette response, or the ASGI stream above (Starlette calls either)."""
+
+
 async def sick_stream(chunks: AsyncIterator[bytes], faults: Faults) -> AsyncIterator[bytes]:
     """`chunks` cut short as the faults say: hung (no further byte, no end) or dropped."""
     sent = 0
@@ -634,8 +655,8 @@ def error_response(exc: TwinError, server: str = "sglang") -> JSONResponse:
 def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
     twin = Twin(options, config)
 
-    def guarded(handler: Callable[[HttpRequest], Awaitable[Response]]) -> Callable[[HttpRequest], Awaitable[Response]]:
-        async def endpoint(request: HttpRequest) -> Response:
+    def guarded(handler: Callable[[HttpRequest], Awaitable[Reply]]) -> Callable[[HttpRequest], Awaitable[Reply]]:
+        async def endpoint(request: HttpRequest) -> Reply:
             try:
                 return await handler(request)
             except TwinError as exc:
@@ -643,10 +664,10 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
 
         return endpoint
 
-    async def chat(request: HttpRequest) -> Response:
+    async def chat(request: HttpRequest) -> Reply:
         return await twin.generate("chat", request)
 
-    async def completions(request: HttpRequest) -> Response:
+    async def completions(request: HttpRequest) -> Reply:
         return await twin.generate("completion", request)
 
     async def models(request: HttpRequest) -> Response:

@@ -135,10 +135,14 @@ def sample_value(schema: dict[str, Any], rng: random.Random, depth: int) -> Any:
     if kind == "null":
         return None
     if kind == "array":
-        items = schema.get("items") if isinstance(schema.get("items"), dict) else {"type": "string"}
+        items = schema.get("items")
+        if not isinstance(items, dict):
+            items = {"type": "string"}
         return [sample_value(items, rng, depth + 1) for _ in range(max(int(schema.get("minItems", 1)), 1))]
     if kind == "object" or "properties" in schema:
-        props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        props = schema.get("properties")
+        if not isinstance(props, dict):
+            props = {}
         if depth > 4:
             return {}
         return {str(k): sample_value(v if isinstance(v, dict) else {}, rng, depth + 1) for k, v in props.items()}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from sim.engine import Engine, Request, Step
@@ -36,6 +36,13 @@ class Arrival:
     ignore_eos: bool = False
     request_class: str = "latency"
     stream: bool = True
+    prefix: tuple[Hashable, ...] | None = None
+    """The prompt's blocks for the prefix cache, `prefix_block_tokens` tokens each, e.g. the
+    Mooncake trace's `hash_ids` (equal leading ids are a shared prefix). None: the request neither
+    uses nor fills the cache (token counts only, as the routing evaluation feeds them)."""
+    prefix_block_tokens: int = 512
+    """Tokens per block of `prefix` (Mooncake's: 512). Engines whose `page_size` equals it use
+    the ids as pages directly (fast); a page size that divides it splits each block."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +85,8 @@ class RequestRecord:
     alpha: float
     """The request's own per-token acceptance probability (spec engines; 0 on base)."""
     request_class: str
+    cached_tokens: int = 0
+    """Prompt tokens the engine's prefix cache held at admission (not prefilled)."""
 
     @property
     def ttft(self) -> float:
@@ -135,7 +144,7 @@ class EngineView:
 
     @property
     def max_running_requests(self) -> int:
-        return self._engine.config.max_running_requests  # type: ignore[return-value]
+        return self._engine.config.max_running
 
     @property
     def num_draft_tokens(self) -> int:
@@ -173,6 +182,22 @@ class EngineView:
     @property
     def load_snapshot(self) -> dict:
         return dict(self._engine.load_snapshot)
+
+    def cached_tokens(self, arrival: Arrival) -> int:
+        """Tokens of the arrival's prefix this engine's cache holds now (an oracle: a real
+        router only approximates it); 0 without a prefix or a cache. Touches nothing."""
+        engine = self._engine
+        if arrival.prefix is None or engine.cache is None:
+            return 0
+        key = engine.block_key(arrival.prefix, arrival.prefix_block_tokens)
+        page = engine.config.page_size
+        return min(engine.cache.peek(key) * page, max(arrival.prompt_tokens - 1, 0)) // page * page
+
+    @property
+    def cache_size(self) -> int:
+        """Tokens in the engine's prefix cache (locked and evictable)."""
+        cache = self._engine.cache
+        return cache.total_size if cache is not None else 0
 
 
 Router = Callable[[Arrival, Sequence[EngineView]], "int | str | None"]
@@ -231,9 +256,10 @@ def simulate(
         while in_flight and in_flight[0][0] <= t:
             end, _, i = heapq.heappop(in_flight)
             step = steps[i]
+            assert step is not None  # in_flight holds an entry only for an engine with a step
             steps[i] = None
             engine = engines[i]
-            touched = engine.finish_step(step, end)  # type: ignore[arg-type]
+            touched = engine.finish_step(step, end)
             if on_step is not None:
                 on_step(
                     StepObservation(
@@ -241,15 +267,16 @@ def simulate(
                         engine.name,
                         step.kind,
                         step.batch,
-                        step.tokens_per_seq,  # type: ignore[union-attr]
+                        step.tokens_per_seq,
                         step.start,
                         step.duration_s,
                         sum(r.last_emitted for r in touched),
                     )
-                )  # type: ignore[union-attr]
+                )
             for req in touched:
                 if req.finished:
-                    record = _record(req, i, engine.name, classes.pop(req.tag, "latency"))  # type: ignore[arg-type]
+                    assert isinstance(req.tag, int)  # the arrival's index, set below
+                    record = _record(req, req.tag, i, engine.name, classes.pop(req.tag, "latency"))
                     records.append(record)
                     for follow_up in (on_finish(record) or ()) if on_finish is not None else ():
                         heapq.heappush(pending, (follow_up.time, next_index, follow_up))
@@ -272,6 +299,9 @@ def simulate(
                 ignore_eos=arrival.ignore_eos,
                 output_len=arrival.output_tokens,
                 rid=f"r{index}",
+                cache_key=(
+                    None if arrival.prefix is None else engine.block_key(arrival.prefix, arrival.prefix_block_tokens)
+                ),
             )
             req.tag = index
             classes[index] = arrival.request_class
@@ -280,9 +310,9 @@ def simulate(
     return records
 
 
-def _record(req: Request, engine: int, name: str, request_class: str) -> RequestRecord:
+def _record(req: Request, index: int, engine: int, name: str, request_class: str) -> RequestRecord:
     return RequestRecord(
-        index=req.tag,  # type: ignore[arg-type]
+        index=index,
         engine=engine,
         engine_name=name,
         arrival=req.arrival,
@@ -294,4 +324,5 @@ def _record(req: Request, engine: int, name: str, request_class: str) -> Request
         verify_ct=req.verify_ct,
         alpha=req.alpha,
         request_class=request_class,
+        cached_tokens=req.cached_tokens,
     )

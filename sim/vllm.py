@@ -164,6 +164,23 @@ class VllmCollector:
         preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemptions.", labels=names)
         preemptions.add_metric(values, 0.0)
         yield preemptions
+        # Prefix caching is on by default in vLLM V1: prompt tokens looked up at scheduling and
+        # those found cached, counted as the scheduler admits each request.
+        for name, doc, count in (
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                engine.prefix_cache_queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                engine.prefix_cache_hits,
+            ),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=names)
+            counter.add_metric(values, float(count))
+            yield counter
 
 
 class VllmMetrics:
@@ -217,7 +234,13 @@ class VllmMetrics:
             self.itl.observe(interval_s / tokens)
 
     def observe_finish(
-        self, streaming: bool, prompt_tokens: int, completion_tokens: int, e2e_s: float, finish_reason: str = "stop"
+        self,
+        streaming: bool,
+        prompt_tokens: int,
+        completion_tokens: int,
+        e2e_s: float,
+        finish_reason: str = "stop",
+        cached_tokens: int = 0,
     ) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)

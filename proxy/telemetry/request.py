@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from proxy.telemetry.tracing import Tracing
 
 _NO_PARAMS = (None, None, None, None, None)
+_Route = tuple[float | None, str, str, str, str, str | None, int, Mapping[str, Any]]
+"""RequestTrace's decision fields, from `decided` to `scores`."""
 
 
 class RequestRecorder(RequestHooks):
@@ -206,11 +208,13 @@ class RequestRecorder(RequestHooks):
             self._in_flight = None
 
     def _attempt_trace(self, ended: float, error: str | None) -> AttemptTrace:
+        pool, instance = self._pool, self._instance
+        assert pool is not None and instance is not None  # attempt_started set them with the span id
         return AttemptTrace(
             self._attempt_id,
             self._attempt,
-            self._pool,
-            self._instance,  # type: ignore[arg-type]
+            pool,
+            instance,
             self._t_attempt,
             ended,
             self._attempt_status,
@@ -298,8 +302,10 @@ class RequestRecorder(RequestHooks):
         if self._attempt_id:
             attempts += (self._attempt_trace(end, None),)
         decision, features, parent = self._decision, self._features, self._parent
+        tracing = self._tracing
+        assert tracing is not None  # only a sampled request is submitted, and only with tracing on
         if decision is None or features is None:  # refused before a route was chosen
-            route: tuple[Any, ...] = (None, "", "", "", "", None, 0, {})
+            route: _Route = (None, "", "", "", "", None, 0, {})
         else:
             route = (
                 self._decided_at,
@@ -311,8 +317,8 @@ class RequestRecorder(RequestHooks):
                 features.prompt_tokens,
                 decision.scores,
             )
-        self._tracing.submit(
-            RequestTrace(  # type: ignore[union-attr]
+        tracing.submit(
+            RequestTrace(
                 self._endpoint,
                 self._request_id,
                 self._user_agent,

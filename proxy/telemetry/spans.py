@@ -232,7 +232,7 @@ class SpanWriter:
             if found:
                 response_model = found.group(1)
         error = a.error
-        usage: tuple[Any, ...] = ((), None, None)
+        usage: tuple[tuple[str, ...], int | None, int | None] = ((), None, None)
         if outcome:
             usage = (t.finish_reasons, t.input_tokens, t.output_tokens)
             error = t.error_type

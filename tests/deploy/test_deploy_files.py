@@ -36,6 +36,22 @@ def env_example_names() -> set[str]:
     return set(re.findall(r"^#? ?([A-Z][A-Z0-9_]*)=", text, flags=re.M))
 
 
+def env_example_entries() -> dict[str, tuple[str, str]]:
+    """Variable -> (the value .env.example shows, the comment lines right above it, joined)."""
+    entries: dict[str, tuple[str, str]] = {}
+    comment: list[str] = []
+    for line in (DEPLOY / ".env.example").read_text().splitlines():
+        shown = re.match(r"^#? ?([A-Z][A-Z0-9_]*)=(.*)$", line)
+        if shown:
+            entries[shown[1]] = (shown[2], " ".join(comment))
+            comment = []
+        elif line.startswith("#"):
+            comment.append(line.removeprefix("#").strip())
+        else:
+            comment = []
+    return entries
+
+
 def setting_names() -> set[str]:
     return {variable_name(name) for name in Settings.model_fields}
 
@@ -132,6 +148,22 @@ def test_every_tunable_is_in_env_example() -> None:
     assert not sorted(used - names), "compose variables missing from .env.example"
     stale = sorted(n for n in names if n.startswith(ENV_PREFIX) and n not in setting_names())
     assert not stale, f"not settings of the proxy: {stale}"
+
+
+def test_env_example_shows_each_policy_parameter_as_declared() -> None:
+    # Default and help of a policy's parameter come from its declaration (policies/*.py).
+    from policies import registry
+    from proxy.settings import policy_setting
+
+    entries = env_example_entries()
+    wrong = []
+    for policy, params in registry.declared_params().items():
+        for param in params.model_fields:
+            field = Settings.model_fields[policy_setting(policy, param)]
+            variable = variable_name(policy_setting(policy, param))
+            if entries.get(variable) != (str(field.default), field.description):
+                wrong.append(f"# {field.description}\n# {variable}={field.default}")
+    assert not wrong, "deploy/.env.example should show:\n" + "\n".join(wrong)
 
 
 def test_every_setting_reaches_the_proxy_container(compose: Compose) -> None:

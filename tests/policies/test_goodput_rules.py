@@ -11,7 +11,7 @@ from policy_snapshots import pool, snapshot
 import policies.goodput
 from fleet.costmodel import StepCostModel, seed_from_profile
 from fleet.types import Decision, Features, Snapshot
-from policies.goodput import Goodput
+from policies.goodput import Goodput, GoodputParams
 
 RULES = (
     "pool-down",
@@ -39,7 +39,7 @@ def cost():
 
 
 def slo_policy() -> Goodput:
-    return Goodput(slo_ttft_s=1.0, slo_tpot_ms=50.0)
+    return Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0))
 
 
 def _with(snap, name, **changes):

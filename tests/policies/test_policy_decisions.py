@@ -5,8 +5,8 @@ from fleet.acceptance import accept_length
 from fleet.costmodel import StepCostModel, seed_from_profile
 from fleet.types import Features
 from policies import registry
-from policies.goodput import Goodput
-from policies.threshold import Threshold
+from policies.goodput import Goodput, GoodputParams
+from policies.threshold import Threshold, ThresholdParams
 
 SHORT = Features(prompt_tokens=64, max_tokens=256, ignore_eos=True)
 
@@ -17,7 +17,7 @@ def test_registry_names_and_errors():
         registry.create("nope")
     with pytest.raises(ValueError, match="bad parameters"):
         registry.create("goodput", {"no_such_knob": 1})
-    with pytest.raises(ValueError, match="enter <= exit"):
+    with pytest.raises(ValueError, match="enter must not exceed exit"):
         registry.create("threshold", {"enter": 50, "exit": 10})
 
 
@@ -32,7 +32,7 @@ def test_static_and_round_robin():
 
 
 def test_threshold_hysteresis_holds():
-    policy = Threshold(enter=20, exit=40, scale_with_alpha=False)
+    policy = Threshold(ThresholdParams(enter=20, exit=40), scale_with_alpha=False)
     up = [policy.decide(SHORT, snapshot(load, 0)).pool for load in range(0, 48, 4)]
     assert up == ["spec"] * 10 + ["base"] * 2  # leaves at 40
     down = [policy.decide(SHORT, snapshot(load, 0)).pool for load in range(44, -1, -4)]
@@ -42,7 +42,7 @@ def test_threshold_hysteresis_holds():
 
 
 def test_threshold_scales_with_alpha_and_respects_the_cap():
-    policy = Threshold(enter=24, exit=40, reference_alpha=0.6)
+    policy = Threshold(ThresholdParams(enter=24, exit=40), reference_alpha=0.6)
     low = policy.thresholds(0.3, 3, 48)
     high = policy.thresholds(0.8, 3, 48)
     assert low[1] < 40 < 48 == high[1]  # more acceptance: later exit, capped by max_running
@@ -63,7 +63,7 @@ def test_goodput_crossover_falls_where_the_cost_model_puts_it(alpha):
     cost = StepCostModel(seed_from_profile("kimi-linear"), num_draft_tokens=3)
     b_star = crossover(cost, alpha)
     assert b_star is not None and 4 < b_star < 120
-    policy = Goodput(externality=0.0)
+    policy = Goodput(GoodputParams(externality=0.0))
     features = Features(prompt_tokens=16, max_tokens=2000, ignore_eos=True)  # decode dominates
     # Equal load on both pools: only the per-token cost differs. Requests join at batch load+1.
     for load in range(0, 120):
@@ -118,7 +118,7 @@ def test_goodput_stale_and_unavailable():
 
 def test_goodput_unknown_alpha_uses_the_default():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
-    decision = Goodput(default_alpha=0.5).decide(SHORT, snapshot(0, 0, cost, alpha=None))
+    decision = Goodput(GoodputParams(default_alpha=0.5)).decide(SHORT, snapshot(0, 0, cost, alpha=None))
     assert decision.pool == "spec"
 
 
@@ -166,7 +166,7 @@ def test_goodput_slo_sends_a_request_where_it_can_meet_its_targets():
     # Base prefills 30 prompts/s of 1,000 tokens: its decode is stretched past a 50 ms TPOT.
     snap = _with(snapshot(46, 200, cost), "base", dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
     plain = Goodput().decide(SHORT, snap)
-    aware = Goodput(slo_ttft_s=1.0, slo_tpot_ms=50.0).decide(SHORT, snap)
+    aware = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0)).decide(SHORT, snap)
     assert aware.scores["tpot_base_ms"] > 50 > aware.scores["tpot_spec_ms"]
     assert (aware.pool, aware.reason) == ("spec", "slo-spec")
     assert aware.scores["slo_spec"] == 1.0 and aware.scores["slo_base"] == 0.0
@@ -175,7 +175,7 @@ def test_goodput_slo_sends_a_request_where_it_can_meet_its_targets():
 
 def test_goodput_slo_may_queue_on_spec_within_the_ttft_target_but_not_past_it():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
-    policy = Goodput(slo_ttft_s=1.0, slo_tpot_ms=50.0)
+    policy = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0))
     pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
     long_prompt = Features(prompt_tokens=4000)  # its prefill would stall base's 200 requests most
     short_queue = _with(snapshot(50, 200, cost), "base", **pressed)  # 2 waiting past spec's cap
@@ -190,7 +190,7 @@ def test_goodput_slo_may_queue_on_spec_within_the_ttft_target_but_not_past_it():
 
 def test_goodput_a_lost_request_spares_the_pool_whose_requests_can_still_meet_their_target():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
-    policy = Goodput(slo_ttft_s=1.0, slo_tpot_ms=50.0)
+    policy = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0))
     # Base prefills 30 prompts/s: its 60 requests are past the 50 ms TPOT target. Spec's queue
     # holds 60,000 prompt tokens: a new request there misses the 1 s TTFT target.
     snap = _with(snapshot(30, 60, cost), "base", dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
@@ -227,7 +227,7 @@ def test_goodput_prefill_share_at_the_cap_is_bounded_by_the_slot_turnover():
 
 def test_goodput_gives_the_last_spec_slot_to_a_long_prompt():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
-    policy = Goodput(slo_ttft_s=1.0, slo_tpot_ms=50.0)
+    policy = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0))
     # Spec has one free slot; recent prompts averaged 1,000 tokens; base runs 200 requests.
     snap = snapshot(47, 200, cost)
     snap = _with(snap, "base", dispatches_per_s=20.0, prompt_tokens_per_s=20_000.0)
@@ -244,7 +244,7 @@ def test_goodput_gives_the_last_spec_slot_to_a_long_prompt():
 
 
 def test_goodput_weighs_a_few_responses_output_length_against_its_default():
-    policy = Goodput(default_output_tokens=256)
+    policy = Goodput(GoodputParams(output_tokens=256))
     plain = Features(prompt_tokens=100)
     assert policy.output_tokens(plain) == 256  # nothing learned yet
     assert policy.output_tokens(plain, learned=20, samples=1) == 235  # one short answer says little
@@ -255,7 +255,7 @@ def test_goodput_weighs_a_few_responses_output_length_against_its_default():
 
 def test_goodput_queues_on_spec_only_if_the_slow_end_of_the_wait_meets_the_ttft_target():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
-    policy = Goodput(slo_ttft_s=1.0, slo_tpot_ms=50.0)
+    policy = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0))
     long_prompt = Features(prompt_tokens=4000)
     pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)  # base misses its TPOT target
     # Six requests queued past spec's cap: on average the first token comes within the second,
@@ -273,7 +273,7 @@ def test_goodput_queues_on_spec_only_if_the_slow_end_of_the_wait_meets_the_ttft_
 
 def test_goodput_queues_a_lost_request_on_spec_when_base_has_a_far_longer_prefill_backlog():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
-    policy = Goodput(slo_ttft_s=1.0, slo_tpot_ms=50.0)
+    policy = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0))
     long_prompt = Features(prompt_tokens=4000)
     pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)  # base misses its TPOT target
     # Spec six past its cap (its first token at the slow end of the wait is late); base below its

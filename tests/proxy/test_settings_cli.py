@@ -119,6 +119,23 @@ def test_readme_configuration_table_lists_every_setting() -> None:
         assert f"| `{variable}` |" in readme, f"README's configuration table lacks {variable}"
 
 
+def test_readme_rows_of_policy_parameters_are_their_declarations() -> None:
+    # The policies declare their parameters (policies/*.py, PolicyParams): default and help here
+    # come from there, so the table cannot drift from what `specroute config` and the code use.
+    from policies import registry
+    from proxy.settings import Settings, policy_setting, variable_name
+
+    rows = set((Path(__file__).parents[2] / "README.md").read_text().splitlines())
+    expected = []
+    for policy, params in registry.declared_params().items():
+        for param in params.model_fields:
+            name = policy_setting(policy, param)
+            field = Settings.model_fields[name]
+            expected.append(f"| `{variable_name(name)}` | `{field.default}` | {field.description} |")
+    wrong = [row for row in expected if row not in rows]
+    assert not wrong, "README's configuration table should have these rows:\n" + "\n".join(wrong)
+
+
 def test_ctrl_c_stops_serve_and_its_span_export_without_a_traceback(tmp_path: Path) -> None:
     """A terminal's Ctrl-C reaches the whole process group: the proxy drains and exits 130, its
     span export process (its own group) exports what it holds and ends with it."""
