@@ -1,4 +1,4 @@
-"""`specroute serve | sim | demo | config`."""
+"""`specroute serve | sim | demo | config | profile`."""
 
 from __future__ import annotations
 
@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--profile", default="h200-llama8b", help="twin step-time profile")
     demo.add_argument("--time-scale", type=float, default=1.0, help="run the twins this many times faster")
     commands.add_parser("config", help="print the effective settings (secrets masked)")
+    from proxy.profiler import add_arguments
+
+    add_arguments(commands.add_parser("profile", help="measure live servers and write a step-time profile"))
     return parser
 
 
@@ -39,6 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "config":
             return print_config()
+        if args.command == "profile":
+            from proxy.profiler import main_from_args
+
+            return main_from_args(args)
         if args.command == "demo":
             from proxy.demo import run_demo
 

@@ -1,0 +1,862 @@
+"""`specroute profile`: measure live servers through their public API and write a step-time profile.
+
+    specroute profile --url http://gpu-a:30001 --url http://gpu-b:30002 --out fleet.json
+
+Each server (real SGLang or vLLM, or the twin) is measured through what any client sees: the
+OpenAI endpoints, and SGLang's /server_info, /v1/loads and /metrics (vLLM's /metrics):
+
+- idle first: a server with running or waiting requests is refused unless --force (the gaps
+  would measure someone else's batch);
+- prefill: the time to first token of single streamed requests of a few prompt lengths while
+  the server is idle (random token ids, so no prefix cache helps), fitted fixed + per token;
+- decode: B concurrent `ignore_eos` streams with the same prompt length and max_tokens, for B up
+  to the server's cap; one engine step sends one chunk per stream (a spec server's chunk carries
+  1..k+1 tokens), so the gaps between chunks, taken while all B streams decode (after the last
+  first token, up to the first stream's end), are the step time at batch B; their median is it;
+- acceptance (a speculative server): the accept length from its counters
+  (sglang:generation_tokens_total / sglang:spec_verify_calls_total), else the streams' spec
+  details, else tokens per chunk.
+
+The spec step is recorded whole (draft steps, verify and the engine's overheads together; a
+client cannot split them). The profile gets the `affine` step kind when one line reproduces
+every measured step within AFFINE_TOLERANCE, else a `table` (a CSV beside the JSON) at the
+measured context; with it, a `measured` block says what was measured, where and when.
+A twin says its --time-scale in /server_info: its times are scaled back to the twin's physics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TextIO
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+from fleet.acceptance import alpha_from_accept_length
+from fleet.profile import Profile, load_profile
+from proxy.backends import Backend, load_paths, recognise
+from proxy.backends.prometheus import parse_prometheus
+from proxy.backends.sglang import server_info_facts
+from proxy.backends.vllm import VLLM_DEFAULT_MAX_NUM_SEQS
+
+DEFAULT_BUDGET_S = 240.0
+DEFAULT_CONTEXT = 1024
+"""Context per sequence while decode steps are measured (the router's cost model reads a profile
+at 1,024 tokens)."""
+DEFAULT_PREFILL_LENGTHS = (256, 1024, 2048, 4096)
+PREFILL_REPEATS = 3
+WINDOW_STEPS = 32
+"""Steps wanted while all B streams decode; max_tokens leaves LEAD_STEPS more for the start."""
+LEAD_STEPS = 8
+AFFINE_TOLERANCE = 0.025
+"""The affine kind is written when it reproduces every measured step within 2.5 % (about the
+measurements' own noise), else the measured table."""
+IDLE_WAIT_S = 10.0
+BATCHED_READS = 0.5
+"""A batch whose median gap is under half its mean gap reached the client in bursts: the client
+(or the server's CPU) could not keep up, so its times are not the engine's; it is left out."""
+COUNTERS = frozenset({"sglang:generation_tokens_total", "sglang:spec_verify_calls_total"})
+EXIT_BUSY = 3
+
+
+class ProfileError(Exception):
+    """The run cannot go on (a server unreachable, refusing, or busy)."""
+
+
+class BusyError(ProfileError):
+    pass
+
+
+def public_url(url: str) -> str:
+    """The URL without credentials (user:password@) or query, as the profile records it."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, host, parts.path.rstrip("/"), "", ""))
+
+
+def batch_sizes(cap: int) -> list[int]:
+    """Powers of two below the cap, and the cap."""
+    sizes = [1]
+    while sizes[-1] * 2 < cap:
+        sizes.append(sizes[-1] * 2)
+    if cap > 1:
+        sizes.append(cap)
+    return sizes
+
+
+def fit_line(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(a, b) of y = a + b x, least squares on relative errors (weights 1/y^2); a, b >= 0."""
+    if len(xs) == 1:
+        return ys[0], 0.0
+    w = [1.0 / (y * y) for y in ys]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, xs))
+    sy = sum(wi * y for wi, y in zip(w, ys))
+    sxx = sum(wi * x * x for wi, x in zip(w, xs))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    det = sw * sxx - sx * sx
+    if det <= 0:
+        return sy / sw, 0.0
+    b = (sw * sxy - sx * sy) / det
+    a = (sy - b * sx) / sw
+    if b < 0:
+        return sy / sw, 0.0
+    if a < 0:
+        return 0.0, sxy / sxx
+    return a, b
+
+
+def relative(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured
+
+
+class Progress:
+    """Progress lines on stderr: elapsed time against the budget, and what is being measured."""
+
+    def __init__(self, budget_s: float, out: TextIO | None = None, quiet: bool = False):
+        self.start = time.monotonic()
+        self.budget_s = budget_s
+        self.out = out or sys.stderr
+        self.quiet = quiet
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def line(self, message: str) -> None:
+        if self.quiet:
+            return
+        done = min(self.elapsed() / self.budget_s, 1.0)
+        bar = "#" * round(done * 20)
+        print(f"[{bar:<20}] {self.elapsed():5.0f}/{self.budget_s:.0f} s  {message}", file=self.out, flush=True)
+
+
+@dataclass
+class Server:
+    url: str
+    shown: str
+    kind: str
+    backend: Backend
+    model: str
+    speculative: bool
+    num_steps: int
+    cap: int
+    time_scale: float = 1.0
+    context_length: int | None = None
+    twin_profile: str | None = None
+
+    @property
+    def role(self) -> str:
+        return "spec" if self.speculative else "base"
+
+
+@dataclass
+class Trace:
+    """One stream: when each content chunk came (perf_counter seconds) and its tokens."""
+
+    sent: float
+    times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    verify_ct: int | None = None
+    completion_tokens: int | None = None
+
+
+@dataclass
+class BatchResult:
+    batch: int
+    step_ms: float
+    """The step time at `batch`: the median over the streams of each one's mean gap while all
+    `batch` streams decode ((last - first chunk of the window) / steps), in the server's time."""
+    median_gap_ms: float
+    """The median of all those gaps (recorded; skewed when steps catch up after a late one)."""
+    gaps: int
+    window_steps: int
+    context: float
+    """Mean context per sequence (prompt + tokens so far) at the window's gaps."""
+    tokens_per_step: float
+    seconds: float
+    bursty: bool = False
+    """The chunks came in bursts (median gap < BATCHED_READS x mean): not trusted, left out."""
+    spec_tokens: int = 0
+    spec_verify: int = 0
+    """Completion tokens and verify steps of the streams whose spec details came."""
+
+
+@dataclass
+class ServerResult:
+    server: Server
+    prefill_tokens: list[int] = field(default_factory=list)
+    prefill_raw_ms: list[list[float]] = field(default_factory=list)
+    batches: list[BatchResult] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    unreliable: list[BatchResult] = field(default_factory=list)
+    """Batches measured but left out (their chunks came in bursts)."""
+    accept_counters: float | None = None
+    accept_details: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def prefill_ms(self) -> list[float]:
+        return [statistics.median(raw) for raw in self.prefill_raw_ms]
+
+    def prefill_fit(self) -> tuple[float, float] | None:
+        if not self.prefill_tokens:
+            return None
+        return fit_line([float(n) for n in self.prefill_tokens], self.prefill_ms)
+
+    @property
+    def accept_length(self) -> float | None:
+        if self.accept_counters:
+            return self.accept_counters
+        if self.accept_details:
+            return self.accept_details
+        decoded = [b.tokens_per_step for b in self.batches if b.tokens_per_step > 0]
+        return statistics.median(decoded) if decoded else None
+
+
+@dataclass
+class Options:
+    urls: list[str]
+    out: Path
+    budget_s: float = DEFAULT_BUDGET_S
+    force: bool = False
+    batches: list[int] | None = None
+    max_batch: int | None = None
+    context: int = DEFAULT_CONTEXT
+    prefill_lengths: Sequence[int] = DEFAULT_PREFILL_LENGTHS
+    window_steps: int = WINDOW_STEPS
+    api_key: str | None = None
+    name: str | None = None
+    seed: int = 0
+    quiet: bool = False
+    time_scale: float | None = None
+    """A twin's --time-scale when it does not say it in /server_info (a vLLM twin has none)."""
+
+
+class Profiler:
+    def __init__(self, options: Options, progress: Progress | None = None):
+        self.options = options
+        self.progress = progress or Progress(options.budget_s, quiet=options.quiet)
+        self.rng = random.Random(options.seed)
+        headers = {"authorization": f"Bearer {options.api_key}"} if options.api_key else {}
+        self.client = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(120.0, connect=10.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=512),
+        )
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    # ---- probing ------------------------------------------------------------------------
+
+    async def _get(self, server_url: str, path: str) -> httpx.Response:
+        try:
+            return await self.client.get(server_url + path, timeout=10.0)
+        except httpx.HTTPError as exc:
+            raise ProfileError(f"{public_url(server_url)}{path}: {type(exc).__name__}: {exc}") from None
+
+    async def probe(self, url: str) -> Server:
+        url = url.rstrip("/")
+        shown = public_url(url)
+        models = await self._get(url, "/v1/models")
+        if models.status_code != 200:
+            raise ProfileError(f"{shown}/v1/models answered {models.status_code}")
+        model = str(models.json()["data"][0]["id"])
+        backend: Backend | None = None
+        reported_cap: int | None = None
+        for path in load_paths():
+            answer = await self._get(url, path)
+            if answer.status_code == 200:
+                backend = recognise(path, answer.text)
+                if backend is not None and backend.kind != "openai":
+                    try:
+                        reported_cap = backend.read(answer.text, time.time()).max_running
+                    except (ValueError, KeyError, TypeError):
+                        pass
+                    break
+        if backend is None or backend.kind == "openai":
+            raise ProfileError(
+                f"{shown}: no load endpoint answered (SGLang /v1/loads or /metrics, vLLM /metrics): "
+                "its idleness cannot be checked"
+            )
+        cap = reported_cap or VLLM_DEFAULT_MAX_NUM_SEQS  # /v1/loads or /metrics may say it
+        server = Server(url, shown, backend.kind, backend, model, False, 0, cap)
+        if backend.info_path:
+            info = await self._get(url, backend.info_path)
+            if info.status_code == 200:
+                doc = info.json()
+                facts = server_info_facts(doc)
+                server.speculative = facts["speculative"]
+                server.num_steps = facts["num_draft_tokens"]
+                states = doc.get("internal_states") or [{}]
+                effective = states[0].get("effective_max_running_requests_per_dp") if states else None
+                server.cap = int(facts["max_running_requests"] or effective or server.cap)
+                server.context_length = doc.get("context_length")
+                if doc.get("twin"):  # the twin says how much faster than its physics it runs
+                    server.time_scale = float(doc.get("time_scale") or 1.0)
+                    server.twin_profile = doc.get("profile")
+        if self.options.time_scale:
+            server.time_scale = self.options.time_scale
+        return server
+
+    async def load(self, server: Server) -> tuple[float, float]:
+        assert server.backend.load_path is not None
+        answer = await self._get(server.url, server.backend.load_path)
+        reading = server.backend.read(answer.text, time.time())
+        return reading.running, reading.waiting
+
+    async def wait_idle(self, server: Server, what: str) -> None:
+        """Refuse (BusyError) a server with requests running or waiting, unless forced; between
+        our own batches, give its gauges a moment to drain first."""
+        if self.options.force:
+            return
+        deadline = time.monotonic() + (IDLE_WAIT_S if what == "between" else 0.0)
+        while True:
+            running, waiting = await self.load(server)
+            if running + waiting <= 0:
+                return
+            if time.monotonic() >= deadline:
+                when = "during the run" if what == "between" else "before the run"
+                raise BusyError(
+                    f"{server.shown} is busy with other traffic {when} ({running:g} running, {waiting:g} waiting): "
+                    "measurements would be someone else's batch; stop the traffic or pass --force"
+                )
+            await asyncio.sleep(0.2)
+
+    async def counters(self, server: Server) -> dict[str, float]:
+        if server.kind != "sglang":
+            return {}
+        answer = await self._get(server.url, "/metrics")
+        return parse_prometheus(answer.text, COUNTERS) if answer.status_code == 200 else {}
+
+    # ---- requests -----------------------------------------------------------------------
+
+    def prompt(self, tokens: int) -> list[int]:
+        # Random token ids: no two prompts share a prefix, so no prefix cache shortens a prefill.
+        return [self.rng.randrange(1000, 30000) for _ in range(tokens)]
+
+    async def stream(self, server: Server, prompt_tokens: int, max_tokens: int) -> Trace:
+        body: dict[str, Any] = {
+            "model": server.model,
+            "prompt": self.prompt(prompt_tokens),
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        if server.kind == "sglang" and server.speculative:
+            body["return_spec_tokens_details"] = True
+        trace = Trace(time.perf_counter())
+        seen = 0
+        async with self.client.stream("POST", server.url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode(errors="replace")[:300]
+                raise ProfileError(f"{server.shown}/v1/completions answered {response.status_code}: {text}")
+            buffer = b""
+            async for data in response.aiter_bytes():
+                now = time.perf_counter()
+                buffer += data.replace(b"\r\n", b"\n")
+                while (end := buffer.find(b"\n\n")) >= 0:
+                    event, buffer = buffer[:end], buffer[end + 2 :]
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        payload = line[5:].strip()
+                        if payload == b"[DONE]":
+                            continue
+                        doc = json.loads(payload)
+                        if "error" in doc:
+                            raise ProfileError(f"{server.shown} stream error: {str(doc['error'])[:300]}")
+                        usage = doc.get("usage") or {}
+                        details = (doc.get("sglext") or {}).get("spec_tokens_details")
+                        if isinstance(details, list):
+                            details = details[0] if details else None
+                        if isinstance(details, dict) and details.get("spec_verify_ct") is not None:
+                            trace.verify_ct = int(details["spec_verify_ct"])
+                        choices = doc.get("choices") or []
+                        if not choices:
+                            if usage.get("completion_tokens") is not None:
+                                trace.completion_tokens = int(usage["completion_tokens"])
+                            continue
+                        if usage.get("completion_tokens") is not None:
+                            n = int(usage["completion_tokens"]) - seen
+                        else:
+                            n = 1 if choices[0].get("text") else 0
+                        if n > 0:
+                            seen += n
+                            trace.times.append(now)
+                            trace.tokens.append(n)
+        if trace.completion_tokens is None:
+            trace.completion_tokens = seen
+        if not trace.times:
+            raise ProfileError(f"{server.shown}: a stream ended without tokens")
+        return trace
+
+    # ---- prefill ------------------------------------------------------------------------
+
+    async def measure_prefill(self, server: Server, result: ServerResult, deadline: float) -> None:
+        lengths = [
+            n for n in self.options.prefill_lengths if not server.context_length or n < server.context_length - 8
+        ]
+        await self.wait_idle(server, "before")
+        await self.stream(server, 16, 1)  # warm the connection
+        for n in lengths:
+            raw: list[float] = []
+            for _ in range(PREFILL_REPEATS):
+                if time.monotonic() > deadline and raw:
+                    break
+                trace = await self.stream(server, n, 1)
+                raw.append((trace.times[0] - trace.sent) * 1000.0 * server.time_scale)
+            result.prefill_tokens.append(n)
+            result.prefill_raw_ms.append(raw)
+            self.progress.line(f"{server.role} {server.shown}: prefill {n} tokens: {statistics.median(raw):.2f} ms")
+            if time.monotonic() > deadline:
+                result.notes.append(f"prefill stopped at {n} tokens: out of time")
+                break
+
+    # ---- decode -------------------------------------------------------------------------
+
+    async def measure_batch(self, server: Server, batch: int, lead_steps: int) -> tuple[BatchResult | None, int]:
+        """B streams at once; the step time while all decode, or None if that window was shorter
+        than half the steps wanted; and the steps the first streams decoded before the last one's
+        first token (the lead the next try must leave room for)."""
+        per_step = server.num_steps + 1 if server.speculative else 1
+        max_tokens = (self.options.window_steps + lead_steps) * per_step
+        prompt = max(self.options.context - (self.options.window_steps * per_step) // 3, 16)
+        if server.context_length:
+            prompt = min(prompt, server.context_length - max_tokens - 8)
+        started = time.monotonic()
+        traces = await asyncio.gather(*(self.stream(server, prompt, max_tokens) for _ in range(batch)))
+        seconds = time.monotonic() - started
+        all_in = max(t.times[0] for t in traces)  # the last stream's first token: all decode from here
+        first_end = min(t.times[-1] for t in traces)  # the first stream's last chunk: the batch shrinks after
+        lead = max(sum(1 for at in t.times if at < all_in) for t in traces)
+
+        def window(tol: float) -> list[list[int]]:
+            return [[i for i, at in enumerate(t.times) if all_in - tol <= at <= first_end + tol] for t in traces]
+
+        def gaps_of(indices: list[list[int]]) -> list[float]:
+            return [t.times[b] - t.times[a] for t, idx in zip(traces, indices) for a, b in zip(idx, idx[1:])]
+
+        strict = gaps_of(window(0.0))
+        if not strict:
+            return None, lead
+        # Chunks of one step reach the client a little apart: widen the window by a quarter step.
+        indices = window(0.25 * statistics.median(strict))
+        steps = max(len(idx) for idx in indices) - 1
+        if steps < self.options.window_steps // 2:
+            return None, lead
+        gaps = gaps_of(indices)
+        spans = [
+            (t.times[idx[-1]] - t.times[idx[0]]) / (len(idx) - 1) for t, idx in zip(traces, indices) if len(idx) > 1
+        ]
+        tokens = sum(t.tokens[i] for t, idx in zip(traces, indices) for i in idx[1:])
+        contexts = [prompt + sum(t.tokens[: i + 1]) for t, idx in zip(traces, indices) for i in idx[:-1]]
+        scale = server.time_scale * 1000.0
+        result = BatchResult(
+            batch=batch,
+            step_ms=statistics.median(spans) * scale,
+            median_gap_ms=statistics.median(gaps) * scale,
+            gaps=len(gaps),
+            window_steps=steps,
+            context=statistics.fmean(contexts) if contexts else float(prompt),
+            tokens_per_step=tokens / len(gaps) if gaps else 0.0,
+            seconds=seconds,
+            bursty=statistics.median(gaps) < BATCHED_READS * statistics.median(spans),
+            spec_tokens=sum(t.completion_tokens or 0 for t in traces if t.verify_ct),
+            spec_verify=sum(t.verify_ct or 0 for t in traces),
+        )
+        return result, lead
+
+    async def measure_decode(self, server: Server, result: ServerResult, deadline: float) -> None:
+        sizes = self.options.batches or batch_sizes(min(server.cap, self.options.max_batch or server.cap))
+        sizes = sorted({b for b in sizes if 1 <= b <= server.cap})
+        before = await self.counters(server)
+        last: BatchResult | None = None
+        lead = LEAD_STEPS
+        for i, b in enumerate(sizes):
+            if last is not None:
+                # The next batch costs about what the last did, times the growth of its prefill.
+                estimate = last.seconds * max(b / last.batch, 1.0)
+                if time.monotonic() + estimate > deadline:
+                    result.skipped = sizes[i:]
+                    result.notes.append(f"batches {result.skipped} skipped: out of time (--budget-s)")
+                    self.progress.line(f"{server.role} {server.shown}: out of time, skipping batches {result.skipped}")
+                    break
+            measured: BatchResult | None = None
+            for attempt in range(3):
+                await self.wait_idle(server, "between")
+                tried = time.monotonic()
+                measured, seen = await self.measure_batch(server, b, lead)
+                took = time.monotonic() - tried
+                # The first streams decode while later prompts are prefilled: leave room for that
+                # (a stream that ended before the last first token only shows a lower bound).
+                grown = round(1.25 * seen) + LEAD_STEPS
+                lead = max(lead, grown) if measured is not None else max(2 * lead, grown)
+                if measured is not None or attempt == 2 or time.monotonic() + 2 * took > deadline:
+                    break
+                self.progress.line(
+                    f"{server.role} {server.shown}: batch {b}: too few steps with all streams decoding, "
+                    f"again with {lead} steps of lead"
+                )
+            if measured is None:
+                result.notes.append(f"batch {b}: too few steps with all {b} streams decoding")
+                continue
+            last = measured
+            self.progress.line(
+                f"{server.role} {server.shown}: batch {b}: step {last.step_ms:.2f} ms "
+                f"(median gap {last.median_gap_ms:.2f}, {last.gaps} gaps, {last.tokens_per_step:.2f} tokens/step, "
+                f"{last.seconds:.1f} s)"
+            )
+            if last.bursty:
+                result.unreliable.append(last)
+                result.skipped = sizes[i + 1 :]
+                note = (
+                    f"batch {b}: chunks came in bursts (median gap {last.median_gap_ms:.2f} ms against a mean of "
+                    f"{last.step_ms:.2f} ms): this client or the server's CPU could not keep up; left out, "
+                    f"and larger batches skipped ({result.skipped}): profile from a less busy machine or lower --max-batch"
+                )
+                result.notes.append(note)
+                self.progress.line(f"{server.role} {server.shown}: {note}")
+                break
+            result.batches.append(last)
+        if server.speculative:
+            await self.wait_idle(server, "between")
+            after = await self.counters(server)
+            d_tokens = after.get("sglang:generation_tokens_total", 0.0) - before.get(
+                "sglang:generation_tokens_total", 0.0
+            )
+            d_verify = after.get("sglang:spec_verify_calls_total", 0.0) - before.get(
+                "sglang:spec_verify_calls_total", 0.0
+            )
+            if d_verify > 0:
+                result.accept_counters = d_tokens / d_verify
+            verify = sum(b.spec_verify for b in result.batches)
+            if verify > 0:
+                result.accept_details = sum(b.spec_tokens for b in result.batches) / verify
+
+    async def measure(self, server: Server, deadline: float) -> ServerResult:
+        result = ServerResult(server)
+        prefill_deadline = time.monotonic() + 0.2 * (deadline - time.monotonic())
+        await self.measure_prefill(server, result, prefill_deadline)
+        await self.measure_decode(server, result, deadline)
+        return result
+
+
+async def measure_all(options: Options, progress: Progress | None = None) -> list[ServerResult]:
+    profiler = Profiler(options, progress)
+    try:
+        servers = [await profiler.probe(url) for url in options.urls]
+        roles = [s.role for s in servers]
+        for role in ("spec", "base"):
+            if roles.count(role) > 1:
+                raise ProfileError(
+                    f"{roles.count(role)} {role} servers given: a profile has one {role} side; profile them one at a time"
+                )
+        for server in servers:
+            await profiler.wait_idle(server, "before")
+            profiler.progress.line(
+                f"{server.role} {server.shown}: {server.kind}, model {server.model!r}, cap {server.cap}"
+                + (f", {server.num_steps} draft steps" if server.speculative else "")
+                + (f", twin at time scale {server.time_scale:g}" if server.time_scale != 1.0 else "")
+            )
+        results = []
+        start = time.monotonic()
+        for i, server in enumerate(servers):
+            left = options.budget_s - (time.monotonic() - start)
+            deadline = time.monotonic() + left / (len(servers) - i)
+            results.append(await profiler.measure(server, deadline))
+        return results
+    finally:
+        await profiler.close()
+
+
+# ---- the profile ------------------------------------------------------------------------
+
+
+def _sides(results: list[ServerResult]) -> tuple[ServerResult | None, ServerResult | None]:
+    spec = next((r for r in results if r.server.speculative and r.batches), None)
+    base = next((r for r in results if not r.server.speculative and r.batches), None)
+    return spec, base
+
+
+def _points(result: ServerResult | None) -> tuple[list[float], list[float]]:
+    if result is None:
+        return [], []
+    return [float(b.batch) for b in result.batches], [b.step_ms for b in result.batches]
+
+
+def build_profile(
+    results: list[ServerResult], name: str, when: datetime, seconds: float, budget_s: float
+) -> tuple[dict, list[list[Any]] | None]:
+    """The profile document, and the table rows when the step kind is `table`."""
+    spec, base = _sides(results)
+    if spec is None and base is None:
+        raise ProfileError("no decode step was measured")
+    k = spec.server.num_steps if spec else 3
+    notes: list[str] = []
+    if base is None:
+        notes.append("no base server measured: the base side is derived from the spec side's fit, not measured")
+    if spec is None:
+        notes.append("no spec server measured: the spec side is the base step's formula at k+1 tokens, not measured")
+
+    # Prefill: the base server's, with the spec server's ratio as spec_prefill_factor.
+    base_fit = base.prefill_fit() if base else None
+    spec_fit = spec.prefill_fit() if spec else None
+    factor = 1.0
+    if base_fit and spec_fit and spec:
+        ns = spec.prefill_tokens
+        factor = sum(spec_fit[0] + spec_fit[1] * n for n in ns) / sum(base_fit[0] + base_fit[1] * n for n in ns)
+    prefill_fit = base_fit or spec_fit or (0.0, 0.0)
+    if base_fit is None and spec_fit is not None:
+        notes.append("prefill measured on the spec server only (spec_prefill_factor 1)")
+
+    # The affine candidate: base = fixed + per_token * B; spec = base at k+1 tokens + overheads.
+    sb, sm = _points(spec)
+    bb, bm = _points(base)
+    if base is not None:
+        fixed, per_token = fit_line(bb, bm)
+    else:
+        a_s, b_s = fit_line(sb, sm)
+        fixed, per_token = a_s, b_s / (k + 1)
+    verify_ms = per_request_ms = 0.0
+    if spec is not None and base is not None:
+        a_s, b_s = fit_line(sb, sm)
+        verify_ms = max(a_s - fixed, 0.0)
+        per_request_ms = max(b_s - per_token * (k + 1), 0.0)
+
+    def affine_spec(b: float) -> float:
+        return fixed + per_token * b * (k + 1) + verify_ms + per_request_ms * b
+
+    residuals = [relative(fixed + per_token * b, m) for b, m in zip(bb, bm)]
+    residuals += [relative(affine_spec(b), m) for b, m in zip(sb, sm)]
+    affine_worst = max(abs(r) for r in residuals)
+    use_affine = affine_worst <= AFFINE_TOLERANCE
+
+    contexts = [b.context for r in (spec, base) if r for b in r.batches]
+    context = round(statistics.fmean(contexts))
+    alpha = None
+    if spec is not None and spec.accept_length:
+        alpha = alpha_from_accept_length(spec.accept_length, k)
+    when_text = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+    urls = ", ".join(r.server.shown for r in results)
+    doc: dict[str, Any] = {
+        "name": name,
+        "description": f"measured by `specroute profile` on {when_text} from {urls}",
+    }
+    rows: list[list[Any]] | None = None
+    if use_affine:
+        doc["step"] = {"kind": "affine", "fixed_ms": round(fixed, 4), "per_token_ms": round(per_token, 5)}
+    else:
+        rows = []
+        for r, t in ((base, 1), (spec, k + 1)):
+            for measured in r.batches if r else []:
+                rows.append(["target", measured.batch, t, context, round(measured.step_ms, 4)])
+        # The spec step is measured whole: its draft steps are inside the T=k+1 rows.
+        for batch in sorted({m.batch for r in (spec, base) if r for m in r.batches}):
+            rows.append(["draft", batch, 1, context, 0.0])
+        doc["step"] = {"kind": "table", "file": ""}  # set by write_profile
+    doc["draft_step_ms"] = 0.0
+    doc["prefill"] = {"fixed_ms": round(prefill_fit[0], 4), "per_token_ms": round(prefill_fit[1], 6)}
+    doc["spec_prefill_factor"] = round(factor, 4)
+    if use_affine:
+        doc["overheads"] = {
+            "spec": {"per_verify_step_ms": round(verify_ms, 4), "per_request_ms": round(per_request_ms, 5)},
+            "base": {},
+        }
+    doc["defaults"] = {"mean_alpha": round(alpha, 4) if alpha is not None else 0.64, "num_steps": k}
+    doc["measured"] = {
+        "by": "specroute profile",
+        "at": when_text,
+        "seconds": round(seconds, 1),
+        "budget_s": budget_s,
+        "context_tokens": context,
+        "step_kind": "affine" if use_affine else "table",
+        "affine_worst_residual_pct": round(100 * affine_worst, 2),
+        "why": (
+            f"one line reproduces every measured step within {100 * AFFINE_TOLERANCE:g} %"
+            if use_affine
+            else f"the best line misses a measured step by {100 * affine_worst:.1f} % (> {100 * AFFINE_TOLERANCE:g} %): the measured table"
+        ),
+        "split": "the spec step is measured whole: draft steps, verify and engine overheads together",
+        "notes": notes,
+        "servers": [_server_block(r) for r in results],
+    }
+    return doc, rows
+
+
+def _server_block(r: ServerResult) -> dict[str, Any]:
+    s = r.server
+    block: dict[str, Any] = {
+        "url": s.shown,
+        "kind": s.kind,
+        "role": s.role,
+        "model": s.model,
+        "max_running_requests": s.cap,
+    }
+    if s.speculative:
+        block["num_steps"] = s.num_steps
+    if s.time_scale != 1.0 or s.twin_profile:
+        block["twin"] = {"profile": s.twin_profile, "time_scale": s.time_scale, "times": "scaled back to the twin's"}
+    fit = r.prefill_fit()
+    if fit:
+        block["prefill"] = {
+            "prompt_tokens": r.prefill_tokens,
+            "ttft_ms_median": [round(v, 3) for v in r.prefill_ms],
+            "ttft_ms_raw": [[round(v, 3) for v in raw] for raw in r.prefill_raw_ms],
+            "fit": {"fixed_ms": round(fit[0], 4), "per_token_ms": round(fit[1], 6)},
+            "residual_pct": [
+                round(100 * relative(fit[0] + fit[1] * n, m), 2) for n, m in zip(r.prefill_tokens, r.prefill_ms)
+            ],
+        }
+    block["decode"] = {
+        "batches": [b.batch for b in r.batches],
+        "step_ms_median": [round(b.step_ms, 4) for b in r.batches],
+        "median_gap_ms": [round(b.median_gap_ms, 4) for b in r.batches],
+        "gaps": [b.gaps for b in r.batches],
+        "window_steps": [b.window_steps for b in r.batches],
+        "context_tokens": [round(b.context, 1) for b in r.batches],
+        "tokens_per_step": [round(b.tokens_per_step, 3) for b in r.batches],
+        "skipped_batches": r.skipped,
+        "left_out": [
+            {"batch": b.batch, "mean_gap_ms": round(b.step_ms, 4), "median_gap_ms": round(b.median_gap_ms, 4)}
+            for b in r.unreliable
+        ],
+    }
+    if s.speculative:
+        block["accept_length"] = {
+            "counters": round(r.accept_counters, 4) if r.accept_counters else None,
+            "spec_details": round(r.accept_details, 4) if r.accept_details else None,
+            "used": round(r.accept_length, 4) if r.accept_length else None,
+        }
+    if r.notes:
+        block["notes"] = r.notes
+    return block
+
+
+def write_profile(doc: dict[str, Any], rows: list[list[Any]] | None, out: Path) -> Profile:
+    """Write the JSON (and its table CSV beside it), then load it back as the router would, and
+    put each measured step's residual against the written profile in the `measured` block."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if rows is not None:
+        table = out.with_name(out.stem + "-step-ms.csv")
+        doc["step"]["file"] = table.name
+        with table.open("w", newline="") as f:
+            f.write(f"# {doc['description']}; the spec step (T=k+1) measured whole, its draft steps included\n")
+            writer = csv.writer(f)
+            writer.writerow(["kind", "B", "T", "L", "ms"])
+            writer.writerows(rows)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    profile = load_profile(str(out))
+    measured = doc["measured"]
+    k = int(doc["defaults"]["num_steps"])
+    fit: dict[str, list[float]] = {}
+    for block in measured["servers"]:
+        decode = block["decode"]
+        values = []
+        for b, ms, ctx in zip(decode["batches"], decode["step_ms_median"], decode["context_tokens"]):
+            predicted = profile.spec_step_ms(b, k, ctx) if block["role"] == "spec" else profile.base_step_ms(b, ctx)
+            values.append(round(100 * relative(predicted, ms), 2))
+        fit[block["role"]] = values
+    measured["profile_residual_pct"] = fit
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return profile
+
+
+def run(options: Options) -> int:
+    """`specroute profile`: 0 written, 3 a server busy (no --force), 1 another failure."""
+    if options.out.suffix != ".json":
+        print("specroute profile: --out must name a .json file", file=sys.stderr)
+        return 2
+    progress = Progress(options.budget_s, quiet=options.quiet)
+    when = datetime.now(UTC)
+    try:
+        results = asyncio.run(measure_all(options, progress))
+        doc, rows = build_profile(results, options.name or options.out.stem, when, progress.elapsed(), options.budget_s)
+        write_profile(doc, rows, options.out)
+    except BusyError as exc:
+        print(f"specroute profile: {exc}", file=sys.stderr)
+        return EXIT_BUSY
+    except ProfileError as exc:
+        print(f"specroute profile: {exc}", file=sys.stderr)
+        return 1
+    measured = doc["measured"]
+    progress.line(
+        f"wrote {options.out} ({measured['step_kind']}; residuals {measured['profile_residual_pct']}) "
+        f"in {progress.elapsed():.0f} s"
+    )
+    return 0
+
+
+def _ints(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument(
+        "--url", action="append", required=True, help="a server's base URL (repeat: one spec and one base server)"
+    )
+    parser.add_argument("--out", required=True, type=Path, help="profile JSON to write (a table CSV may go beside it)")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help=f"time budget in seconds (default {DEFAULT_BUDGET_S:g})",
+    )
+    parser.add_argument("--force", action="store_true", help="measure even if a server has other requests")
+    parser.add_argument(
+        "--batches", type=_ints, help="batch sizes to measure, comma-separated (default: 1, 2, 4 ... cap)"
+    )
+    parser.add_argument("--max-batch", type=int, help="largest batch to measure (default: the server's cap)")
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=DEFAULT_CONTEXT,
+        help=f"tokens per sequence while decoding (default {DEFAULT_CONTEXT})",
+    )
+    parser.add_argument(
+        "--prefill-lengths",
+        type=_ints,
+        default=list(DEFAULT_PREFILL_LENGTHS),
+        help="prompt lengths whose time to first token is measured (default 256,1024,2048,4096)",
+    )
+    parser.add_argument("--api-key", help="bearer key the servers want (their --api-key)")
+    parser.add_argument("--name", help="the profile's name (default: the file's stem)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        help="a twin's --time-scale, for a twin that does not report it in /server_info (a vLLM twin)",
+    )
+
+
+def main_from_args(args: Any) -> int:
+    return run(
+        Options(
+            urls=list(args.url),
+            out=args.out,
+            budget_s=args.budget_s,
+            force=args.force,
+            batches=args.batches,
+            max_batch=args.max_batch,
+            context=args.context,
+            prefill_lengths=args.prefill_lengths,
+            api_key=args.api_key,
+            name=args.name,
+            quiet=args.quiet,
+            time_scale=args.time_scale,
+        )
+    )
