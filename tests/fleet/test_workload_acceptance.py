@@ -110,12 +110,14 @@ def test_a_derived_key_says_what_the_request_asks_for_and_hashes_its_system_prom
     system = "You are a careful Python programmer."
     chat = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
     key = workload_key(chat)
-    assert key.startswith("text:") and len(key) == len("text:") + 8
+    assert key is not None and key.startswith("text:") and len(key) == len("text:") + 8
     assert system not in key and "Python" not in key
     assert workload_key({**chat, "messages": [{"role": "user", "content": "other words"}, *chat["messages"]]}) == key
     assert workload_key({**chat, "response_format": {"type": "json_object"}}) == "json:" + key[5:]
     assert workload_key({**chat, "tools": [{"type": "function"}]}) == "tools:" + key[5:]
-    assert workload_key({"messages": [{"role": "user", "content": "hi"}]}) == "text:-"
-    assert workload_key({"prompt": "def f():"}) == "text:-"
+    # Plain text without a system prompt has no key: the pool-wide estimate, as before.
+    assert workload_key({"messages": [{"role": "user", "content": "hi"}]}) is None
+    assert workload_key({"prompt": "def f():"}) is None
+    assert workload_key({"prompt": "{", "response_format": {"type": "json_schema"}}) == "json:-"
     other = {"messages": [{"role": "developer", "content": [{"type": "text", "text": "Answer in French."}]}]}
-    assert workload_key(other) not in (key, "text:-")
+    assert workload_key(other) not in (key, None)
