@@ -58,6 +58,8 @@ class Setup:
     spec_max_running: int = 48
     base_max_running: int = 256
     seed: int = 0
+    workload_alpha: tuple[tuple[str, float], ...] = ()
+    """Mean acceptance per workload key (an Arrival's `workload`); others draw around `alpha`."""
 
     def engines(self) -> list[Engine]:
         prof = load_profile(self.profile)
@@ -65,6 +67,7 @@ class Setup:
             profile=prof,
             num_steps=self.num_steps,
             mean_alpha=self.alpha,
+            workload_alpha=dict(self.workload_alpha),
             seed=self.seed,
             output_lengths=parse_output_lengths("azure-conv"),
         )
@@ -115,6 +118,9 @@ class VirtualRouter:
     """Admission control as the proxy runs it (policies/admission.py); None: every request admitted."""
     refusals: list[tuple[float, str, str]] = field(default_factory=list)
     """(time, rule, request class) per refused request."""
+    per_workload: bool = True
+    """Route each arrival on its workload's alpha and learn acceptance per workload, as the proxy
+    does with x-specroute-workload; False: the pool-wide alpha only (workload keys ignored)."""
     fleet: FleetModel = field(init=False)
     decisions: list[tuple[float, PoolName, str, float | None]] = field(default_factory=list)
     """(time, pool, reason, the spec pool's alpha estimate) per request."""
@@ -177,8 +183,9 @@ class VirtualRouter:
             stream=arrival.stream,
             request_class=arrival.request_class,  # type: ignore[arg-type]
             ignore_eos=arrival.ignore_eos,
+            workload=arrival.workload if self.per_workload else None,
         )
-        snapshot = self.fleet.snapshot(arrival.time)
+        snapshot = self.fleet.snapshot(arrival.time, features.workload)
         decision = self.policy.decide(features, snapshot)
         if self.admission is not None:
             refusal = self.admission.admit(features, snapshot, decision)
@@ -205,6 +212,7 @@ class VirtualRouter:
             decode_s=record.finish_time - record.first_token_time,
             ttft_s=record.ttft,
             dispatch=sent.popleft() if sent else None,
+            workload=record.workload if self.per_workload else None,
         )
         self.fleet.on_response(url, record.finish_time, evidence)
         self.fleet.on_complete(url, record.finish_time)
@@ -301,8 +309,10 @@ def run(
     keep_snapshots: bool = False,
     poll_interval_s: float = 0.1,
     admission: Admission | None = None,
+    per_workload: bool = True,
 ) -> RunResult:
-    """`admission`: refuse requests up front as the proxy does (policies/admission.py)."""
+    """`admission`: refuse requests up front as the proxy does (policies/admission.py);
+    `per_workload`: learn and route on acceptance per workload key (VirtualRouter.per_workload)."""
     engines = setup.engines()
     router = VirtualRouter(
         make_policy(policy_name, setup.slo),
@@ -310,6 +320,7 @@ def run(
         poll_interval_s=poll_interval_s,
         keep_snapshots=keep_snapshots,
         admission=admission,
+        per_workload=per_workload,
     )
     router.attach(engines)
     sent = len(workload.arrivals)

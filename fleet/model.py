@@ -7,10 +7,13 @@ routing_sim.py) feed this one object, so what was evaluated is what is served. I
 - our own traffic (`on_dispatch`, `on_complete`, `on_refused`), which adjusts the last reading
   until the next one (fleet/instance.py);
 - a finished response's evidence (`on_response`): its inter-chunk gap corrects the step-cost
-  model, its tokens per verify step the acceptance estimate, its length the output mean;
+  model, its tokens per verify step the acceptance estimate (the pool's, and its workload's when
+  the request had a workload key), its length the output mean;
 - a decode step seen directly (`on_step`, the virtual clock's shortcut for the chunk gaps);
 - health and ejection (`set_health`, `set_ejected`);
-and gives `snapshot(now)`. Nothing reads a clock: every call takes `now` in seconds.
+and gives `snapshot(now)`, or `snapshot(now, workload)` for one request: the speculative pools'
+alpha is then that workload's (shrunk toward the pool's while the key has little evidence).
+Nothing reads a clock: every call takes `now` in seconds.
 
 Pools are data: each has a name and a draft width (0: not speculative); the mission's two,
 "spec" and "base", are only the default. A reading older than `stale_after_s` marks its pool
@@ -23,7 +26,7 @@ import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from fleet.acceptance import DEFAULT_HALF_LIFE_S, AcceptanceEstimator
+from fleet.acceptance import DEFAULT_HALF_LIFE_S, WORKLOAD_KEYS, AcceptanceEstimator, WorkloadAcceptance
 from fleet.costmodel import DEFAULT_HALF_LIFE_S as COST_HALF_LIFE_S
 from fleet.costmodel import Seed, StepCostModel
 from fleet.instance import InstanceSignals
@@ -48,6 +51,8 @@ class PoolSignals:
     """Configured to speculate (its servers should say so; it drafts once num_draft_tokens > 0)."""
     acceptance: AcceptanceEstimator | None
     """The pool's acceptance estimate (speculative pools only)."""
+    workloads: WorkloadAcceptance | None = None
+    """Its acceptance per workload key (speculative pools only)."""
     decode_s: float = 0.0
     """Mean decode time of its recent requests (how far the server's counters lag)."""
 
@@ -69,8 +74,11 @@ class FleetModel:
         half_life_s: float = DEFAULT_HALF_LIFE_S,
         seed: Seed | None = None,
         costmodel_half_life_s: float = COST_HALF_LIFE_S,
+        workload_keys: int = WORKLOAD_KEYS,
     ):
         self.stale_after_s = stale_after_s
+        self.workload_keys = workload_keys
+        """Workload keys whose acceptance each speculative pool keeps (0: none, pool-wide only)."""
         self.half_life_s = half_life_s
         """The acceptance estimate's half-life."""
         self.pools: dict[str, PoolSignals] = {}
@@ -87,9 +95,13 @@ class FleetModel:
         it drafts), which a server's description may fill in with its own draft width."""
         role = num_draft_tokens > 0 if speculative is None else speculative
         estimator = AcceptanceEstimator(num_draft_tokens, self.half_life_s) if role else None
-        pool = self.pools[name] = PoolSignals(name, num_draft_tokens, role, estimator)
+        workloads = self._workloads(num_draft_tokens) if role else None
+        pool = self.pools[name] = PoolSignals(name, num_draft_tokens, role, estimator, workloads)
         self.cost.set_draft_tokens(name, num_draft_tokens)
         return pool
+
+    def _workloads(self, num_draft_tokens: int) -> WorkloadAcceptance:
+        return WorkloadAcceptance(num_draft_tokens, self.half_life_s, max_keys=self.workload_keys)
 
     def add_instance(self, url: str, pool: str, max_running: int) -> InstanceSignals:
         if pool not in self.pools:
@@ -122,6 +134,7 @@ class FleetModel:
         if num_draft_tokens != known.num_draft_tokens:
             known.num_draft_tokens = num_draft_tokens
             known.acceptance = AcceptanceEstimator(num_draft_tokens, self.half_life_s)
+            known.workloads = self._workloads(num_draft_tokens)
         self.cost.set_draft_tokens(pool, num_draft_tokens)
 
     def on_reading(self, url: str, reading: Reading) -> None:
@@ -215,6 +228,8 @@ class FleetModel:
         if evidence.tokens and evidence.verify_steps:
             age_s = evidence.decode_s / 2
             pool.acceptance.observe_request(now, evidence.tokens, evidence.verify_steps, age_s)
+            if evidence.workload is not None and pool.workloads is not None:
+                pool.workloads.observe_request(evidence.workload, now, evidence.tokens, evidence.verify_steps, age_s)
             # A running mean of the pool's decode time: how far the counters lag.
             pool.decode_s += 0.1 * (2 * age_s - pool.decode_s)
 
@@ -255,8 +270,10 @@ class FleetModel:
 
     # -- the snapshot ---------------------------------------------------------------------------
 
-    def snapshot(self, now: float) -> Snapshot:
-        """The fleet at `now`; the cost model as it predicts then (its corrections' trust aged)."""
+    def snapshot(self, now: float, workload: str | None = None) -> Snapshot:
+        """The fleet at `now`; the cost model as it predicts then (its corrections' trust aged).
+        `workload`: the key of the request it is taken for; each speculative pool's alpha is
+        then that workload's estimate (the pool's own while the key is unknown)."""
         pools: dict[str, PoolState] = {}
         for pool in self.pools.values():
             members = [s for s in self.instances.values() if s.pool == pool.name]
@@ -269,7 +286,7 @@ class FleetModel:
                 instances=states,
                 speculative=pool.speculative,
                 num_draft_tokens=pool.num_draft_tokens,
-                alpha=pool.acceptance.alpha() if pool.acceptance is not None else None,
+                alpha=self._alpha(pool, now, workload),
                 stale=bool(healthy_ages) and min(healthy_ages) > self.stale_after_s,
             )
         return Snapshot(
@@ -278,6 +295,17 @@ class FleetModel:
             mean_output_tokens=self.mean_output_tokens,
             output_samples=self.output_samples,
         )
+
+    def _alpha(self, pool: PoolSignals, now: float, workload: str | None) -> float | None:
+        if pool.acceptance is None:
+            return None
+        if workload is None or pool.workloads is None:
+            return pool.acceptance.alpha()
+        return pool.workloads.alpha(workload, now, pool.acceptance.accept_length())
+
+    def workload_acceptance(self, pool: str = "spec") -> WorkloadAcceptance | None:
+        known = self.pools.get(pool)
+        return known.workloads if known is not None else None
 
     def _instance_state(self, signals: InstanceSignals, now: float) -> InstanceState:
         running, waiting = signals.adjusted()

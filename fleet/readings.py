@@ -76,6 +76,8 @@ class ResponseEvidence:
     """From dispatch to its first byte, for a stream."""
     dispatch: Dispatch | None = None
     """How it was sent (with ttft_s: prefill evidence)."""
+    workload: str | None = None
+    """The request's workload key (its acceptance is learned per key too), if it had one."""
 
     @classmethod
     def from_stream(
@@ -86,6 +88,7 @@ class ResponseEvidence:
         verify_steps: int | None = None,
         ttft_s: float | None = None,
         dispatch: Dispatch | None = None,
+        workload: str | None = None,
     ) -> ResponseEvidence:
         """A relayed response: `events` content events, `gaps_s` the gaps between the reads that
         carried them, and what its usage tail said (tokens; verify steps with SGLang's spec
@@ -100,4 +103,5 @@ class ResponseEvidence:
             decode_s=sum(gaps_s),
             ttft_s=ttft_s,
             dispatch=dispatch,
+            workload=workload,
         )

@@ -28,6 +28,10 @@ class Features:
     request_class: RequestClass = "latency"
     ignore_eos: bool = False
     """True when the request will run to max_tokens (SGLang's ignore_eos)."""
+    workload: str | None = None
+    """Its workload key (the client's x-specroute-workload, else fleet.features.workload_key of
+    the body): acceptance is learned per key, and the snapshot a request is routed on carries
+    its key's alpha. A key only, never text."""
 
 
 @dataclass(frozen=True, slots=True)
