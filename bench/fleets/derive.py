@@ -8,6 +8,7 @@ docs/learning.md, "Fleets"; these are not presets (fleet/profiles/), only evalua
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -41,7 +42,7 @@ def llama3b_a10(kind: str, b: int, t: int, length: int) -> float:
     return 13.2 + 0.067 * b * t + 0.000191 * b * length
 
 
-def write(name: str, formula, provenance: str) -> Path:
+def write(name: str, formula: Callable[[str, int, int, int], float], provenance: str) -> Path:
     path = HERE / f"{name}-step-ms.csv"
     lines = [f"# {provenance}", "kind,B,T,L,ms"]
     for length in LS:
