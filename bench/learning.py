@@ -181,7 +181,8 @@ def analyse(results: list[dict[str, Any]]) -> dict[str, Any]:
             }
             row["ways"][way] = stats
             t = targets(way)
-            seeded = profile_label(router_profile(Job(fleet, kind, level, "goodput", way)) or FLEETS[fleet].profile)
+            told = router_profile(Job(fleet, kind, level, "goodput", way))
+            seeded = profile_label(FLEETS[fleet].profile if told == "" else told)
             label = f"{fleet} {cell_name(kind, level)}, {way} ({seeded})"
 
             def seeds_note(metric: str, per_seed: dict[str, list[float]] = per_seed) -> str:
