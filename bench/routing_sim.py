@@ -21,7 +21,7 @@ from typing import Any
 
 from fleet.acceptance import DEFAULT_HALF_LIFE_S, alpha_from_accept_length
 from fleet.cadence import POLL_INTERVAL_S, gauge_steps, reads_counters
-from fleet.costmodel import seed_from_profile
+from fleet.costmodel import Seed, seed_from_profile
 from fleet.model import FleetModel
 from fleet.profile import load_profile
 from fleet.readings import Dispatch, ResponseEvidence
@@ -60,6 +60,15 @@ class Setup:
     seed: int = 0
     workload_alpha: tuple[tuple[str, float], ...] = ()
     """Mean acceptance per workload key (an Arrival's `workload`); others draw around `alpha`."""
+    router_profile: str | None = ""
+    """The profile the router's cost model is seeded with: "" the fleet's own (`profile`), None
+    none (the generic prior, as the proxy without SPECROUTE_PROFILE), else another profile's
+    name or path (a wrong one: bench/learning.py)."""
+
+    def router_seed(self) -> Seed | None:
+        if self.router_profile is None:
+            return None
+        return seed_from_profile(self.router_profile or self.profile)
 
     def engines(self) -> list[Engine]:
         prof = load_profile(self.profile)
@@ -138,7 +147,7 @@ class VirtualRouter:
             {"spec": self.setup.num_steps, "base": 0},
             stale_after_s=self.stale_s,
             half_life_s=self.half_life_s,
-            seed=seed_from_profile(self.setup.profile),
+            seed=self.setup.router_seed(),
         )
         self.fleet.add_instance(URLS[0], "spec", self.setup.spec_max_running)
         self.fleet.add_instance(URLS[1], "base", self.setup.base_max_running)
@@ -227,7 +236,11 @@ class Workload:
     closed_total: int = 0
     lengths: Sequence[tuple[int, int]] = ()
     warmup_s: float = 0.0
+    """Requests that arrive before this are not scored (a closed loop: also not before N finished)."""
     alpha_changes: Sequence[AlphaChange] = ()
+    closed_extra_s: float = 0.0
+    """A closed loop's requests sent before this time do not count toward `closed_total` (the
+    loop runs `closed_total` requests past a warm-up of this length)."""
 
 
 def closed_loop(clients: int, total: int, lengths: Sequence[tuple[int, int]]) -> Workload:
@@ -324,13 +337,16 @@ def run(
     )
     router.attach(engines)
     sent = len(workload.arrivals)
+    counted = 0 if workload.closed_extra_s > 0 else sent
 
     def on_finish(record: RequestRecord) -> Iterable[Arrival]:
-        nonlocal sent
+        nonlocal sent, counted
         router.on_finish(record)
-        if workload.clients and sent < workload.closed_total:
+        if workload.clients and counted < workload.closed_total:
             prompt, output = workload.lengths[sent % len(workload.lengths)]
             sent += 1
+            if record.finish_time >= workload.closed_extra_s:
+                counted += 1
             return (Arrival(time=record.finish_time, prompt_tokens=prompt, output_tokens=output),)
         return ()
 
@@ -347,7 +363,7 @@ def run(
         # A closed loop starts with every client's request at once; it has warmed up once as many
         # requests as there are clients have finished (about a round each).
         finished = sorted(r.finish_time for r in records)
-        warmup_s = finished[min(workload.clients, len(finished)) - 1]
+        warmup_s = max(finished[min(workload.clients, len(finished)) - 1], workload.warmup_s)
     return RunResult(
         policy_name,
         records,
