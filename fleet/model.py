@@ -240,26 +240,23 @@ class FleetModel:
         self.cost.observe(signals.pool, batch, step_ms, now=now)
 
     def _on_first_token(self, signals: InstanceSignals, now: float, ttft_s: float, sent: Dispatch) -> None:
-        """A stream's time to first token as prefill evidence. When it found a free slot and a
-        known queue ahead, and no request of ours followed it there before its first token (one
-        that may have joined its prefill batch), its first token came after the decode step in
-        flight (half a step on average) and the prefill of the queue and its own prompt, chunked
-        as SGLang does. Samples that other requests' prefills may have stretched would teach a
-        prefill slower than the server's (they made the routing evaluation worse: 9 missed
-        targets against 3)."""
-        if not sent.free_slot or sent.ahead_tokens is None or sent.prompt_tokens < 1:
+        """A stream's time to first token as prefill evidence, when it is the prefill alone: the
+        request found the instance idle (nothing running, nothing queued) and no request of ours
+        followed it there before its first token (one that may have joined its prefill batch).
+
+        A busy server's first token also waits for the step in flight, whose length a reading
+        cannot tell (a decode step, or the prefill of a request the last reading already counted
+        as running): taking those samples with half a decode step for the wait taught prefills
+        1.2-2x too slow with the right profile (kimi-moe at 110 % lost 10 % of its SLO goodput);
+        any sample with a request of ours following taught 9 missed targets against 3. An idle
+        instance is common enough: at low load, in lulls, and in every run's first seconds."""
+        if not sent.free_slot or sent.running >= 1 or sent.ahead_tokens != 0 or sent.prompt_tokens < 1:
             return
         first_token_at = sent.at + ttft_s
         if any(sent.at < at <= first_token_at for at in signals.recent_dispatches):
             return
-        queued = sent.ahead_tokens + sent.prompt_tokens
-        chunks = math.ceil(queued / PREFILL_CHUNK_TOKENS)
-        in_flight_ms = 0.0
-        if sent.running >= 1:
-            width = self.cost.tokens_per_seq(signals.pool)
-            in_flight_ms = self.cost.decode_step_ms(signals.pool, int(sent.running), width, now) / 2
-        prefill_ms = (1000 * ttft_s - in_flight_ms) / chunks
-        self.cost.observe_prefill(signals.pool, queued / chunks, prefill_ms, now)
+        chunks = math.ceil(sent.prompt_tokens / PREFILL_CHUNK_TOKENS)
+        self.cost.observe_prefill(signals.pool, sent.prompt_tokens / chunks, 1000 * ttft_s / chunks, now)
 
     def _on_output(self, tokens: int) -> None:
         # The plain mean of the first OUTPUT_MEMORY responses, then a moving one over about as
