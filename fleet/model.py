@@ -253,7 +253,9 @@ class FleetModel:
         if not sent.free_slot or sent.running >= 1 or sent.ahead_tokens != 0 or sent.prompt_tokens < 1:
             return
         first_token_at = sent.at + ttft_s
-        if any(sent.at < at <= first_token_at for at in signals.recent_dispatches):
+        # Ours is one of those sent from its dispatch on; another (even one sent the same instant
+        # after it: a closed loop's clients all start at once) may have joined its prefill.
+        if sum(1 for at in signals.recent_dispatches if sent.at <= at <= first_token_at) > 1:
             return
         chunks = math.ceil(sent.prompt_tokens / PREFILL_CHUNK_TOKENS)
         self.cost.observe_prefill(signals.pool, sent.prompt_tokens / chunks, 1000 * ttft_s / chunks, now)
