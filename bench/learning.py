@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.markers import write_section
 from bench.routing import CONCURRENCY, LOADS, SEEDS, SETUPS, SPLITS, capacity_rps, lengths, poisson
 from bench.routing_sim import Setup, Slo, Workload, closed_loop, run, summarize
 
@@ -317,10 +318,7 @@ def report(analysis: dict[str, Any], elapsed_s: float, quick: bool, workers: int
 
 
 def write_doc(section: str, doc: Path = DOC) -> None:
-    text = doc.read_text() if doc.exists() else f"# Learning the fleet\n\n## Results\n\n{START}\n{END}\n"
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    doc.write_text(f"{head}{START}\n{section}\n{END}{tail}")
+    write_section(doc, section, START, END)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
