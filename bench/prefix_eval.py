@@ -34,6 +34,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from bench.markers import write_section
 from bench.routing import H200_SLO, KIMI_SLO, SPLITS, capacity_rps, oracle
 from bench.routing_sim import RunResult, Setup, Workload, run, summarize
 from bench.sessions import Script, generate
@@ -243,12 +244,7 @@ def report(results: list[dict[str, Any]], elapsed_s: float, quick: bool) -> str:
 
 
 def write_doc(section: str) -> None:
-    text = DOC.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"{DOC} has no {START} ... {END} markers")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    DOC.write_text(f"{head}{START}\n{section}\n{END}{tail}")
+    write_section(DOC, section, START, END, title="Sessions and prefix caches (evaluation)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

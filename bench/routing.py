@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from bench.markers import write_section
 from bench.routing_sim import (
     Setup,
     Slo,
@@ -468,12 +469,7 @@ def plot(analysis: dict[str, Any], folder: Path) -> list[str]:
 
 
 def write_doc(section: str) -> None:
-    text = DOC.read_text() if DOC.exists() else f"# Routing\n\n{START}\n{END}\n"
-    if START not in text or END not in text:
-        text = text.rstrip() + f"\n\n## Results\n\n{START}\n{END}\n"
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    DOC.write_text(f"{head}{START}\n{section}\n{END}{tail}")
+    write_section(DOC, section, START, END)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,16 +15,17 @@ import itertools
 import math
 import random
 import statistics
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fleet.acceptance import DEFAULT_HALF_LIFE_S, alpha_from_accept_length
 from fleet.cadence import POLL_INTERVAL_S, gauge_steps, reads_counters
-from fleet.costmodel import seed_from_profile
+from fleet.costmodel import Seed, seed_from_profile
 from fleet.model import FleetModel
 from fleet.profile import load_profile
-from fleet.readings import ResponseEvidence
+from fleet.readings import Dispatch, ResponseEvidence
 from fleet.types import Decision, Features, PoolName, Snapshot
 from policies import registry
 from policies.admission import Admission
@@ -68,6 +69,12 @@ class Setup:
     context_length: int | None = None
     """The engines' context (None: the twin's default, 32,768; the Mooncake trace's prompts
     reach 123,000 tokens)."""
+    workload_alpha: tuple[tuple[str, float], ...] = ()
+    """Mean acceptance per workload key (an Arrival's `workload`); others draw around `alpha`."""
+    router_profile: str | None = ""
+    """The profile the router's cost model is seeded with: "" the fleet's own (`profile`), None
+    none (the generic prior, as the proxy without SPECROUTE_PROFILE), else another profile's
+    name or path (a wrong one: bench/learning.py)."""
 
     def pools(self) -> tuple[PoolName, ...]:
         """The pool of each engine, in `engines()` order."""
@@ -87,12 +94,18 @@ class Setup:
     def urls(self) -> tuple[str, ...]:
         return tuple(f"virtual://{name}" for name in self.names())
 
+    def router_seed(self) -> Seed | None:
+        if self.router_profile is None:
+            return None
+        return seed_from_profile(self.router_profile or self.profile)
+
     def engines(self) -> list[Engine]:
         prof = load_profile(self.profile)
         common = dict(
             profile=prof,
             num_steps=self.num_steps,
             mean_alpha=self.alpha,
+            workload_alpha=dict(self.workload_alpha),
             output_lengths=parse_output_lengths("azure-conv"),
         )
         if self.page_size != 1:
@@ -155,10 +168,15 @@ class VirtualRouter:
     """Admission control as the proxy runs it (policies/admission.py); None: every request admitted."""
     refusals: list[tuple[float, str, str]] = field(default_factory=list)
     """(time, rule, request class) per refused request."""
+    per_workload: bool = True
+    """Route each arrival on its workload's alpha and learn acceptance per workload, as the proxy
+    does with x-specroute-workload; False: the pool-wide alpha only (workload keys ignored)."""
     fleet: FleetModel = field(init=False)
     decisions: list[tuple[float, PoolName, str, float | None]] = field(default_factory=list)
     """(time, pool, reason, the spec pool's alpha estimate) per request."""
     snapshots: list[tuple[Features, Snapshot]] = field(default_factory=list)
+    _sent: dict[tuple[float, int, int], deque[Dispatch]] = field(default_factory=dict)
+    """Each request's dispatch record until it finishes, by (arrival time, prompt, engine)."""
     _polls: int = 0
     _steps: int = 0
     _next_poll: float = 0.0
@@ -174,7 +192,7 @@ class VirtualRouter:
             {"spec": self.setup.num_steps, "base": 0},
             stale_after_s=self.stale_s,
             half_life_s=self.half_life_s,
-            seed=seed_from_profile(self.setup.profile),
+            seed=self.setup.router_seed(),
         )
         self.urls = self.setup.urls()
         self.pool_of_engine = self.setup.pools()
@@ -240,8 +258,9 @@ class VirtualRouter:
             stream=arrival.stream,
             request_class=arrival.request_class,  # type: ignore[arg-type]
             ignore_eos=arrival.ignore_eos,
+            workload=arrival.workload if self.per_workload else None,
         )
-        snapshot = self.fleet.snapshot(arrival.time)
+        snapshot = self.fleet.snapshot(arrival.time, features.workload)
         decision = self.policy.decide(features, snapshot)
         if self.admission is not None:
             refusal = self.admission.admit(features, snapshot, decision)
@@ -252,7 +271,8 @@ class VirtualRouter:
         if self.keep_snapshots:
             self.snapshots.append((features, snapshot))
         index = self.pick(decision.pool)
-        self.fleet.on_dispatch(self.urls[index], arrival.time, arrival.prompt_tokens)
+        sent = self.fleet.on_dispatch(self.urls[index], arrival.time, arrival.prompt_tokens)
+        self._sent.setdefault((arrival.time, arrival.prompt_tokens, index), deque()).append(sent)
         return index
 
     def on_finish(self, record: RequestRecord) -> None:
@@ -260,10 +280,14 @@ class VirtualRouter:
             self.admission.observe(self.setup.slo.met(record))
         url = self.urls[record.engine]
         spec = self.pool_of_engine[record.engine] == "spec"
+        sent = self._sent.get((record.arrival, record.prompt_tokens, record.engine))
         evidence = ResponseEvidence(
             tokens=record.output_tokens,
             verify_steps=record.verify_ct if spec else None,
             decode_s=record.finish_time - record.first_token_time,
+            ttft_s=record.ttft,
+            dispatch=sent.popleft() if sent else None,
+            workload=record.workload if self.per_workload else None,
         )
         self.fleet.on_response(url, record.finish_time, evidence)
         self.fleet.on_complete(url, record.finish_time)
@@ -278,11 +302,15 @@ class Workload:
     closed_total: int = 0
     lengths: Sequence[tuple[int, int]] = ()
     warmup_s: float = 0.0
+    """Requests that arrive before this are not scored (a closed loop: also not before N finished)."""
     alpha_changes: Sequence[AlphaChange] = ()
     follow_up: Callable[[RequestRecord], Iterable[Arrival]] | None = None
     """Open arrivals that send more as requests finish (a session's next turn after its think
     time): called with each finished request's record; what it returns is numbered after the
     list's, in the order returned."""
+    closed_extra_s: float = 0.0
+    """A closed loop's requests sent before this time do not count toward `closed_total` (the
+    loop runs `closed_total` requests past a warm-up of this length)."""
 
 
 def closed_loop(clients: int, total: int, lengths: Sequence[tuple[int, int]]) -> Workload:
@@ -373,10 +401,12 @@ def run(
     poll_interval_s: float = 0.1,
     admission: Admission | None = None,
     track_running: bool = False,
+    per_workload: bool = True,
 ) -> RunResult:
     """`admission`: refuse requests up front as the proxy does (policies/admission.py);
     `track_running`: average each engine's running requests over time (open arrivals, from
-    `workload.warmup_s`), into `RunResult.running_mean`."""
+    `workload.warmup_s`), into `RunResult.running_mean`; `per_workload`: learn and route on
+    acceptance per workload key (VirtualRouter.per_workload)."""
     engines = setup.engines()
     router = VirtualRouter(
         make_policy(policy_name, setup.slo),
@@ -384,18 +414,22 @@ def run(
         poll_interval_s=poll_interval_s,
         keep_snapshots=keep_snapshots,
         admission=admission,
+        per_workload=per_workload,
     )
     router.attach(engines)
     sent = len(workload.arrivals)
+    counted = 0 if workload.closed_extra_s > 0 else sent
 
     def on_finish(record: RequestRecord) -> Iterable[Arrival]:
-        nonlocal sent
+        nonlocal sent, counted
         router.on_finish(record)
         if workload.follow_up is not None:
             return tuple(workload.follow_up(record))
-        if workload.clients and sent < workload.closed_total:
+        if workload.clients and counted < workload.closed_total:
             prompt, output = workload.lengths[sent % len(workload.lengths)]
             sent += 1
+            if record.finish_time >= workload.closed_extra_s:
+                counted += 1
             return (Arrival(time=record.finish_time, prompt_tokens=prompt, output_tokens=output),)
         return ()
 
@@ -427,7 +461,7 @@ def run(
         # A closed loop starts with every client's request at once; it has warmed up once as many
         # requests as there are clients have finished (about a round each).
         finished = sorted(r.finish_time for r in records)
-        warmup_s = finished[min(workload.clients, len(finished)) - 1]
+        warmup_s = max(finished[min(workload.clients, len(finished)) - 1], workload.warmup_s)
     return RunResult(
         policy_name,
         records,

@@ -11,6 +11,7 @@ estimator runs in the proxy (wall clock) and on the twin's virtual clock.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 DEFAULT_HALF_LIFE_S = 1.5
@@ -156,3 +157,92 @@ class AcceptanceEstimator:
 
     def evidence(self, now: float) -> float:
         return self._mean.weight(now)
+
+
+WORKLOAD_KEYS = 4096
+"""Workload keys whose acceptance is kept (least recently used dropped first)."""
+WORKLOAD_PRIOR_STEPS = 200.0
+"""Verify steps of evidence (about two typical requests) at which a workload's own accept
+length and the pool-wide estimate weigh the same: a key's estimate is shrunk toward the pool's
+by n0 / (n + n0) while its evidence n is small."""
+
+
+class WorkloadAcceptance:
+    """Accept length per workload key of one speculative pool, shrunk toward the pool-wide one.
+
+    Each key keeps a `SmoothedMean` of its own requests' tokens per verify step (weighed by the
+    steps they cover, halving every `half_life_s` like the pool's estimate). Its accept length is
+    (n x tau_key + n0 x tau_pool) / (n + n0), n its evidence left after decay, n0
+    `prior_steps`: a key seen once or long ago stays near the pool's estimate, and one with
+    hundreds of fresh verify steps speaks for itself. At most `max_keys` keys are kept, the least
+    recently used dropped first, so a client that sends a new key per request costs bounded
+    memory (and each such key, with no evidence of its own, gets the pool's estimate).
+    """
+
+    def __init__(
+        self,
+        num_draft_tokens: int,
+        half_life_s: float = DEFAULT_HALF_LIFE_S,
+        max_keys: int = WORKLOAD_KEYS,
+        prior_steps: float = WORKLOAD_PRIOR_STEPS,
+    ):
+        self.k = num_draft_tokens
+        self.half_life_s = half_life_s
+        self.max_keys = max_keys
+        self.prior_steps = prior_steps
+        self._keys: OrderedDict[str, SmoothedMean] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def observe_request(
+        self, key: str, now: float, completion_tokens: int, verify_steps: int, age_s: float = 0.0
+    ) -> None:
+        """One finished request of workload `key` (as AcceptanceEstimator.observe_request)."""
+        if verify_steps <= 0 or completion_tokens <= 0 or self.max_keys <= 0:
+            return
+        mean = self._keys.get(key)
+        if mean is None:
+            while len(self._keys) >= self.max_keys:
+                self._keys.popitem(last=False)
+            mean = self._keys[key] = SmoothedMean(self.half_life_s)
+        else:
+            self._keys.move_to_end(key)
+        tokens = completion_tokens - 1 if completion_tokens > verify_steps else completion_tokens
+        weight = verify_steps * math.pow(0.5, max(age_s, 0.0) / self.half_life_s)
+        mean.observe(now, tokens / verify_steps, weight)
+
+    def accept_length(self, key: str, now: float, pool_accept_length: float | None) -> float | None:
+        """The key's accept length shrunk toward `pool_accept_length` (the pool-wide estimate);
+        the pool's when the key is unknown, the key's own when the pool has none."""
+        mean = self._keys.get(key)
+        own = mean.value() if mean is not None else None
+        if mean is None or own is None:
+            return pool_accept_length
+        if pool_accept_length is None:
+            return own
+        n = mean.weight(now)
+        return (n * own + self.prior_steps * pool_accept_length) / (n + self.prior_steps)
+
+    def alpha(self, key: str, now: float, pool_accept_length: float | None) -> float | None:
+        tau = self.accept_length(key, now, pool_accept_length)
+        return None if tau is None else alpha_from_accept_length(tau, self.k)
+
+    def top(self, now: float, n: int, pool_accept_length: float | None) -> list[dict[str, float | str | None]]:
+        """The `n` keys with the most evidence now: key, evidence (verify steps), its own accept
+        length, and the shrunk estimate and alpha a request of it is routed on."""
+        ranked = sorted(self._keys.items(), key=lambda item: item[1].weight(now), reverse=True)[: max(n, 0)]
+        out: list[dict[str, float | str | None]] = []
+        for key, mean in ranked:
+            own = mean.value()
+            tau = self.accept_length(key, now, pool_accept_length)
+            out.append(
+                {
+                    "key": key,
+                    "evidence_steps": round(mean.weight(now), 1),
+                    "own_accept_length": None if own is None else round(own, 4),
+                    "accept_length": None if tau is None else round(tau, 4),
+                    "alpha": None if tau is None else round(alpha_from_accept_length(tau, self.k), 4),
+                }
+            )
+        return out

@@ -90,6 +90,13 @@ def seed_from_profile(name_or_path: str, context: float = 1024.0) -> ProfileSeed
 
 # Batch sizes at which corrections are learned; an observation updates its nearest bucket.
 BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+# A bucket's short memory (observations) and the gap between its short and long means that
+# counts as a change of the server (a step time that doubled is followed in about 20
+# observations instead of some 400; docs/routing.md, "What is learned").
+FAST_MEMORY = 16.0
+CHANGE_RATIO = 1.25
+# Prompt tokens per prefill iteration at which prefill corrections are learned.
+PREFILL_BUCKETS: tuple[int, ...] = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 
 # Seconds after which a learned correction that got no new observation keeps half its trust
 # (SPECROUTE_COSTMODEL_HALF_LIFE_S; docs/routing.md, "Step-cost model", says why 8 s).
@@ -103,6 +110,10 @@ class _Bucket:
     """Observations' worth of trust as of `at`; it halves every half-life after."""
     at: float = 0.0
     """When the bucket was last fed."""
+    recent: float = 1.0
+    """A short-memory mean of the same ratios (about FAST_MEMORY observations): when it leaves
+    the long mean by more than CHANGE_RATIO, the server changed, and the long mean restarts from
+    it instead of averaging the change away over `memory` observations."""
 
     def trust(self, now: float, half_life_s: float) -> float:
         age = now - self.at
@@ -110,31 +121,42 @@ class _Bucket:
 
 
 @dataclass(slots=True)
-class _PoolModel:
-    tokens_per_seq: int
+class _Curve:
+    """Learned corrections along one axis (batch size, or prompt tokens per prefill chunk)."""
+
     buckets: dict[int, _Bucket] = field(default_factory=dict)
     xs: list[float] = field(default_factory=list)
-    """log(batch) of the learned buckets, ascending (read per decision: kept, not sorted then)."""
+    """log(size) of the learned buckets, ascending (read per decision: kept, not sorted then)."""
     learned: list[_Bucket] = field(default_factory=list)
     """The learned buckets in the order of `xs`."""
 
-    def bucket(self, batch: int, now: float) -> _Bucket:
-        bucket = self.buckets.get(batch)
+    def bucket(self, size: int, now: float) -> _Bucket:
+        bucket = self.buckets.get(size)
         if bucket is None:
-            bucket = self.buckets[batch] = _Bucket(at=now)
-            x = math.log(batch)
+            bucket = self.buckets[size] = _Bucket(at=now)
+            x = math.log(size)
             i = bisect.bisect_left(self.xs, x)
             self.xs.insert(i, x)
             self.learned.insert(i, bucket)
         return bucket
 
 
-class StepCostModel:
-    """Seed curve x learned correction, per pool and batch-size bucket.
+@dataclass(slots=True)
+class _PoolModel:
+    tokens_per_seq: int
+    decode: _Curve = field(default_factory=_Curve)
+    """Corrections of the decode step, by batch size."""
+    prefill: _Curve = field(default_factory=_Curve)
+    """Corrections of a prefill iteration, by its prompt tokens."""
 
-    Each bucket keeps a running mean of observed/seed step-time ratios; the running mean forgets
+
+class StepCostModel:
+    """Seed curve x learned correction, per pool: decode steps by batch-size bucket, prefill
+    iterations by prompt-token bucket.
+
+    Each bucket keeps a running mean of observed/seed time ratios; the running mean forgets
     (its weight is capped at `memory` observations) so a changed server is followed. Between
-    learned buckets the correction is interpolated in log-batch; past them the nearest one holds.
+    learned buckets the correction is interpolated in log-size; past them the nearest one holds.
     `prior_weight` observations' worth of trust stays with the seed; a bucket's own trust halves
     every `half_life_s` without observations, so its correction returns toward 1 (the seed).
 
@@ -189,10 +211,26 @@ class StepCostModel:
         now = self._tell(now)
         model = self._pools[pool]
         ratio = step_ms / self.seed_step_ms(batch, model.tokens_per_seq)
-        bucket = model.bucket(_nearest_bucket(batch), now)
+        self._learn(model.decode.bucket(_nearest(BUCKETS, batch), now), ratio, weight, now)
+
+    def observe_prefill(self, pool: str, tokens: float, prefill_ms: float, now: float | None = None) -> None:
+        """One observed prefill iteration of `tokens` prompt tokens (the time to first token of a
+        request that found a free slot, less the wait for the step in flight), at `now`."""
+        if tokens < 1 or prefill_ms <= 0 or not math.isfinite(prefill_ms):
+            return
+        now = self._tell(now)
+        model = self._pools[pool]
+        ratio = prefill_ms / self.seed.prefill_ms(max(int(round(tokens)), 1), model.tokens_per_seq > 1)
+        self._learn(model.prefill.bucket(_nearest(PREFILL_BUCKETS, tokens), now), ratio, 1.0, now)
+
+    def _learn(self, bucket: _Bucket, ratio: float, weight: float, now: float) -> None:
+        fresh = bucket.weight == 0
         bucket.weight = min(bucket.trust(now, self.half_life_s) + weight, self.memory)
         bucket.ratio += (ratio - bucket.ratio) * weight / bucket.weight
+        bucket.recent = ratio if fresh else bucket.recent + (ratio - bucket.recent) * min(weight / FAST_MEMORY, 1.0)
         bucket.at = max(bucket.at, now)
+        if bucket.weight > FAST_MEMORY and abs(math.log(bucket.recent / bucket.ratio)) > math.log(CHANGE_RATIO):
+            bucket.ratio, bucket.weight = bucket.recent, FAST_MEMORY
 
     def at(self, now: float) -> StepCostAt:
         """The model as it predicts at `now` (what a Snapshot carries; the StepCost protocol)."""
@@ -206,12 +244,35 @@ class StepCostModel:
         return now
 
     def correction(self, pool: str, batch: float, now: float | None = None) -> float:
-        model = self._pools[pool]
-        xs, learned = model.xs, model.learned
+        return self._correction(self._pools[pool].decode, batch, now)
+
+    def prefill_correction(self, pool: str, tokens: float, now: float | None = None) -> float:
+        return self._correction(self._pools[pool].prefill, tokens, now)
+
+    def evidence(self, pool: str, batch: float, now: float | None = None, prefill: bool = False) -> float:
+        """Observations' worth behind the correction at `batch` (or at `tokens` per prefill
+        iteration): the learned buckets around it, their trust aged to `now`, discounted by how
+        far (in doublings) the nearest lies. 0: the prediction there is the seed's alone."""
+        model = self._pools.get(pool)
+        if model is None:
+            return 0.0
+        curve = model.prefill if prefill else model.decode
+        if not curve.xs:
+            return 0.0
+        now = self.now if now is None else now
+        x = math.log(max(batch, 1.0))
+        i = bisect.bisect_left(curve.xs, x)
+        near = [j for j in (i - 1, i) if 0 <= j < len(curve.xs)]
+        return max(
+            curve.learned[j].trust(now, self.half_life_s) / (1.0 + abs(x - curve.xs[j]) / math.log(2.0)) for j in near
+        )
+
+    def _correction(self, curve: _Curve, size: float, now: float | None) -> float:
+        xs, learned = curve.xs, curve.learned
         if not xs:
             return 1.0
         now = self.now if now is None else now
-        x = math.log(batch) if batch > 1 else 0.0
+        x = math.log(size) if size > 1 else 0.0
         i = bisect.bisect_left(xs, x)
         if i == 0 or i >= len(xs):
             return self._trusted(learned[0] if i == 0 else learned[-1], now)
@@ -228,8 +289,10 @@ class StepCostModel:
         batch = max(batch, 1)
         return self.seed_step_ms(batch, tokens_per_seq) * self.correction(pool, batch, now)
 
-    def prefill_ms(self, pool: str, tokens: int) -> float:
-        return self.seed.prefill_ms(max(tokens, 1), self._pools[pool].tokens_per_seq > 1)
+    def prefill_ms(self, pool: str, tokens: int, now: float | None = None) -> float:
+        tokens = max(tokens, 1)
+        model = self._pools[pool]
+        return self.seed.prefill_ms(tokens, model.tokens_per_seq > 1) * self._correction(model.prefill, tokens, now)
 
     def estimates(
         self, batches: tuple[int, ...] = (1, 8, 32, 48, 64, 128, 256), now: float | None = None
@@ -238,6 +301,23 @@ class StepCostModel:
         return {
             pool: {str(b): round(self.decode_step_ms(pool, b, model.tokens_per_seq, now), 3) for b in batches}
             for pool, model in self._pools.items()
+        }
+
+    def confidence(
+        self,
+        batches: tuple[int, ...] = (1, 8, 32, 48, 64, 128, 256),
+        prompts: tuple[int, ...] = (256, 1024, 4096, 8192),
+        now: float | None = None,
+    ) -> dict[str, dict[str, dict[str, float]]]:
+        """Per pool: predicted prefill ms at a few prompt lengths, and the evidence (observations'
+        worth, 0 = the seed's guess alone) behind the decode and prefill predictions."""
+        return {
+            pool: {
+                "prefill_ms": {str(n): round(self.prefill_ms(pool, n, now), 3) for n in prompts},
+                "decode_evidence": {str(b): round(self.evidence(pool, b, now), 2) for b in batches},
+                "prefill_evidence": {str(n): round(self.evidence(pool, n, now, prefill=True), 2) for n in prompts},
+            }
+            for pool in self._pools
         }
 
 
@@ -255,9 +335,12 @@ class StepCostAt:
         return self.model.decode_step_ms(pool, batch, tokens_per_seq, self.now)
 
     def prefill_ms(self, pool: str, tokens: int) -> float:
-        return self.model.prefill_ms(pool, tokens)
+        return self.model.prefill_ms(pool, tokens, self.now)
+
+    def evidence(self, pool: str, batch: float, prefill: bool = False) -> float:
+        return self.model.evidence(pool, batch, self.now, prefill)
 
 
-def _nearest_bucket(batch: float) -> int:
-    x = math.log(max(batch, 1.0))
-    return min(BUCKETS, key=lambda b: abs(math.log(b) - x))
+def _nearest(buckets: tuple[int, ...], size: float) -> int:
+    x = math.log(max(size, 1.0))
+    return min(buckets, key=lambda b: abs(math.log(b) - x))

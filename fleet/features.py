@@ -7,6 +7,7 @@ decisions on the virtual clock see the same numbers as in the proxy.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -56,3 +57,49 @@ def default_request_class(body: Mapping[str, Any]) -> str:
     """`batch` when the client asked for OpenAI's flex (cheaper, slower) service tier, else
     `latency`; the x-specroute-class header overrides this."""
     return "batch" if body.get("service_tier") == "flex" else "latency"
+
+
+SYSTEM_HASH_HEX = 8
+"""Hex digits of the system prompt's hash in a derived workload key (32 bits: collisions are
+rare among the few thousand keys kept)."""
+
+
+def _system_prompt(body: Mapping[str, Any]) -> str | None:
+    """The text of the first system (or developer) message of a chat request, if any."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    for message in messages:
+        if isinstance(message, Mapping) and message.get("role") in ("system", "developer"):
+            content = message.get("content")
+            if isinstance(content, str):
+                return content
+            if isinstance(content, list):
+                return "".join(
+                    part["text"] for part in content if isinstance(part, Mapping) and isinstance(part.get("text"), str)
+                )
+            return None
+    return None
+
+
+def workload_key(body: Mapping[str, Any]) -> str | None:
+    """A request's workload key when its client sent none: what it asks for (`json` when its
+    response_format asks for JSON, `tools` when it offers tools, else `text`) and a short hash of
+    its system prompt (`-` without one), e.g. `json:1f0c9a2e`; None for plain text without a
+    system prompt (nothing sets it apart: it is routed on the pool-wide estimate, as before).
+    The prompt's text is never kept: only 32 bits of its BLAKE2b hash. The model name is left
+    out (the pools serve one model: a speculative server's draft is trained for one target)."""
+    response_format = body.get("response_format")
+    kind = response_format.get("type") if isinstance(response_format, Mapping) else None
+    tools = body.get("tools")
+    if kind in ("json_object", "json_schema"):
+        mode = "json"
+    elif isinstance(tools, list) and tools:
+        mode = "tools"
+    else:
+        mode = "text"
+    system = _system_prompt(body)
+    if system is None:
+        return None if mode == "text" else f"{mode}:-"
+    digest = hashlib.blake2b(system.encode("utf-8", "surrogatepass"), digest_size=8, person=b"specroute-wkld")
+    return f"{mode}:{digest.hexdigest()[:SYSTEM_HASH_HEX]}"

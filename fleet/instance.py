@@ -65,6 +65,9 @@ class InstanceSignals:
     """Prompt tokens this router sent here per second (their prefill stalls the decode)."""
     sent: EventRate = field(default_factory=EventRate)
     """Requests this router sent here per second."""
+    recent_dispatches: deque[float] = field(default_factory=lambda: deque(maxlen=64))
+    """When our latest requests were sent here (kept across readings): a request sent while
+    another one's prefill had not started may have joined it."""
 
     def adjusted(self) -> tuple[float, float]:
         """(running, waiting): the reading, less completions since it and plus dispatches since

@@ -7,10 +7,13 @@ routing_sim.py) feed this one object, so what was evaluated is what is served. I
 - our own traffic (`on_dispatch`, `on_complete`, `on_refused`), which adjusts the last reading
   until the next one (fleet/instance.py);
 - a finished response's evidence (`on_response`): its inter-chunk gap corrects the step-cost
-  model, its tokens per verify step the acceptance estimate, its length the output mean;
+  model, its tokens per verify step the acceptance estimate (the pool's, and its workload's when
+  the request had a workload key), its length the output mean;
 - a decode step seen directly (`on_step`, the virtual clock's shortcut for the chunk gaps);
 - health and ejection (`set_health`, `set_ejected`);
-and gives `snapshot(now)`. Nothing reads a clock: every call takes `now` in seconds.
+and gives `snapshot(now)`, or `snapshot(now, workload)` for one request: the speculative pools'
+alpha is then that workload's (shrunk toward the pool's while the key has little evidence).
+Nothing reads a clock: every call takes `now` in seconds.
 
 Pools are data: each has a name and a draft width (0: not speculative); the mission's two,
 "spec" and "base", are only the default. A reading older than `stale_after_s` marks its pool
@@ -19,18 +22,21 @@ stale (policies then act conservatively).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-from fleet.acceptance import DEFAULT_HALF_LIFE_S, AcceptanceEstimator
+from fleet.acceptance import DEFAULT_HALF_LIFE_S, WORKLOAD_KEYS, AcceptanceEstimator, WorkloadAcceptance
 from fleet.costmodel import DEFAULT_HALF_LIFE_S as COST_HALF_LIFE_S
 from fleet.costmodel import Seed, StepCostModel
 from fleet.instance import InstanceSignals
-from fleet.readings import Reading, ResponseEvidence, ServerDescription
+from fleet.readings import Dispatch, Reading, ResponseEvidence, ServerDescription
 from fleet.types import InstanceState, PoolState, Snapshot
 
 # Finished requests the mean output length covers (a moving mean over about as many after that).
 OUTPUT_MEMORY = 50
+PREFILL_CHUNK_TOKENS = 8192
+"""Prompt tokens one prefill iteration takes at most (SGLang's --chunked-prefill-size default)."""
 DEFAULT_POOLS: Mapping[str, int] = {"spec": 3, "base": 0}
 """Pool name -> tokens drafted per verify step (0: a plain pool)."""
 
@@ -45,6 +51,8 @@ class PoolSignals:
     """Configured to speculate (its servers should say so; it drafts once num_draft_tokens > 0)."""
     acceptance: AcceptanceEstimator | None
     """The pool's acceptance estimate (speculative pools only)."""
+    workloads: WorkloadAcceptance | None = None
+    """Its acceptance per workload key (speculative pools only)."""
     decode_s: float = 0.0
     """Mean decode time of its recent requests (how far the server's counters lag)."""
 
@@ -66,8 +74,11 @@ class FleetModel:
         half_life_s: float = DEFAULT_HALF_LIFE_S,
         seed: Seed | None = None,
         costmodel_half_life_s: float = COST_HALF_LIFE_S,
+        workload_keys: int = WORKLOAD_KEYS,
     ):
         self.stale_after_s = stale_after_s
+        self.workload_keys = workload_keys
+        """Workload keys whose acceptance each speculative pool keeps (0: none, pool-wide only)."""
         self.half_life_s = half_life_s
         """The acceptance estimate's half-life."""
         self.pools: dict[str, PoolSignals] = {}
@@ -84,9 +95,13 @@ class FleetModel:
         it drafts), which a server's description may fill in with its own draft width."""
         role = num_draft_tokens > 0 if speculative is None else speculative
         estimator = AcceptanceEstimator(num_draft_tokens, self.half_life_s) if role else None
-        pool = self.pools[name] = PoolSignals(name, num_draft_tokens, role, estimator)
+        workloads = self._workloads(num_draft_tokens) if role else None
+        pool = self.pools[name] = PoolSignals(name, num_draft_tokens, role, estimator, workloads)
         self.cost.set_draft_tokens(name, num_draft_tokens)
         return pool
+
+    def _workloads(self, num_draft_tokens: int) -> WorkloadAcceptance:
+        return WorkloadAcceptance(num_draft_tokens, self.half_life_s, max_keys=self.workload_keys)
 
     def add_instance(self, url: str, pool: str, max_running: int) -> InstanceSignals:
         if pool not in self.pools:
@@ -119,6 +134,7 @@ class FleetModel:
         if num_draft_tokens != known.num_draft_tokens:
             known.num_draft_tokens = num_draft_tokens
             known.acceptance = AcceptanceEstimator(num_draft_tokens, self.half_life_s)
+            known.workloads = self._workloads(num_draft_tokens)
         self.cost.set_draft_tokens(pool, num_draft_tokens)
 
     def on_reading(self, url: str, reading: Reading) -> None:
@@ -157,13 +173,20 @@ class FleetModel:
 
     # -- our own traffic ------------------------------------------------------------------------
 
-    def on_dispatch(self, url: str, now: float, prompt_tokens: int = 0) -> None:
+    def on_dispatch(self, url: str, now: float, prompt_tokens: int = 0) -> Dispatch:
+        """A request sent to `url`; the returned record, handed back with its response's
+        evidence, lets its time to first token teach the prefill cost."""
         signals = self.instances[url]
+        running, waiting = signals.adjusted()
+        ahead = signals.waiting_tokens() if waiting > 0 else 0.0
+        sent = Dispatch(url, now, prompt_tokens, ahead, running, running + waiting + 1 <= signals.max_running)
+        signals.recent_dispatches.append(now)
         signals.local_in_flight += 1
         signals.prompt_tokens_sent.add(now, prompt_tokens)
         signals.sent.add(now)
         if signals.polled:
             signals.events.append((now, +1, prompt_tokens))
+        return sent
 
     def on_complete(self, url: str, now: float) -> None:
         signals = self.instances[url]
@@ -197,12 +220,16 @@ class FleetModel:
             self._on_output(evidence.tokens)
         if evidence.step_ms is not None and evidence.step_ms > 0:
             self.on_step(url, now, evidence.step_ms)
+        if evidence.ttft_s is not None and evidence.dispatch is not None:
+            self._on_first_token(signals, now, evidence.ttft_s, evidence.dispatch)
         pool = self.pools[signals.pool]
         if pool.acceptance is None:
             return
         if evidence.tokens and evidence.verify_steps:
             age_s = evidence.decode_s / 2
             pool.acceptance.observe_request(now, evidence.tokens, evidence.verify_steps, age_s)
+            if evidence.workload is not None and pool.workloads is not None:
+                pool.workloads.observe_request(evidence.workload, now, evidence.tokens, evidence.verify_steps, age_s)
             # A running mean of the pool's decode time: how far the counters lag.
             pool.decode_s += 0.1 * (2 * age_s - pool.decode_s)
 
@@ -211,6 +238,27 @@ class FleetModel:
         signals = self.instances[url]
         batch = min(max(signals.adjusted_load(), 1.0), float(signals.max_running))
         self.cost.observe(signals.pool, batch, step_ms, now=now)
+
+    def _on_first_token(self, signals: InstanceSignals, now: float, ttft_s: float, sent: Dispatch) -> None:
+        """A stream's time to first token as prefill evidence, when it is the prefill alone: the
+        request found the instance idle (nothing running, nothing queued) and no request of ours
+        followed it there before its first token (one that may have joined its prefill batch).
+
+        A busy server's first token also waits for the step in flight, whose length a reading
+        cannot tell (a decode step, or the prefill of a request the last reading already counted
+        as running): taking those samples with half a decode step for the wait taught prefills
+        1.2-2x too slow with the right profile (kimi-moe at 110 % lost 10 % of its SLO goodput);
+        any sample with a request of ours following taught 9 missed targets against 3. An idle
+        instance is common enough: at low load, in lulls, and in every run's first seconds."""
+        if not sent.free_slot or sent.running >= 1 or sent.ahead_tokens != 0 or sent.prompt_tokens < 1:
+            return
+        first_token_at = sent.at + ttft_s
+        # Ours is one of those sent from its dispatch on; another (even one sent the same instant
+        # after it: a closed loop's clients all start at once) may have joined its prefill.
+        if sum(1 for at in signals.recent_dispatches if sent.at <= at <= first_token_at) > 1:
+            return
+        chunks = math.ceil(sent.prompt_tokens / PREFILL_CHUNK_TOKENS)
+        self.cost.observe_prefill(signals.pool, sent.prompt_tokens / chunks, 1000 * ttft_s / chunks, now)
 
     def _on_output(self, tokens: int) -> None:
         # The plain mean of the first OUTPUT_MEMORY responses, then a moving one over about as
@@ -221,8 +269,10 @@ class FleetModel:
 
     # -- the snapshot ---------------------------------------------------------------------------
 
-    def snapshot(self, now: float) -> Snapshot:
-        """The fleet at `now`; the cost model as it predicts then (its corrections' trust aged)."""
+    def snapshot(self, now: float, workload: str | None = None) -> Snapshot:
+        """The fleet at `now`; the cost model as it predicts then (its corrections' trust aged).
+        `workload`: the key of the request it is taken for; each speculative pool's alpha is
+        then that workload's estimate (the pool's own while the key is unknown)."""
         pools: dict[str, PoolState] = {}
         for pool in self.pools.values():
             members = [s for s in self.instances.values() if s.pool == pool.name]
@@ -235,7 +285,7 @@ class FleetModel:
                 instances=states,
                 speculative=pool.speculative,
                 num_draft_tokens=pool.num_draft_tokens,
-                alpha=pool.acceptance.alpha() if pool.acceptance is not None else None,
+                alpha=self._alpha(pool, now, workload),
                 stale=bool(healthy_ages) and min(healthy_ages) > self.stale_after_s,
             )
         return Snapshot(
@@ -244,6 +294,17 @@ class FleetModel:
             mean_output_tokens=self.mean_output_tokens,
             output_samples=self.output_samples,
         )
+
+    def _alpha(self, pool: PoolSignals, now: float, workload: str | None) -> float | None:
+        if pool.acceptance is None:
+            return None
+        if workload is None or pool.workloads is None:
+            return pool.acceptance.alpha()
+        return pool.workloads.alpha(workload, now, pool.acceptance.accept_length())
+
+    def workload_acceptance(self, pool: str = "spec") -> WorkloadAcceptance | None:
+        known = self.pools.get(pool)
+        return known.workloads if known is not None else None
 
     def _instance_state(self, signals: InstanceSignals, now: float) -> InstanceState:
         running, waiting = signals.adjusted()

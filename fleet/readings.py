@@ -43,6 +43,23 @@ class ServerDescription:
 
 
 @dataclass(frozen=True, slots=True)
+class Dispatch:
+    """A request as it was sent: what the instance held then (the model's view), for reading
+    its time to first token later (`FleetModel.on_dispatch` returns it)."""
+
+    url: str
+    at: float
+    prompt_tokens: int
+    ahead_tokens: float | None
+    """Prompt tokens queued for prefill ahead of it (None: the server does not report them
+    and requests were waiting, so the queue ahead is unknown)."""
+    running: float
+    """Requests decoding there (a prefill waits for the decode step in flight)."""
+    free_slot: bool
+    """It found a running slot free: its first token waited for prefill only, not for a slot."""
+
+
+@dataclass(frozen=True, slots=True)
 class ResponseEvidence:
     """What one finished response taught: its tokens, its verify steps on a spec server, its
     typical inter-chunk gap (one engine decode step) and how long it decoded."""
@@ -57,6 +74,10 @@ class ResponseEvidence:
     """From its first content chunk to its last."""
     ttft_s: float | None = None
     """From dispatch to its first byte, for a stream."""
+    dispatch: Dispatch | None = None
+    """How it was sent (with ttft_s: prefill evidence)."""
+    workload: str | None = None
+    """The request's workload key (its acceptance is learned per key too), if it had one."""
 
     @classmethod
     def from_stream(
@@ -66,6 +87,8 @@ class ResponseEvidence:
         completion_tokens: int | None = None,
         verify_steps: int | None = None,
         ttft_s: float | None = None,
+        dispatch: Dispatch | None = None,
+        workload: str | None = None,
     ) -> ResponseEvidence:
         """A relayed response: `events` content events, `gaps_s` the gaps between the reads that
         carried them, and what its usage tail said (tokens; verify steps with SGLang's spec
@@ -79,4 +102,6 @@ class ResponseEvidence:
             step_ms=1000 * statistics.median(gaps_s) if gaps_s else None,
             decode_s=sum(gaps_s),
             ttft_s=ttft_s,
+            dispatch=dispatch,
+            workload=workload,
         )

@@ -28,6 +28,10 @@ class Features:
     request_class: RequestClass = "latency"
     ignore_eos: bool = False
     """True when the request will run to max_tokens (SGLang's ignore_eos)."""
+    workload: str | None = None
+    """Its workload key (the client's x-specroute-workload, else fleet.features.workload_key of
+    the body): acceptance is learned per key, and the snapshot a request is routed on carries
+    its key's alpha. A key only, never text."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,11 +116,16 @@ class PoolState:
 
 
 class StepCost(Protocol):
-    """Milliseconds one engine step takes; implemented by fleet.costmodel."""
+    """Milliseconds one engine step or prefill takes, learned online; implemented by fleet.costmodel."""
 
     def decode_step_ms(self, pool: PoolName, batch: int, tokens_per_seq: int) -> float: ...
 
     def prefill_ms(self, pool: PoolName, tokens: int) -> float: ...
+
+    def evidence(self, pool: PoolName, batch: float, prefill: bool = False) -> float:
+        """Observations' worth behind the prediction at `batch` (or prompt tokens per prefill
+        iteration, with `prefill`); 0 when it is the seed's guess alone."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

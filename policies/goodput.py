@@ -354,6 +354,11 @@ class Goodput:
             "batch_base": float(on_base.batch),
             "tpot_spec_ms": round(on_spec.tpot_s * 1000, 3),
             "tpot_base_ms": round(on_base.tpot_s * 1000, 3),
+            # How much the cost model has seen near these predictions (0: the seed's guess).
+            "evidence_spec": round(snapshot.cost.evidence("spec", on_spec.batch), 2),
+            "evidence_base": round(snapshot.cost.evidence("base", on_base.batch), 2),
+            "prefill_evidence_spec": round(snapshot.cost.evidence("spec", features.prompt_tokens, prefill=True), 2),
+            "prefill_evidence_base": round(snapshot.cost.evidence("base", features.prompt_tokens, prefill=True), 2),
         }
         c = Context(
             features=features,

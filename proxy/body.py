@@ -92,7 +92,9 @@ def separators_outside_strings(body: bytes, limit: int) -> int:
     return count
 
 
-def read(body: bytes, max_items: int, max_values: int, request_class: str | None) -> tuple[dict[str, Any], Features]:
+def read(
+    body: bytes, max_items: int, max_values: int, request_class: str | None, workload: str | None = None
+) -> tuple[dict[str, Any], Features]:
     """The parsed body and what routing needs of it (see `parse`)."""
     items = body.count(b"{") + body.count(b"[")
     if items > max_items:
@@ -108,7 +110,7 @@ def read(body: bytes, max_items: int, max_values: int, request_class: str | None
         )
     payload = parse_object(body)
     check_fields(payload)
-    return payload, features_of(payload, request_class)
+    return payload, features_of(payload, request_class, workload)
 
 
 PROCESS_BYTES = OFF_LOOP_BYTES
@@ -121,11 +123,11 @@ small fields (model, sampling parameters) cross back."""
 
 
 def read_in_worker(
-    body: bytes, max_items: int, max_values: int, request_class: str | None
+    body: bytes, max_items: int, max_values: int, request_class: str | None, workload: str | None = None
 ) -> tuple[dict[str, Any], Features] | tuple[int, str, str | None, str | None]:
     """`read` in the worker process; a refusal comes back as (status, message, code, param)."""
     try:
-        payload, features = read(body, max_items, max_values, request_class)
+        payload, features = read(body, max_items, max_values, request_class, workload)
     except ProxyError as error:
         return error.status, error.message, error.code, error.param
     return {k: v for k, v in payload.items() if k not in BULK_FIELDS}, features
@@ -142,8 +144,12 @@ class BodyReader:
         self.keep_content = keep_content
         self.pool: ProcessPoolExecutor | None = None
 
-    async def parse(self, body: bytes, request_class: str | None) -> tuple[dict[str, Any], Features]:
-        args = (body, self.max_items, self.max_values, request_class)
+    async def parse(
+        self, body: bytes, request_class: str | None, workload: str | None = None
+    ) -> tuple[dict[str, Any], Features]:
+        """The parsed body and its routing features; `workload`: the client's workload key (else
+        the features carry one derived from the body)."""
+        args = (body, self.max_items, self.max_values, request_class, workload)
         if len(body) <= OFF_LOOP_BYTES:
             return read(*args)
         if len(body) <= PROCESS_BYTES or self.keep_content:

@@ -23,7 +23,7 @@ from proxy import scan
 from proxy.errors import ProxyError, normalise_upstream_error, stream_error_event
 from proxy.hooks import RequestHooks, Telemetry
 from proxy.pools import Instance
-from proxy.routing import Attempt, Router, RoutingInputError, read_overrides
+from proxy.routing import Attempt, Router, RoutingInputError, read_overrides, read_workload
 from proxy.settings import Settings
 from proxy.upstream import (
     CONNECT,
@@ -125,6 +125,7 @@ class Exchange:
         "streaming",
         "asked_stream",
         "request_class",
+        "workload",
         "client",
     )
 
@@ -147,6 +148,8 @@ class Exchange:
         self.streaming = False
         """Whether the response being relayed is an SSE stream (an error can still go in-band)."""
         self.request_class = "latency"
+        self.workload: str | None = None
+        """Its workload key (acceptance evidence is learned per key)."""
         self.client: str | None = None
         """The client's address (the peer of its connection), for X-Forwarded-For."""
         self.asked_stream = False
@@ -333,13 +336,15 @@ class CompletionHandler:
             body = await self.read_body(headers, receive)
             try:
                 override, request_class = read_overrides(headers)
+                workload = read_workload(headers)
             except RoutingInputError as exc:
                 raise ProxyError(400, str(exc), param=exc.header, code="invalid_header") from None
-            payload, features = await self.bodies.parse(body, request_class)
+            payload, features = await self.bodies.parse(body, request_class, workload)
             exchange.prompt_tokens = features.prompt_tokens
             exchange.asked_stream = features.stream
             exchange.request_class = features.request_class
-            snapshot = self.router.snapshot()
+            exchange.workload = features.workload
+            snapshot = self.router.snapshot(features.workload)
             exchange.decision = self.router.choose(features, override, snapshot)
             refusal = self.router.admit(features, exchange.decision, snapshot)
             if refusal is not None:
@@ -474,7 +479,9 @@ class CompletionHandler:
             headers, instance, exchange.request_id, exchange.client, self.settings.forwarded_headers == "append"
         )
         hooks.outgoing_headers(out)
-        attempt = self.router.dispatch(instance, exchange.prompt_tokens, exchange.asked_stream, exchange.request_class)
+        attempt = self.router.dispatch(
+            instance, exchange.prompt_tokens, exchange.asked_stream, exchange.request_class, exchange.workload
+        )
         response: aiohttp.ClientResponse | None = None
         began = perf_counter()
         try:

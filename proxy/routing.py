@@ -16,7 +16,7 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fleet.costmodel import seed_from_profile
-from fleet.features import count_prompt_tokens, default_request_class
+from fleet.features import count_prompt_tokens, default_request_class, workload_key
 from fleet.model import FleetModel
 from fleet.readings import ResponseEvidence
 from fleet.types import Decision, Features, PoolName, Snapshot
@@ -34,6 +34,10 @@ if TYPE_CHECKING:
 
 POOL_HEADER = "x-specroute-pool"
 CLASS_HEADER = "x-specroute-class"
+WORKLOAD_HEADER = "x-specroute-workload"
+MAX_WORKLOAD_CHARS = 64
+"""A client's workload key: 1-64 printable ASCII characters without spaces (it is a dictionary
+key of the fleet model and shown by the state endpoint)."""
 POOL_OVERRIDES = ("spec", "base", "auto")
 REQUEST_CLASSES = ("latency", "batch")
 MAX_GAPS = 4096
@@ -43,13 +47,16 @@ MAX_GAPS = 4096
 class RoutingInputError(ValueError):
     """A routing header has a value the proxy does not know (answered with 400)."""
 
-    def __init__(self, header: str, value: str, allowed: tuple[str, ...]) -> None:
-        super().__init__(f"header {header} must be one of {', '.join(allowed)}, not {value!r}")
+    def __init__(self, header: str, value: str, allowed: tuple[str, ...] = (), expected: str = "") -> None:
+        expected = expected or f"one of {', '.join(allowed)}"
+        super().__init__(f"header {header} must be {expected}, not {value!r}")
         self.header = header
 
 
-def features_of(body: Mapping[str, Any], request_class: str | None) -> Features:
-    """What the policy may know about a request: sizes and flags, never the text itself."""
+def features_of(body: Mapping[str, Any], request_class: str | None, workload: str | None = None) -> Features:
+    """What the policy may know about a request: sizes and flags, never the text itself.
+    `workload`: the client's key (x-specroute-workload), else one is derived from the body
+    (fleet.features.workload_key: what it asks for and a hash of its system prompt)."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     request_class = request_class or default_request_class(body)
     return Features(
@@ -58,6 +65,7 @@ def features_of(body: Mapping[str, Any], request_class: str | None) -> Features:
         stream=body.get("stream") is True,
         request_class="batch" if request_class == "batch" else "latency",
         ignore_eos=body.get("ignore_eos") is True,
+        workload=workload if workload is not None else workload_key(body),
     )
 
 
@@ -79,6 +87,21 @@ def read_overrides(headers: Mapping[str, str]) -> tuple[PoolName | None, str | N
     return pool_name, request_class
 
 
+def read_workload(headers: Mapping[str, str]) -> str | None:
+    """The client's workload key (x-specroute-workload), or None; RoutingInputError when it is
+    empty, longer than MAX_WORKLOAD_CHARS or not printable ASCII without spaces."""
+    value = headers.get(WORKLOAD_HEADER)
+    if value is None:
+        return None
+    key = value.strip()
+    if not key or len(key) > MAX_WORKLOAD_CHARS or not all("!" <= c <= "~" for c in key):
+        shown = key if len(key) <= MAX_WORKLOAD_CHARS else key[:MAX_WORKLOAD_CHARS] + "..."
+        raise RoutingInputError(
+            WORKLOAD_HEADER, shown, expected=f"1-{MAX_WORKLOAD_CHARS} printable ASCII characters without spaces"
+        )
+    return key
+
+
 class Attempt:
     """One upstream attempt's hold on an instance. `finished`/`failed` release it exactly once."""
 
@@ -97,6 +120,8 @@ class Attempt:
         "ttft_s",
         "admission",
         "prompt_tokens",
+        "sent",
+        "workload",
     )
 
     def __init__(
@@ -107,9 +132,12 @@ class Attempt:
         outliers: OutlierDetector | None = None,
         stream: bool = False,
         admission: Admission | None = None,
+        workload: str | None = None,
     ) -> None:
         self.fleet = fleet
         self.instance = instance
+        self.workload = workload
+        """The request's workload key: its acceptance evidence teaches that key's estimate too."""
         self.outliers = outliers
         self.stream = stream
         self.admission = admission
@@ -125,7 +153,7 @@ class Attempt:
         self.last_at = 0.0
         self.gaps: list[float] = []
         instance.dispatched_total += 1
-        fleet.on_dispatch(instance.url, self.dispatched_at, prompt_tokens)
+        self.sent = fleet.on_dispatch(instance.url, self.dispatched_at, prompt_tokens)
         if outliers is not None:
             outliers.dispatched(instance)
 
@@ -156,6 +184,8 @@ class Attempt:
                 completion_tokens=summary.completion_tokens if summary else None,
                 verify_steps=summary.spec_verify_ct if summary else None,
                 ttft_s=self.ttft_s,
+                dispatch=self.sent,
+                workload=self.workload,
             )
             self.fleet.on_response(self.instance.url, time.monotonic(), evidence)
         if self.open and complete and self.admission is not None and self.ttft_s is not None:
@@ -286,16 +316,17 @@ class Router:
     def instances(self) -> list[Instance]:
         return [i for pool in self.pools.values() for i in pool.instances]
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, workload: str | None = None) -> Snapshot:
+        """The fleet now, as a request of `workload` sees it (its key's alpha on the spec pool)."""
         self.outliers.refresh()  # an ejection that ended makes its server available again
-        return self.fleet.snapshot(time.monotonic())
+        return self.fleet.snapshot(time.monotonic(), workload)
 
     def choose(self, features: Features, override: PoolName | None, snapshot: Snapshot | None = None) -> Decision:
         """The pool for a request: the override when given, else the policy's pick; a pool with
         no available instance is swapped for the other one. `snapshot`: the fleet as the caller
-        just took it (`snapshot()`), else taken here."""
+        just took it (`snapshot(features.workload)`), else taken here."""
         if snapshot is None:
-            snapshot = self.snapshot()
+            snapshot = self.snapshot(features.workload)
         if override is not None:
             decision = Decision(pool=override, reason="override")
         else:
@@ -347,8 +378,13 @@ class Router:
         self.fleet.set_health(instance.url, False)
 
     def dispatch(
-        self, instance: Instance, prompt_tokens: int = 0, stream: bool = False, request_class: str = "latency"
+        self,
+        instance: Instance,
+        prompt_tokens: int = 0,
+        stream: bool = False,
+        request_class: str = "latency",
+        workload: str | None = None,
     ) -> Attempt:
         """Start an attempt on `instance`; the caller must end it (finished/failed) on every path."""
         admission = self.admission if stream and request_class == "latency" else None
-        return Attempt(self.fleet, instance, prompt_tokens, self.outliers, stream, admission)
+        return Attempt(self.fleet, instance, prompt_tokens, self.outliers, stream, admission, workload)

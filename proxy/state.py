@@ -14,6 +14,9 @@ from fleet.types import Decision, Features, Snapshot
 from proxy.poller import Pollers
 from proxy.settings import Settings
 
+WORKLOADS_SHOWN = 20
+"""Workload keys the state endpoint lists (those with the most evidence)."""
+
 
 class DecisionLog:
     """The last decisions, each with the fleet inputs it saw added to its scores."""
@@ -34,6 +37,7 @@ class DecisionLog:
                 "reason": decision.reason,
                 "class": features.request_class,
                 "prompt_tokens": features.prompt_tokens,
+                "workload": features.workload,
                 "scores": scores,
             }
         )
@@ -93,6 +97,8 @@ def fleet_state(
             "instances": instances,
         }
     acceptance = fleet.acceptance("spec")
+    workloads = fleet.workload_acceptance("spec")
+    pool_tau = acceptance.accept_length() if acceptance is not None else None
     return {
         "policy": settings.policy,
         "poll_interval_ms": settings.poll_interval_ms,
@@ -103,10 +109,20 @@ def fleet_state(
             "alpha": acceptance.alpha() if acceptance is not None else None,
             "evidence_steps": round(acceptance.evidence(now), 1) if acceptance is not None else 0.0,
             "half_life_s": settings.acceptance_half_life_s,
+            # Per workload key (keys only, never text), the most evidence first: its own accept
+            # length and the estimate its requests are routed on (shrunk toward the pool's).
+            "workloads": {
+                "keys": len(workloads) if workloads is not None else 0,
+                "prior_steps": workloads.prior_steps if workloads is not None else None,
+                "top": workloads.top(now, WORKLOADS_SHOWN, pool_tau) if workloads is not None else [],
+            },
         },
         "cost_model": {
             "profile": settings.profile,
             "decode_step_ms": fleet.cost.estimates(now=now),
+            # Per pool: predicted prefill ms by prompt length, and the evidence behind each
+            # prediction (observations' worth; 0 = the profile's or the prior's guess alone).
+            "learned": fleet.cost.confidence(now=now),
             "half_life_s": settings.costmodel_half_life_s,
         },
         "decisions": list(decisions.recent),

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 from fleet.profile import builtin_names, load_profile
-from sim.engine import EngineConfig
+from sim.engine import EngineConfig, check_alpha
 from sim.faults import Faults
 from sim.lengths import parse_output_lengths
 
@@ -54,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--alpha-concentration", type=float, default=20.0, help="per-request alpha ~ Beta(mean*c, (1-mean)*c)"
     )
     p.add_argument("--alpha-decay", type=float, default=1.0, help="per-position acceptance decay (1 = i.i.d.)")
+    p.add_argument(
+        "--workload-alpha",
+        type=parse_workload_alpha,
+        default={},
+        metavar="KEY=ALPHA[,KEY=ALPHA...]",
+        help="mean acceptance per workload, matched against a request's x-specroute-workload header "
+        "(e.g. code=0.8,chat=0.45); other requests use --mean-alpha",
+    )
     p.add_argument(
         "--output-len",
         default="azure-conv",
@@ -111,6 +119,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_workload_alpha(text: str) -> dict[str, float]:
+    """`code=0.8,chat=0.45` -> {"code": 0.8, "chat": 0.45} (each alpha in [0, 1))."""
+    table: dict[str, float] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        try:
+            if not sep or not key.strip():
+                raise ValueError("expected KEY=ALPHA")
+            alpha = float(value)
+            check_alpha(alpha)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"bad --workload-alpha item {item!r}: {exc}") from None
+        table[key.strip()] = alpha
+    return table
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     profile = load_profile(args.profile)
     num_steps = args.speculative_num_steps or int(profile.defaults.get("num_steps", 3))
@@ -129,6 +153,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         mean_alpha=mean_alpha,
         alpha_concentration=args.alpha_concentration,
         alpha_decay=args.alpha_decay,
+        workload_alpha=args.workload_alpha,
         chunked_prefill_size=args.chunked_prefill_size,
         context_length=args.context_length,
         max_total_num_tokens=args.max_total_tokens,

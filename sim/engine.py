@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -55,6 +55,10 @@ class EngineConfig:
     """Per-request alpha ~ Beta(mean*c, (1-mean)*c): larger c, less spread."""
     alpha_decay: float = 1.0
     """Per-position decay gamma: draft j is accepted with alpha*gamma^(j-1); 1 is i.i.d."""
+    workload_alpha: Mapping[str, float] = field(default_factory=dict)
+    """Mean acceptance per workload (a request's x-specroute-workload, an Arrival's `workload`):
+    a request of a listed workload draws its alpha around that mean, any other around
+    `mean_alpha` (code and structured output accept far more draft tokens than open chat)."""
     chunked_prefill_size: int = 8192
     context_length: int = 32768
     max_total_num_tokens: int = 1_000_000
@@ -78,6 +82,8 @@ class EngineConfig:
         if self.page_size < 1 or self.max_total_num_tokens < 1:
             raise ValueError("page_size and max_total_num_tokens must be >= 1")
         check_alpha(self.mean_alpha)
+        for alpha in self.workload_alpha.values():
+            check_alpha(alpha)
 
     @property
     def speculative(self) -> bool:
@@ -105,6 +111,7 @@ class Request:
         "target_len",
         "ends_by_length",
         "alpha",
+        "workload",
         "arrival",
         "prefilled",
         "output_tokens",
@@ -142,6 +149,8 @@ class Request:
         self.target_len = target_len
         self.ends_by_length = ends_by_length
         self.alpha = 0.0
+        self.workload: str | None = None
+        """Its workload (EngineConfig.workload_alpha picks its mean acceptance), if it has one."""
         self.arrival = arrival
         self.prefilled = 0
         self.output_tokens = 0
@@ -262,12 +271,14 @@ class Engine:
         stop: tuple[str, ...] | None = None,
         text_seed: int | None = None,
         cache_key: tuple | None = None,
+        workload: str | None = None,
     ) -> Request:
         """A request as the server would create it; `output_len` overrides the drawn length.
 
         `stop` None means no text is generated (the virtual clock counts tokens only).
         `cache_key` (pages, see `page_key`/`block_key`) lets the prefix cache serve and keep the
-        prompt; None leaves the cache out of it.
+        prompt; None leaves the cache out of it. `workload` picks its mean acceptance
+        (EngineConfig.workload_alpha).
         """
         self._seq += 1
         room = max(self.config.context_length - prompt_tokens, 0)
@@ -284,6 +295,7 @@ class Engine:
         req = Request(rid or f"{self.name}-{self._seq}", prompt_tokens, target, by_length, max_new_tokens, now, text)
         if cache_key is not None and self.cache is not None:
             req.cache_key = tuple(cache_key)
+        req.workload = workload
         return req
 
     def page_key(self, token_ids: list[int]) -> tuple:
@@ -306,7 +318,7 @@ class Engine:
         return tuple((b, i) for b in blocks for i in range(per))
 
     def add(self, req: Request) -> None:
-        req.alpha = self._draw_alpha() if self.config.speculative else 0.0
+        req.alpha = self._draw_alpha(req.workload) if self.config.speculative else 0.0
         self.waiting[req.rid] = req
 
     def abort(self, rid: str, now: float) -> bool:
@@ -328,17 +340,21 @@ class Engine:
 
     def set_mean_alpha(self, alpha: float) -> None:
         """Change the server's mean acceptance; every request, running ones too, redraws its alpha
-        (a drafter or domain shift hits all sequences at once)."""
+        (a drafter or domain shift hits all sequences at once). Requests of a workload with its
+        own mean (EngineConfig.workload_alpha) redraw around that one."""
         check_alpha(alpha)
         self.mean_alpha = alpha
         for group in (self.running.values(), self.waiting.values(), self.in_prefill.values()):
             for req in group:
-                req.alpha = self._draw_alpha()
+                req.alpha = self._draw_alpha(req.workload)
         if self.prefilling is not None and self.prefilling.rid not in self.in_prefill:
-            self.prefilling.alpha = self._draw_alpha()
+            self.prefilling.alpha = self._draw_alpha(self.prefilling.workload)
 
-    def _draw_alpha(self) -> float:
-        mean, c = self.mean_alpha, self.config.alpha_concentration
+    def _draw_alpha(self, workload: str | None = None) -> float:
+        mean = self.mean_alpha
+        if workload is not None:
+            mean = self.config.workload_alpha.get(workload, mean)
+        c = self.config.alpha_concentration
         if mean <= 0.0:
             return 0.0
         return min(self.rng.betavariate(mean * c, (1.0 - mean) * c), 0.999)

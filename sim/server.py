@@ -50,6 +50,9 @@ log = logging.getLogger("sim.server")
 SGLANG_VERSION = "0.5.23"
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
 
+WORKLOAD_HEADER = "x-specroute-workload"
+"""The request header whose value the twin matches against its --workload-alpha table."""
+
 
 @dataclass
 class TwinOptions:
@@ -185,6 +188,9 @@ class Twin:
                 "Internal server error (a fault the twin was told to show)", status=500, err_type="InternalServerError"
             )
         parent = self.trace_context(http.headers)
+        # The twin's own hook (a real server ignores it): the workload picks the request's mean
+        # acceptance (--workload-alpha).
+        workload = http.headers.get(WORKLOAD_HEADER, "").strip() or None
         prompt_tokens = max(count_prompt_tokens(body), 1)
         check_context(prompt_tokens, request.max_new_tokens, self.config.context_length)
         ids = prompt_token_ids(body) if self.engine.cache is not None else None
@@ -210,6 +216,7 @@ class Twin:
                 stop=stop_strings(request),
                 text_seed=request.seed + index if request.seed is not None else None,
                 cache_key=cache_key,
+                workload=workload,
             )
             shape.bind(req.target_len, req.ends_by_length)
             call = Call(req, self.metrics, request.stream, shape, queue)
@@ -513,6 +520,7 @@ class Twin:
             "profile": opts.profile,
             "time_scale": opts.time_scale,
             "mean_alpha": engine.mean_alpha if spec else None,
+            "workload_alpha": dict(cfg.workload_alpha) if spec else None,
             "output_len": opts.output_len,
         }
 

@@ -43,6 +43,9 @@ class Arrival:
     prefix_block_tokens: int = 512
     """Tokens per block of `prefix` (Mooncake's: 512). Engines whose `page_size` equals it use
     the ids as pages directly (fast); a page size that divides it splits each block."""
+    workload: str | None = None
+    """Its workload key (what a client sends as x-specroute-workload): a spec engine draws its
+    alpha around that workload's mean (EngineConfig.workload_alpha)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,8 @@ class RequestRecord:
     request_class: str
     cached_tokens: int = 0
     """Prompt tokens the engine's prefix cache held at admission (not prefilled)."""
+    workload: str | None = None
+    """The arrival's workload key."""
 
     @property
     def ttft(self) -> float:
@@ -302,6 +307,7 @@ def simulate(
                 cache_key=(
                     None if arrival.prefix is None else engine.block_key(arrival.prefix, arrival.prefix_block_tokens)
                 ),
+                workload=arrival.workload,
             )
             req.tag = index
             classes[index] = arrival.request_class
@@ -325,4 +331,5 @@ def _record(req: Request, index: int, engine: int, name: str, request_class: str
         alpha=req.alpha,
         request_class=request_class,
         cached_tokens=req.cached_tokens,
+        workload=req.workload,
     )

@@ -93,6 +93,31 @@ def test_per_request_alpha_spreads_around_the_mean():
     assert 0.05 < statistics.stdev(alphas) < 0.2  # Beta(12, 8): sd about 0.107
 
 
+def test_each_workload_draws_its_own_alpha():
+    spec = engine("spec", KIMI, mean_alpha=0.6, workload_alpha={"code": 0.85, "chat": 0.3}, seed=11)
+    workloads = ("code", "chat", None, "unlisted")
+    arrivals = [Arrival(i * 0.01, 100, max_tokens=50, ignore_eos=True, workload=workloads[i % 4]) for i in range(800)]
+    records, _ = run([spec], arrivals)
+    mean = {w: statistics.mean(r.alpha for r in records if r.workload == w) for w in workloads}
+    assert mean["code"] == pytest.approx(0.85, abs=0.03)
+    assert mean["chat"] == pytest.approx(0.3, abs=0.03)
+    assert mean[None] == pytest.approx(0.6, abs=0.04) and mean["unlisted"] == pytest.approx(0.6, abs=0.04)
+    with pytest.raises(ValueError):
+        EngineConfig("spec", KIMI, workload_alpha={"code": 1.2})
+
+
+def test_the_twin_flag_reads_a_workload_alpha_table():
+    from sim.cli import build_parser, parse_workload_alpha
+
+    assert parse_workload_alpha("code=0.8, chat=0.45") == {"code": 0.8, "chat": 0.45}
+    assert parse_workload_alpha("") == {}
+    for bad in ("code", "code=1.5", "=0.3", "code=x"):
+        with pytest.raises(Exception, match="workload-alpha"):
+            parse_workload_alpha(bad)
+    args = build_parser().parse_args(["--mode", "spec", "--workload-alpha", "code=0.8"])
+    assert args.workload_alpha == {"code": 0.8}
+
+
 def test_the_49th_request_on_a_spec_server_waits():
     spec = engine("spec", KIMI)
     seen = []
