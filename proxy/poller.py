@@ -30,7 +30,7 @@ import httpx
 from fleet.model import FleetModel
 from fleet.readings import ServerDescription
 from proxy import backends
-from proxy.backends import Backend, OpenAICompatible, SGLang
+from proxy.backends import Backend, OpenAICompatible
 from proxy.pools import Instance
 
 log = logging.getLogger("specroute.poller")
@@ -116,7 +116,7 @@ class InstancePoller:
                 return
             except httpx.HTTPError as exc:
                 self.error = f"{path}: {type(exc).__name__}"
-                self.backend = SGLang(backends.load_paths()[0])  # answering badly now: keep trying the best
+                self.backend = backends.KINDS[0](backends.load_paths()[0])  # answering badly: keep the best
                 return
             if response.status_code == 200:
                 backend = backends.recognise(path, response.text)
@@ -127,26 +127,34 @@ class InstancePoller:
         self.fleet.on_unpolled(self.url)
 
     async def _describe(self) -> bool | None:
-        """Ask the server to describe itself (SGLang's /server_info). None: unreachable; else
-        whether it described itself."""
-        path = SGLang.info_path
+        """Ask the server to describe itself, at each kind's description endpoint (SGLang's
+        /server_info). None: unreachable; else whether one of them described it."""
+        for kind in backends.describers():
+            described = await self._describe_as(kind)
+            if described is not False:
+                return described
+        return False
+
+    async def _describe_as(self, kind: type[Backend]) -> bool | None:
+        path = kind.info_path
         assert path is not None
+        name = path.lstrip("/")
         try:
             response = await self.get(self.url, path)
         except CONNECT_ERRORS as exc:
-            self._unreachable(f"{path.lstrip('/')}: {type(exc).__name__}")
+            self._unreachable(f"{name}: {type(exc).__name__}")
             return None
         except httpx.HTTPError as exc:  # it answered, slowly or badly: learn what it has
-            self.error = f"{path.lstrip('/')}: {type(exc).__name__}"
+            self.error = f"{name}: {type(exc).__name__}"
             self._reached()
             return False
         self._reached()
         if response.status_code != 200:
             return False
         try:
-            description, self.info = SGLang.describe(response.json())
+            description, self.info = kind.describe(response.json())
         except (ValueError, TypeError, AttributeError) as exc:
-            self.error = f"{path.lstrip('/')}: {type(exc).__name__}"
+            self.error = f"{name}: {type(exc).__name__}"
             return False
         self._tell(description)
         return True

@@ -23,6 +23,11 @@ def load_paths() -> tuple[str, ...]:
     return tuple(paths)
 
 
+def describers() -> tuple[type[Backend], ...]:
+    """The kinds that describe themselves (an `info_path`), in `KINDS` order."""
+    return tuple(kind for kind in KINDS if kind.info_path)
+
+
 def recognise(path: str, text: str) -> Backend | None:
     """The kind whose load endpoint `path` gave this 200 answer, set up to poll it; None if no
     kind reads it."""
@@ -32,4 +37,4 @@ def recognise(path: str, text: str) -> Backend | None:
     return None
 
 
-__all__ = ["KINDS", "Backend", "OpenAICompatible", "SGLang", "VLLM", "load_paths", "recognise"]
+__all__ = ["KINDS", "Backend", "OpenAICompatible", "SGLang", "VLLM", "describers", "load_paths", "recognise"]
