@@ -65,6 +65,8 @@ class InstanceSignals:
     """Prompt tokens this router sent here per second (their prefill stalls the decode)."""
     sent: EventRate = field(default_factory=EventRate)
     """Requests this router sent here per second."""
+    cache_tokens: int | None = None
+    """Its KV capacity in tokens as last read (the prefix index's cap for it)."""
     recent_dispatches: deque[float] = field(default_factory=lambda: deque(maxlen=64))
     """When our latest requests were sent here (kept across readings): a request sent while
     another one's prefill had not started may have joined it."""

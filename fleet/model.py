@@ -13,6 +13,12 @@ routing_sim.py) feed this one object, so what was evaluated is what is served. I
 - health and ejection (`set_health`, `set_ejected`);
 and gives `snapshot(now)`, or `snapshot(now, workload)` for one request: the speculative pools'
 alpha is then that workload's (shrunk toward the pool's while the key has little evidence).
+
+It also keeps the prefix index (fleet/prefix.py: which prompt prefixes each instance likely
+holds, learned from what was dispatched there and corrected by the cached tokens servers
+report) and the named sessions (fleet/sessions.py); `cached(blocks, prompt_tokens, now)` is a
+request's credit per instance, which goes into its `Features.cached`. Dispatches and rates
+count a request's uncached prompt tokens only: the prefill it causes.
 Nothing reads a clock: every call takes `now` in seconds.
 
 Pools are data: each has a name and a draft width (0: not speculative); the mission's two,
@@ -23,14 +29,17 @@ stale (policies then act conservatively).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from fleet.acceptance import DEFAULT_HALF_LIFE_S, WORKLOAD_KEYS, AcceptanceEstimator, WorkloadAcceptance
+from fleet.blocks import BLOCK_TOKENS
 from fleet.costmodel import DEFAULT_HALF_LIFE_S as COST_HALF_LIFE_S
 from fleet.costmodel import Seed, StepCostModel
 from fleet.instance import InstanceSignals
+from fleet.prefix import DEFAULT_MAX_BLOCKS, PrefixIndex
 from fleet.readings import Dispatch, Reading, ResponseEvidence, ServerDescription
+from fleet.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S, SessionTable
 from fleet.types import InstanceState, PoolState, Snapshot
 
 # Finished requests the mean output length covers (a moving mean over about as many after that).
@@ -39,6 +48,35 @@ PREFILL_CHUNK_TOKENS = 8192
 """Prompt tokens one prefill iteration takes at most (SGLang's --chunked-prefill-size default)."""
 DEFAULT_POOLS: Mapping[str, int] = {"spec": 3, "base": 0}
 """Pool name -> tokens drafted per verify step (0: a plain pool)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """A request's prefix credit per instance (`FleetModel.cached`)."""
+
+    credit: dict[str, int]
+    """Tokens each instance likely holds, trust applied, below the prompt's length: what the
+    policy credits (`Features.cached`)."""
+    matched: dict[str, int]
+    """The raw claims behind them (before trust): what a server's report is checked against."""
+
+
+NO_MATCH = PrefixMatch({}, {})
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """One instance's prompt tokens as its servers' usage reported them, and how many of them
+    were cached; and what the router credited it with."""
+
+    responses: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    credited_tokens: int = 0
+    """Tokens credited at dispatch to the requests in `responses`, in the router's estimate's units."""
+
+    def hit_rate(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
 
 
 @dataclass(slots=True)
@@ -75,6 +113,10 @@ class FleetModel:
         seed: Seed | None = None,
         costmodel_half_life_s: float = COST_HALF_LIFE_S,
         workload_keys: int = WORKLOAD_KEYS,
+        prefix_block_tokens: int = BLOCK_TOKENS,
+        prefix_max_blocks: int = DEFAULT_MAX_BLOCKS,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
+        session_ttl_s: float = DEFAULT_SESSION_TTL_S,
     ):
         self.stale_after_s = stale_after_s
         self.workload_keys = workload_keys
@@ -87,6 +129,10 @@ class FleetModel:
         self.mean_output_tokens: float | None = None
         self.output_samples = 0
         """Running mean of finished requests' output tokens (the traffic's typical length)."""
+        self.prefix = PrefixIndex(block_tokens=prefix_block_tokens, max_blocks=prefix_max_blocks)
+        self.sessions = SessionTable(max_sessions, session_ttl_s)
+        self.cache_stats: dict[str, CacheStats] = {}
+        """Per instance, what its responses reported of its prefix cache."""
         for name, num_draft_tokens in pools.items():
             self.add_pool(name, num_draft_tokens, None if speculative is None else name in speculative)
 
@@ -108,6 +154,7 @@ class FleetModel:
             self.add_pool(pool)
         signals = InstanceSignals(url=url, pool=pool, max_running=max_running)
         self.instances[url] = signals
+        self.cache_stats[url] = CacheStats()
         return signals
 
     def acceptance(self, pool: str = "spec") -> AcceptanceEstimator | None:
@@ -145,6 +192,9 @@ class FleetModel:
         signals.polled = True
         if reading.max_running:
             signals.max_running = reading.max_running
+        if reading.cache_tokens and reading.cache_tokens != signals.cache_tokens:
+            signals.cache_tokens = reading.cache_tokens
+            self.prefix.set_capacity(url, reading.cache_tokens)
         while signals.events and signals.events[0][0] < reading.at:
             signals.events.popleft()
         pool = self.pools[signals.pool]
@@ -166,26 +216,90 @@ class FleetModel:
         self.instances[url].polled = False
 
     def set_health(self, url: str, healthy: bool) -> None:
-        self.instances[url].healthy = healthy
+        """Reachable or not; an instance turning unreachable may be restarting, which empties its
+        prefix cache: the index and the sessions forget it."""
+        signals = self.instances[url]
+        if signals.healthy and not healthy:
+            self.prefix.forget(url)
+            self.sessions.forget_instance(url)
+        signals.healthy = healthy
 
     def set_ejected(self, url: str, ejected: bool) -> None:
         self.instances[url].ejected = ejected
 
     # -- our own traffic ------------------------------------------------------------------------
 
-    def on_dispatch(self, url: str, now: float, prompt_tokens: int = 0) -> Dispatch:
+    def cached(self, blocks: Sequence[int], prompt_tokens: int, now: float, session: str | None = None) -> PrefixMatch:
+        """Per healthy instance, the prompt tokens of a request (its chained block hashes,
+        fleet/blocks.py) it likely holds in its prefix cache: the index's match, scaled by the
+        instance's trust; and for a named `session`, at least its last prompt on the instance
+        that served it (the prompt extends it). Below `prompt_tokens`: a server prefills at
+        least the last token. Instances holding nothing are left out."""
+        if prompt_tokens <= 1:
+            return NO_MATCH
+        top = prompt_tokens - 1
+        credit: dict[str, int] = {}
+        matched: dict[str, int] = {}
+        if blocks:
+            healthy = [url for url, s in self.instances.items() if s.healthy and not s.ejected]
+            raw = self.prefix.match(blocks, now, raw=True, instances=healthy)
+            size = self.prefix.block_tokens
+            for url, depth in raw.items():
+                if depth:
+                    matched[url] = min(depth * size, top)
+                    credit[url] = min(int(depth * self.prefix.trust(url, now)) * size, top)
+        if session is not None:
+            entry = self.sessions.get(session, now)
+            signals = self.instances.get(entry.instance) if entry is not None else None
+            if entry is not None and signals is not None and signals.healthy and not signals.ejected:
+                held = min(entry.prompt_tokens, top)
+                if held > matched.get(entry.instance, 0):
+                    matched[entry.instance] = held
+                    credit[entry.instance] = max(
+                        credit.get(entry.instance, 0), int(held * self.prefix.trust(entry.instance, now))
+                    )
+        credit = {url: tokens for url, tokens in credit.items() if tokens > 0}
+        return PrefixMatch(credit, matched) if credit or matched else NO_MATCH
+
+    def on_dispatch(
+        self,
+        url: str,
+        now: float,
+        prompt_tokens: int = 0,
+        *,
+        blocks: Sequence[int] = (),
+        match: PrefixMatch = NO_MATCH,
+        session: str | None = None,
+    ) -> Dispatch:
         """A request sent to `url`; the returned record, handed back with its response's
-        evidence, lets its time to first token teach the prefill cost."""
+        evidence, lets its time to first token teach the prefill cost. `blocks`: its prompt's
+        block hashes, now the instance's most recent in the index; `match`: its credit
+        (`cached`); `session`: the session it named. Its load counts its uncached tokens."""
         signals = self.instances[url]
+        cached = match.credit.get(url, 0)
+        uncached = max(prompt_tokens - cached, 0)
         running, waiting = signals.adjusted()
         ahead = signals.waiting_tokens() if waiting > 0 else 0.0
-        sent = Dispatch(url, now, prompt_tokens, ahead, running, running + waiting + 1 <= signals.max_running)
+        sent = Dispatch(
+            url,
+            now,
+            prompt_tokens,
+            ahead,
+            running,
+            running + waiting + 1 <= signals.max_running,
+            cached_tokens=cached,
+            matched_tokens=match.matched.get(url, 0),
+        )
         signals.recent_dispatches.append(now)
         signals.local_in_flight += 1
-        signals.prompt_tokens_sent.add(now, prompt_tokens)
+        signals.prompt_tokens_sent.add(now, uncached)
         signals.sent.add(now)
         if signals.polled:
-            signals.events.append((now, +1, prompt_tokens))
+            signals.events.append((now, +1, uncached))
+        if blocks:
+            self.prefix.insert(url, blocks, now)
+        if session is not None:
+            self.sessions.put(session, url, prompt_tokens, now)
         return sent
 
     def on_complete(self, url: str, now: float) -> None:
@@ -197,7 +311,8 @@ class FleetModel:
     def on_refused(self, url: str, dispatched_at: float, now: float, prompt_tokens: int = 0) -> None:
         """The server refused a request dispatched at `dispatched_at` (a 4xx): it never ran, so
         its dispatch is undone rather than completed. Its prompt tokens would otherwise count as
-        prefill work sent there (five refused 1 MB prompts moved the next requests to base)."""
+        prefill work sent there (five refused 1 MB prompts moved the next requests to base).
+        `prompt_tokens`: as its dispatch counted them (less its credit: `Dispatch`)."""
         signals = self.instances[url]
         signals.local_in_flight = max(signals.local_in_flight - 1, 0)
         signals.prompt_tokens_sent.remove(dispatched_at, now, prompt_tokens)
@@ -220,8 +335,10 @@ class FleetModel:
             self._on_output(evidence.tokens)
         if evidence.step_ms is not None and evidence.step_ms > 0:
             self.on_step(url, now, evidence.step_ms)
+        if evidence.dispatch is not None:
+            self._on_cache_report(url, now, evidence, evidence.dispatch)
         if evidence.ttft_s is not None and evidence.dispatch is not None:
-            self._on_first_token(signals, now, evidence.ttft_s, evidence.dispatch)
+            self._on_first_token(signals, now, evidence.ttft_s, evidence.dispatch, evidence)
         pool = self.pools[signals.pool]
         if pool.acceptance is None:
             return
@@ -239,7 +356,29 @@ class FleetModel:
         batch = min(max(signals.adjusted_load(), 1.0), float(signals.max_running))
         self.cost.observe(signals.pool, batch, step_ms, now=now)
 
-    def _on_first_token(self, signals: InstanceSignals, now: float, ttft_s: float, sent: Dispatch) -> None:
+    def _on_cache_report(self, url: str, now: float, evidence: ResponseEvidence, sent: Dispatch) -> None:
+        """A server's report of the request's cached tokens: the instance's hit statistics, and
+        the index's trust in it when the index had claimed a prefix there."""
+        if evidence.cached_tokens is None:
+            return
+        stats = self.cache_stats[url]
+        stats.responses += 1
+        stats.prompt_tokens += evidence.prompt_tokens or sent.prompt_tokens
+        stats.cached_tokens += evidence.cached_tokens
+        stats.credited_tokens += sent.cached_tokens
+        if sent.matched_tokens > 0:
+            self.prefix.observe_hit(
+                url,
+                sent.matched_tokens,
+                evidence.cached_tokens,
+                now,
+                estimated_prompt_tokens=sent.prompt_tokens,
+                reported_prompt_tokens=evidence.prompt_tokens,
+            )
+
+    def _on_first_token(
+        self, signals: InstanceSignals, now: float, ttft_s: float, sent: Dispatch, evidence: ResponseEvidence
+    ) -> None:
         """A stream's time to first token as prefill evidence, when it is the prefill alone: the
         request found the instance idle (nothing running, nothing queued) and no request of ours
         followed it there before its first token (one that may have joined its prefill batch).
@@ -249,16 +388,25 @@ class FleetModel:
         as running): taking those samples with half a decode step for the wait taught prefills
         1.2-2x too slow with the right profile (kimi-moe at 110 % lost 10 % of its SLO goodput);
         any sample with a request of ours following taught 9 missed targets against 3. An idle
-        instance is common enough: at low load, in lulls, and in every run's first seconds."""
-        if not sent.free_slot or sent.running >= 1 or sent.ahead_tokens != 0 or sent.prompt_tokens < 1:
+        instance is common enough: at low load, in lulls, and in every run's first seconds.
+
+        Only the prompt's uncached tokens were prefilled: what the server reported cached, else
+        what the router credited (in the estimate's units)."""
+        cached: float = sent.cached_tokens
+        if evidence.cached_tokens is not None:
+            cached = evidence.cached_tokens
+            if evidence.prompt_tokens:
+                cached *= sent.prompt_tokens / evidence.prompt_tokens
+        prompt = int(round(sent.prompt_tokens - cached))
+        if not sent.free_slot or sent.running >= 1 or sent.ahead_tokens != 0 or prompt < 1:
             return
         first_token_at = sent.at + ttft_s
         # Ours is one of those sent from its dispatch on; another (even one sent the same instant
         # after it: a closed loop's clients all start at once) may have joined its prefill.
         if sum(1 for at in signals.recent_dispatches if sent.at <= at <= first_token_at) > 1:
             return
-        chunks = math.ceil(sent.prompt_tokens / PREFILL_CHUNK_TOKENS)
-        self.cost.observe_prefill(signals.pool, sent.prompt_tokens / chunks, 1000 * ttft_s / chunks, now)
+        chunks = math.ceil(prompt / PREFILL_CHUNK_TOKENS)
+        self.cost.observe_prefill(signals.pool, prompt / chunks, 1000 * ttft_s / chunks, now)
 
     def _on_output(self, tokens: int) -> None:
         # The plain mean of the first OUTPUT_MEMORY responses, then a moving one over about as

@@ -27,6 +27,8 @@ class Reading:
     tokens_total: float | None = None
     verify_total: float | None = None
     """Monotonic counters (generation tokens, spec verify calls), if the server exports them."""
+    cache_tokens: int | None = None
+    """Its KV capacity in tokens (SGLang's max_total_num_tokens), which bounds its prefix cache."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,11 @@ class Dispatch:
     """Requests decoding there (a prefill waits for the decode step in flight)."""
     free_slot: bool
     """It found a running slot free: its first token waited for prefill only, not for a slot."""
+    cached_tokens: int = 0
+    """Prompt tokens the router credited the instance with holding (`Features.cached`)."""
+    matched_tokens: int = 0
+    """The prefix index's raw claim for it (matched blocks x block tokens, before trust): what
+    the server's report of cached tokens is checked against."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +85,11 @@ class ResponseEvidence:
     """How it was sent (with ttft_s: prefill evidence)."""
     workload: str | None = None
     """The request's workload key (its acceptance is learned per key too), if it had one."""
+    prompt_tokens: int | None = None
+    """Prompt tokens as the server counted them (its usage), if it said."""
+    cached_tokens: int | None = None
+    """Of them, found in its prefix cache (usage.prompt_tokens_details.cached_tokens), if it
+    reports them (SGLang --enable-cache-report, vLLM --enable-prompt-tokens-details)."""
 
     @classmethod
     def from_stream(
@@ -89,6 +101,8 @@ class ResponseEvidence:
         ttft_s: float | None = None,
         dispatch: Dispatch | None = None,
         workload: str | None = None,
+        prompt_tokens: int | None = None,
+        cached_tokens: int | None = None,
     ) -> ResponseEvidence:
         """A relayed response: `events` content events, `gaps_s` the gaps between the reads that
         carried them, and what its usage tail said (tokens; verify steps with SGLang's spec
@@ -104,4 +118,6 @@ class ResponseEvidence:
             ttft_s=ttft_s,
             dispatch=dispatch,
             workload=workload,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached_tokens,
         )

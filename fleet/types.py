@@ -32,6 +32,10 @@ class Features:
     """Its workload key (the client's x-specroute-workload, else fleet.features.workload_key of
     the body): acceptance is learned per key, and the snapshot a request is routed on carries
     its key's alpha. A key only, never text."""
+    cached: Mapping[str, int] = field(default_factory=dict)
+    """Prompt tokens each instance (by URL) likely holds in its prefix cache: the prefix index's
+    match (fleet/prefix.py) scaled by its trust, or a named session's last prompt on its last
+    instance (`FleetModel.cached`); always below `prompt_tokens`. Empty: nothing credited."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,3 +155,6 @@ class Decision:
     """A short, stable token saying why, e.g. "spec-sooner", "spec-full", "stale", "static"."""
     scores: Mapping[str, float] = field(default_factory=dict)
     """What the policy weighed, e.g. predicted seconds to completion per pool."""
+    instance: str | None = None
+    """The instance of `pool` the policy chose (its URL), e.g. the one holding the prompt's
+    prefix; None leaves the choice to the router (the least loaded)."""

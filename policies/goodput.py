@@ -2,7 +2,8 @@
 
 For each pool, on the instance the request would join (`predict`):
   wait    = requests over the cap ahead of it x (a typical request's time / cap), 0 below the cap
-  prefill = the cost model's prefill time for the waiting prompts and this one (FCFS, chunked)
+  prefill = the cost model's prefill time for the waiting prompts and this one (FCFS, chunked),
+            less the prefix the instance holds in its prefix cache (`Features.cached`)
   decode  = output tokens / tau(alpha, k) x step(B + 1, k + 1) on spec, tokens x step(B + 1, 1) on base
             (output tokens: max_tokens if the request runs to it, else the recent mean, capped)
   others  = what joining costs the B requests already decoding there (our prefill stalls them,
@@ -14,6 +15,12 @@ request grabbing the faster pool until it is no longer faster. Prefills stall de
 runs them before the next decode step): at the rate this router has sent prompts to an
 instance, a share `busy` of its time goes to prefill, and the predicted time per output token
 (TPOT) there is step / tau / (1 - busy).
+
+The instance a request would join (`join`): the least loaded, unless some instance of the pool
+holds part of its prompt (`cache_credit` on): then the one with the smallest predicted cost, its
+cached prefix credited. Load weighs against the credit there: a busier instance's longer steps,
+its queue and what joining costs its running requests are all in the cost, so a hot prefix does
+not pile onto one instance. The decision names the instance it was predicted on.
 
 `decide` then applies these rules in order; the first that returns a Decision decides
 (docs/routing.md, "`goodput`'s rules, in order", describes each under the same name). Three
@@ -59,7 +66,7 @@ Each rule, its reason tokens, and what it earned:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import Field
 
@@ -128,6 +135,9 @@ class Context:
     base: PoolState
     joined_spec: InstanceState
     joined_base: InstanceState
+    """The instance each pool's prediction is for (`join`)."""
+    chosen: dict[str, str]
+    """Pool -> the instance the decision names there: one chosen for its cached prefix."""
     n_out: int
     """The output tokens planned for (`Goodput.output_tokens`)."""
     on_spec: Prediction
@@ -161,6 +171,10 @@ class GoodputParams(PolicyParams):
         0.0, ge=0, description="time-to-first-token target in seconds (0: none); see SLO-aware routing."
     )
     slo_tpot_ms: float = Field(0.0, ge=0, description="time-per-output-token target in milliseconds (0: none).")
+    cache_credit: bool = Field(
+        True,
+        description="credit each instance's cached prompt prefix in its prefill and choose the instance by it.",
+    )
 
 
 @register("goodput", params=GoodputParams)
@@ -176,6 +190,7 @@ class Goodput:
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.slo_ttft_s = params.slo_ttft_s
         self.slo_tpot_ms = params.slo_tpot_ms
+        self.cache_credit = params.cache_credit
 
     @property
     def slo_aware(self) -> bool:
@@ -245,11 +260,13 @@ class Goodput:
         # The own decode is costed unstretched: the prefills stall both pools' decodes alike, and
         # what joining adds to them is in `others`.
         decode_ms = max(n_out - 1, 0) / tau * step_ms
-        prompt = max(features.prompt_tokens, 1)
+        prompt = max(features.prompt_tokens - self.cached(features, instance), 1)
         # SGLang prefills the queue first come, first served, before any decode step: the first
         # token comes after every waiting prompt (their tokens when the server reports them, else
         # each assumed as long as this one) and this one, in chunks of `prefill_chunk_tokens`.
-        ahead = instance.waiting_tokens if instance.waiting_tokens is not None else waiting * prompt
+        ahead = (
+            instance.waiting_tokens if instance.waiting_tokens is not None else waiting * max(features.prompt_tokens, 1)
+        )
         queued = ahead + prompt
         chunks = math.ceil(queued / self.prefill_chunk_tokens)
         prefill_ms = chunks * cost.prefill_ms(pool.name, math.ceil(queued / chunks))
@@ -308,8 +325,14 @@ class Goodput:
             self.slot_price,
         ):
             if (decision := rule(c)) is not None:
-                return decision
-        return self.sooner(c)
+                return self.on_instance(c, decision)
+        return self.on_instance(c, self.sooner(c))
+
+    def on_instance(self, c: Context, decision: Decision) -> Decision:
+        """The decision names the instance its pool's prediction was for, when `join` chose it
+        for its cached prefix (else the router takes the least loaded)."""
+        instance = c.chosen.get(decision.pool)
+        return replace(decision, instance=instance) if instance is not None else decision
 
     # Guards: the snapshot alone.
 
@@ -340,11 +363,10 @@ class Goodput:
         assert spec is not None and base is not None
         if snapshot.cost is None:
             raise ValueError("the goodput policy needs a step-cost model in the snapshot")
-        joined_spec, joined_base = spec.least_loaded(), base.least_loaded()
-        assert joined_spec is not None and joined_base is not None
         n_out = self.output_tokens(features, snapshot.mean_output_tokens, snapshot.output_samples)
-        on_spec = self.predict(spec, joined_spec, features, snapshot.cost, n_out)
-        on_base = self.predict(base, joined_base, features, snapshot.cost, n_out)
+        chosen: dict[str, str] = {}
+        joined_spec, on_spec = self.join(spec, features, snapshot.cost, n_out, chosen)
+        joined_base, on_base = self.join(base, features, snapshot.cost, n_out, chosen)
         scores = {
             "t_spec_s": round(on_spec.total_s, 6),
             "t_base_s": round(on_base.total_s, 6),
@@ -360,6 +382,9 @@ class Goodput:
             "prefill_evidence_spec": round(snapshot.cost.evidence("spec", features.prompt_tokens, prefill=True), 2),
             "prefill_evidence_base": round(snapshot.cost.evidence("base", features.prompt_tokens, prefill=True), 2),
         }
+        if features.cached and self.cache_credit:
+            scores["cached_spec_tokens"] = float(self.cached(features, joined_spec))
+            scores["cached_base_tokens"] = float(self.cached(features, joined_base))
         c = Context(
             features=features,
             snapshot=snapshot,
@@ -368,6 +393,7 @@ class Goodput:
             base=base,
             joined_spec=joined_spec,
             joined_base=joined_base,
+            chosen=chosen,
             n_out=n_out,
             on_spec=on_spec,
             on_base=on_base,
@@ -381,6 +407,28 @@ class Goodput:
             c.meets_spec, c.meets_base = self.meets_slo(on_spec), self.meets_slo(on_base)
             scores["slo_spec"], scores["slo_base"] = float(c.meets_spec), float(c.meets_base)
         return c
+
+    def cached(self, features: Features, instance: InstanceState) -> int:
+        """Prompt tokens credited as cached on `instance` (none with `cache_credit` off)."""
+        if not self.cache_credit or not features.cached:
+            return 0
+        return min(features.cached.get(instance.url, 0), max(features.prompt_tokens - 1, 0))
+
+    def join(
+        self, pool: PoolState, features: Features, cost: StepCost, n_out: int, chosen: dict[str, str]
+    ) -> tuple[InstanceState, Prediction]:
+        """The instance of `pool` the request would join, and its prediction there: the least
+        loaded, unless an instance holds part of the prompt; then the cheapest with each one's
+        cached prefix credited (ties: the least loaded), recorded in `chosen`."""
+        healthy = pool.healthy_instances
+        if len(healthy) > 1 and any(self.cached(features, i) for i in healthy):
+            ranked = [(self.predict(pool, i, features, cost, n_out), i) for i in healthy]
+            prediction, instance = min(ranked, key=lambda p: (p[0].cost_s, p[1].load / max(p[1].max_running, 1)))
+            chosen[pool.name] = instance.url
+            return instance, prediction
+        least = pool.least_loaded()
+        assert least is not None
+        return least, self.predict(pool, least, features, cost, n_out)
 
     # The batch class.
 

@@ -104,6 +104,7 @@ def reading_from_loads(doc: Mapping[str, Any], at: float) -> Reading:
         waiting=float(sum(e.get("num_waiting_reqs", 0) for e in loads)),
         max_running=int(sum(e.get("max_running_requests", 0) for e in loads)) or None,
         waiting_tokens=float(sum(e.get("num_waiting_uncached_tokens", 0) for e in loads)),
+        cache_tokens=int(sum(e.get("max_total_num_tokens", 0) for e in loads)) or None,
     )
 
 

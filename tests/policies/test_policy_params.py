@@ -38,6 +38,7 @@ def test_the_environment_names_are_those_of_before() -> None:
         "SPECROUTE_THRESHOLD_ENTER",
         "SPECROUTE_THRESHOLD_EXIT",
         "SPECROUTE_GOODPUT_OUTPUT_TOKENS",
+        "SPECROUTE_GOODPUT_CACHE_CREDIT",
         "SPECROUTE_GOODPUT_DEFAULT_ALPHA",
         "SPECROUTE_GOODPUT_EXTERNALITY",
         "SPECROUTE_GOODPUT_SLO_TTFT_S",
@@ -55,6 +56,7 @@ def test_settings_reach_the_policy_the_registry_builds(monkeypatch: pytest.Monke
         "externality": 1.0,
         "slo_ttft_s": 1.5,
         "slo_tpot_ms": 0.0,
+        "cache_credit": True,
     }
     policy = registry.create(settings.policy, settings.policy_params())
     assert isinstance(policy, Goodput)
