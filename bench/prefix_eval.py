@@ -56,7 +56,7 @@ SETUPS = {
 }
 WORKLOADS = ("mooncake", "sessions")
 LOADS = (0.3, 0.5, 0.7, 0.9, 1.1)
-POLICIES = ("goodput", "round-robin", "spec", "base")
+POLICIES = ("goodput", "goodput-nocache", "prefix-least-load", "round-robin", "spec", "base")
 REQUESTS = {"mooncake": 1500, "sessions": 4000}
 """Requests per run (sessions: per reuse report; a run's script holds `session_requests` turns)."""
 QUICK_REQUESTS = {"mooncake": 300, "sessions": 800}
@@ -172,7 +172,7 @@ def jobs_for(quick: bool) -> list[Job]:
             Job(s, w, 0.7, p, quick=True)
             for s in ("h200-llama8b a=0.60",)
             for w in WORKLOADS
-            for p in ("goodput", "round-robin", "spec", "base", "split-0.5")
+            for p in ("goodput", "goodput-nocache", "prefix-least-load", "round-robin", "spec", "base", "split-0.5")
         ]
     policies = POLICIES + SPLIT_GRID
     jobs = [Job(s, w, load, p) for s in SETUPS for w in WORKLOADS for load in LOADS for p in policies]
@@ -230,7 +230,9 @@ def report(results: list[dict[str, Any]], elapsed_s: float, quick: bool) -> str:
     for key in sorted(table):
         setup, workload, level = key
         runs = table[key]
-        rows: list[tuple[str, dict[str, float]]] = [(p, runs[p]) for p in ("goodput", "round-robin") if p in runs]
+        rows: list[tuple[str, dict[str, float]]] = [
+            (p, runs[p]) for p in ("goodput", "goodput-nocache", "prefix-least-load", "round-robin") if p in runs
+        ]
         if "spec" in runs and "base" in runs:
             name, best = oracle(runs)
             rows.append((f"{name.removeprefix('split-')} split", best))

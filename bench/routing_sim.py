@@ -20,10 +20,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from bench.peers import PREFIX_LEAST_LOAD, PrefixLeastLoad
 from fleet.acceptance import DEFAULT_HALF_LIFE_S, alpha_from_accept_length
+from fleet.blocks import BLOCK_TOKENS, chain_ids
 from fleet.cadence import POLL_INTERVAL_S, gauge_steps, reads_counters
 from fleet.costmodel import Seed, seed_from_profile
-from fleet.model import FleetModel
+from fleet.model import NO_MATCH, FleetModel
 from fleet.profile import load_profile
 from fleet.readings import Dispatch, ResponseEvidence
 from fleet.types import Decision, Features, PoolName, Snapshot
@@ -71,6 +73,9 @@ class Setup:
     reach 123,000 tokens)."""
     workload_alpha: tuple[tuple[str, float], ...] = ()
     """Mean acceptance per workload key (an Arrival's `workload`); others draw around `alpha`."""
+    cache_reports: bool = True
+    """The engines report each request's cached tokens (SGLang's --enable-cache-report), which
+    corrects the router's prefix index."""
     router_profile: str | None = ""
     """The profile the router's cost model is seeded with: "" the fleet's own (`profile`), None
     none (the generic prior, as the proxy without SPECROUTE_PROFILE), else another profile's
@@ -93,6 +98,11 @@ class Setup:
 
     def urls(self) -> tuple[str, ...]:
         return tuple(f"virtual://{name}" for name in self.names())
+
+    def index_block_tokens(self) -> int:
+        """The router's prefix-index block: the engines' page when it is a block of the arrivals'
+        `prefix` (Mooncake's 512, bench/sessions.py's 64), else the proxy's default."""
+        return self.page_size if self.page_size > 1 else BLOCK_TOKENS
 
     def router_seed(self) -> Seed | None:
         if self.router_profile is None:
@@ -140,12 +150,21 @@ class Split:
         return Decision(pool=pool, reason="split")
 
 
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"goodput-nocache": ("goodput", {"cache_credit": False})}
+"""Evaluation names for a policy with some parameters fixed."""
+
+
 def make_policy(name: str, slo: Slo | None = None, **params: Any) -> Policy:
     """A policy by name, with the parameters it declares (policies/registry.py) at their defaults
     but for `params`; a policy that declares SLO targets (goodput's `slo_ttft_s`, `slo_tpot_ms`:
     SPECROUTE_GOODPUT_SLO_* in the proxy) is told the fleet's `slo`."""
     if name.startswith("split-"):
         return Split(float(name.removeprefix("split-")))
+    if name in VARIANTS:
+        base_name, fixed = VARIANTS[name]
+        return make_policy(base_name, slo, **(fixed | params))
+    if name == PREFIX_LEAST_LOAD:
+        return PrefixLeastLoad(make_policy("goodput", slo, cache_credit=False))
     declared = registry.params_of(name)
     if slo is not None and declared is not None:
         targets = {"slo_ttft_s": slo.ttft_s, "slo_tpot_ms": slo.tpot_s * 1000}
@@ -193,6 +212,7 @@ class VirtualRouter:
             stale_after_s=self.stale_s,
             half_life_s=self.half_life_s,
             seed=self.setup.router_seed(),
+            prefix_block_tokens=self.setup.index_block_tokens(),
         )
         self.urls = self.setup.urls()
         self.pool_of_engine = self.setup.pools()
@@ -204,10 +224,15 @@ class VirtualRouter:
         }
         self._turn = itertools.count()
 
-    def pick(self, pool: PoolName) -> int:
-        """The engine of `pool` a request goes to: the least loaded relative to its cap, ties
-        rotating, as the proxy's Router.pick (proxy/routing.py) chooses an instance."""
+    def pick(self, pool: PoolName, prefer: str | None = None) -> int:
+        """The engine of `pool` a request goes to: the one the decision named (`prefer`), else
+        the least loaded relative to its cap, ties rotating, as the proxy's Router.pick
+        (proxy/routing.py) chooses an instance."""
         members = self._members[pool]
+        if prefer is not None:
+            for i in members:
+                if self.urls[i] == prefer:
+                    return i
         if len(members) == 1:
             return members[0]
         start = next(self._turn) % len(members)
@@ -252,6 +277,16 @@ class VirtualRouter:
 
     def route(self, arrival: Arrival, views: Sequence[EngineView]) -> int | None:
         self._poll_until(arrival.time)
+        blocks: tuple[int, ...] = ()
+        match = NO_MATCH
+        if arrival.prefix:
+            if arrival.prefix_block_tokens != self.fleet.prefix.block_tokens:
+                raise ValueError(
+                    f"arrival blocks of {arrival.prefix_block_tokens} tokens, index blocks of "
+                    f"{self.fleet.prefix.block_tokens}: set Setup.page_size to the arrivals' block"
+                )
+            blocks = chain_ids(arrival.prefix)
+            match = self.fleet.cached(blocks, arrival.prompt_tokens, arrival.time)
         features = Features(
             prompt_tokens=arrival.prompt_tokens,
             max_tokens=arrival.max_tokens,
@@ -259,6 +294,7 @@ class VirtualRouter:
             request_class=arrival.request_class,  # type: ignore[arg-type]
             ignore_eos=arrival.ignore_eos,
             workload=arrival.workload if self.per_workload else None,
+            cached=match.credit,
         )
         snapshot = self.fleet.snapshot(arrival.time, features.workload)
         decision = self.policy.decide(features, snapshot)
@@ -270,8 +306,8 @@ class VirtualRouter:
         self.decisions.append((arrival.time, decision.pool, decision.reason, snapshot.pools["spec"].alpha))
         if self.keep_snapshots:
             self.snapshots.append((features, snapshot))
-        index = self.pick(decision.pool)
-        sent = self.fleet.on_dispatch(self.urls[index], arrival.time, arrival.prompt_tokens)
+        index = self.pick(decision.pool, decision.instance)
+        sent = self.fleet.on_dispatch(self.urls[index], arrival.time, arrival.prompt_tokens, blocks=blocks, match=match)
         self._sent.setdefault((arrival.time, arrival.prompt_tokens, index), deque()).append(sent)
         return index
 
@@ -288,6 +324,8 @@ class VirtualRouter:
             ttft_s=record.ttft,
             dispatch=sent.popleft() if sent else None,
             workload=record.workload if self.per_workload else None,
+            prompt_tokens=record.prompt_tokens,
+            cached_tokens=record.cached_tokens if self.setup.cache_reports else None,
         )
         self.fleet.on_response(url, record.finish_time, evidence)
         self.fleet.on_complete(url, record.finish_time)

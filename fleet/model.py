@@ -247,7 +247,7 @@ class FleetModel:
             for url, depth in raw.items():
                 if depth:
                     matched[url] = min(depth * size, top)
-                    credit[url] = min(int(depth * self.prefix.trust(url, now)) * size, top)
+                    credit[url] = min(int(depth * size * self.prefix.trust(url, now)), top)
         if session is not None:
             entry = self.sessions.get(session, now)
             signals = self.instances.get(entry.instance) if entry is not None else None

@@ -421,14 +421,16 @@ class Goodput:
         loaded, unless an instance holds part of the prompt; then the cheapest with each one's
         cached prefix credited (ties: the least loaded), recorded in `chosen`."""
         healthy = pool.healthy_instances
-        if len(healthy) > 1 and any(self.cached(features, i) for i in healthy):
-            ranked = [(self.predict(pool, i, features, cost, n_out), i) for i in healthy]
-            prediction, instance = min(ranked, key=lambda p: (p[0].cost_s, p[1].load / max(p[1].max_running, 1)))
-            chosen[pool.name] = instance.url
-            return instance, prediction
         least = pool.least_loaded()
         assert least is not None
-        return least, self.predict(pool, least, features, cost, n_out)
+        on_least = self.predict(pool, least, features, cost, n_out)
+        if len(healthy) > 1 and self.cache_credit:
+            ranked = [(self.predict(pool, i, features, cost, n_out), i) for i in healthy if i is not least]
+            prediction, instance = min(ranked, key=lambda p: (p[0].cost_s, p[1].load / max(p[1].max_running, 1)))
+            if prediction.cost_s < on_least.cost_s:
+                chosen[pool.name] = instance.url
+                return instance, prediction
+        return least, on_least
 
     # The batch class.
 
