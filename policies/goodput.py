@@ -16,11 +16,12 @@ runs them before the next decode step): at the rate this router has sent prompts
 instance, a share `busy` of its time goes to prefill, and the predicted time per output token
 (TPOT) there is step / tau / (1 - busy).
 
-The instance a request would join (`join`): the least loaded, unless some instance of the pool
-holds part of its prompt (`cache_credit` on): then the one with the smallest predicted cost, its
-cached prefix credited. Load weighs against the credit there: a busier instance's longer steps,
-its queue and what joining costs its running requests are all in the cost, so a hot prefix does
-not pile onto one instance. The decision names the instance it was predicted on.
+The instance a request would join (`join`): with `cache_credit` (the default), the one of its
+pool with the smallest predicted cost, its cached prefix credited; without, the least loaded.
+Load weighs against the credit: a busier instance's longer steps, its queue of prompts and what
+joining costs its running requests are all in the cost, and past its running cap the wait for a
+slot, so a hot prefix spills to another instance at the latest when its holder is full. The
+decision names the instance it was predicted on.
 
 `decide` then applies these rules in order; the first that returns a Decision decides
 (docs/routing.md, "`goodput`'s rules, in order", describes each under the same name). Three
@@ -417,20 +418,27 @@ class Goodput:
     def join(
         self, pool: PoolState, features: Features, cost: StepCost, n_out: int, chosen: dict[str, str]
     ) -> tuple[InstanceState, Prediction]:
-        """The instance of `pool` the request would join, and its prediction there: the least
-        loaded, unless an instance holds part of the prompt; then the cheapest with each one's
-        cached prefix credited (ties: the least loaded), recorded in `chosen`."""
+        """The instance of `pool` the request would join, and its prediction there: with
+        `cache_credit`, the one with the smallest predicted cost (its queue of prompts, its
+        cached prefix, its batch; ties: the least loaded), recorded in `chosen`; without it,
+        the least loaded."""
         healthy = pool.healthy_instances
         least = pool.least_loaded()
         assert least is not None
         on_least = self.predict(pool, least, features, cost, n_out)
-        if len(healthy) > 1 and self.cache_credit:
-            ranked = [(self.predict(pool, i, features, cost, n_out), i) for i in healthy if i is not least]
-            prediction, instance = min(ranked, key=lambda p: (p[0].cost_s, p[1].load / max(p[1].max_running, 1)))
-            if prediction.cost_s < on_least.cost_s:
-                chosen[pool.name] = instance.url
-                return instance, prediction
-        return least, on_least
+        if len(healthy) < 2 or not self.cache_credit:
+            return least, on_least
+        best, on_best = least, on_least
+        for instance in healthy:
+            if instance is not least:
+                prediction = self.predict(pool, instance, features, cost, n_out)
+                if prediction.cost_s < on_best.cost_s:
+                    best, on_best = instance, prediction
+        # Named when it is not the least loaded, or holds part of the prompt (among equally
+        # loaded instances the router would rotate away from it).
+        if best is not least or self.cached(features, best):
+            chosen[pool.name] = best.url
+        return best, on_best
 
     # The batch class.
 

@@ -1,0 +1,108 @@
+"""The fleet model's prefix credit: what it credits each instance with, how dispatches, servers'
+reports and health change it, and the named sessions (fleet/model.py, fleet/sessions.py)."""
+
+import pytest
+
+from fleet.blocks import chain_ids
+from fleet.model import NO_MATCH, FleetModel
+from fleet.readings import Reading, ResponseEvidence
+from fleet.sessions import SessionTable
+
+BLOCK = 512
+CONVERSATION = chain_ids(range(8))  # 8 blocks: 4,096 tokens
+NEXT_TURN = chain_ids(range(10))  # extends it by two blocks
+OTHER = chain_ids((99, 1, 2))
+
+
+def fleet() -> FleetModel:
+    model = FleetModel(prefix_block_tokens=BLOCK)
+    for url, pool in (("s0", "spec"), ("s1", "spec"), ("b0", "base")):
+        model.add_instance(url, pool, 48)
+    return model
+
+
+def test_a_dispatched_prompt_is_credited_to_its_instance_below_the_prompt_length():
+    model = fleet()
+    assert model.cached(CONVERSATION, 4096, 0.0) is NO_MATCH
+    model.on_dispatch("s0", 0.0, 4096, blocks=CONVERSATION)
+    match = model.cached(NEXT_TURN, 5200, 1.0)
+    assert match.credit == {"s0": 8 * BLOCK} and match.matched == {"s0": 8 * BLOCK}
+    # The same prompt again: everything but its last token.
+    assert model.cached(CONVERSATION, 4096, 1.0).credit == {"s0": 4095}
+    assert model.cached(OTHER, 1536, 1.0) is NO_MATCH
+
+
+def test_a_dispatch_counts_only_its_uncached_tokens_as_load():
+    model = fleet()
+    model.on_reading("s0", Reading(at=0.0, running=1, waiting=1, waiting_tokens=0.0))
+    model.on_dispatch("s0", 0.1, 4096, blocks=CONVERSATION)
+    match = model.cached(NEXT_TURN, 5200, 0.2)
+    sent = model.on_dispatch("s0", 0.2, 5200, blocks=NEXT_TURN, match=match)
+    assert sent.cached_tokens == 4096 and sent.matched_tokens == 4096
+    assert model.instances["s0"].waiting_tokens() == 4096 + (5200 - 4096)
+
+
+def test_reports_of_fewer_cached_tokens_lower_the_credit_and_unreachable_forgets():
+    model = fleet()
+    model.on_dispatch("s0", 0.0, 4096, blocks=CONVERSATION)
+    for t in range(1, 6):
+        match = model.cached(NEXT_TURN, 5200, float(t))
+        sent = model.on_dispatch("s0", float(t), 5200, blocks=NEXT_TURN, match=match)
+        # The server says it held nothing (it restarted, or evicted it).
+        evidence = ResponseEvidence(tokens=10, dispatch=sent, prompt_tokens=5200, cached_tokens=0)
+        model.on_response("s0", float(t) + 0.5, evidence)
+        model.on_complete("s0", float(t) + 0.5)
+    match = model.cached(NEXT_TURN, 5200, 6.0)
+    assert match.matched["s0"] == 10 * BLOCK  # the index still claims all its blocks
+    assert match.credit["s0"] < 0.3 * 10 * BLOCK  # but credits a fraction: 0.75^5 of them
+    stats = model.cache_stats["s0"]
+    assert (stats.responses, stats.cached_tokens, stats.hit_rate()) == (5, 0, 0.0)
+    model.set_health("s0", False)
+    model.set_health("s0", True)
+    assert model.cached(NEXT_TURN, 5200, 7.0) is NO_MATCH
+
+
+def test_a_named_session_credits_its_last_instance_with_its_last_prompt():
+    model = fleet()
+    short = chain_ids(())  # a prompt under one block: the index cannot see it
+    model.on_dispatch("s1", 0.0, 300, blocks=short, session="conv-1")
+    match = model.cached(short, 420, 1.0, session="conv-1")
+    assert match.credit == {"s1": 300}
+    assert model.cached(short, 200, 1.0, session="conv-1").credit == {"s1": 199}
+    assert model.cached(short, 420, 1.0, session="conv-2") is NO_MATCH
+    model.set_health("s1", False)
+    assert model.cached(short, 420, 2.0, session="conv-1") is NO_MATCH
+
+
+def test_the_session_table_is_bounded_and_expires():
+    table = SessionTable(max_sessions=2, ttl_s=10.0)
+    table.put("a", "s0", 100, 0.0)
+    table.put("b", "s0", 100, 1.0)
+    table.put("c", "s1", 100, 2.0)
+    assert len(table) == 2 and table.get("a", 2.0) is None
+    assert table.get("b", 11.5) is None  # older than the TTL
+    entry = table.get("c", 11.5)
+    assert entry is not None and entry.instance == "s1"
+    table.forget_instance("s1")
+    assert table.get("c", 11.5) is None
+    with pytest.raises(ValueError):
+        SessionTable(ttl_s=0)
+
+
+def test_prefill_is_learned_from_the_uncached_tokens():
+    """An idle instance's first token after a cache hit took the prefill of the uncached part: the
+    cost model learns that, not the whole prompt's time."""
+    model = fleet()
+    model.on_reading("s0", Reading(at=0.0, running=0, waiting=0, waiting_tokens=0.0))
+    model.on_dispatch("s0", 0.0, 4096, blocks=CONVERSATION)
+    model.on_complete("s0", 1.0)
+    model.on_reading("s0", Reading(at=1.5, running=0, waiting=0, waiting_tokens=0.0))
+    before = model.cost.prefill_ms("spec", 1104)
+    match = model.cached(NEXT_TURN, 5200, 2.0)
+    sent = model.on_dispatch("s0", 2.0, 5200, blocks=NEXT_TURN, match=match)
+    slow_ms = 4 * before  # the uncached 1,104 tokens took four times the seed's guess
+    evidence = ResponseEvidence(
+        tokens=5, ttft_s=slow_ms / 1000, dispatch=sent, prompt_tokens=5200, cached_tokens=4096
+    )
+    model.on_response("s0", 3.0, evidence)
+    assert model.cost.prefill_ms("spec", 1104) > 1.5 * before
