@@ -26,6 +26,7 @@ BENCHMARKS = {
     "admission_http": "admission control at twice the capacity over HTTP, real-time twins (docs/reliability.md)",
     "chaos": "kill -9 under load, a 100,000-request soak, SIGTERM under load (docs/reliability.md)",
     "prefix_index": "the prefix index: hash + match per decision at 10,000 prefixes, memory (docs/routing.md)",
+    "prefix_decision": "one routing decision in the served path (hash + match, snapshot, goodput) at 10,000 prefixes (docs/routing.md)",
     "decisions": "fingerprints of every routing decision, to show a refactor changed none (no doc)",
     "profile_seed": "a profile specroute profile measured, as the router's seed, against the built-in file (docs/learning.md)",
     "twin_curve": "the twin's spec/base ratio with and without engine overheads, PNG (docs/twin.md)",

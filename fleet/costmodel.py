@@ -98,6 +98,8 @@ CHANGE_RATIO = 1.25
 # Prompt tokens per prefill iteration at which prefill corrections are learned.
 PREFILL_BUCKETS: tuple[int, ...] = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 
+SEED_MEMO = 4096
+"""(batch, width) points of the seed's step curve `seed_step_ms` remembers (then it starts over)."""
 # Seconds after which a learned correction that got no new observation keeps half its trust
 # (SPECROUTE_COSTMODEL_HALF_LIFE_S; docs/routing.md, "Step-cost model", says why 8 s).
 DEFAULT_HALF_LIFE_S = 8.0
@@ -183,6 +185,8 @@ class StepCostModel:
         self.now = 0.0
         """The latest time the model was told (by `observe` or `at`)."""
         self._pools: dict[str, _PoolModel] = {}
+        self._seed_steps: dict[tuple[int, int], float] = {}
+        self._memo_seed: Seed | None = None
         # Pool name -> tokens drafted per verify step (0: plain); the mission's two by default.
         for name, k in (pools if pools is not None else {"spec": num_draft_tokens, "base": 0}).items():
             self.set_draft_tokens(name, k)
@@ -198,10 +202,20 @@ class StepCostModel:
         return self._pools[pool].tokens_per_seq
 
     def seed_step_ms(self, batch: float, tokens_per_seq: int) -> float:
+        """The seed's step at a batch size, remembered per (batch, width): a seed is a fixed
+        curve, and a decision asks for the same few points again and again."""
         b = max(int(round(batch)), 1)
-        step = self.seed.target_ms(b, tokens_per_seq) + self.seed.overhead_ms(b, tokens_per_seq - 1)
-        if tokens_per_seq > 1:
-            step += (tokens_per_seq - 1) * self.seed.draft_ms(b)
+        seed = self.seed
+        if self._memo_seed is not seed or len(self._seed_steps) >= SEED_MEMO:
+            self._seed_steps.clear()
+            self._memo_seed = seed
+        key = (b, tokens_per_seq)
+        step = self._seed_steps.get(key)
+        if step is None:
+            step = seed.target_ms(b, tokens_per_seq) + seed.overhead_ms(b, tokens_per_seq - 1)
+            if tokens_per_seq > 1:
+                step += (tokens_per_seq - 1) * seed.draft_ms(b)
+            self._seed_steps[key] = step
         return step
 
     def observe(self, pool: str, batch: float, step_ms: float, weight: float = 1.0, now: float | None = None) -> None:

@@ -60,3 +60,23 @@ def test_counter_delta_survives_a_reset():
     assert counters.add(300, 130) == (200, 80)
     assert counters.add(10, 5) is None  # server restarted
     assert counters.add(40, 15) == (30, 10)
+
+
+def test_alpha_is_the_bisection_on_accept_length_bit_for_bit():
+    # The inversion writes accept_length out inline for speed: it must give the very floats of
+    # the bisection that calls it (routing decisions depend on them).
+    def reference(tau, k):
+        lo, hi = 0.0, 1.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            if accept_length(mid, k) < tau:
+                lo = mid
+            else:
+                hi = mid
+        return (lo + hi) / 2
+
+    for k in (1, 3, 5):
+        for i in range(1, 2000):
+            tau = 1.0 + k * i / 2000
+            assert alpha_from_accept_length(tau, k) == reference(tau, k)
+        assert alpha_from_accept_length(k + 1 - 1e-15, k) == reference(k + 1 - 1e-15, k)

@@ -130,3 +130,11 @@ def test_goodput_returns_to_an_avoided_spec_pool_once_its_inflated_steps_age():
     assert decision.pool == "spec", decision
     # the same model, read at an earlier moment, still predicts spec slow
     assert policy.decide(request, fleet.snapshot(6.0)).pool == "base"
+
+
+def test_seed_steps_are_remembered_until_the_seed_changes():
+    model = StepCostModel(AffineSeed())
+    first = model.seed_step_ms(32, 4)
+    assert model.seed_step_ms(32.2, 4) == first  # the same batch once rounded: remembered
+    model.seed = AffineSeed(c0=AffineSeed().c0 + 5.0)
+    assert model.seed_step_ms(32, 4) == pytest.approx(first + 5.0)
