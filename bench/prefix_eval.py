@@ -217,6 +217,7 @@ def report(results: list[dict[str, Any]], elapsed_s: float, quick: bool) -> str:
             f"{statistics.fmean(a.output_tokens or 0 for a in arrivals):.0f} | {share.token_share:.0%} | "
             f"{share.block_share:.0%} |"
         )
+    lines += ["", *targets(table)]
     lines += [
         "",
         "Per run: mean TTFT (s), SLO goodput (req/s), prefix-cache hit rate (cached / prompt "
@@ -243,6 +244,58 @@ def report(results: list[dict[str, Any]], elapsed_s: float, quick: bool) -> str:
                 f"{s['imbalance_spec']:.2f} / {s['imbalance_base']:.2f} |"
             )
     return "\n".join(lines)
+
+
+TTFT_GAIN = 1.5
+"""Issue 18's targets: mean TTFT at least this much lower than goodput without the cache credit
+at 70 % load on the Mooncake replay; SLO goodput at least every other policy's (the best fixed
+split included) on every run; hit rate within HIT_SHARE of the best policy's with the load
+imbalance of each pool below MAX_IMBALANCE."""
+HIT_SHARE = 0.9
+MAX_IMBALANCE = 1.5
+
+
+def targets(table: dict[tuple[str, str, float], dict[str, dict[str, float]]]) -> list[str]:
+    """The targets, checked on every run of `goodput` (with the cache credit): what was missed."""
+    missed: list[str] = []
+    cells = 0
+    for (setup, workload, level), runs in sorted(table.items()):
+        mine = runs.get("goodput")
+        if mine is None:
+            continue
+        cells += 1
+        where = f"{setup}, {workload} at {level:.0%}"
+        others = {p: r for p, r in runs.items() if p != "goodput"}
+        if "spec" in runs and "base" in runs:
+            name, best = oracle(runs)
+            others[f"{name.removeprefix('split-')} split"] = best
+        rival = max(others, key=lambda p: others[p]["slo_goodput_rps"], default=None)
+        if rival is not None and mine["slo_goodput_rps"] < others[rival]["slo_goodput_rps"]:
+            missed.append(
+                f"{where}: SLO goodput {mine['slo_goodput_rps']:.2f} req/s, {rival} "
+                f"{others[rival]['slo_goodput_rps']:.2f} ({mine['slo_goodput_rps'] / max(others[rival]['slo_goodput_rps'], 1e-9):.2f}x)"
+            )
+        best_hit = max(r["hit_rate"] for r in runs.values())
+        if mine["hit_rate"] < HIT_SHARE * best_hit:
+            missed.append(f"{where}: hit rate {mine['hit_rate']:.0%}, best {best_hit:.0%}")
+        imbalance = max(mine["imbalance_spec"], mine["imbalance_base"])
+        if imbalance >= MAX_IMBALANCE:
+            missed.append(f"{where}: load imbalance {imbalance:.2f}")
+        plain = runs.get("goodput-nocache")
+        if workload == "mooncake" and abs(level - 0.7) < 1e-9 and plain is not None:
+            gain = plain["mean_ttft_s"] / max(mine["mean_ttft_s"], 1e-9)
+            if gain < TTFT_GAIN:
+                missed.append(f"{where}: mean TTFT {gain:.2f}x lower than without the cache credit")
+    lines = [f"Targets (issue 18) over {cells} runs of `goodput` with the cache credit: {len(missed)} missed."]
+    for (setup, workload, level), runs in sorted(table.items()):
+        if workload == "mooncake" and abs(level - 0.7) < 1e-9 and "goodput" in runs and "goodput-nocache" in runs:
+            gain = runs["goodput-nocache"]["mean_ttft_s"] / max(runs["goodput"]["mean_ttft_s"], 1e-9)
+            lines.append(
+                f"- {setup}, Mooncake at 70 %: mean TTFT {runs['goodput']['mean_ttft_s']:.2f} s against "
+                f"{runs['goodput-nocache']['mean_ttft_s']:.2f} s without the credit ({gain:.2f}x lower)."
+            )
+    lines += [f"- Missed: {m}" for m in missed]
+    return lines
 
 
 def write_doc(section: str) -> None:
