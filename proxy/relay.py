@@ -635,6 +635,11 @@ class CompletionHandler:
                     attempt.chunk(events)
                     if per_chunk:
                         hooks.chunk(size=len(chunk), events=events, tokens=events)
+                    if scan.DONE in chunk:
+                        # The client has the whole stream: the openai SDK closes its connection
+                        # at [DONE] without waiting for the body's end, which must not cancel
+                        # the request before the upstream's end and the usage tail are read.
+                        exchange.done = True
                 tail.append(chunk)
             began = perf_counter()
             try:
