@@ -109,28 +109,18 @@ def read_session(headers: Mapping[str, str]) -> str | None:
     """The session the client named in x-specroute-session, or None; RoutingInputError when it
     is empty, longer than MAX_SESSION_CHARS or not printable ASCII without spaces (the error
     names the header, never echoes the value: a session name may identify a user)."""
-    value = headers.get(SESSION_HEADER)
-    if value is None:
-        return None
-    name = value.strip()
-    if not name or len(name) > MAX_SESSION_CHARS or not all("!" <= c <= "~" for c in name):
-        raise RoutingInputError(
-            SESSION_HEADER,
-            "",
-            expected=f"1-{MAX_SESSION_CHARS} printable ASCII characters without spaces",
-            show_value=False,
-        )
-    return name
+    return _read_token(headers, SESSION_HEADER, MAX_SESSION_CHARS, show_value=False)
 
 
-def _read_token(headers: Mapping[str, str], header: str, limit: int) -> str | None:
+def _read_token(headers: Mapping[str, str], header: str, limit: int, show_value: bool = True) -> str | None:
     value = headers.get(header)
     if value is None:
         return None
     key = value.strip()
     if not key or len(key) > limit or not all("!" <= c <= "~" for c in key):
         shown = key if len(key) <= limit else key[:limit] + "..."
-        raise RoutingInputError(header, shown, expected=f"1-{limit} printable ASCII characters without spaces")
+        expected = f"1-{limit} printable ASCII characters without spaces"
+        raise RoutingInputError(header, shown, expected=expected, show_value=show_value)
     return key
 
 
