@@ -12,6 +12,12 @@ refuses nesting deeper than 1,024).
 The fields the proxy acts on are checked as OpenAI checks them: a `"stream": "true"` would
 stream upstream (SGLang's pydantic accepts it) while the proxy logged, timed and routed it as
 not streamed.
+
+What routing needs of the prompt, besides its size, is its block hashes (fleet/blocks.py: what
+the prefix index keys on) and the session it names (a hash of the name: proxy.routing.session_of).
+A small body's blocks are hashed lazily on the loop, only as far as the decision and the
+dispatch need them (`PromptBlocks`, at most a few hundred microseconds for 256 KiB); a body
+parsed in the worker process is hashed there in full, and only the tuple of hashes comes back.
 """
 
 from __future__ import annotations
@@ -19,15 +25,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from fleet.blocks import BLOCK_TOKENS, PromptBlocks
 from fleet.types import Features
 from proxy.errors import ProxyError
-from proxy.routing import features_of
+from proxy.routing import features_of, session_of
 
 log = logging.getLogger("specroute")
 
@@ -92,10 +101,37 @@ def separators_outside_strings(body: bytes, limit: int) -> int:
     return count
 
 
-def read(
-    body: bytes, max_items: int, max_values: int, request_class: str | None, workload: str | None = None
-) -> tuple[dict[str, Any], Features]:
-    """The parsed body and what routing needs of it (see `parse`)."""
+@dataclass(frozen=True, slots=True)
+class Given:
+    """What the request's headers and the prefix index add to the reading of its body."""
+
+    request_class: str | None = None
+    workload: str | None = None
+    """The client's workload key (x-specroute-workload), else the features derive one."""
+    session: str | None = None
+    """The session name of x-specroute-session (validated), else the body's fields name one."""
+    block_tokens: int = BLOCK_TOKENS
+    """The prefix index's block size."""
+    max_blocks: int | None = None
+    """The most blocks worth hashing (what the index can hold for one instance)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """A request body as routing reads it."""
+
+    payload: dict[str, Any]
+    """The parsed body (without its prompt when parsed in the worker process)."""
+    features: Features
+    blocks: Sequence[int]
+    """Its prompt's chained block hashes: `PromptBlocks` hashed as they are read, or a tuple
+    computed off the loop; empty when it has no single prompt or one shorter than a block."""
+    session: str | None
+    """The session key (a hash of the name, never the name), if the request names one."""
+
+
+def read(body: bytes, max_items: int, max_values: int, given: Given = Given()) -> Parsed:
+    """The parsed body and what routing needs of it (see `parse`); the blocks lazy."""
     items = body.count(b"{") + body.count(b"[")
     if items > max_items:
         raise ProxyError(
@@ -110,7 +146,18 @@ def read(
         )
     payload = parse_object(body)
     check_fields(payload)
-    return payload, features_of(payload, request_class, workload)
+    return Parsed(
+        payload,
+        features_of(payload, given.request_class, given.workload),
+        PromptBlocks.of(payload, given.block_tokens, given.max_blocks),
+        session_of(payload, given.session),
+    )
+
+
+def read_hashed(body: bytes, max_items: int, max_values: int, given: Given = Given()) -> Parsed:
+    """`read` with every block hashed (off the loop: in a thread or the worker process)."""
+    parsed = read(body, max_items, max_values, given)
+    return Parsed(parsed.payload, parsed.features, tuple(parsed.blocks[:]), parsed.session)
 
 
 PROCESS_BYTES = OFF_LOOP_BYTES
@@ -123,14 +170,16 @@ small fields (model, sampling parameters) cross back."""
 
 
 def read_in_worker(
-    body: bytes, max_items: int, max_values: int, request_class: str | None, workload: str | None = None
-) -> tuple[dict[str, Any], Features] | tuple[int, str, str | None, str | None]:
-    """`read` in the worker process; a refusal comes back as (status, message, code, param)."""
+    body: bytes, max_items: int, max_values: int, given: Given = Given()
+) -> Parsed | tuple[int, str, str | None, str | None]:
+    """`read` in the worker process, every block hashed there (the loop gets the tuple of
+    hashes, not the prompt); a refusal comes back as (status, message, code, param)."""
     try:
-        payload, features = read(body, max_items, max_values, request_class, workload)
+        parsed = read_hashed(body, max_items, max_values, given)
     except ProxyError as error:
         return error.status, error.message, error.code, error.param
-    return {k: v for k, v in payload.items() if k not in BULK_FIELDS}, features
+    payload = {k: v for k, v in parsed.payload.items() if k not in BULK_FIELDS}
+    return Parsed(payload, parsed.features, parsed.blocks, parsed.session)
 
 
 class BodyReader:
@@ -144,16 +193,16 @@ class BodyReader:
         self.keep_content = keep_content
         self.pool: ProcessPoolExecutor | None = None
 
-    async def parse(
-        self, body: bytes, request_class: str | None, workload: str | None = None
-    ) -> tuple[dict[str, Any], Features]:
-        """The parsed body and its routing features; `workload`: the client's workload key (else
-        the features carry one derived from the body)."""
-        args = (body, self.max_items, self.max_values, request_class, workload)
+    async def parse(self, body: bytes, given: Given = Given()) -> Parsed:
+        """The parsed body, its routing features, its prompt's block hashes and its session key;
+        `given`: what the headers said (the client's workload key, else the features carry one
+        derived from the body; its session name, else the body's fields may name one) and the
+        prefix index's block size and bound."""
+        args = (body, self.max_items, self.max_values, given)
         if len(body) <= OFF_LOOP_BYTES:
             return read(*args)
         if len(body) <= PROCESS_BYTES or self.keep_content:
-            return await asyncio.to_thread(read, *args)
+            return await asyncio.to_thread(read_hashed, *args)
         if self.pool is None:
             self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         try:
@@ -163,8 +212,8 @@ class BodyReader:
             # big one starts a new worker.
             log.error("the body parsing process died; starting another for the next large body")
             self.pool = None
-            return await asyncio.to_thread(read, *args)
-        if isinstance(result[0], int):
+            return await asyncio.to_thread(read_hashed, *args)
+        if isinstance(result, tuple):
             status, message, code, param = result
             raise ProxyError(status, message, code=code, param=param)
         return result

@@ -40,8 +40,9 @@ class RequestHooks:
         parsed request: telemetry reads sampling parameters from it, and the prompt only when
         the user opted in (SPECROUTE_TRACE_CONTENT)."""
 
-    def attempt_started(self, *, pool: str, instance: str, attempt: int) -> None:
-        """An upstream request is about to be sent (attempt counts from 1)."""
+    def attempt_started(self, *, pool: str, instance: str, attempt: int, cached_tokens: int = 0) -> None:
+        """An upstream request is about to be sent (attempt counts from 1); `cached_tokens`: the
+        prompt tokens the router credited `instance` with holding in its prefix cache."""
 
     def outgoing_headers(self, headers: MutableMapping[str, str]) -> None:
         """Headers about to go upstream for the current attempt; add e.g. traceparent here."""
@@ -76,9 +77,12 @@ class RequestHooks:
         finish_reasons: tuple[str, ...],
         client_disconnected: bool,
         upstream_wait_s: float = 0.0,
+        cached_tokens: int | None = None,
     ) -> None:
         """The response to the client is complete (or abandoned); called exactly once.
-        `upstream_wait_s`: all the request's time spent waiting on upstream servers."""
+        `upstream_wait_s`: all the request's time spent waiting on upstream servers;
+        `cached_tokens`: the prompt tokens the server found in its prefix cache, as its usage
+        reported them (usage.prompt_tokens_details.cached_tokens), if it did."""
 
 
 NO_HOOKS = RequestHooks()

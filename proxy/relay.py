@@ -11,20 +11,22 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections import deque
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from time import perf_counter
 from typing import Any
 
 import aiohttp
 
+from fleet.model import NO_MATCH, PrefixMatch
 from fleet.types import Decision, PoolName
 from proxy import body as request_body
 from proxy import scan
 from proxy.errors import ProxyError, normalise_upstream_error, stream_error_event
 from proxy.hooks import RequestHooks, Telemetry
 from proxy.pools import Instance
-from proxy.routing import Attempt, Router, RoutingInputError, read_overrides, read_workload
+from proxy.routing import Attempt, Router, RoutingInputError, read_overrides, read_session, read_workload
 from proxy.settings import Settings
+from proxy.state import dispatched
 from proxy.upstream import (
     CONNECT,
     DISCONNECTED,
@@ -59,6 +61,7 @@ NOT_FORWARDED = frozenset(
         "expect",
         "x-specroute-pool",
         "x-specroute-class",
+        "x-specroute-session",
     }
 )
 # Response headers the proxy sets itself or that belong to the upstream hop (RFC 9110 7.6.1).
@@ -127,6 +130,10 @@ class Exchange:
         "request_class",
         "workload",
         "client",
+        "blocks",
+        "match",
+        "session",
+        "logged",
     )
 
     def __init__(self, request_id: str, send: Send, hooks: RequestHooks) -> None:
@@ -152,6 +159,14 @@ class Exchange:
         """Its workload key (acceptance evidence is learned per key)."""
         self.client: str | None = None
         """The client's address (the peer of its connection), for X-Forwarded-For."""
+        self.blocks: Sequence[int] = ()
+        """Its prompt's block hashes (kept for every attempt: hashed once)."""
+        self.match: PrefixMatch = NO_MATCH
+        """Its prefix credit per instance, taken before the decision."""
+        self.session: str | None = None
+        """Its session key (a hash; never the name)."""
+        self.logged: dict[str, Any] | None = None
+        """Its decision's entry in the state endpoint's ring."""
         self.asked_stream = False
         """Whether the client asked for a stream: a JSON answer's headers come only once it is
         complete, so only a stream's first byte is held to the first-token timeout."""
@@ -337,16 +352,26 @@ class CompletionHandler:
             try:
                 override, request_class = read_overrides(headers)
                 workload = read_workload(headers)
+                session = read_session(headers)
             except RoutingInputError as exc:
                 raise ProxyError(400, str(exc), param=exc.header, code="invalid_header") from None
-            payload, features = await self.bodies.parse(body, request_class, workload)
+            router = self.router
+            given = request_body.Given(
+                request_class, workload, session, router.fleet.prefix.block_tokens, router.prefix_blocks()
+            )
+            parsed = await self.bodies.parse(body, given)
+            payload, features = parsed.payload, parsed.features
             exchange.prompt_tokens = features.prompt_tokens
             exchange.asked_stream = features.stream
             exchange.request_class = features.request_class
             exchange.workload = features.workload
-            snapshot = self.router.snapshot(features.workload)
-            exchange.decision = self.router.choose(features, override, snapshot)
-            refusal = self.router.admit(features, exchange.decision, snapshot)
+            exchange.blocks, exchange.session = parsed.blocks, parsed.session
+            snapshot = router.snapshot(features.workload)
+            # What each instance likely holds of the prompt, for the policy (and a pinned pool).
+            exchange.match = router.cached(parsed.blocks, features, parsed.session)
+            features = router.with_credit(features, exchange.match)
+            exchange.decision, exchange.logged = router.decide(features, override, snapshot)
+            refusal = router.admit(features, exchange.decision, snapshot)
             if refusal is not None:
                 raise ProxyError(
                     429,
@@ -395,6 +420,7 @@ class CompletionHandler:
                 finish_reasons=summary.finish_reasons,
                 client_disconnected=exchange.client_gone,
                 upstream_wait_s=exchange.upstream_wait_s,
+                cached_tokens=summary.cached_tokens,
             )
 
     async def interrupted(self, exchange: Exchange) -> None:
@@ -438,12 +464,13 @@ class CompletionHandler:
         """Try instances until one answers (same pool, then the other unless pinned), bounded."""
         assert exchange.decision is not None
         pool: PoolName = exchange.decision.pool
+        prefer = exchange.decision.instance
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.total_timeout_s
         tried: list[Instance] = []
         failure: ProxyError | None = None
         for number in range(1, self.settings.max_attempts + 1):
-            instance = self.router.next_instance(pool, tried, pinned)
+            instance = self.router.next_instance(pool, tried, pinned, prefer)
             if instance is None:
                 break
             tried.append(instance)
@@ -474,14 +501,28 @@ class CompletionHandler:
         """One upstream attempt. None when the client got its answer (or the stream ended with an
         error event); a ProxyError, `retryable` set, when it failed before any byte was sent."""
         hooks = exchange.hooks
-        hooks.attempt_started(pool=instance.pool, instance=instance.url, attempt=number)
+        hooks.attempt_started(
+            pool=instance.pool,
+            instance=instance.url,
+            attempt=number,
+            cached_tokens=exchange.match.credit.get(instance.url, 0),
+        )
         out = outgoing_headers(
             headers, instance, exchange.request_id, exchange.client, self.settings.forwarded_headers == "append"
         )
         hooks.outgoing_headers(out)
         attempt = self.router.dispatch(
-            instance, exchange.prompt_tokens, exchange.asked_stream, exchange.request_class, exchange.workload
+            instance,
+            exchange.prompt_tokens,
+            exchange.asked_stream,
+            exchange.request_class,
+            exchange.workload,
+            blocks=exchange.blocks,
+            match=exchange.match,
+            session=exchange.session,
         )
+        if exchange.logged is not None:
+            dispatched(exchange.logged, instance.url, attempt.sent.cached_tokens)
         response: aiohttp.ClientResponse | None = None
         began = perf_counter()
         try:
@@ -594,6 +635,11 @@ class CompletionHandler:
                     attempt.chunk(events)
                     if per_chunk:
                         hooks.chunk(size=len(chunk), events=events, tokens=events)
+                    if scan.DONE in chunk:
+                        # The client has the whole stream: the openai SDK closes its connection
+                        # at [DONE] without waiting for the body's end, which must not cancel
+                        # the request before the upstream's end and the usage tail are read.
+                        exchange.done = True
                 tail.append(chunk)
             began = perf_counter()
             try:

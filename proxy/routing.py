@@ -10,14 +10,16 @@ itself stays pure (policies/).
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import itertools
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fleet.costmodel import seed_from_profile
 from fleet.features import count_prompt_tokens, default_request_class, workload_key
-from fleet.model import FleetModel
+from fleet.model import NO_MATCH, FleetModel, PrefixMatch
 from fleet.readings import ResponseEvidence
 from fleet.types import Decision, Features, PoolName, Snapshot
 from policies import registry
@@ -38,6 +40,14 @@ WORKLOAD_HEADER = "x-specroute-workload"
 MAX_WORKLOAD_CHARS = 64
 """A client's workload key: 1-64 printable ASCII characters without spaces (it is a dictionary
 key of the fleet model and shown by the state endpoint)."""
+SESSION_HEADER = "x-specroute-session"
+MAX_SESSION_CHARS = 64
+"""A client's session name in the header: 1-64 printable ASCII characters without spaces."""
+SESSION_FIELDS = ("prompt_cache_key", "user")
+"""Body fields that name a session when the header does not, in this order: OpenAI's
+`prompt_cache_key` (its field for cache routing), then `user` (which it replaces)."""
+SESSION_KEY_CHARS = 32
+"""Hex digits of SHA-256 kept as a session's key (128 bits): the name itself is never kept."""
 POOL_OVERRIDES = ("spec", "base", "auto")
 REQUEST_CLASSES = ("latency", "batch")
 MAX_GAPS = 4096
@@ -47,9 +57,11 @@ MAX_GAPS = 4096
 class RoutingInputError(ValueError):
     """A routing header has a value the proxy does not know (answered with 400)."""
 
-    def __init__(self, header: str, value: str, allowed: tuple[str, ...] = (), expected: str = "") -> None:
+    def __init__(
+        self, header: str, value: str, allowed: tuple[str, ...] = (), expected: str = "", show_value: bool = True
+    ) -> None:
         expected = expected or f"one of {', '.join(allowed)}"
-        super().__init__(f"header {header} must be {expected}, not {value!r}")
+        super().__init__(f"header {header} must be {expected}" + (f", not {value!r}" if show_value else ""))
         self.header = header
 
 
@@ -90,16 +102,46 @@ def read_overrides(headers: Mapping[str, str]) -> tuple[PoolName | None, str | N
 def read_workload(headers: Mapping[str, str]) -> str | None:
     """The client's workload key (x-specroute-workload), or None; RoutingInputError when it is
     empty, longer than MAX_WORKLOAD_CHARS or not printable ASCII without spaces."""
-    value = headers.get(WORKLOAD_HEADER)
+    return _read_token(headers, WORKLOAD_HEADER, MAX_WORKLOAD_CHARS)
+
+
+def read_session(headers: Mapping[str, str]) -> str | None:
+    """The session the client named in x-specroute-session, or None; RoutingInputError when it
+    is empty, longer than MAX_SESSION_CHARS or not printable ASCII without spaces (the error
+    names the header, never echoes the value: a session name may identify a user)."""
+    return _read_token(headers, SESSION_HEADER, MAX_SESSION_CHARS, show_value=False)
+
+
+def _read_token(headers: Mapping[str, str], header: str, limit: int, show_value: bool = True) -> str | None:
+    value = headers.get(header)
     if value is None:
         return None
     key = value.strip()
-    if not key or len(key) > MAX_WORKLOAD_CHARS or not all("!" <= c <= "~" for c in key):
-        shown = key if len(key) <= MAX_WORKLOAD_CHARS else key[:MAX_WORKLOAD_CHARS] + "..."
-        raise RoutingInputError(
-            WORKLOAD_HEADER, shown, expected=f"1-{MAX_WORKLOAD_CHARS} printable ASCII characters without spaces"
-        )
+    if not key or len(key) > limit or not all("!" <= c <= "~" for c in key):
+        shown = key if len(key) <= limit else key[:limit] + "..."
+        expected = f"1-{limit} printable ASCII characters without spaces"
+        raise RoutingInputError(header, shown, expected=expected, show_value=show_value)
     return key
+
+
+def session_key(name: str) -> str:
+    """What the fleet model keeps of a session name: a truncated SHA-256 of it, never the name."""
+    return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:SESSION_KEY_CHARS]
+
+
+def session_of(body: Mapping[str, Any], named: str | None = None) -> str | None:
+    """The request's session key: the x-specroute-session header's name (`named`, an explicit
+    routing intent) wins, then the body's `prompt_cache_key`, then its `user`, each when a
+    non-empty string; None when nothing names one. Only a hash of the name is returned."""
+    if named is None:
+        for field in SESSION_FIELDS:
+            value = body.get(field)
+            if isinstance(value, str) and value:
+                named = value
+                break
+        else:
+            return None
+    return session_key(named)
 
 
 class Attempt:
@@ -122,6 +164,7 @@ class Attempt:
         "prompt_tokens",
         "sent",
         "workload",
+        "uncached_tokens",
     )
 
     def __init__(
@@ -133,6 +176,10 @@ class Attempt:
         stream: bool = False,
         admission: Admission | None = None,
         workload: str | None = None,
+        *,
+        blocks: Sequence[int] = (),
+        match: PrefixMatch = NO_MATCH,
+        session: str | None = None,
     ) -> None:
         self.fleet = fleet
         self.instance = instance
@@ -153,7 +200,13 @@ class Attempt:
         self.last_at = 0.0
         self.gaps: list[float] = []
         instance.dispatched_total += 1
-        self.sent = fleet.on_dispatch(instance.url, self.dispatched_at, prompt_tokens)
+        # The prompt's blocks become the instance's most recent in the prefix index, the session
+        # (a key, never its name) points at it; the load counts the uncached tokens only.
+        self.sent = fleet.on_dispatch(
+            instance.url, self.dispatched_at, prompt_tokens, blocks=blocks, match=match, session=session
+        )
+        self.uncached_tokens = max(prompt_tokens - self.sent.cached_tokens, 0)
+        """The prompt tokens its dispatch counted (less the instance's credited prefix)."""
         if outliers is not None:
             outliers.dispatched(instance)
 
@@ -186,6 +239,8 @@ class Attempt:
                 ttft_s=self.ttft_s,
                 dispatch=self.sent,
                 workload=self.workload,
+                prompt_tokens=summary.prompt_tokens if summary else None,
+                cached_tokens=summary.cached_tokens if summary else None,
             )
             self.fleet.on_response(self.instance.url, time.monotonic(), evidence)
         if self.open and complete and self.admission is not None and self.ttft_s is not None:
@@ -227,7 +282,7 @@ class Attempt:
             return
         self.open = False
         if refused:
-            self.fleet.on_refused(self.instance.url, self.dispatched_at, time.monotonic(), self.prompt_tokens)
+            self.fleet.on_refused(self.instance.url, self.dispatched_at, time.monotonic(), self.uncached_tokens)
         else:
             self.fleet.on_complete(self.instance.url, time.monotonic())
         if self.started:
@@ -325,17 +380,62 @@ class Router:
         """The pool for a request: the override when given, else the policy's pick; a pool with
         no available instance is swapped for the other one. `snapshot`: the fleet as the caller
         just took it (`snapshot(features.workload)`), else taken here."""
+        return self.decide(features, override, snapshot)[0]
+
+    def decide(
+        self, features: Features, override: PoolName | None, snapshot: Snapshot | None = None
+    ) -> tuple[Decision, dict[str, Any]]:
+        """`choose`, and the decision's entry in the state endpoint's ring (the request path
+        notes there where the request went: `proxy.state.dispatched`)."""
         if snapshot is None:
             snapshot = self.snapshot(features.workload)
         if override is not None:
-            decision = Decision(pool=override, reason="override")
+            decision = Decision(pool=override, reason="override", instance=self.cache_best(override, features.cached))
         else:
             decision = self.policy.decide(features, snapshot)
             if not self.pools[decision.pool].available and self.pools[other_pool(decision.pool)].available:
                 reason = "ejected" if self.all_ejected(decision.pool) else "unavailable"
-                decision = Decision(pool=other_pool(decision.pool), reason=reason, scores=decision.scores)
-        decision = self.decisions.explain(features, decision, snapshot)
-        return decision
+                pool = other_pool(decision.pool)
+                decision = Decision(
+                    pool=pool, reason=reason, scores=decision.scores, instance=self.cache_best(pool, features.cached)
+                )
+        return self.decisions.record(features, decision, snapshot)
+
+    def prefix_blocks(self) -> int:
+        """The most blocks of a prompt worth hashing: what the prefix index can hold for one
+        instance (its cache capacity, else the index's global cap); blocks past it earn nothing,
+        so a huge prompt costs bounded work."""
+        index = self.fleet.prefix
+        return max((index.capacity_blocks(url) for url in self.fleet.instances), default=index.max_blocks)
+
+    def cached(self, blocks: Sequence[int], features: Features, session: str | None = None) -> PrefixMatch:
+        """The request's prefix credit per instance (`FleetModel.cached`): the prefix index's
+        match of its blocks, and its session's last instance. `blocks` given as PromptBlocks
+        are hashed only as far as some instance holds them; keep the object for the dispatch."""
+        if not blocks and session is None:
+            return NO_MATCH
+        return self.fleet.cached(blocks, features.prompt_tokens, time.monotonic(), session)
+
+    def with_credit(self, features: Features, match: PrefixMatch) -> Features:
+        """`features` carrying the match's credit per instance (what the policy reads)."""
+        return dataclasses.replace(features, cached=match.credit) if match.credit else features
+
+    def cache_best(self, pool: PoolName, cached: Mapping[str, int]) -> str | None:
+        """For a decision the policy did not make (a pinned pool, or a pool swapped for an
+        unavailable one): the instance of `pool` credited with the most of the prompt, if it has
+        a free running slot (a full one would queue the request behind its batch, which a cached
+        prefix rarely pays for); None leaves the router's least-loaded pick."""
+        best: Instance | None = None
+        for instance in self.pools[pool].instances:
+            credit = cached.get(instance.url, 0)
+            if credit <= 0 or not instance.healthy:
+                continue
+            signals = instance.signals
+            if signals.adjusted_load() + 1 > max(signals.max_running, 1):
+                continue
+            if best is None or credit > cached.get(best.url, 0):
+                best = instance
+        return best.url if best is not None else None
 
     def admit(self, features: Features, decision: Decision, snapshot: Snapshot) -> Refusal | None:
         """None when the request may go on; a refusal (429) when the fleet cannot serve it in
@@ -351,23 +451,32 @@ class Router:
             i.signals.ejected or not i.signals.healthy for i in self.pools[pool].instances
         )
 
-    def pick(self, pool: PoolName, exclude: Collection[Instance] = ()) -> Instance | None:
-        """Least-loaded healthy instance of `pool` not in `exclude` (load relative to its cap);
-        ties rotate so that a quiet fleet still spreads its requests. Outlier detection may hold
-        an instance back (ejected, or half-open with its one probe running)."""
+    def pick(self, pool: PoolName, exclude: Collection[Instance] = (), prefer: str | None = None) -> Instance | None:
+        """The healthy instance of `pool` not in `exclude` that the decision named (`prefer`, a
+        URL: e.g. the one holding the prompt's prefix), else the least loaded (load relative to
+        its cap); ties rotate so that a quiet fleet still spreads its requests. Outlier detection
+        may hold an instance back (ejected, or half-open with its one probe running), the
+        preferred one too: then the least loaded of the others takes the request."""
         outliers = self.outliers
         # admits() first: it ends an ejection whose time is up, which makes the instance healthy.
         candidates = [i for i in self.pools[pool].instances if i not in exclude and outliers.admits(i) and i.healthy]
+        if prefer is not None:
+            for instance in candidates:
+                if instance.url == prefer:
+                    return instance
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
         start = next(self._turn) % len(candidates)
         rotated = candidates[start:] + candidates[:start]
         return min(rotated, key=lambda i: i.signals.adjusted_load() / max(i.signals.max_running, 1))
 
-    def next_instance(self, pool: PoolName, tried: Collection[Instance], pinned: bool) -> Instance | None:
-        """Where the next attempt goes: an untried instance of the same pool, then (unless the
-        client pinned the pool) one of the other pool."""
-        instance = self.pick(pool, tried)
+    def next_instance(
+        self, pool: PoolName, tried: Collection[Instance], pinned: bool, prefer: str | None = None
+    ) -> Instance | None:
+        """Where the next attempt goes: an untried instance of the same pool (`prefer`, the
+        decision's instance, while it is untried and admitted), then (unless the client pinned
+        the pool) one of the other pool."""
+        instance = self.pick(pool, tried, prefer)
         if instance is None and not pinned:
             instance = self.pick(other_pool(pool), tried)
         return instance
@@ -384,7 +493,24 @@ class Router:
         stream: bool = False,
         request_class: str = "latency",
         workload: str | None = None,
+        *,
+        blocks: Sequence[int] = (),
+        match: PrefixMatch = NO_MATCH,
+        session: str | None = None,
     ) -> Attempt:
-        """Start an attempt on `instance`; the caller must end it (finished/failed) on every path."""
+        """Start an attempt on `instance`; the caller must end it (finished/failed) on every path.
+        `blocks`, `match`, `session`: the request's prompt blocks, prefix credit and session key
+        (the same objects for every attempt of a request: nothing is hashed twice)."""
         admission = self.admission if stream and request_class == "latency" else None
-        return Attempt(self.fleet, instance, prompt_tokens, self.outliers, stream, admission, workload)
+        return Attempt(
+            self.fleet,
+            instance,
+            prompt_tokens,
+            self.outliers,
+            stream,
+            admission,
+            workload,
+            blocks=blocks,
+            match=match,
+            session=session,
+        )

@@ -16,6 +16,10 @@ _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z_]+)"')
 _SPEC_VERIFY_CT = re.compile(rb'"spec_verify_ct"\s*:\s*(\d+)')
+# usage.prompt_tokens_details.cached_tokens (SGLang --enable-cache-report, vLLM
+# --enable-prompt-tokens-details); only inside prompt_tokens_details, so SGLang's
+# meta_info.cached_tokens or a completion's text cannot be taken for it.
+_CACHED_TOKENS = re.compile(rb'"prompt_tokens_details"\s*:\s*\{[^{}]*?"cached_tokens"\s*:\s*(\d+)')
 
 
 # A chat stream's opening event that carries the role and no text (vLLM sends one just before
@@ -97,6 +101,9 @@ class Summary:
     finish_reasons: tuple[str, ...] = ()
     spec_verify_ct: int | None = None
     """SGLang's verify steps for the request (sglext.spec_tokens_details), when it sent them."""
+    cached_tokens: int | None = None
+    """Prompt tokens the server found in its prefix cache (usage.prompt_tokens_details.cached_tokens),
+    when it reports them."""
 
 
 def summarise(tail: bytes) -> Summary:
@@ -104,9 +111,11 @@ def summarise(tail: bytes) -> Summary:
     prompt = _PROMPT_TOKENS.findall(tail)
     completion = _COMPLETION_TOKENS.findall(tail)
     verify = _SPEC_VERIFY_CT.findall(tail)
+    cached = _CACHED_TOKENS.findall(tail)
     return Summary(
         prompt_tokens=int(prompt[-1]) if prompt else None,
         completion_tokens=int(completion[-1]) if completion else None,
         finish_reasons=tuple(reason.decode() for reason in _FINISH_REASON.findall(tail)),
         spec_verify_ct=int(verify[-1]) if verify else None,
+        cached_tokens=int(cached[-1]) if cached else None,
     )

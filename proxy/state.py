@@ -28,20 +28,37 @@ class DecisionLog:
     def explain(self, features: Features, decision: Decision, snapshot: Snapshot) -> Decision:
         """The decision with what it saw added to its scores (for telemetry and the state
         endpoint), recorded in the ring of recent decisions."""
+        return self.record(features, decision, snapshot)[0]
+
+    def record(self, features: Features, decision: Decision, snapshot: Snapshot) -> tuple[Decision, dict[str, Any]]:
+        """`explain`, and the decision's entry in the ring: the request path fills in where it
+        went (`dispatched`)."""
         scores = {**decision_inputs(snapshot), **decision.scores}
-        explained = Decision(pool=decision.pool, reason=decision.reason, scores=scores)
-        self.recent.append(
-            {
-                "at": round(self.clock(), 3),
-                "pool": decision.pool,
-                "reason": decision.reason,
-                "class": features.request_class,
-                "prompt_tokens": features.prompt_tokens,
-                "workload": features.workload,
-                "scores": scores,
-            }
-        )
-        return explained
+        explained = Decision(pool=decision.pool, reason=decision.reason, scores=scores, instance=decision.instance)
+        entry = {
+            "at": round(self.clock(), 3),
+            "pool": decision.pool,
+            "reason": decision.reason,
+            "class": features.request_class,
+            "prompt_tokens": features.prompt_tokens,
+            "workload": features.workload,
+            # Prompt tokens credited as cached per instance (URL), trust applied: what the
+            # policy read (Features.cached); the instance it named (None: the least loaded).
+            "cached": dict(features.cached),
+            "chosen": decision.instance,
+            # Where the request went (its last attempt) and the tokens credited there.
+            "instance": None,
+            "cached_tokens": 0,
+            "scores": scores,
+        }
+        self.recent.append(entry)
+        return explained, entry
+
+
+def dispatched(entry: dict[str, Any], url: str, cached_tokens: int) -> None:
+    """A decision's request was sent to `url`, credited with `cached_tokens` there."""
+    entry["instance"] = url
+    entry["cached_tokens"] = cached_tokens
 
 
 def decision_inputs(snapshot: Snapshot) -> dict[str, float]:
@@ -86,6 +103,7 @@ def fleet_state(
                     "kind": poller.backend.kind if poller.backend is not None else None,
                     "error": poller.error,
                     "server_info": poller.info,
+                    "prefix": prefix_state(fleet, i.url, now),
                 }
             )
         pools[name] = {
@@ -125,5 +143,30 @@ def fleet_state(
             "learned": fleet.cost.confidence(now=now),
             "half_life_s": settings.costmodel_half_life_s,
         },
+        "prefix": {
+            "block_tokens": fleet.prefix.block_tokens,
+            "entries": len(fleet.prefix),
+            "max_entries": fleet.prefix.max_blocks,
+            "evicted": fleet.prefix.evicted,
+            "sessions": len(fleet.sessions),
+        },
         "decisions": list(decisions.recent),
+    }
+
+
+def prefix_state(fleet: FleetModel, url: str, now: float) -> dict[str, Any]:
+    """An instance's prefix cache as the router sees it: the blocks the index holds for it (and
+    its cap), the trust in its claims, what its responses reported (responses with a cache
+    report, their prompt and cached tokens, the hit rate) and the tokens credited to them."""
+    stats = fleet.cache_stats.get(url)
+    rate = stats.hit_rate() if stats is not None else None
+    return {
+        "blocks": fleet.prefix.blocks(url),
+        "capacity_blocks": fleet.prefix.capacity_blocks(url),
+        "trust": round(fleet.prefix.trust(url, now), 4),
+        "reported_responses": stats.responses if stats is not None else 0,
+        "reported_prompt_tokens": stats.prompt_tokens if stats is not None else 0,
+        "reported_cached_tokens": stats.cached_tokens if stats is not None else 0,
+        "reported_hit_rate": None if rate is None else round(rate, 4),
+        "credited_tokens": stats.credited_tokens if stats is not None else 0,
     }

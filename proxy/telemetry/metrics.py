@@ -48,6 +48,19 @@ class Metrics:
         self.tokens = Counter(
             n.M_TOKENS, "Tokens reported by the upstream, by pool and type.", ["pool", "type"], registry=r
         )
+        self.prefix_credited = Counter(
+            n.M_PREFIX_CREDITED,
+            "Prompt tokens the router credited as cached on the instance that served each request, by pool.",
+            ["pool"],
+            registry=r,
+        )
+        self.prefix_cached = Counter(
+            n.M_PREFIX_CACHED,
+            "Prompt tokens the upstream reported found in its prefix cache "
+            "(usage.prompt_tokens_details.cached_tokens), by pool.",
+            ["pool"],
+            registry=r,
+        )
         self.in_flight = Gauge(
             n.M_IN_FLIGHT, "Upstream requests this proxy has open, per instance.", ["pool", "instance"], registry=r
         )
@@ -115,8 +128,11 @@ class Metrics:
         inter_token_s: float | None,
         prompt_tokens: int | None,
         completion_tokens: int | None,
+        credited_tokens: int = 0,
+        cached_tokens: int | None = None,
     ) -> None:
-        """One request's samples (TTFT and inter-token only for streams)."""
+        """One request's samples (TTFT and inter-token only for streams); `credited_tokens`:
+        the prefix credit on the instance that served it, `cached_tokens` the server's report."""
         child = self._child
         child(self.requests, pool, policy, outcome).inc()
         child(self.duration, pool).observe(duration_s)
@@ -129,6 +145,10 @@ class Metrics:
             child(self.tokens, pool, "input").inc(prompt_tokens)
         if completion_tokens:
             child(self.tokens, pool, "output").inc(completion_tokens)
+        if credited_tokens:
+            child(self.prefix_credited, pool).inc(credited_tokens)
+        if cached_tokens:
+            child(self.prefix_cached, pool).inc(cached_tokens)
 
     def watch_snapshot(self, source: Callable[[], Snapshot | None]) -> None:
         """Refresh the alpha and snapshot-age gauges from `source` at every scrape."""

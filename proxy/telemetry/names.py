@@ -35,6 +35,9 @@ GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK = "gen_ai.response.time_to_first_chunk"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+# Of the input tokens, those served from the server's prefix cache (v1.41.0; SGLang's own spans
+# still say gen_ai.usage.cached_tokens, the name before the conventions settled).
+GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 # Opt-in content (SPECROUTE_TRACE_CONTENT); JSON strings, the portable encoding on spans.
 GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
 GEN_AI_OUTPUT_MESSAGES = "gen_ai.output.messages"
@@ -56,6 +59,7 @@ ROUTE_REQUEST_CLASS = "specroute.request.class"
 ATTEMPT_NUMBER = "specroute.attempt"
 ATTEMPT_INSTANCE = "specroute.instance"
 ATTEMPT_FAILOVER = "specroute.failover"
+PREFIX_CREDITED_TOKENS = "specroute.prefix.credited_tokens"
 REQUEST_ID = "specroute.request_id"
 OVERHEAD_MS = "specroute.overhead_ms"
 
@@ -77,6 +81,8 @@ M_OVERHEAD = "specroute_overhead_seconds"
 M_TOKENS = "specroute_tokens"
 M_AUTH_REFUSED = "specroute_auth_refused"
 M_EJECTED = "specroute_upstream_ejected"
+M_PREFIX_CREDITED = "specroute_prefix_credited_tokens"
+M_PREFIX_CACHED = "specroute_prefix_cached_tokens"
 
 OVERHEAD_HEADER = "x-specroute-overhead-ms"
 OVERHEAD_HEADER_BYTES = OVERHEAD_HEADER.encode()

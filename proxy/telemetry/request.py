@@ -67,6 +67,7 @@ class RequestRecorder(RequestHooks):
         "_attempt_status",
         "_first_data",
         "_failed",
+        "_credited",
     )
 
     def __init__(self, owner: SpecrouteTelemetry, endpoint: str) -> None:
@@ -106,6 +107,8 @@ class RequestRecorder(RequestHooks):
         self._first_data = b""
         self._failed: tuple[AttemptTrace, ...] = ()
         """Attempts that failed, as they ended."""
+        self._credited = 0
+        """Prompt tokens credited as cached on the current attempt's instance."""
 
     # -- request ---------------------------------------------------------------------------
     def received(self, *, endpoint: str, request_id: str, headers: Mapping[str, str], body_bytes: int) -> None:
@@ -149,8 +152,9 @@ class RequestRecorder(RequestHooks):
                 self._content = content_json(body)
 
     # -- attempts --------------------------------------------------------------------------
-    def attempt_started(self, *, pool: str, instance: str, attempt: int) -> None:
+    def attempt_started(self, *, pool: str, instance: str, attempt: int, cached_tokens: int = 0) -> None:
         metrics = self._owner.metrics
+        self._credited = cached_tokens
         if attempt > 1:
             if pool == self._pool:
                 metrics.retried(pool)
@@ -221,6 +225,7 @@ class RequestRecorder(RequestHooks):
             self._t_first,
             self._first_data,
             error,
+            self._credited,
         )
 
     # -- response --------------------------------------------------------------------------
@@ -234,6 +239,7 @@ class RequestRecorder(RequestHooks):
         finish_reasons: tuple[str, ...],
         client_disconnected: bool,
         upstream_wait_s: float = 0.0,
+        cached_tokens: int | None = None,
     ) -> None:
         end = time.perf_counter()
         duration_s = end - self._t0
@@ -258,9 +264,13 @@ class RequestRecorder(RequestHooks):
             inter_token_s,
             prompt_tokens,
             completion_tokens,
+            self._credited if self._pool is not None else 0,
+            cached_tokens,
         )
         if self._sampled:
-            self._submit(end, status, error_type, prompt_tokens, completion_tokens, finish_reasons, overhead_s)
+            self._submit(
+                end, status, error_type, prompt_tokens, completion_tokens, finish_reasons, overhead_s, cached_tokens
+            )
         if owner.request_log is not None:
             owner.request_log.write(
                 {
@@ -279,6 +289,8 @@ class RequestRecorder(RequestHooks):
                     "ttft_ms": None if ttft_s is None else round(ttft_s * 1000, 3),
                     "prompt_tokens": prompt_tokens,
                     "completion_tokens": completion_tokens,
+                    "cached_tokens": cached_tokens,
+                    "credited_tokens": self._credited,
                     "duration_ms": round(duration_s * 1000, 3),
                     "overhead_ms": round(overhead_s * 1000, 3),
                     "error_type": error_type,
@@ -295,6 +307,7 @@ class RequestRecorder(RequestHooks):
         completion_tokens: int | None,
         finish_reasons: tuple[str, ...],
         overhead_s: float,
+        cached_tokens: int | None = None,
     ) -> None:
         """Pack the request's spans into one RequestTrace for the exporter (the attempt still
         open, if any, ends now and carries the response's outcome)."""
@@ -342,6 +355,7 @@ class RequestRecorder(RequestHooks):
                 finish_reasons,
                 overhead_s,
                 end,
+                cached_tokens,
             )
         )
 

@@ -81,6 +81,8 @@ class AttemptTrace(NamedTuple):
     """Up to FIRST_BYTES of its first chunk."""
     error: str | None
     """Why it failed, if it failed (then retried elsewhere, or given up)."""
+    credited: int = 0
+    """Prompt tokens the router credited its instance with holding in its prefix cache."""
 
 
 class RequestTrace(NamedTuple):
@@ -122,6 +124,8 @@ class RequestTrace(NamedTuple):
     finish_reasons: tuple[str, ...]
     overhead_s: float
     ended: float
+    cached_tokens: int | None = None
+    """Prompt tokens the server reported found in its prefix cache, if it did."""
 
 
 class SpanWriter:
@@ -217,6 +221,8 @@ class SpanWriter:
         )
         if t.content is not None:
             attributes += encoder.string(_ATTRIBUTES, n.GEN_AI_INPUT_MESSAGES, t.content)
+        if a.credited:
+            attributes += encoder.pair(_ATTRIBUTES, n.PREFIX_CREDITED_TOKENS, a.credited)
         events = b""
         response_model = None
         start_ns, start = t.start_ns, t.start
@@ -232,9 +238,9 @@ class SpanWriter:
             if found:
                 response_model = found.group(1)
         error = a.error
-        usage: tuple[tuple[str, ...], int | None, int | None] = ((), None, None)
+        usage: tuple[tuple[str, ...], int | None, int | None, int | None] = ((), None, None, None)
         if outcome:
-            usage = (t.finish_reasons, t.input_tokens, t.output_tokens)
+            usage = (t.finish_reasons, t.input_tokens, t.output_tokens, t.cached_tokens)
             error = t.error_type
         # What the response said, as one block: it repeats from request to request.
         attributes += encoder.block(
@@ -299,6 +305,7 @@ def outcome_attributes(
     finish_reasons: tuple[str, ...],
     input_tokens: int | None,
     output_tokens: int | None,
+    cached_tokens: int | None,
     error: str | None,
 ) -> dict[str, Any]:
     """An attempt span's attributes from its response (and, for the last one, the request's end)."""
@@ -313,6 +320,8 @@ def outcome_attributes(
         attributes[n.GEN_AI_USAGE_INPUT_TOKENS] = input_tokens
     if output_tokens is not None:
         attributes[n.GEN_AI_USAGE_OUTPUT_TOKENS] = output_tokens
+    if cached_tokens is not None:
+        attributes[n.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = cached_tokens
     if error:
         attributes[n.ERROR_TYPE] = error
     return attributes

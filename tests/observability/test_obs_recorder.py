@@ -368,3 +368,65 @@ def test_export_requests_are_cut_between_requests() -> None:
     items = [EncodedSpans(SAMPLED_CONTEXT, [b"a" * 400, b"b" * 400]), EncodedSpans(SAMPLED_CONTEXT, [b"c" * 900])]
     assert [[len(p) for p in chunk] for chunk in chunks(items, limit=1000)] == [[400, 400], [900]]
     assert [[len(p) for p in chunk] for chunk in chunks(items, limit=100)] == [[400], [400], [900]]
+
+
+def cached_after_failover(t: SpecrouteTelemetry) -> None:
+    """A request credited with a cached prefix on both instances it tried; the one that answered
+    reported the tokens it found cached."""
+    hooks = t.request_hooks("/v1/chat/completions")
+    hooks.received(endpoint="/v1/chat/completions", request_id="req-2", headers={}, body_bytes=99)
+    hooks.decided(
+        decision=Decision("spec", "spec-sooner", {"cached_spec_tokens": 512.0}, instance="http://127.0.0.1:1"),
+        features=Features(prompt_tokens=1100, stream=True, cached={"http://127.0.0.1:1": 512}),
+        model="m",
+        override=None,
+        body=BODY,
+    )
+    hooks.attempt_started(pool="spec", instance="http://127.0.0.1:1", attempt=1, cached_tokens=512)
+    hooks.attempt_failed(error="connect", retryable=True)
+    hooks.attempt_started(pool="spec", instance="http://127.0.0.1:3", attempt=2, cached_tokens=256)
+    hooks.upstream_headers(status=200, headers={})
+    hooks.first_chunk(FIRST)
+    hooks.attempt_finished(status=200)
+    hooks.finished(
+        status=200,
+        error_type=None,
+        prompt_tokens=1100,
+        completion_tokens=5,
+        finish_reasons=("stop",),
+        client_disconnected=False,
+        cached_tokens=300,
+    )
+
+
+def test_cached_tokens_credited_and_reported_on_spans_metrics_and_the_log() -> None:
+    exporter = Decoded()
+    t = telemetry(exporter)
+    stream = io.BytesIO()
+    t.request_log = RequestLog(stream)
+    cached_after_failover(t)
+    failover_then_stream(t)  # nothing credited, nothing reported
+    t.tracing.flush()  # type: ignore[union-attr]
+    traces: dict[str, dict[Any, dict[str, Any]]] = {}
+    for span in exporter.spans:
+        traces.setdefault(span["traceId"], {})[(span["name"], span["attrs"].get(n.ATTEMPT_NUMBER))] = span
+    by_request = {spans[("POST /v1/chat/completions", None)]["attrs"][n.REQUEST_ID]: spans for spans in traces.values()}
+    cached, plain = by_request["req-2"], by_request["req-1"]
+    # Each attempt carries the credit on its own instance; the answer, the server's report.
+    assert cached[("chat m", "1")]["attrs"][n.PREFIX_CREDITED_TOKENS] == "512"  # int64 as a JSON string
+    answered = cached[("chat m", "2")]["attrs"]
+    assert answered[n.PREFIX_CREDITED_TOKENS] == "256"
+    assert answered[n.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] == "300"
+    assert n.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS not in cached[("chat m", "1")]["attrs"]
+    assert cached[(n.SPAN_DECISION, None)]["attrs"]["specroute.decision.cached_spec_tokens"] == 512.0
+    for span in plain.values():
+        assert (
+            n.PREFIX_CREDITED_TOKENS not in span["attrs"]
+            and n.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS not in span["attrs"]
+        )
+    got = samples(t)
+    assert got[("specroute_prefix_credited_tokens_total", (("pool", "spec"),))] == 256
+    assert got[("specroute_prefix_cached_tokens_total", (("pool", "spec"),))] == 300
+    assert ("specroute_prefix_cached_tokens_total", (("pool", "base"),)) not in got
+    first = json.loads(stream.getvalue().decode().splitlines()[0])
+    assert (first["credited_tokens"], first["cached_tokens"]) == (256, 300)

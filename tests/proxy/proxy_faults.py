@@ -18,6 +18,7 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
     with FaultServer("noblank:5") as bad:        # 200 SSE, 5 MB without a blank line (no event ever ends)
     with FaultServer("hopheaders") as bad:       # 200 JSON with hop-by-hop, connection-listed and x-specroute-* headers
     with FaultServer("drop") as bad:             # reads the request, closes the connection without a byte
+    with FaultServer("lateend:0.5") as bad:      # 200 SSE, 2 events, usage, [DONE]; the body's end 0.5 s later
 
 Load polls (GET) get 404, as from a server with no load endpoint, unless `probe` names the one
 it answers: "/get_load" (older SGLang's JSON) or "/metrics" (SGLang's Prometheus gauges), with
@@ -46,6 +47,21 @@ COMPLETION = {
     "model": "fault",
     "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}
+
+
+STREAM_USAGE = {
+    "id": "fault-1",
+    "object": "chat.completion.chunk",
+    "created": 0,
+    "model": "fault",
+    "choices": [],
+    "usage": {
+        "prompt_tokens": 40,
+        "completion_tokens": 2,
+        "total_tokens": 42,
+        "prompt_tokens_details": {"cached_tokens": 32},
+    },
 }
 
 
@@ -258,6 +274,15 @@ class FaultServer:
                 b"proxy-authorization: Basic c2VjcmV0\r\nupgrade: h2c\r\ntrailer: x-sum\r\n"
                 b"x-upstream-note: caf\xc3\xa9\r\n\r\n%s" % (len(body), body)
             )
+        elif kind == "lateend":  # a whole stream, but the body's end (the last chunk) comes late
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            writer.write(
+                sse_chunk(0) + sse_chunk(1) + http_chunk(b"data: " + json.dumps(STREAM_USAGE).encode() + b"\n\n")
+            )
+            writer.write(http_chunk(b"data: [DONE]\n\n"))
+            await writer.drain()
+            await asyncio.sleep(float(arg))
+            writer.write(b"0\r\n\r\n")
         elif kind == "flood":
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             for i in itertools.count():

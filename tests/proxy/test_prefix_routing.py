@@ -1,0 +1,250 @@
+"""The request path's prefix-cache inputs, without servers: the session a request names (header,
+prompt_cache_key, user; only a hash kept), its prompt blocks from the body reader (lazy on the
+loop, a tuple from the worker), the usage's cached tokens from a response's tail, and the
+router honouring the instance a decision names (and falling back when it cannot)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+
+from fleet.blocks import PromptBlocks, block_hashes
+from fleet.model import PrefixMatch
+from fleet.readings import Reading
+from fleet.types import Decision, Features, Snapshot
+from proxy import body as request_body
+from proxy.routing import (
+    SESSION_HEADER,
+    Router,
+    RoutingInputError,
+    read_session,
+    session_key,
+    session_of,
+)
+from proxy.scan import summarise
+from proxy.settings import load_settings
+from proxy.state import DecisionLog, dispatched
+
+SPEC = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+BASE = ["http://127.0.0.1:11", "http://127.0.0.1:12"]
+
+
+# -- sessions ---------------------------------------------------------------------------------
+
+
+def test_the_header_names_the_session_before_prompt_cache_key_and_user():
+    body = {"prompt_cache_key": "conv-7", "user": "alice"}
+    assert session_of(body, "from-header") == session_key("from-header")
+    assert session_of(body) == session_key("conv-7")
+    assert session_of({"user": "alice"}) == session_key("alice")
+    assert session_of({"prompt_cache_key": "", "user": "alice"}) == session_key("alice")
+    assert session_of({"prompt_cache_key": 12, "user": ["alice"]}) is None  # not strings: no session
+    assert session_of({}) is None
+
+
+def test_only_a_hash_of_the_session_name_is_kept():
+    key = session_key("alice@example.com")
+    assert "alice" not in key and len(key) == 32 and int(key, 16) >= 0
+    assert key == session_key("alice@example.com") != session_key("alice@example.org")
+
+
+@pytest.mark.parametrize("value", ["", "   ", "has space", "x" * 65, "caf\u00e9", "tab\there"])
+def test_a_bad_session_header_is_refused_without_echoing_it(value):
+    with pytest.raises(RoutingInputError) as refused:
+        read_session({SESSION_HEADER: value})
+    assert refused.value.header == SESSION_HEADER
+    message = str(refused.value)
+    assert SESSION_HEADER in message and "printable ASCII" in message
+    if value.strip():
+        assert value.strip() not in message
+
+
+def test_a_good_session_header_is_read_stripped():
+    assert read_session({SESSION_HEADER: "  conv-42  "}) == "conv-42"
+    assert read_session({SESSION_HEADER: "x" * 64}) == "x" * 64
+    assert read_session({}) is None
+
+
+# -- the body reader --------------------------------------------------------------------------
+
+
+def chat(text: str, **extra) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": text}], **extra}
+
+
+def test_a_small_body_is_hashed_lazily_and_names_its_session():
+    payload = chat("a" * 5000, prompt_cache_key="conv-1", user="alice")
+    given = request_body.Given(block_tokens=256, max_blocks=3)
+    parsed = request_body.read(orjson.dumps(payload), 10_000, 100_000, given)
+    assert isinstance(parsed.blocks, PromptBlocks) and parsed.blocks.computed == 0
+    assert tuple(parsed.blocks) == block_hashes(payload, 256, 3)
+    assert len(parsed.blocks) == 3  # bounded: 5 whole blocks in the prompt
+    assert parsed.session == session_key("conv-1")
+    named = request_body.read(orjson.dumps(payload), 10_000, 100_000, request_body.Given(session="hdr"))
+    assert named.session == session_key("hdr")
+
+
+def test_a_large_body_is_hashed_in_full_in_the_worker():
+    payload = chat("b" * 400_000, user="bob")
+    raw = orjson.dumps(payload)
+    given = request_body.Given(block_tokens=256, max_blocks=50)
+    result = request_body.read_in_worker(raw, 10_000, 100_000, given)
+    assert isinstance(result, request_body.Parsed)
+    assert "messages" not in result.payload  # the prompt stays in the worker
+    assert result.blocks == block_hashes(payload, 256, 50) and isinstance(result.blocks, tuple)
+    assert len(result.blocks) == 50
+    assert result.session == session_key("bob")
+
+
+def test_the_body_reader_uses_the_worker_past_its_threshold():
+    async def scenario() -> tuple[dict, request_body.Parsed]:
+        reader = request_body.BodyReader(10_000, 100_000)
+        try:
+            payload = chat("c" * 300_000, prompt_cache_key="k")
+            return payload, await reader.parse(orjson.dumps(payload), request_body.Given(max_blocks=10))
+        finally:
+            await reader.close()
+
+    payload, parsed = asyncio.run(scenario())
+    assert parsed.blocks == block_hashes(payload, 256, 10)
+    assert parsed.session == session_key("k") and parsed.features.prompt_tokens > 70_000
+
+
+# -- the usage's cached tokens ------------------------------------------------------------------
+
+
+def test_cached_tokens_are_read_from_a_json_body_and_a_stream_tail():
+    body = (
+        b'{"id":"x","choices":[{"finish_reason":"stop"}],"usage":{"prompt_tokens":1200,'
+        b'"completion_tokens":8,"prompt_tokens_details":{"cached_tokens":1024}}}'
+    )
+    assert summarise(body).cached_tokens == 1024 and summarise(body).prompt_tokens == 1200
+    tail = (
+        b'data: {"choices":[{"delta":{},"finish_reason":"length"}]}\n\n'
+        b'data: {"choices":[],"usage":{"prompt_tokens":900,"completion_tokens":4,'
+        b'"prompt_tokens_details": {"cached_tokens": 768},"reasoning_tokens":0}}\n\ndata: [DONE]\n\n'
+    )
+    assert summarise(tail).cached_tokens == 768
+    # Not reported (SGLang without --enable-cache-report), or only elsewhere: None.
+    assert summarise(b'{"usage":{"prompt_tokens":9,"prompt_tokens_details":null}}').cached_tokens is None
+    assert summarise(b'{"meta_info":{"cached_tokens":5},"usage":{"prompt_tokens":9}}').cached_tokens is None
+    # A completion's text that spells the field is escaped JSON: never taken for it.
+    text = b'{"choices":[{"text":"\\"prompt_tokens_details\\":{\\"cached_tokens\\":77}"}]}'
+    assert summarise(text).cached_tokens is None
+
+
+# -- the router ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def router() -> Router:
+    """A router over four unreachable URLs (nothing is polled: it never starts)."""
+    settings = load_settings(spec_urls=",".join(SPEC), base_urls=",".join(BASE), request_log=False)
+    return Router.from_settings(settings)
+
+
+def load(router: Router, url: str, running: float) -> None:
+    router.fleet.on_reading(url, Reading(at=time.monotonic(), running=running, waiting=0.0, max_running=4))
+
+
+def instance(router: Router, url: str):
+    return next(i for i in router.instances() if i.url == url)
+
+
+def test_pick_honours_the_decision_s_instance_over_the_least_loaded(router):
+    load(router, SPEC[0], 0)
+    load(router, SPEC[1], 3)
+    assert router.pick("spec").url == SPEC[0]
+    assert router.pick("spec", prefer=SPEC[1]).url == SPEC[1]
+    assert router.next_instance("spec", [], False, SPEC[1]).url == SPEC[1]
+
+
+def test_pick_falls_back_when_the_named_instance_cannot_take_it(router):
+    load(router, SPEC[0], 0)
+    load(router, SPEC[1], 3)
+    tried = [instance(router, SPEC[1])]
+    # Already tried (a failover): the least loaded of the rest.
+    assert router.next_instance("spec", tried, False, SPEC[1]).url == SPEC[0]
+    # Both tried: the other pool (the name is of the first pool's instance, so not there).
+    both = [instance(router, url) for url in SPEC]
+    assert router.next_instance("spec", both, False, SPEC[1]).pool == "base"
+    assert router.next_instance("spec", both, True, SPEC[1]) is None  # pinned
+    # Unreachable, or ejected by outlier detection: the least loaded.
+    router.fleet.set_health(SPEC[1], False)
+    assert router.pick("spec", prefer=SPEC[1]).url == SPEC[0]
+    router.fleet.set_health(SPEC[1], True)
+    for _ in range(router.settings.outlier_consecutive_failures):
+        router.outliers.failed(instance(router, SPEC[1]), "connect")
+    assert router.outliers.ejected(SPEC[1])
+    assert router.pick("spec", prefer=SPEC[1]).url == SPEC[0]
+    # A name from another pool is ignored.
+    assert router.pick("base", prefer=SPEC[0]).pool == "base"
+
+
+def test_a_pinned_pool_gets_its_most_credited_instance_with_a_free_slot(router):
+    load(router, SPEC[0], 0)
+    load(router, SPEC[1], 1)
+    features = Features(prompt_tokens=3000, cached={SPEC[1]: 2048, SPEC[0]: 512, BASE[0]: 2900})
+    decision = router.choose(features, "spec")
+    assert (decision.pool, decision.reason, decision.instance) == ("spec", "override", SPEC[1])
+    load(router, SPEC[1], 4)  # full: the credit does not pay for a queue
+    assert router.choose(features, "spec").instance == SPEC[0]
+    assert router.choose(Features(prompt_tokens=3000), "spec").instance is None
+
+
+def test_the_decision_log_shows_the_credit_and_where_the_request_went(router):
+    load(router, SPEC[0], 0)
+    load(router, SPEC[1], 0)
+    features = Features(prompt_tokens=3000, cached={SPEC[1]: 2048})
+    decision, entry = router.decide(features, "spec")
+    assert decision.instance == SPEC[1]
+    assert entry["cached"] == {SPEC[1]: 2048} and entry["chosen"] == SPEC[1] and entry["instance"] is None
+    match = PrefixMatch({SPEC[1]: 2048}, {SPEC[1]: 2048})
+    attempt = router.dispatch(instance(router, SPEC[1]), 3000, match=match)
+    dispatched(entry, SPEC[1], attempt.sent.cached_tokens)
+    attempt.finished()
+    state = router.state()
+    assert state["decisions"][-1]["instance"] == SPEC[1] and state["decisions"][-1]["cached_tokens"] == 2048
+    assert state["prefix"]["block_tokens"] == 256 and "sessions" in state["prefix"]
+
+
+def test_a_dispatch_enters_the_index_and_the_session_and_a_refusal_undoes_its_uncached_tokens(router):
+    load(router, SPEC[0], 0)
+    blocks = PromptBlocks.of(chat("d" * 8192), 256)
+    features = Features(prompt_tokens=2100)
+    assert router.cached(blocks, features, None).credit == {}
+    first = router.dispatch(instance(router, SPEC[0]), 2100, blocks=blocks, session="s1")
+    first.finished()
+    assert router.cached(blocks, features, None).credit == {SPEC[0]: 2048}  # 8 whole blocks of 256
+    match = router.cached(blocks, features, "s1")
+    assert match.credit == {SPEC[0]: 2099}  # the session's last prompt, all but its last token
+    assert router.cached(blocks, features, "other").credit == {SPEC[0]: 2048}
+    signals = router.fleet.instances[SPEC[0]]
+    load(router, SPEC[0], 0)  # a fresh reading: the events since are this dispatch's
+    second = router.dispatch(instance(router, SPEC[0]), 2100, blocks=blocks, match=match, session="s1")
+    assert second.sent.cached_tokens == 2099 and second.uncached_tokens == 1
+    assert list(signals.events)[-1][2] == 1
+    second.refused()
+    # Undone exactly: the dispatch's event is removed, nothing is counted as completed.
+    assert not signals.events
+    state = router.state()
+    held = state["pools"]["spec"]["instances"][0]["prefix"]
+    assert held["blocks"] == 8 and held["trust"] == 1.0
+    assert state["prefix"]["entries"] == 8 and state["prefix"]["sessions"] == 1
+
+
+def test_a_huge_prompt_is_hashed_only_as_far_as_an_instance_can_hold(router):
+    router.fleet.on_reading(SPEC[0], Reading(at=time.monotonic(), running=0, waiting=0, cache_tokens=256 * 40))
+    assert router.prefix_blocks() == router.fleet.prefix.max_blocks  # the others have no cap yet
+    for url in SPEC[1:] + BASE:
+        router.fleet.on_reading(url, Reading(at=time.monotonic(), running=0, waiting=0, cache_tokens=256 * 30))
+    assert router.prefix_blocks() == 40
+
+
+def test_a_decision_keeps_its_instance_through_the_log():
+    log = DecisionLog(4)
+    explained = log.explain(Features(prompt_tokens=10), Decision("spec", "x", instance="u"), Snapshot(pools={}))
+    assert explained.instance == "u" and log.recent[-1]["chosen"] == "u"

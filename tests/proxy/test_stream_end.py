@@ -1,0 +1,40 @@
+"""A stream the client stops reading at [DONE] is a complete response, not a disconnect.
+
+The openai SDK closes its connection as soon as it reads `data: [DONE]`, without waiting for
+the end of the chunked body. An upstream whose body ends a little after its [DONE] (here half a
+second) must still have its response read to the end: its usage tail (tokens, cached tokens)
+teaches the fleet model, and the request counts as answered, not as a client that left.
+"""
+
+from __future__ import annotations
+
+import httpx
+import openai
+from proxy_faults import STREAM_USAGE, FaultServer
+from proxy_harness import running_proxy
+
+from sim.testing import wait_for
+
+
+def test_a_client_that_leaves_at_done_does_not_cut_the_response_short():
+    with (
+        FaultServer("lateend:0.5") as upstream,
+        FaultServer("echo") as other,
+        running_proxy(spec_urls=[upstream.url], base_urls=[other.url]) as proxy,
+    ):
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=30)
+        stream = client.chat.completions.create(
+            model="fault",
+            messages=[{"role": "user", "content": "hi"}],
+            stream=True,
+            extra_headers={"x-specroute-pool": "spec"},
+        )
+        chunks = list(stream)  # the SDK closes the connection at [DONE]
+        assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+        wait_for(lambda: proxy.in_flight() == 0, "the proxy to end the request", timeout=10)
+        stats = proxy.app.router.fleet.cache_stats[upstream.url]
+        assert (stats.responses, stats.cached_tokens, stats.prompt_tokens) == (1, 32, 40)
+        metrics = httpx.get(proxy.url + "/metrics", timeout=5).text
+        cached = STREAM_USAGE["usage"]["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index]
+        assert f'specroute_prefix_cached_tokens_total{{pool="spec"}} {float(cached)}' in metrics
+        assert 'outcome="client_disconnected"' not in metrics and 'outcome="ok"' in metrics
