@@ -101,8 +101,6 @@ def test_prefill_is_learned_from_the_uncached_tokens():
     match = model.cached(NEXT_TURN, 5200, 2.0)
     sent = model.on_dispatch("s0", 2.0, 5200, blocks=NEXT_TURN, match=match)
     slow_ms = 4 * before  # the uncached 1,104 tokens took four times the seed's guess
-    evidence = ResponseEvidence(
-        tokens=5, ttft_s=slow_ms / 1000, dispatch=sent, prompt_tokens=5200, cached_tokens=4096
-    )
+    evidence = ResponseEvidence(tokens=5, ttft_s=slow_ms / 1000, dispatch=sent, prompt_tokens=5200, cached_tokens=4096)
     model.on_response("s0", 3.0, evidence)
     assert model.cost.prefill_ms("spec", 1104) > 1.5 * before
