@@ -233,8 +233,9 @@ class FleetModel:
         """Per healthy instance, the prompt tokens of a request (its chained block hashes,
         fleet/blocks.py) it likely holds in its prefix cache: the index's match, scaled by the
         instance's trust; and for a named `session`, at least its last prompt on the instance
-        that served it (the prompt extends it). Below `prompt_tokens`: a server prefills at
-        least the last token. Instances holding nothing are left out."""
+        that served it, when the index does not contradict that the prompt extends it
+        (`_extends`). Below `prompt_tokens`: a server prefills at least the last token.
+        Instances holding nothing are left out."""
         if prompt_tokens <= 1:
             return NO_MATCH
         top = prompt_tokens - 1
@@ -251,7 +252,13 @@ class FleetModel:
         if session is not None:
             entry = self.sessions.get(session, now)
             signals = self.instances.get(entry.instance) if entry is not None else None
-            if entry is not None and signals is not None and signals.healthy and not signals.ejected:
+            if (
+                entry is not None
+                and signals is not None
+                and signals.healthy
+                and not signals.ejected
+                and self._extends(entry.prompt_tokens, blocks, matched.get(entry.instance, 0), top)
+            ):
                 held = min(entry.prompt_tokens, top)
                 if held > matched.get(entry.instance, 0):
                     matched[entry.instance] = held
@@ -260,6 +267,17 @@ class FleetModel:
                     )
         credit = {url: tokens for url, tokens in credit.items() if tokens > 0}
         return PrefixMatch(credit, matched) if credit or matched else NO_MATCH
+
+    def _extends(self, last_prompt_tokens: int, blocks: Sequence[int], indexed_tokens: int, top: int) -> bool:
+        """Whether a session's new prompt may extend its last one, as far as the index can tell:
+        when the prompt has blocks, the index must hold on the session's instance all the last
+        prompt's whole blocks (a name such as `user` may cover several conversations, and a
+        different one shares no more than its system prompt). The index cannot tell for a last
+        prompt shorter than a block, nor for a prompt it has no blocks of."""
+        size = self.prefix.block_tokens
+        if not blocks or last_prompt_tokens < size:
+            return True
+        return indexed_tokens >= min((last_prompt_tokens // size) * size, top)
 
     def on_dispatch(
         self,

@@ -104,3 +104,18 @@ def test_prefill_is_learned_from_the_uncached_tokens():
     evidence = ResponseEvidence(tokens=5, ttft_s=slow_ms / 1000, dispatch=sent, prompt_tokens=5200, cached_tokens=4096)
     model.on_response("s0", 3.0, evidence)
     assert model.cost.prefill_ms("spec", 1104) > 1.5 * before
+
+
+def test_a_session_name_covering_another_conversation_is_not_credited_past_the_index():
+    """A name such as `user` may cover several conversations: a prompt whose blocks show it does
+    not extend the session's last one (the index holds none of them past a shared system
+    prompt) gets the index's credit only, not the last prompt's length."""
+    model = fleet()
+    system = (7, 8)  # a shared system prompt of two blocks
+    first = chain_ids((*system, 1, 2, 3, 4))
+    model.on_dispatch("s0", 0.0, 3 * BLOCK * 2, blocks=first, session="user-1")
+    other = chain_ids((*system, 50, 51))
+    match = model.cached(other, 4 * BLOCK + 100, 1.0, session="user-1")
+    assert match.credit == {"s0": 2 * BLOCK}
+    follow = chain_ids((*system, 1, 2, 3, 4, 5))
+    assert model.cached(follow, 7 * BLOCK, 1.0, session="user-1").credit == {"s0": 6 * BLOCK}
