@@ -47,8 +47,9 @@ def run_demo(port: int, profile: str, time_scale: float) -> int:
     # default handler) is what lets the `twins` block below stop both twins.
     signal.signal(signal.SIGTERM, _stop)
     specs = (
-        TwinSpec("spec", profile=profile, time_scale=time_scale, seed=1),
-        TwinSpec("base", profile=profile, time_scale=time_scale, seed=2),
+        # Usage reports cached prompt tokens, as SGLang does with the flag README recommends.
+        TwinSpec("spec", profile=profile, time_scale=time_scale, seed=1, args=("--enable-cache-report",)),
+        TwinSpec("base", profile=profile, time_scale=time_scale, seed=2, args=("--enable-cache-report",)),
     )
     with twins(*specs) as (spec, base):
         settings = load_settings(host="127.0.0.1", port=port, spec_urls=[spec.url], base_urls=[base.url])
