@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from fleet.acceptance import CounterDelta
 from fleet.readings import Reading
 
+# Prefill tokens the measured prefill speed is averaged over (a moving mean after that).
+PREFILL_MEMORY_TOKENS = 65_536
 # The window of the dispatch rates: about how long a burst of prefills keeps stalling the decode
 # steps of the requests already running.
 RATE_WINDOW_S = 2.0
@@ -67,6 +69,23 @@ class InstanceSignals:
     """Requests this router sent here per second."""
     cache_tokens: int | None = None
     """Its KV capacity in tokens as last read (the prefix index's cap for it)."""
+    prefill_counters: CounterDelta = field(default_factory=CounterDelta)
+    """Its cumulative prefill tokens and busy microseconds, differenced between readings."""
+    prefill_ms_per_token: float | None = None
+    """Its measured prefill time per uncached prompt token, under whatever load it had: busy
+    time over tokens, weighted by tokens over about PREFILL_MEMORY_TOKENS (None: not reported)."""
+    prefill_tokens_measured: float = 0.0
+
+    def on_prefill_counters(self, tokens_total: float, busy_us_total: float) -> None:
+        delta = self.prefill_counters.add(tokens_total, busy_us_total)
+        if delta is None or delta[0] <= 0:
+            return
+        tokens, busy_us = delta
+        rate = busy_us / 1000 / tokens
+        self.prefill_tokens_measured = min(self.prefill_tokens_measured + tokens, PREFILL_MEMORY_TOKENS)
+        mean = self.prefill_ms_per_token if self.prefill_ms_per_token is not None else rate
+        self.prefill_ms_per_token = mean + (rate - mean) * tokens / self.prefill_tokens_measured
+
     recent_dispatches: deque[float] = field(default_factory=lambda: deque(maxlen=64))
     """When our latest requests were sent here (kept across readings): a request sent while
     another one's prefill had not started may have joined it."""

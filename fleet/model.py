@@ -192,6 +192,8 @@ class FleetModel:
         signals.polled = True
         if reading.max_running:
             signals.max_running = reading.max_running
+        if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:
+            signals.on_prefill_counters(reading.prefill_tokens_total, reading.prefill_busy_us_total)
         if reading.cache_tokens and reading.cache_tokens != signals.cache_tokens:
             signals.cache_tokens = reading.cache_tokens
             self.prefix.set_capacity(url, reading.cache_tokens)

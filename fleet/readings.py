@@ -29,6 +29,11 @@ class Reading:
     """Monotonic counters (generation tokens, spec verify calls), if the server exports them."""
     cache_tokens: int | None = None
     """Its KV capacity in tokens (SGLang's max_total_num_tokens), which bounds its prefix cache."""
+    prefill_tokens_total: float | None = None
+    prefill_busy_us_total: float | None = None
+    """Monotonic counters of the uncached prompt tokens it prefilled and the microseconds its
+    prefill steps took (SGLang's /v1/loads total_prefill_uncached_tokens, total_prefill_busy_us),
+    if it reports them: its prefill speed under any load."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,6 +80,11 @@ def _age(seconds: float) -> float | None:
     return None if math.isinf(seconds) else round(seconds, 3)
 
 
+def _per_1k(ms_per_token: float | None) -> float | None:
+    """A measured prefill speed as milliseconds per 1,000 tokens (None: not reported)."""
+    return None if ms_per_token is None else round(ms_per_token * 1000, 3)
+
+
 def fleet_state(
     settings: Settings, fleet: FleetModel, pollers: Pollers, decisions: DecisionLog, now: float
 ) -> dict[str, Any]:
@@ -104,6 +109,7 @@ def fleet_state(
                     "error": poller.error,
                     "server_info": poller.info,
                     "prefix": prefix_state(fleet, i.url, now),
+                    "prefill_ms_per_1k_tokens": _per_1k(fleet.instances[i.url].prefill_ms_per_token),
                 }
             )
         pools[name] = {

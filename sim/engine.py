@@ -231,6 +231,10 @@ class Engine:
         self.cache = RadixCache(config.page_size) if config.enable_prefix_cache else None
         self._running_locked = 0  # sum of cache_locked over `running` (their tokens the cache holds)
         self.cached_tokens_total = 0  # sglang:cached_tokens_total (finished requests)
+        # /v1/loads' cumulative prefill counters (SGLang's scheduler step ledger): uncached prompt
+        # tokens prefilled, and the microseconds its prefill steps took.
+        self.total_prefill_uncached_tokens = 0
+        self.total_prefill_busy_us = 0
         self.prefix_cache_queries = 0  # vllm:prefix_cache_queries (prompt tokens looked up at admission)
         self.prefix_cache_hits = 0  # vllm:prefix_cache_hits (of those, tokens found cached)
         self.cache_hit_rate = 0.0  # of the last prefill batch, as SGLang's prefill stats
@@ -461,6 +465,8 @@ class Engine:
 
     def _finish_prefill(self, step: Step, now: float) -> list[Request]:
         self.in_prefill = {}
+        self.total_prefill_uncached_tokens += step.tokens_per_seq
+        self.total_prefill_busy_us += round(step.duration_s * 1e6)
         touched = []
         for req, chunk in zip(step.requests, step.chunks):
             if req.finished:
@@ -605,6 +611,8 @@ class Engine:
             "gen_throughput": self.gauges.get("gen_throughput", 0.0),
             "cache_hit_rate": round(self.cache_hit_rate, 4),
             "utilization": min(self.num_running / cfg.max_running, 1.0),
+            "total_prefill_uncached_tokens": self.total_prefill_uncached_tokens,
+            "total_prefill_busy_us": self.total_prefill_busy_us,
             "queues": {"waiting": self.num_waiting, "grammar": 0, "paused": 0, "retracted": 0, "prealloc_ready": 0},
         }
         if cfg.speculative and self.spec_num_forward_ct:

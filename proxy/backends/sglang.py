@@ -105,7 +105,17 @@ def reading_from_loads(doc: Mapping[str, Any], at: float) -> Reading:
         max_running=int(sum(e.get("max_running_requests", 0) for e in loads)) or None,
         waiting_tokens=float(sum(e.get("num_waiting_uncached_tokens", 0) for e in loads)),
         cache_tokens=int(sum(e.get("max_total_num_tokens", 0) for e in loads)) or None,
+        prefill_tokens_total=_total(loads, "total_prefill_uncached_tokens"),
+        prefill_busy_us_total=_total(loads, "total_prefill_busy_us"),
     )
+
+
+def _total(loads: list[Mapping[str, Any]], field: str) -> float | None:
+    """A counter summed over the ranks, None when a rank does not report it (an older server)."""
+    values = [e.get(field) for e in loads]
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        return None
+    return float(sum(values))  # type: ignore[arg-type]
 
 
 def reading_from_metrics(text: str, at: float) -> Reading:

@@ -77,3 +77,27 @@ def test_vllm_reports_its_default_cap_until_it_is_seen_saturated() -> None:
     backend = VLLM("/metrics")
     assert backend.default_description().max_running == 256
     assert backend.read(VLLM_METRICS, 0.0) == Reading(at=0.0, running=4, waiting=0, max_running=256, accept_steps=160)
+
+
+def test_an_instance_prefill_speed_is_measured_from_its_counters():
+    """SGLang's /v1/loads prefill counters, parsed by the backend and differenced per reading,
+    give the instance's prefill time per token under any load; a restart (counters going back)
+    restarts the differencing instead of a negative rate; older servers report none."""
+    from proxy.backends.sglang import reading_from_loads
+
+    model = FleetModel()
+    model.add_instance("s", "spec", 48)
+
+    def loads(tokens: int, busy_us: int) -> dict:
+        entry = {"num_running_reqs": 10, "num_waiting_reqs": 2, "max_running_requests": 48}
+        return {"loads": [entry | {"total_prefill_uncached_tokens": tokens, "total_prefill_busy_us": busy_us}]}
+
+    model.on_reading("s", reading_from_loads(loads(1000, 50_000), 0.0))
+    assert model.instances["s"].prefill_ms_per_token is None  # one sample: nothing to difference
+    model.on_reading("s", reading_from_loads(loads(5000, 250_000), 1.0))  # 4,000 tokens in 200 ms
+    assert model.instances["s"].prefill_ms_per_token == pytest.approx(0.05)
+    model.on_reading("s", reading_from_loads(loads(100, 90_000), 2.0))  # restarted
+    model.on_reading("s", reading_from_loads(loads(4100, 490_000), 3.0))  # 4,000 tokens in 400 ms
+    assert model.instances["s"].prefill_ms_per_token == pytest.approx(0.075)
+    old = reading_from_loads({"loads": [{"num_running_reqs": 1, "num_waiting_reqs": 0}]}, 4.0)
+    assert old.prefill_tokens_total is None and old.prefill_busy_us_total is None

@@ -194,3 +194,24 @@ def test_vllm_twin_counts_prefix_cache_queries_and_hits():
         assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 124 * 16}
         assert metric(t, "vllm:prefix_cache_queries_total") == 4000
         assert metric(t, "vllm:prefix_cache_hits_total") == 124 * 16
+
+
+def test_loads_count_the_prefill_work_done():
+    """/v1/loads' cumulative total_prefill_uncached_tokens and total_prefill_busy_us, as SGLang's
+    scheduler ledger reports them: a fresh prompt adds its tokens and its profile's prefill
+    time, a repeated one only what its cache did not hold."""
+    args = ("--enable-cache-report", "--load-snapshot-publish-interval", "1")
+    with twin("base", "kimi-linear", time_scale=SCALE, seed=5, args=args) as t:
+        before = loads(t)
+        assert (before["total_prefill_uncached_tokens"], before["total_prefill_busy_us"]) == (0, 0)
+        messages = [{"role": "user", "content": long_text(2996, "p")}]  # 3,000 tokens
+        timed(t, body_of(messages))
+        first = wait_for(lambda: (s := loads(t))["total_prefill_uncached_tokens"] > 0 and s, "the counters", timeout=20)
+        assert first["total_prefill_uncached_tokens"] == 3000
+        assert first["total_prefill_busy_us"] == round(KIMI.prefill_ms(3000) * 1000)
+        timed(t, body_of(messages))  # all cached but its last token
+        again = wait_for(
+            lambda: (s := loads(t))["total_prefill_uncached_tokens"] > 3000 and s, "the second prefill", timeout=20
+        )
+        assert again["total_prefill_uncached_tokens"] == 3001
+        assert again["total_prefill_busy_us"] == first["total_prefill_busy_us"] + round(KIMI.prefill_ms(1) * 1000)
