@@ -227,15 +227,18 @@ class StepCostModel:
         ratio = step_ms / self.seed_step_ms(batch, model.tokens_per_seq)
         self._learn(model.decode.bucket(_nearest(BUCKETS, batch), now), ratio, weight, now)
 
-    def observe_prefill(self, pool: str, tokens: float, prefill_ms: float, now: float | None = None) -> None:
+    def observe_prefill(
+        self, pool: str, tokens: float, prefill_ms: float, now: float | None = None, weight: float = 1.0
+    ) -> None:
         """One observed prefill iteration of `tokens` prompt tokens (the time to first token of a
-        request that found a free slot, less the wait for the step in flight), at `now`."""
-        if tokens < 1 or prefill_ms <= 0 or not math.isfinite(prefill_ms):
+        request that found a free slot, less the wait for the step in flight), or a mean of
+        `weight` iterations, at `now`."""
+        if tokens < 1 or prefill_ms <= 0 or not math.isfinite(prefill_ms) or weight <= 0:
             return
         now = self._tell(now)
         model = self._pools[pool]
         ratio = prefill_ms / self.seed.prefill_ms(max(int(round(tokens)), 1), model.tokens_per_seq > 1)
-        self._learn(model.prefill.bucket(_nearest(PREFILL_BUCKETS, tokens), now), ratio, 1.0, now)
+        self._learn(model.prefill.bucket(_nearest(PREFILL_BUCKETS, tokens), now), ratio, weight, now)
 
     def _learn(self, bucket: _Bucket, ratio: float, weight: float, now: float) -> None:
         fresh = bucket.weight == 0

@@ -76,15 +76,18 @@ class InstanceSignals:
     time over tokens, weighted by tokens over about PREFILL_MEMORY_TOKENS (None: not reported)."""
     prefill_tokens_measured: float = 0.0
 
-    def on_prefill_counters(self, tokens_total: float, busy_us_total: float) -> None:
+    def on_prefill_counters(self, tokens_total: float, busy_us_total: float) -> tuple[float, float] | None:
+        """Difference the cumulative counters: (uncached tokens, busy microseconds) since the
+        previous reading, or None (the first reading, a reset, or no prefill since)."""
         delta = self.prefill_counters.add(tokens_total, busy_us_total)
         if delta is None or delta[0] <= 0:
-            return
+            return None
         tokens, busy_us = delta
         rate = busy_us / 1000 / tokens
         self.prefill_tokens_measured = min(self.prefill_tokens_measured + tokens, PREFILL_MEMORY_TOKENS)
         mean = self.prefill_ms_per_token if self.prefill_ms_per_token is not None else rate
         self.prefill_ms_per_token = mean + (rate - mean) * tokens / self.prefill_tokens_measured
+        return delta
 
     recent_dispatches: deque[float] = field(default_factory=lambda: deque(maxlen=64))
     """When our latest requests were sent here (kept across readings): a request sent while

@@ -193,7 +193,9 @@ class FleetModel:
         if reading.max_running:
             signals.max_running = reading.max_running
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:
-            signals.on_prefill_counters(reading.prefill_tokens_total, reading.prefill_busy_us_total)
+            work = signals.on_prefill_counters(reading.prefill_tokens_total, reading.prefill_busy_us_total)
+            if work is not None:
+                self._on_prefill_work(signals, reading.at, *work)
         if reading.cache_tokens and reading.cache_tokens != signals.cache_tokens:
             signals.cache_tokens = reading.cache_tokens
             self.prefix.set_capacity(url, reading.cache_tokens)
@@ -427,6 +429,22 @@ class FleetModel:
             return
         chunks = math.ceil(prompt / PREFILL_CHUNK_TOKENS)
         self.cost.observe_prefill(signals.pool, prompt / chunks, 1000 * ttft_s / chunks, now)
+
+    def _on_prefill_work(self, signals: InstanceSignals, now: float, tokens: float, busy_us: float) -> None:
+        """A server's prefill work since its previous reading (its counters' delta) as prefill
+        evidence, whatever its load: the counters give tokens and busy time, not how many
+        iterations shared them, so the tokens are taken as iterations of the instance's recent
+        mean uncached prompt per dispatch of ours (capped at a chunk), each the busy time's
+        share, weighed as that many iterations. Nothing sent here lately: no step size to
+        attribute, no evidence."""
+        per_s = signals.sent.per_s(now)
+        if per_s <= 0:
+            return
+        step = min(signals.prompt_tokens_sent.per_s(now) / per_s, PREFILL_CHUNK_TOKENS)
+        if step < 1 or busy_us <= 0:
+            return
+        steps = tokens / step
+        self.cost.observe_prefill(signals.pool, step, busy_us / 1000 / steps, now, weight=steps)
 
     def _on_output(self, tokens: int) -> None:
         # The plain mean of the first OUTPUT_MEMORY responses, then a moving one over about as

@@ -101,3 +101,46 @@ def test_an_instance_prefill_speed_is_measured_from_its_counters():
     assert model.instances["s"].prefill_ms_per_token == pytest.approx(0.075)
     old = reading_from_loads({"loads": [{"num_running_reqs": 1, "num_waiting_reqs": 0}]}, 4.0)
     assert old.prefill_tokens_total is None and old.prefill_busy_us_total is None
+
+
+def test_a_never_idle_server_prefilling_twice_as_slow_as_the_seed_is_learned_from_its_counters() -> None:
+    """Under sustained load no request finds its instance idle, so no time to first token teaches
+    prefill; the server's prefill counters do: their busy time per our mean uncached prompt."""
+    from fleet.costmodel import AffineSeed
+
+    seed = AffineSeed()
+
+    def learned(counters: bool) -> tuple[float, float]:
+        model = FleetModel(seed=seed)
+        model.add_instance("b", "base", 8)
+        tokens = busy_us = 0.0
+        sent = []
+        for i in range(400):  # 20 s: a dispatch every 0.1 s, a reading every 0.05 s
+            now = 0.05 * i
+            if counters:
+                # What the server prefilled by now (each prompt 0.1 s after its dispatch), twice the seed's time.
+                done = [p for at, p in sent if at + 0.1 <= now]
+                tokens = float(sum(done))
+                busy_us = sum(2000 * seed.prefill_ms(p) for p in done)
+            model.on_reading(
+                "b",
+                Reading(
+                    now,
+                    running=8,
+                    waiting=3,
+                    prefill_tokens_total=tokens or None,
+                    prefill_busy_us_total=busy_us if tokens else None,
+                ),
+            )
+            if i % 2 == 0:
+                prompt = 600 if i % 4 == 0 else 1400  # a mean of 1,000
+                dispatch = model.on_dispatch("b", now, prompt)
+                sent.append((now, prompt))
+                # Its first token came after the queue ahead of it: not the prefill alone, not taken.
+                model.on_response("b", now + 0.4, ResponseEvidence(ttft_s=0.4, dispatch=dispatch))
+        return model.cost.prefill_ms("base", 1000, now), model.cost.evidence("base", 1000, now, prefill=True)
+
+    assert learned(counters=False) == (pytest.approx(seed.prefill_ms(1000)), 0.0)  # nothing else teaches it
+    ms, evidence = learned(counters=True)
+    assert ms == pytest.approx(2 * seed.prefill_ms(1000), rel=0.05)
+    assert evidence > 50
