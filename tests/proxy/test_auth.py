@@ -294,7 +294,10 @@ def test_sighup_rereads_the_keys_file_and_no_key_reaches_logs_traces_config_or_e
             timeout=60,
         ).stdout
     upstream_auth = [r.headers.get("authorization") for r in echo.requests if r.method == "POST"]
-    assert upstream_auth == [None]  # base has no pool key; the client's never goes on
+    # The pinned request reached base, and so may unpinned ones (the policy routes them: a spec
+    # reading gone stale on a loaded machine sends them to base): none carries a key, as base
+    # has no pool key and the client's never goes on.
+    assert upstream_auth and set(upstream_auth) == {None}
     assert '"status":200' in out.replace(" ", "") and sink.received, (
         "nothing logged or traced: the check below would be empty"
     )
