@@ -325,6 +325,9 @@ class Router:
             half_life_s=settings.acceptance_half_life_s,
             seed=seed_from_profile(settings.profile) if settings.profile else None,
             costmodel_half_life_s=settings.costmodel_half_life_s,
+            prefix_max_blocks=settings.prefix_max_blocks,
+            max_sessions=settings.max_sessions,
+            session_ttl_s=settings.session_ttl_s,
         )
         policy = registry.create(settings.policy, settings.policy_params())
         pools = pools_from_settings(settings, fleet)

@@ -11,6 +11,8 @@ from yarl import URL
 
 from fleet.acceptance import DEFAULT_HALF_LIFE_S
 from fleet.costmodel import DEFAULT_HALF_LIFE_S as COSTMODEL_HALF_LIFE_S
+from fleet.prefix import DEFAULT_MAX_BLOCKS
+from fleet.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S
 from policies import registry
 from policies.goodput import GoodputParams
 
@@ -109,6 +111,21 @@ class _SettingsHead(BaseSettings):
     )
     state_decisions: int = Field(
         64, ge=1, le=10_000, description="Recent routing decisions kept for GET /v1/specroute/state."
+    )
+    prefix_max_blocks: int = Field(
+        DEFAULT_MAX_BLOCKS,
+        ge=1,
+        le=100_000_000,
+        description="Most (instance, block of 256 prompt tokens) entries the prefix index keeps, about 200 bytes each; the least recently used go first.",
+    )
+    max_sessions: int = Field(
+        DEFAULT_MAX_SESSIONS,
+        ge=0,
+        le=10_000_000,
+        description="Named sessions remembered (x-specroute-session, prompt_cache_key, user); 0 ignores session names.",
+    )
+    session_ttl_s: float = Field(
+        DEFAULT_SESSION_TTL_S, gt=0, description="Seconds a named session is remembered after its last request."
     )
 
 

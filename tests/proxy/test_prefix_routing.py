@@ -248,3 +248,21 @@ def test_a_decision_keeps_its_instance_through_the_log():
     log = DecisionLog(4)
     explained = log.explain(Features(prompt_tokens=10), Decision("spec", "x", instance="u"), Snapshot(pools={}))
     assert explained.instance == "u" and log.recent[-1]["chosen"] == "u"
+
+
+def test_the_index_and_session_bounds_are_settings():
+    settings = load_settings(
+        spec_urls=",".join(SPEC),
+        base_urls=",".join(BASE),
+        request_log=False,
+        prefix_max_blocks=5000,
+        max_sessions=0,
+        session_ttl_s=30,
+    )
+    fleet = Router.from_settings(settings).fleet
+    assert fleet.prefix.max_blocks == 5000
+    assert (fleet.sessions.max_sessions, fleet.sessions.ttl_s) == (0, 30.0)
+    blocks = block_hashes({"messages": [{"role": "user", "content": "x" * 2048}]})
+    fleet.on_dispatch(SPEC[0], 0.0, 600, blocks=blocks, session="s")
+    assert len(fleet.sessions) == 0  # 0 sessions: names are ignored, the index still learns
+    assert fleet.prefix.blocks(SPEC[0]) == len(blocks) > 0
