@@ -12,10 +12,8 @@ docs/learning.md, "Fleets").
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import math
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -24,7 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.markers import write_section
+from bench.markers import sweep_parser, write_section
 from bench.routing import CONCURRENCY, LOADS, SEEDS, SETUPS, SPLITS, capacity_rps, lengths, poisson
 from bench.routing_sim import Setup, Slo, Workload, closed_loop, run, summarize
 
@@ -322,10 +320,7 @@ def write_doc(section: str, doc: Path = DOC) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.learning", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two fleets, three cells, one seed (a smoke test)")
-    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
-    parser.add_argument("--no-write", action="store_true", help="print the results instead of writing docs/")
+    parser = sweep_parser("bench.learning", __doc__, "two fleets, three cells, one seed (a smoke test)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     jobs = jobs_for(args.quick)

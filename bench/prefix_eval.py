@@ -21,9 +21,7 @@ results section of docs/routing.md between its sessions markers (--no-write prin
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
-import os
 import statistics
 import sys
 import time
@@ -34,7 +32,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from bench.markers import write_section
+from bench.markers import sweep_parser, write_section
 from bench.routing import H200_SLO, KIMI_SLO, SPLITS, capacity_rps, oracle
 from bench.routing_sim import RunResult, Setup, Workload, run, summarize
 from bench.sessions import Script, generate
@@ -303,10 +301,7 @@ def write_doc(section: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.prefix_eval", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one fleet, one load, 300 requests (a smoke test)")
-    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
-    parser.add_argument("--no-write", action="store_true", help="print the results instead of writing docs/")
+    parser = sweep_parser("bench.prefix_eval", __doc__, "one fleet, one load, 300 requests (a smoke test)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     jobs = jobs_for(args.quick)

@@ -8,10 +8,8 @@ one fleet and a few load levels (for a smoke test); the full run takes a few min
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import math
-import os
 import random
 import statistics
 import sys
@@ -22,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.markers import write_section
+from bench.markers import sweep_parser, write_section
 from bench.routing_sim import (
     Setup,
     Slo,
@@ -473,10 +471,7 @@ def write_doc(section: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one fleet, two load levels (a smoke test)")
-    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="worker processes")
-    parser.add_argument("--no-write", action="store_true", help="print the results instead of writing docs/")
+    parser = sweep_parser("bench.routing", __doc__, "one fleet, two load levels (a smoke test)")
     args = parser.parse_args(argv)
     started = time.monotonic()
     jobs = jobs_for(args.quick)
