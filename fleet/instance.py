@@ -46,6 +46,21 @@ class EventRate:
 
 
 @dataclass(slots=True)
+class CacheStats:
+    """One instance's prompt tokens as its servers' usage reported them, and how many of them
+    were cached; and what the router credited it with."""
+
+    responses: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    credited_tokens: int = 0
+    """Tokens credited at dispatch to the requests in `responses`, in the router's estimate's units."""
+
+    def hit_rate(self) -> float | None:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
+
+
+@dataclass(slots=True)
 class InstanceSignals:
     url: str
     pool: str
@@ -69,6 +84,8 @@ class InstanceSignals:
     """Requests this router sent here per second."""
     cache_tokens: int | None = None
     """Its KV capacity in tokens as last read (the prefix index's cap for it)."""
+    cache: CacheStats = field(default_factory=CacheStats)
+    """What its responses reported of its prefix cache."""
     prefill_counters: CounterDelta = field(default_factory=CounterDelta)
     """Its cumulative prefill tokens and busy microseconds, differenced between readings."""
     prefill_ms_per_token: float | None = None

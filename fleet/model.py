@@ -65,21 +65,6 @@ NO_MATCH = PrefixMatch({}, {})
 
 
 @dataclass(slots=True)
-class CacheStats:
-    """One instance's prompt tokens as its servers' usage reported them, and how many of them
-    were cached; and what the router credited it with."""
-
-    responses: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    credited_tokens: int = 0
-    """Tokens credited at dispatch to the requests in `responses`, in the router's estimate's units."""
-
-    def hit_rate(self) -> float | None:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else None
-
-
-@dataclass(slots=True)
 class PoolSignals:
     """What the model learns per pool (beyond its instances)."""
 
@@ -131,8 +116,6 @@ class FleetModel:
         """Running mean of finished requests' output tokens (the traffic's typical length)."""
         self.prefix = PrefixIndex(block_tokens=prefix_block_tokens, max_blocks=prefix_max_blocks)
         self.sessions = SessionTable(max_sessions, session_ttl_s)
-        self.cache_stats: dict[str, CacheStats] = {}
-        """Per instance, what its responses reported of its prefix cache."""
         for name, num_draft_tokens in pools.items():
             self.add_pool(name, num_draft_tokens, None if speculative is None else name in speculative)
 
@@ -154,7 +137,6 @@ class FleetModel:
             self.add_pool(pool)
         signals = InstanceSignals(url=url, pool=pool, max_running=max_running)
         self.instances[url] = signals
-        self.cache_stats[url] = CacheStats()
         return signals
 
     def acceptance(self, pool: str = "spec") -> AcceptanceEstimator | None:
@@ -383,7 +365,7 @@ class FleetModel:
         the index's trust in it when the index had claimed a prefix there."""
         if evidence.cached_tokens is None:
             return
-        stats = self.cache_stats[url]
+        stats = self.instances[url].cache
         stats.responses += 1
         stats.prompt_tokens += evidence.prompt_tokens or sent.prompt_tokens
         stats.cached_tokens += evidence.cached_tokens

@@ -164,7 +164,8 @@ def prefix_state(fleet: FleetModel, url: str, now: float) -> dict[str, Any]:
     """An instance's prefix cache as the router sees it: the blocks the index holds for it (and
     its cap), the trust in its claims, what its responses reported (responses with a cache
     report, their prompt and cached tokens, the hit rate) and the tokens credited to them."""
-    stats = fleet.cache_stats.get(url)
+    signals = fleet.instances.get(url)
+    stats = signals.cache if signals is not None else None
     rate = stats.hit_rate() if stats is not None else None
     return {
         "blocks": fleet.prefix.blocks(url),

@@ -55,7 +55,7 @@ def test_reports_of_fewer_cached_tokens_lower_the_credit_and_unreachable_forgets
     match = model.cached(NEXT_TURN, 5200, 6.0)
     assert match.matched["s0"] == 10 * BLOCK  # the index still claims all its blocks
     assert match.credit["s0"] < 0.3 * 10 * BLOCK  # but credits a fraction: 0.75^5 of them
-    stats = model.cache_stats["s0"]
+    stats = model.instances["s0"].cache
     assert (stats.responses, stats.cached_tokens, stats.hit_rate()) == (5, 0, 0.0)
     model.set_health("s0", False)
     model.set_health("s0", True)

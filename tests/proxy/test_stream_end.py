@@ -32,7 +32,7 @@ def test_a_client_that_leaves_at_done_does_not_cut_the_response_short():
         chunks = list(stream)  # the SDK closes the connection at [DONE]
         assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
         wait_for(lambda: proxy.in_flight() == 0, "the proxy to end the request", timeout=10)
-        stats = proxy.app.router.fleet.cache_stats[upstream.url]
+        stats = proxy.app.router.fleet.instances[upstream.url].cache
         assert (stats.responses, stats.cached_tokens, stats.prompt_tokens) == (1, 32, 40)
         metrics = httpx.get(proxy.url + "/metrics", timeout=5).text
         cached = STREAM_USAGE["usage"]["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index]
