@@ -187,6 +187,9 @@ class StepCostModel:
         self._pools: dict[str, _PoolModel] = {}
         self._seed_steps: dict[tuple[int, int], float] = {}
         self._memo_seed: Seed | None = None
+        self.version = 0
+        """Bumped by everything that changes a prediction (a learned observation, a new verify
+        width): a `StepCostAt` remembers its predictions while it stays the same."""
         # Pool name -> tokens drafted per verify step (0: plain); the mission's two by default.
         for name, k in (pools if pools is not None else {"spec": num_draft_tokens, "base": 0}).items():
             self.set_draft_tokens(name, k)
@@ -197,6 +200,7 @@ class StepCostModel:
         known = self._pools.get(pool)
         if known is None or known.tokens_per_seq != width:
             self._pools[pool] = _PoolModel(tokens_per_seq=width)
+            self.version += 1
 
     def tokens_per_seq(self, pool: str) -> int:
         return self._pools[pool].tokens_per_seq
@@ -241,6 +245,7 @@ class StepCostModel:
         self._learn(model.prefill.bucket(_nearest(PREFILL_BUCKETS, tokens), now), ratio, weight, now)
 
     def _learn(self, bucket: _Bucket, ratio: float, weight: float, now: float) -> None:
+        self.version += 1
         fresh = bucket.weight == 0
         bucket.weight = min(bucket.trust(now, self.half_life_s) + weight, self.memory)
         bucket.ratio += (ratio - bucket.ratio) * weight / bucket.weight
@@ -340,22 +345,109 @@ class StepCostModel:
 
 class StepCostAt:
     """A StepCostModel's predictions at one moment: learned corrections weighed by their trust
-    at `now`. Cheap to make (one per snapshot); it reads the model, it copies nothing."""
+    at `now`. Cheap to make (one per snapshot); it reads the model, it copies nothing.
 
-    __slots__ = ("model", "now")
+    A decision asks for the same few points again and again (a pool's step at each instance's
+    batch, the prefill of the same prompt on each instance), so each answer is remembered, as
+    is each learned bucket's trust at `now`, while the model's `version` stays the same (it
+    learned nothing since): the same floats as the model's own methods, computed once."""
+
+    __slots__ = ("model", "now", "_version", "_steps", "_prefills", "_evidence", "_weights")
 
     def __init__(self, model: StepCostModel, now: float):
         self.model = model
         self.now = now
+        self._version = model.version
+        self._steps: dict[tuple[str, int, int], float] = {}
+        self._prefills: dict[tuple[str, int], float] = {}
+        self._evidence: dict[tuple[str, float, bool], float] = {}
+        self._weights: dict[int, float] = {}
+        """id(bucket) -> its trust at `now` (the buckets live while the version holds)."""
+
+    def _check(self) -> None:
+        if self._version != self.model.version:
+            self._version = self.model.version
+            self._steps.clear()
+            self._prefills.clear()
+            self._evidence.clear()
+            self._weights.clear()
+
+    def _weight(self, bucket: _Bucket) -> float:
+        weight = self._weights.get(id(bucket))
+        if weight is None:
+            weight = self._weights[id(bucket)] = bucket.trust(self.now, self.model.half_life_s)
+        return weight
+
+    def _trusted(self, bucket: _Bucket) -> float:
+        # StepCostModel._trusted, with the bucket's trust remembered.
+        weight = self._weight(bucket)
+        prior = self.model.prior_weight
+        return (prior + bucket.ratio * weight) / (prior + weight)
+
+    def _correction(self, curve: _Curve, size: float) -> float:
+        # StepCostModel._correction at `now`, step for step.
+        xs = curve.xs
+        if not xs:
+            return 1.0
+        x = math.log(size) if size > 1 else 0.0
+        i = bisect.bisect_left(xs, x)
+        if i == 0:
+            return self._trusted(curve.learned[0])
+        if i >= len(xs):
+            return self._trusted(curve.learned[-1])
+        t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return self._trusted(curve.learned[i - 1]) * (1 - t) + self._trusted(curve.learned[i]) * t
 
     def decode_step_ms(self, pool: str, batch: int, tokens_per_seq: int) -> float:
-        return self.model.decode_step_ms(pool, batch, tokens_per_seq, self.now)
+        """StepCostModel.decode_step_ms at `now`."""
+        self._check()
+        key = (pool, batch, tokens_per_seq)
+        step = self._steps.get(key)
+        if step is None:
+            model = self.model
+            batch = max(batch, 1)
+            step = model.seed_step_ms(batch, tokens_per_seq) * self._correction(model._pools[pool].decode, batch)
+            self._steps[key] = step
+        return step
 
     def prefill_ms(self, pool: str, tokens: int) -> float:
-        return self.model.prefill_ms(pool, tokens, self.now)
+        """StepCostModel.prefill_ms at `now`."""
+        self._check()
+        key = (pool, tokens)
+        ms = self._prefills.get(key)
+        if ms is None:
+            tokens = max(tokens, 1)
+            known = self.model._pools[pool]
+            ms = self.model.seed.prefill_ms(tokens, known.tokens_per_seq > 1) * self._correction(known.prefill, tokens)
+            self._prefills[key] = ms
+        return ms
 
     def evidence(self, pool: str, batch: float, prefill: bool = False) -> float:
-        return self.model.evidence(pool, batch, self.now, prefill)
+        """StepCostModel.evidence at `now`."""
+        self._check()
+        key = (pool, batch, prefill)
+        found = self._evidence.get(key)
+        if found is not None:
+            return found
+        known = self.model._pools.get(pool)
+        curve = None if known is None else known.prefill if prefill else known.decode
+        if curve is None or not curve.xs:
+            value = 0.0
+        else:
+            xs = curve.xs
+            x = math.log(max(batch, 1.0))
+            i = bisect.bisect_left(xs, x)
+            value = -math.inf
+            for j in (i - 1, i):
+                if 0 <= j < len(xs):
+                    near = self._weight(curve.learned[j]) / (1.0 + abs(x - xs[j]) / _LOG2)
+                    if near > value:
+                        value = near
+        self._evidence[key] = value
+        return value
+
+
+_LOG2 = math.log(2.0)
 
 
 def _nearest(buckets: tuple[int, ...], size: float) -> int:

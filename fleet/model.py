@@ -282,8 +282,8 @@ class FleetModel:
         signals = self.instances[url]
         cached = match.credit.get(url, 0)
         uncached = max(prompt_tokens - cached, 0)
-        running, waiting = signals.adjusted()
-        ahead = signals.waiting_tokens() if waiting > 0 else 0.0
+        running, waiting, waiting_tokens = signals.load_state()
+        ahead = waiting_tokens if waiting > 0 else 0.0
         sent = Dispatch(
             url,
             now,
@@ -475,16 +475,16 @@ class FleetModel:
         return known.workloads if known is not None else None
 
     def _instance_state(self, signals: InstanceSignals, now: float) -> InstanceState:
-        running, waiting = signals.adjusted()
+        running, waiting, waiting_tokens = signals.load_state()
         return InstanceState(
-            url=signals.url,
-            running=running,
-            waiting=waiting,
-            max_running=signals.max_running,
-            healthy=signals.healthy and not signals.ejected,
-            ejected=signals.ejected,
-            age_s=signals.age(now),
-            waiting_tokens=signals.waiting_tokens(),
-            prompt_tokens_per_s=signals.prompt_tokens_sent.per_s(now),
-            dispatches_per_s=signals.sent.per_s(now),
+            signals.url,
+            running,
+            waiting,
+            signals.max_running,
+            signals.healthy and not signals.ejected,
+            signals.ejected,
+            signals.age(now),
+            waiting_tokens,
+            signals.prompt_tokens_sent.per_s(now),
+            signals.sent.per_s(now),
         )

@@ -67,7 +67,7 @@ Each rule, its reason tokens, and what it earned:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pydantic import Field
 
@@ -228,15 +228,22 @@ class Goodput:
         than that wait in its queue instead of stalling its decode. A slot is held for a typical
         decode (`n_out` tokens at the full batch) stretched by the prefills themselves, so the
         cap's turnover bounds the share at a / (1 + a), a = cap x prefill / decode."""
-        if instance.dispatches_per_s <= 0:
+        tau, width = self.accept_length(pool)
+        return self._prefill_share(pool.name, instance, cost, n_out, tau, width)
+
+    def _prefill_share(
+        self, pool: PoolName, instance: InstanceState, cost: StepCost, n_out: int, tau: float, width: int
+    ) -> float:
+        """`prefill_share`, the pool's accept length given."""
+        sent = instance.dispatches_per_s
+        if sent <= 0:
             return 0.0
-        mean_prompt = max(int(instance.prompt_tokens_per_s / instance.dispatches_per_s), 1)
-        prefill_ms = cost.prefill_ms(pool.name, mean_prompt)
-        busy = instance.dispatches_per_s * prefill_ms / 1000
+        mean_prompt = max(int(instance.prompt_tokens_per_s / sent), 1)
+        prefill_ms = cost.prefill_ms(pool, mean_prompt)
+        busy = sent * prefill_ms / 1000
         cap = max(instance.max_running, 1)
-        if n_out > 1 and instance.load + 1 >= cap:
-            tau, width = self.accept_length(pool)
-            held_ms = (n_out - 1) * cost.decode_step_ms(pool.name, cap, width) / tau
+        if n_out > 1 and instance.running + instance.waiting + 1 >= cap:
+            held_ms = (n_out - 1) * cost.decode_step_ms(pool, cap, width) / tau
             a = cap * prefill_ms / held_ms
             busy = min(busy, a / (1 + a))
         return min(busy, MAX_PREFILL_SHARE)
@@ -252,12 +259,27 @@ class Goodput:
     ) -> Prediction:
         """`n_out`: the output tokens planned for (`output_tokens`); `triage`: see `pressure`."""
         tau, width = self.accept_length(pool)
+        return self._predict(pool.name, instance, features, cost, n_out, triage, tau, width)
+
+    def _predict(
+        self,
+        pool: PoolName,
+        instance: InstanceState,
+        features: Features,
+        cost: StepCost,
+        n_out: int,
+        triage: bool,
+        tau: float,
+        width: int,
+    ) -> Prediction:
+        """`predict`, the pool named and its accept length given (a decision computes it once
+        per pool, then predicts on each of its instances)."""
         cap = max(instance.max_running, 1)
-        load = max(instance.load, 0.0)
+        load = max(instance.running + instance.waiting, 0.0)
         waiting = max(instance.waiting, 0.0)
         batch = int(min(load + 1, cap))
-        step_ms = cost.decode_step_ms(pool.name, batch, width)
-        tpot_ms = step_ms / tau / (1 - self.prefill_share(pool, instance, cost, n_out))
+        step_ms = cost.decode_step_ms(pool, batch, width)
+        tpot_ms = step_ms / tau / (1 - self._prefill_share(pool, instance, cost, n_out, tau, width))
         # The own decode is costed unstretched: the prefills stall both pools' decodes alike, and
         # what joining adds to them is in `others`.
         decode_ms = max(n_out - 1, 0) / tau * step_ms
@@ -270,8 +292,8 @@ class Goodput:
         )
         queued = ahead + prompt
         chunks = math.ceil(queued / self.prefill_chunk_tokens)
-        prefill_ms = chunks * cost.prefill_ms(pool.name, math.ceil(queued / chunks))
-        own_prefill_ms = cost.prefill_ms(pool.name, prompt)
+        prefill_ms = chunks * cost.prefill_ms(pool, math.ceil(queued / chunks))
+        own_prefill_ms = cost.prefill_ms(pool, prompt)
         # Past the cap, a slot frees every (typical request time / cap): the queue drains at that
         # rate. A typical request holds its slot for its decode at the stretched TPOT. (Counting
         # the slots running requests free while the prompts ahead are prefilled admitted too
@@ -287,7 +309,7 @@ class Goodput:
         if running >= 1 and over <= 0:
             # Joining costs the running requests our prefill (decode stalls while it runs) and a
             # longer step for the rest of their decode (on average half their output is left).
-            slower = step_ms - cost.decode_step_ms(pool.name, max(int(load), 1), width)
+            slower = step_ms - cost.decode_step_ms(pool, max(int(load), 1), width)
             others_ms = running * (own_prefill_ms + max(slower, 0.0) * (n_out / 2) / tau)
         # The requests decoding there sit through the prompts queued ahead of us and ours before
         # their next token: spread over what they have left (about half an output), that stall
@@ -333,7 +355,9 @@ class Goodput:
         """The decision names the instance its pool's prediction was for, when `join` chose it
         for its cached prefix (else the router takes the least loaded)."""
         instance = c.chosen.get(decision.pool)
-        return replace(decision, instance=instance) if instance is not None else decision
+        if instance is None:
+            return decision
+        return Decision(pool=decision.pool, reason=decision.reason, scores=decision.scores, instance=instance)
 
     # Guards: the snapshot alone.
 
@@ -425,13 +449,14 @@ class Goodput:
         healthy = pool.healthy_instances
         least = pool.least_loaded()
         assert least is not None
-        on_least = self.predict(pool, least, features, cost, n_out)
+        tau, width = self.accept_length(pool)
+        on_least = self._predict(pool.name, least, features, cost, n_out, False, tau, width)
         if len(healthy) < 2 or not self.cache_credit:
             return least, on_least
         best, on_best = least, on_least
         for instance in healthy:
             if instance is not least:
-                prediction = self.predict(pool, instance, features, cost, n_out)
+                prediction = self._predict(pool.name, instance, features, cost, n_out, False, tau, width)
                 if prediction.cost_s < on_best.cost_s:
                     best, on_best = instance, prediction
         # Named when it is not the least loaded, or holds part of the prompt (among equally
