@@ -352,7 +352,7 @@ class StepCostAt:
     is each learned bucket's trust at `now`, while the model's `version` stays the same (it
     learned nothing since): the same floats as the model's own methods, computed once."""
 
-    __slots__ = ("model", "now", "_version", "_steps", "_prefills", "_evidence", "_weights")
+    __slots__ = ("model", "now", "_version", "_steps", "_prefills", "_evidence", "_curves")
 
     def __init__(self, model: StepCostModel, now: float):
         self.model = model
@@ -361,8 +361,10 @@ class StepCostAt:
         self._steps: dict[tuple[str, int, int], float] = {}
         self._prefills: dict[tuple[str, int], float] = {}
         self._evidence: dict[tuple[str, float, bool], float] = {}
-        self._weights: dict[int, float] = {}
-        """id(bucket) -> its trust at `now` (the buckets live while the version holds)."""
+        self._curves: dict[int, tuple[list[float], list[float]]] = {}
+        """id(curve) -> its learned buckets' trust at `now` and their trusted corrections
+        (StepCostModel._trusted), in the order of its `xs` (the curves live while the version
+        holds)."""
 
     def _check(self) -> None:
         if self._version != self.model.version:
@@ -370,37 +372,39 @@ class StepCostAt:
             self._steps.clear()
             self._prefills.clear()
             self._evidence.clear()
-            self._weights.clear()
+            self._curves.clear()
 
-    def _weight(self, bucket: _Bucket) -> float:
-        weight = self._weights.get(id(bucket))
-        if weight is None:
-            weight = self._weights[id(bucket)] = bucket.trust(self.now, self.model.half_life_s)
-        return weight
-
-    def _trusted(self, bucket: _Bucket) -> float:
-        # StepCostModel._trusted, with the bucket's trust remembered.
-        weight = self._weight(bucket)
-        prior = self.model.prior_weight
-        return (prior + bucket.ratio * weight) / (prior + weight)
+    def _curve(self, curve: _Curve) -> tuple[list[float], list[float]]:
+        found = self._curves.get(id(curve))
+        if found is None:
+            now, half_life_s, prior = self.now, self.model.half_life_s, self.model.prior_weight
+            weights = [bucket.trust(now, half_life_s) for bucket in curve.learned]
+            trusted = [
+                (prior + bucket.ratio * weight) / (prior + weight)
+                for bucket, weight in zip(curve.learned, weights, strict=True)
+            ]
+            found = self._curves[id(curve)] = (weights, trusted)
+        return found
 
     def _correction(self, curve: _Curve, size: float) -> float:
         # StepCostModel._correction at `now`, step for step.
         xs = curve.xs
         if not xs:
             return 1.0
+        trusted = self._curve(curve)[1]
         x = math.log(size) if size > 1 else 0.0
         i = bisect.bisect_left(xs, x)
         if i == 0:
-            return self._trusted(curve.learned[0])
+            return trusted[0]
         if i >= len(xs):
-            return self._trusted(curve.learned[-1])
+            return trusted[-1]
         t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return self._trusted(curve.learned[i - 1]) * (1 - t) + self._trusted(curve.learned[i]) * t
+        return trusted[i - 1] * (1 - t) + trusted[i] * t
 
     def decode_step_ms(self, pool: str, batch: int, tokens_per_seq: int) -> float:
         """StepCostModel.decode_step_ms at `now`."""
-        self._check()
+        if self._version != self.model.version:
+            self._check()
         key = (pool, batch, tokens_per_seq)
         step = self._steps.get(key)
         if step is None:
@@ -412,7 +416,8 @@ class StepCostAt:
 
     def prefill_ms(self, pool: str, tokens: int) -> float:
         """StepCostModel.prefill_ms at `now`."""
-        self._check()
+        if self._version != self.model.version:
+            self._check()
         key = (pool, tokens)
         ms = self._prefills.get(key)
         if ms is None:
@@ -435,12 +440,13 @@ class StepCostAt:
             value = 0.0
         else:
             xs = curve.xs
+            weights = self._curve(curve)[0]
             x = math.log(max(batch, 1.0))
             i = bisect.bisect_left(xs, x)
             value = -math.inf
             for j in (i - 1, i):
                 if 0 <= j < len(xs):
-                    near = self._weight(curve.learned[j]) / (1.0 + abs(x - xs[j]) / _LOG2)
+                    near = weights[j] / (1.0 + abs(x - xs[j]) / _LOG2)
                     if near > value:
                         value = near
         self._evidence[key] = value

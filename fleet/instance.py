@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from fleet.acceptance import CounterDelta
 from fleet.readings import Reading
+from fleet.types import InstanceState
 
 # Prefill tokens the measured prefill speed is averaged over (a moving mean after that).
 PREFILL_MEMORY_TOKENS = 65_536
@@ -153,6 +154,27 @@ class InstanceSignals:
             running += to_running
             waiting += missing - to_running
         return running, waiting, None if reading.waiting_tokens is None else reading.waiting_tokens + tokens
+
+    def state(self, now: float) -> InstanceState:
+        """The instance as a policy sees it at `now` (what a snapshot holds): `load_state()`,
+        `age(now)` and the two rates' `per_s(now)`, written out here (a snapshot takes one per
+        instance per decision)."""
+        running, waiting, waiting_tokens = self.load_state()
+        reading = self.reading
+        age = 0.0 if not self.polled else math.inf if reading is None else max(now - reading.at, 0.0)
+        tokens, sent = self.prompt_tokens_sent, self.sent
+        return InstanceState(
+            self.url,
+            running,
+            waiting,
+            self.max_running,
+            self.healthy and not self.ejected,
+            self.ejected,
+            age,
+            waiting_tokens,
+            tokens.weighted * math.exp(-max(now - tokens.at, 0.0) / RATE_WINDOW_S) / RATE_WINDOW_S,
+            sent.weighted * math.exp(-max(now - sent.at, 0.0) / RATE_WINDOW_S) / RATE_WINDOW_S,
+        )
 
     def adjusted_load(self) -> float:
         running, waiting = self.adjusted()

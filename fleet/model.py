@@ -441,16 +441,21 @@ class FleetModel:
         """The fleet at `now`; the cost model as it predicts then (its corrections' trust aged).
         `workload`: the key of the request it is taken for; each speculative pool's alpha is
         then that workload's estimate (the pool's own while the key is unknown)."""
+        states: dict[str, list[InstanceState]] = {}
+        for signals in self.instances.values():
+            members = states.get(signals.pool)
+            if members is None:
+                members = states[signals.pool] = []
+            members.append(signals.state(now))
         pools: dict[str, PoolState] = {}
         for pool in self.pools.values():
-            members = [s for s in self.instances.values() if s.pool == pool.name]
+            members = states.get(pool.name)
             if not members:
                 continue
-            states = tuple(self._instance_state(s, now) for s in members)
-            healthy_ages = [st.age_s for st in states if st.healthy]
+            healthy_ages = [st.age_s for st in members if st.healthy]
             pools[pool.name] = PoolState(
                 name=pool.name,  # type: ignore[arg-type]
-                instances=states,
+                instances=tuple(members),
                 speculative=pool.speculative,
                 num_draft_tokens=pool.num_draft_tokens,
                 alpha=self._alpha(pool, now, workload),
@@ -473,18 +478,3 @@ class FleetModel:
     def workload_acceptance(self, pool: str = "spec") -> WorkloadAcceptance | None:
         known = self.pools.get(pool)
         return known.workloads if known is not None else None
-
-    def _instance_state(self, signals: InstanceSignals, now: float) -> InstanceState:
-        running, waiting, waiting_tokens = signals.load_state()
-        return InstanceState(
-            signals.url,
-            running,
-            waiting,
-            signals.max_running,
-            signals.healthy and not signals.ejected,
-            signals.ejected,
-            signals.age(now),
-            waiting_tokens,
-            signals.prompt_tokens_sent.per_s(now),
-            signals.sent.per_s(now),
-        )
