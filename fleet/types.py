@@ -108,10 +108,17 @@ class PoolState:
 
     def least_loaded(self) -> InstanceState | None:
         """The instance a new request would join (fewest requests relative to its cap)."""
-        healthy = self.healthy_instances
-        if not healthy:
-            return None
-        return min(healthy, key=lambda i: (i.load / max(i.max_running, 1), i.load))
+        # min(healthy, key=lambda i: (i.load / max(i.max_running, 1), i.load)), written out: the
+        # first of the smallest keys, as min keeps it.
+        best: InstanceState | None = None
+        best_key = (0.0, 0.0)
+        for instance in self._healthy:
+            load = instance.running + instance.waiting
+            cap = instance.max_running
+            key = (load / (1 if 1 > cap else cap), load)
+            if best is None or key < best_key:
+                best, best_key = instance, key
+        return best
 
     @property
     def running(self) -> float:

@@ -234,19 +234,22 @@ class Goodput:
     def _prefill_share(
         self, pool: PoolName, instance: InstanceState, cost: StepCost, n_out: int, tau: float, width: int
     ) -> float:
-        """`prefill_share`, the pool's accept length given."""
+        """`prefill_share`, the pool's accept length given (max and min written out as in
+        `_predict`)."""
         sent = instance.dispatches_per_s
         if sent <= 0:
             return 0.0
-        mean_prompt = max(int(instance.prompt_tokens_per_s / sent), 1)
-        prefill_ms = cost.prefill_ms(pool, mean_prompt)
+        mean_prompt = int(instance.prompt_tokens_per_s / sent)
+        prefill_ms = cost.prefill_ms(pool, 1 if 1 > mean_prompt else mean_prompt)
         busy = sent * prefill_ms / 1000
-        cap = max(instance.max_running, 1)
+        max_running = instance.max_running
+        cap = 1 if 1 > max_running else max_running
         if n_out > 1 and instance.running + instance.waiting + 1 >= cap:
             held_ms = (n_out - 1) * cost.decode_step_ms(pool, cap, width) / tau
             a = cap * prefill_ms / held_ms
-            busy = min(busy, a / (1 + a))
-        return min(busy, MAX_PREFILL_SHARE)
+            bound = a / (1 + a)
+            busy = bound if bound < busy else busy
+        return MAX_PREFILL_SHARE if MAX_PREFILL_SHARE < busy else busy
 
     def predict(
         self,
@@ -273,23 +276,30 @@ class Goodput:
         width: int,
     ) -> Prediction:
         """`predict`, the pool named and its accept length given (a decision computes it once
-        per pool, then predicts on each of its instances)."""
-        cap = max(instance.max_running, 1)
-        load = max(instance.running + instance.waiting, 0.0)
-        waiting = max(instance.waiting, 0.0)
-        batch = int(min(load + 1, cap))
+        per pool, then predicts on each of its instances). Its clamps are written out: `b if b
+        > a else a` is max(a, b) and `b if b < a else a` min(a, b), exactly (ties and all),
+        without a builtin call each."""
+        running, waiting, max_running = instance.running, instance.waiting, instance.max_running
+        cap = 1 if 1 > max_running else max_running
+        load = running + waiting
+        load = 0.0 if 0.0 > load else load
+        waiting = 0.0 if 0.0 > waiting else waiting
+        batch = int(cap if cap < load + 1 else load + 1)
         step_ms = cost.decode_step_ms(pool, batch, width)
         tpot_ms = step_ms / tau / (1 - self._prefill_share(pool, instance, cost, n_out, tau, width))
         # The own decode is costed unstretched: the prefills stall both pools' decodes alike, and
         # what joining adds to them is in `others`.
-        decode_ms = max(n_out - 1, 0) / tau * step_ms
-        prompt = max(features.prompt_tokens - self.cached(features, instance), 1)
+        rest = 0 if 0 > n_out - 1 else n_out - 1
+        decode_ms = rest / tau * step_ms
+        prompt_tokens = features.prompt_tokens
+        prompt = prompt_tokens - self.cached(features, instance)
+        prompt = 1 if 1 > prompt else prompt
         # SGLang prefills the queue first come, first served, before any decode step: the first
         # token comes after every waiting prompt (their tokens when the server reports them, else
         # each assumed as long as this one) and this one, in chunks of `prefill_chunk_tokens`.
-        ahead = (
-            instance.waiting_tokens if instance.waiting_tokens is not None else waiting * max(features.prompt_tokens, 1)
-        )
+        ahead = instance.waiting_tokens
+        if ahead is None:
+            ahead = waiting * (1 if 1 > prompt_tokens else prompt_tokens)
         queued = ahead + prompt
         chunks = math.ceil(queued / self.prefill_chunk_tokens)
         prefill_ms = chunks * cost.prefill_ms(pool, math.ceil(queued / chunks))
@@ -298,35 +308,38 @@ class Goodput:
         # rate. A typical request holds its slot for its decode at the stretched TPOT. (Counting
         # the slots running requests free while the prompts ahead are prefilled admitted too
         # many: the requests still running are the long ones.)
-        typical_ms = max(n_out - 1, 0) * tpot_ms + own_prefill_ms
+        typical_ms = rest * tpot_ms + own_prefill_ms
         over = load + 1 - cap
         wait_ms = over * typical_ms / cap if over > 0 else 0.0
         # Slots free at random (output lengths vary widely): waiting for the n-th is a sum of n
         # about exponential gaps, whose 90th percentile is some 1.3 standard deviations above it.
         spread_ms = WAIT_QUANTILE_Z * math.sqrt(over) * typical_ms / cap if over > 0 else 0.0
         others_ms = 0.0
-        running = min(max(instance.running, 0.0), cap - 1)
+        running = 0.0 if 0.0 > running else running
+        running = cap - 1 if cap - 1 < running else running
         if running >= 1 and over <= 0:
             # Joining costs the running requests our prefill (decode stalls while it runs) and a
             # longer step for the rest of their decode (on average half their output is left).
-            slower = step_ms - cost.decode_step_ms(pool, max(int(load), 1), width)
-            others_ms = running * (own_prefill_ms + max(slower, 0.0) * (n_out / 2) / tau)
+            joined = int(load)
+            slower = step_ms - cost.decode_step_ms(pool, 1 if 1 > joined else joined, width)
+            others_ms = running * (own_prefill_ms + (0.0 if 0.0 > slower else slower) * (n_out / 2) / tau)
         # The requests decoding there sit through the prompts queued ahead of us and ours before
         # their next token: spread over what they have left (about half an output), that stall
         # is part of their TPOT, which sets how much they mind it (`pressure`). Our own TPOT
         # leaves it out: the queue ahead is prefilled before our first token (TTFT).
-        others_tpot_ms = tpot_ms + prefill_ms / max(n_out / 2, 1.0)
+        half = n_out / 2
+        others_tpot_ms = tpot_ms + prefill_ms / (1.0 if 1.0 > half else half)
         return Prediction(
-            wait_s=wait_ms / 1000,
-            prefill_s=prefill_ms / 1000,
-            decode_s=decode_ms / 1000,
-            others_s=self.externality * self.pressure(others_tpot_ms, triage) * others_ms / 1000,
-            batch=batch,
-            tokens_per_s=batch * tau / step_ms * 1000,
-            over_cap=max(over, 0.0),
-            wait_spread_s=spread_ms / 1000,
-            tpot_s=tpot_ms / 1000,
-            others_tpot_s=others_tpot_ms / 1000,
+            wait_ms / 1000,
+            prefill_ms / 1000,
+            decode_ms / 1000,
+            self.externality * self.pressure(others_tpot_ms, triage) * others_ms / 1000,
+            batch,
+            batch * tau / step_ms * 1000,
+            0.0 if 0.0 > over else over,
+            tpot_ms / 1000,
+            spread_ms / 1000,
+            others_tpot_ms / 1000,
         )
 
     # -- The decision: guards on the snapshot, then the rules on the predictions, in order. ----
@@ -334,9 +347,11 @@ class Goodput:
     # describes each under the same name, and the module docstring says what each one earned.
 
     def decide(self, features: Features, snapshot: Snapshot) -> Decision:
-        for guard in (self.pool_down, self.stale):
-            if (decision := guard(snapshot)) is not None:
-                return decision
+        decision = self.pool_down(snapshot)
+        if decision is None:
+            decision = self.stale(snapshot)
+        if decision is not None:
+            return decision
         c = self.context(features, snapshot)
         for rule in (
             self.throughput,
