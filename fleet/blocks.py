@@ -128,7 +128,16 @@ def prompt_stream(body: Mapping[str, Any]) -> bytes | None:
             out.append(_TOOLS)
             out.append(_json(tools))
         for message in messages:
-            if type(message) is dict or isinstance(message, Mapping):
+            if type(message) is dict:
+                # The common message, {"role": a known role, "content": text}: `_message` inline.
+                role, content = message.get("role"), message.get("content")
+                header = _HEADERS.get(role) if type(role) is str else None
+                if header is not None and type(content) is str and len(message) == 2 and "role" in message:
+                    data = content.encode("utf-8", "surrogatepass")
+                    out += (header, data, _PAD[len(data) & 3], _EOT)
+                    continue
+                _message(message, out)
+            elif isinstance(message, Mapping):
                 _message(message, out)
         return b"".join(out)
     prompt = body.get("prompt")

@@ -100,6 +100,8 @@ PREFILL_BUCKETS: tuple[int, ...] = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 
 
 SEED_MEMO = 4096
 """(batch, width) points of the seed's step curve `seed_step_ms` remembers (then it starts over)."""
+POINT_MEMO = 4096
+"""Sizes whose place among a curve's buckets the curve remembers (then it starts over)."""
 # Seconds after which a learned correction that got no new observation keeps half its trust
 # (SPECROUTE_COSTMODEL_HALF_LIFE_S; docs/routing.md, "Step-cost model", says why 8 s).
 DEFAULT_HALF_LIFE_S = 8.0
@@ -131,6 +133,10 @@ class _Curve:
     """log(size) of the learned buckets, ascending (read per decision: kept, not sorted then)."""
     learned: list[_Bucket] = field(default_factory=list)
     """The learned buckets in the order of `xs`."""
+    points: dict[float, tuple[int, float]] = field(default_factory=dict)
+    """size -> where it falls among `xs` (`point`), remembered until a bucket is added."""
+    nearby: dict[float, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    """size -> its nearest buckets and their distance discounts (`near`), likewise."""
 
     def bucket(self, size: int, now: float) -> _Bucket:
         bucket = self.buckets.get(size)
@@ -140,7 +146,44 @@ class _Curve:
             i = bisect.bisect_left(self.xs, x)
             self.xs.insert(i, x)
             self.learned.insert(i, bucket)
+            self.points.clear()
+            self.nearby.clear()
         return bucket
+
+    def point(self, size: float) -> tuple[int, float]:
+        """Where `size` falls among the learned buckets (some must be): (i, t) to interpolate
+        between buckets i - 1 and i with weight t on i, or (i, -1.0) to take bucket i alone
+        (past either end). What `StepCostModel._correction` computes before it reads the
+        buckets' trust, which alone changes with time."""
+        found = self.points.get(size)
+        if found is None:
+            xs = self.xs
+            x = math.log(size) if size > 1 else 0.0
+            i = bisect.bisect_left(xs, x)
+            if i == 0:
+                found = (0, -1.0)
+            elif i >= len(xs):
+                found = (len(xs) - 1, -1.0)
+            else:
+                found = (i, (x - xs[i - 1]) / (xs[i] - xs[i - 1]))
+            if len(self.points) >= POINT_MEMO:
+                self.points.clear()
+            self.points[size] = found
+        return found
+
+    def near(self, size: float) -> tuple[tuple[int, float], ...]:
+        """The learned buckets around `size` (some must be) and the discount of each for its
+        distance in doublings: what `StepCostModel.evidence` divides their trust by."""
+        found = self.nearby.get(size)
+        if found is None:
+            xs = self.xs
+            x = math.log(max(size, 1.0))
+            i = bisect.bisect_left(xs, x)
+            found = tuple((j, 1.0 + abs(x - xs[j]) / math.log(2.0)) for j in (i - 1, i) if 0 <= j < len(xs))
+            if len(self.nearby) >= POINT_MEMO:
+                self.nearby.clear()
+            self.nearby[size] = found
+        return found
 
 
 @dataclass(slots=True)
@@ -387,18 +430,13 @@ class StepCostAt:
         return found
 
     def _correction(self, curve: _Curve, size: float) -> float:
-        # StepCostModel._correction at `now`, step for step.
-        xs = curve.xs
-        if not xs:
+        # StepCostModel._correction at `now`: the same floats, the size's place remembered.
+        if not curve.xs:
             return 1.0
         trusted = self._curve(curve)[1]
-        x = math.log(size) if size > 1 else 0.0
-        i = bisect.bisect_left(xs, x)
-        if i == 0:
-            return trusted[0]
-        if i >= len(xs):
-            return trusted[-1]
-        t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        i, t = curve.point(size)
+        if t < 0:
+            return trusted[i]
         return trusted[i - 1] * (1 - t) + trusted[i] * t
 
     def decode_step_ms(self, pool: str, batch: int, tokens_per_seq: int) -> float:
@@ -410,7 +448,10 @@ class StepCostAt:
         if step is None:
             model = self.model
             batch = max(batch, 1)
-            step = model.seed_step_ms(batch, tokens_per_seq) * self._correction(model._pools[pool].decode, batch)
+            seed = model._seed_steps.get((batch, tokens_per_seq)) if model._memo_seed is model.seed else None
+            if seed is None:  # seed_step_ms remembers it (an integer batch is its own key there)
+                seed = model.seed_step_ms(batch, tokens_per_seq)
+            step = seed * self._correction(model._pools[pool].decode, batch)
             self._steps[key] = step
         return step
 
@@ -439,21 +480,15 @@ class StepCostAt:
         if curve is None or not curve.xs:
             value = 0.0
         else:
-            xs = curve.xs
             weights = self._curve(curve)[0]
-            x = math.log(max(batch, 1.0))
-            i = bisect.bisect_left(xs, x)
             value = -math.inf
-            for j in (i - 1, i):
-                if 0 <= j < len(xs):
-                    near = weights[j] / (1.0 + abs(x - xs[j]) / _LOG2)
-                    if near > value:
-                        value = near
+            for j, discount in curve.near(batch):
+                near = weights[j] / discount
+                if near > value:
+                    value = near
         self._evidence[key] = value
         return value
 
-
-_LOG2 = math.log(2.0)
 
 
 def _nearest(buckets: tuple[int, ...], size: float) -> int:

@@ -228,13 +228,15 @@ class FleetModel:
         credit: dict[str, int] = {}
         matched: dict[str, int] = {}
         if blocks:
+            prefix = self.prefix
             healthy = [url for url, s in self.instances.items() if s.healthy and not s.ejected]
-            raw = self.prefix.match(blocks, now, raw=True, instances=healthy)
-            size = self.prefix.block_tokens
-            for url, depth in raw.items():
+            size = prefix.block_tokens
+            for url, depth in prefix.match(blocks, now, raw=True, instances=healthy).items():
                 if depth:
-                    matched[url] = min(depth * size, top)
-                    credit[url] = min(int(depth * size * self.prefix.trust(url, now)), top)
+                    tokens = depth * size
+                    matched[url] = top if top < tokens else tokens  # min(tokens, top)
+                    trusted = int(tokens * prefix.trust(url, now))
+                    credit[url] = top if top < trusted else trusted
         if session is not None:
             entry = self.sessions.get(session, now)
             signals = self.instances.get(entry.instance) if entry is not None else None
@@ -251,7 +253,10 @@ class FleetModel:
                     credit[entry.instance] = max(
                         credit.get(entry.instance, 0), int(held * self.prefix.trust(entry.instance, now))
                     )
-        credit = {url: tokens for url, tokens in credit.items() if tokens > 0}
+        for tokens in credit.values():
+            if tokens <= 0:
+                credit = {url: tokens for url, tokens in credit.items() if tokens > 0}
+                break
         return PrefixMatch(credit, matched) if credit or matched else NO_MATCH
 
     def _extends(self, last_prompt_tokens: int, blocks: Sequence[int], indexed_tokens: int, top: int) -> bool:
