@@ -399,28 +399,31 @@ class Goodput:
     def context(self, features: Features, snapshot: Snapshot) -> Context:
         """The predictions on both pools (both up, as the guards made sure) and what the rules
         after the guards read; `scores` holds what the decision exposes."""
-        spec, base = snapshot.pool("spec"), snapshot.pool("base")
+        pools = snapshot.pools
+        spec, base = pools.get("spec"), pools.get("base")
         assert spec is not None and base is not None
-        if snapshot.cost is None:
+        cost = snapshot.cost
+        if cost is None:
             raise ValueError("the goodput policy needs a step-cost model in the snapshot")
         n_out = self.output_tokens(features, snapshot.mean_output_tokens, snapshot.output_samples)
         chosen: dict[str, str] = {}
-        joined_spec, on_spec = self.join(spec, features, snapshot.cost, n_out, chosen)
-        joined_base, on_base = self.join(base, features, snapshot.cost, n_out, chosen)
+        joined_spec, on_spec = self.join(spec, features, cost, n_out, chosen)
+        joined_base, on_base = self.join(base, features, cost, n_out, chosen)
+        t_spec, t_base = on_spec.total_s, on_base.total_s
         scores = {
-            "t_spec_s": round(on_spec.total_s, 6),
-            "t_base_s": round(on_base.total_s, 6),
-            "cost_spec_s": round(on_spec.cost_s, 6),
-            "cost_base_s": round(on_base.cost_s, 6),
+            "t_spec_s": round(t_spec, 6),
+            "t_base_s": round(t_base, 6),
+            "cost_spec_s": round(t_spec + on_spec.others_s, 6),  # cost_s
+            "cost_base_s": round(t_base + on_base.others_s, 6),
             "batch_spec": float(on_spec.batch),
             "batch_base": float(on_base.batch),
             "tpot_spec_ms": round(on_spec.tpot_s * 1000, 3),
             "tpot_base_ms": round(on_base.tpot_s * 1000, 3),
             # How much the cost model has seen near these predictions (0: the seed's guess).
-            "evidence_spec": round(snapshot.cost.evidence("spec", on_spec.batch), 2),
-            "evidence_base": round(snapshot.cost.evidence("base", on_base.batch), 2),
-            "prefill_evidence_spec": round(snapshot.cost.evidence("spec", features.prompt_tokens, prefill=True), 2),
-            "prefill_evidence_base": round(snapshot.cost.evidence("base", features.prompt_tokens, prefill=True), 2),
+            "evidence_spec": round(cost.evidence("spec", on_spec.batch), 2),
+            "evidence_base": round(cost.evidence("base", on_base.batch), 2),
+            "prefill_evidence_spec": round(cost.evidence("spec", features.prompt_tokens, prefill=True), 2),
+            "prefill_evidence_base": round(cost.evidence("base", features.prompt_tokens, prefill=True), 2),
         }
         if features.cached and self.cache_credit:
             scores["cached_spec_tokens"] = float(self.cached(features, joined_spec))
@@ -428,7 +431,7 @@ class Goodput:
         c = Context(
             features=features,
             snapshot=snapshot,
-            cost=snapshot.cost,
+            cost=cost,
             spec=spec,
             base=base,
             joined_spec=joined_spec,
@@ -468,12 +471,13 @@ class Goodput:
         on_least = self._predict(pool.name, least, features, cost, n_out, False, tau, width)
         if len(healthy) < 2 or not self.cache_credit:
             return least, on_least
-        best, on_best = least, on_least
+        best, on_best, best_cost = least, on_least, on_least.cost_s
         for instance in healthy:
             if instance is not least:
                 prediction = self._predict(pool.name, instance, features, cost, n_out, False, tau, width)
-                if prediction.cost_s < on_best.cost_s:
-                    best, on_best = instance, prediction
+                prediction_cost = prediction.cost_s
+                if prediction_cost < best_cost:
+                    best, on_best, best_cost = instance, prediction, prediction_cost
         # Named when it is not the least loaded, or holds part of the prompt (among equally
         # loaded instances the router would rotate away from it).
         if best is not least or self.cached(features, best):
