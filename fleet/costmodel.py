@@ -490,7 +490,6 @@ class StepCostAt:
         return value
 
 
-
 def _nearest(buckets: tuple[int, ...], size: float) -> int:
     x = math.log(max(size, 1.0))
     return min(buckets, key=lambda b: abs(math.log(b) - x))
