@@ -232,7 +232,9 @@ class StepCostModel:
         self._memo_seed: Seed | None = None
         self.version = 0
         """Bumped by everything that changes a prediction (a learned observation, a new verify
-        width): a `StepCostAt` remembers its predictions while it stays the same."""
+        width): a `StepCostAt` remembers its predictions while it stays the same. (Nothing
+        reassigns `seed`, `prior_weight` or `half_life_s` after construction; a change there
+        would reach only the snapshots taken after it.)"""
         # Pool name -> tokens drafted per verify step (0: plain); the mission's two by default.
         for name, k in (pools if pools is not None else {"spec": num_draft_tokens, "base": 0}).items():
             self.set_draft_tokens(name, k)
