@@ -5,8 +5,8 @@
 
 The decision as the proxy makes it for a parsed chat body: hash its prompt's blocks and take
 each instance's credit (`PromptBlocks.of`, `FleetModel.cached`, the session's entry included),
-the snapshot (`dataclasses.replace(features, cached=...)`, `FleetModel.snapshot(now,
-workload)`), the policy (`Goodput().decide`: with an instance holding part of the prompt it
+the snapshot (`features.with_cached(credit)` when some instance is credited, as the proxy's
+`Router.with_credit` does, and `FleetModel.snapshot(now, workload)`), the policy (`Goodput().decide`: with an instance holding part of the prompt it
 predicts on every healthy instance of that pool), and the instance it names or the least loaded
 one; then, reported apart, the insert after dispatch (`FleetModel.on_dispatch` with the blocks,
 the match and the session). Each part of each decision is timed alone (perf_counter_ns, the
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import gc
 import hashlib
 import heapq
@@ -247,7 +246,7 @@ def decide(
         blocks = PromptBlocks.of(q.body, max_blocks=model.prefix.max_blocks)
         match: PrefixMatch = model.cached(blocks, features.prompt_tokens, now, q.session)
         t1 = clock()
-        routed = dataclasses.replace(features, cached=match.credit)
+        routed = features.with_cached(match.credit) if match.credit else features
         snapshot = model.snapshot(now, routed.workload)
         t2 = clock()
         decision: Decision = policy.decide(routed, snapshot)
@@ -304,7 +303,7 @@ def table(times: dict[str, list[float]]) -> str:
     lines = ["| part | p50 (us) | p99 (us) | decisions |", "|---|---|---|---|"]
     names = {
         "hash+match": "hash + match (`PromptBlocks.of`, `FleetModel.cached`)",
-        "snapshot": "snapshot (`replace(features, cached=)`, `FleetModel.snapshot`)",
+        "snapshot": "snapshot (`features.with_cached`, `FleetModel.snapshot`)",
         "decide": "decide (`Goodput.decide`, the instance)",
         "total": "**the decision** (the three above)",
         "insert": "insert after dispatch (`FleetModel.on_dispatch`), apart",

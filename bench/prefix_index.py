@@ -16,8 +16,8 @@ previous turn, a new prompt nowhere; the run stops if it does not.
 A decision hashes the prompt (fleet.blocks.PromptBlocks) only up to the first block no
 instance holds; the rest is hashed by the insert that follows the dispatch. Both are timed, and
 so is hashing every block first (block_hashes), for comparison. Also printed: where the time
-goes for a 12,000-token prompt (building the byte stream, one SHA-256 over it, the per-block
-chain, BLAKE2b for comparison, the match, the decision for its next turn and for a prompt as
+goes for a 12,000-token prompt (building the byte stream, one XXH3-64 over it, the per-block
+chain (XXH3-64, fleet.blocks), SHA-256 and BLAKE2b for comparison, the match, the decision for its next turn and for a prompt as
 long that no instance holds), the index's memory (tracemalloc: the OrderedDicts and the hash ints they
 keep) with all prefixes held and under a flood of 100,000 unique prompts at the default cap.
 Figures: docs/routing.md, "Prefix index".
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import xxhash
 
 from fleet.blocks import PromptBlocks, block_hashes, chain, chain_ids, prompt_stream
 from fleet.features import CHARS_PER_TOKEN, count_prompt_tokens
@@ -258,6 +259,7 @@ def breakdown(work: Workload, block_tokens: int) -> dict[str, float]:
         "tokens": tokens,
         "blocks": len(hashes),
         "stream": best_of(lambda: prompt_stream(body)),
+        "xxh3 once": best_of(lambda: xxhash.xxh3_64_intdigest(data)),
         "sha256 once": best_of(lambda: hashlib.sha256(data).digest()),
         "blake2b once": best_of(lambda: hashlib.blake2b(data, digest_size=8).digest()),
         "chain": best_of(lambda: chain(data, block_bytes)),
@@ -360,13 +362,15 @@ def main() -> None:
         )
     print("\nOne 12,000-token chat prompt, microseconds (medians of 200):\n")
     print(
-        "| block tokens | blocks | byte stream | SHA-256 of it once | BLAKE2b once | SHA-256 chain | BLAKE2b chain "
+        "| block tokens | blocks | byte stream | XXH3-64 of it once | SHA-256 once | BLAKE2b once | XXH3-64 chain "
+        "| BLAKE2b chain "
         "| match, 4 instances | decision, every block | decision, next turn | decision, unseen |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for bt, p in parts:
         print(
-            f"| {bt} | {p['blocks']:.0f} | {p['stream']:.1f} | {p['sha256 once']:.1f} | {p['blake2b once']:.1f} | "
+            f"| {bt} | {p['blocks']:.0f} | {p['stream']:.1f} | {p['xxh3 once']:.1f} | {p['sha256 once']:.1f} | "
+            f"{p['blake2b once']:.1f} | "
             f"{p['chain']:.1f} | {p['blake2b chain']:.1f} | {p['match']:.1f} | {p['decision']:.1f} | "
             f"{p['lazy next turn']:.1f} | {p['lazy unseen']:.1f} |"
         )

@@ -100,6 +100,8 @@ PREFILL_BUCKETS: tuple[int, ...] = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 
 
 SEED_MEMO = 4096
 """(batch, width) points of the seed's step curve `seed_step_ms` remembers (then it starts over)."""
+POINT_MEMO = 4096
+"""Sizes whose place among a curve's buckets the curve remembers (then it starts over)."""
 # Seconds after which a learned correction that got no new observation keeps half its trust
 # (SPECROUTE_COSTMODEL_HALF_LIFE_S; docs/routing.md, "Step-cost model", says why 8 s).
 DEFAULT_HALF_LIFE_S = 8.0
@@ -131,6 +133,10 @@ class _Curve:
     """log(size) of the learned buckets, ascending (read per decision: kept, not sorted then)."""
     learned: list[_Bucket] = field(default_factory=list)
     """The learned buckets in the order of `xs`."""
+    points: dict[float, tuple[int, float]] = field(default_factory=dict)
+    """size -> where it falls among `xs` (`point`), remembered until a bucket is added."""
+    nearby: dict[float, tuple[tuple[int, float], ...]] = field(default_factory=dict)
+    """size -> its nearest buckets and their distance discounts (`near`), likewise."""
 
     def bucket(self, size: int, now: float) -> _Bucket:
         bucket = self.buckets.get(size)
@@ -140,7 +146,44 @@ class _Curve:
             i = bisect.bisect_left(self.xs, x)
             self.xs.insert(i, x)
             self.learned.insert(i, bucket)
+            self.points.clear()
+            self.nearby.clear()
         return bucket
+
+    def point(self, size: float) -> tuple[int, float]:
+        """Where `size` falls among the learned buckets (some must be): (i, t) to interpolate
+        between buckets i - 1 and i with weight t on i, or (i, -1.0) to take bucket i alone
+        (past either end). What `StepCostModel._correction` computes before it reads the
+        buckets' trust, which alone changes with time."""
+        found = self.points.get(size)
+        if found is None:
+            xs = self.xs
+            x = math.log(size) if size > 1 else 0.0
+            i = bisect.bisect_left(xs, x)
+            if i == 0:
+                found = (0, -1.0)
+            elif i >= len(xs):
+                found = (len(xs) - 1, -1.0)
+            else:
+                found = (i, (x - xs[i - 1]) / (xs[i] - xs[i - 1]))
+            if len(self.points) >= POINT_MEMO:
+                self.points.clear()
+            self.points[size] = found
+        return found
+
+    def near(self, size: float) -> tuple[tuple[int, float], ...]:
+        """The learned buckets around `size` (some must be) and the discount of each for its
+        distance in doublings: what `StepCostModel.evidence` divides their trust by."""
+        found = self.nearby.get(size)
+        if found is None:
+            xs = self.xs
+            x = math.log(max(size, 1.0))
+            i = bisect.bisect_left(xs, x)
+            found = tuple((j, 1.0 + abs(x - xs[j]) / math.log(2.0)) for j in (i - 1, i) if 0 <= j < len(xs))
+            if len(self.nearby) >= POINT_MEMO:
+                self.nearby.clear()
+            self.nearby[size] = found
+        return found
 
 
 @dataclass(slots=True)
@@ -187,6 +230,11 @@ class StepCostModel:
         self._pools: dict[str, _PoolModel] = {}
         self._seed_steps: dict[tuple[int, int], float] = {}
         self._memo_seed: Seed | None = None
+        self.version = 0
+        """Bumped by everything that changes a prediction (a learned observation, a new verify
+        width): a `StepCostAt` remembers its predictions while it stays the same. (Nothing
+        reassigns `seed`, `prior_weight` or `half_life_s` after construction; a change there
+        would reach only the snapshots taken after it.)"""
         # Pool name -> tokens drafted per verify step (0: plain); the mission's two by default.
         for name, k in (pools if pools is not None else {"spec": num_draft_tokens, "base": 0}).items():
             self.set_draft_tokens(name, k)
@@ -197,6 +245,7 @@ class StepCostModel:
         known = self._pools.get(pool)
         if known is None or known.tokens_per_seq != width:
             self._pools[pool] = _PoolModel(tokens_per_seq=width)
+            self.version += 1
 
     def tokens_per_seq(self, pool: str) -> int:
         return self._pools[pool].tokens_per_seq
@@ -241,6 +290,7 @@ class StepCostModel:
         self._learn(model.prefill.bucket(_nearest(PREFILL_BUCKETS, tokens), now), ratio, weight, now)
 
     def _learn(self, bucket: _Bucket, ratio: float, weight: float, now: float) -> None:
+        self.version += 1
         fresh = bucket.weight == 0
         bucket.weight = min(bucket.trust(now, self.half_life_s) + weight, self.memory)
         bucket.ratio += (ratio - bucket.ratio) * weight / bucket.weight
@@ -340,22 +390,106 @@ class StepCostModel:
 
 class StepCostAt:
     """A StepCostModel's predictions at one moment: learned corrections weighed by their trust
-    at `now`. Cheap to make (one per snapshot); it reads the model, it copies nothing."""
+    at `now`. Cheap to make (one per snapshot); it reads the model, it copies nothing.
 
-    __slots__ = ("model", "now")
+    A decision asks for the same few points again and again (a pool's step at each instance's
+    batch, the prefill of the same prompt on each instance), so each answer is remembered, as
+    is each learned bucket's trust at `now`, while the model's `version` stays the same (it
+    learned nothing since): the same floats as the model's own methods, computed once."""
+
+    __slots__ = ("model", "now", "_version", "_steps", "_prefills", "_evidence", "_curves")
 
     def __init__(self, model: StepCostModel, now: float):
         self.model = model
         self.now = now
+        self._version = model.version
+        self._steps: dict[tuple[str, int, int], float] = {}
+        self._prefills: dict[tuple[str, int], float] = {}
+        self._evidence: dict[tuple[str, float, bool], float] = {}
+        self._curves: dict[int, tuple[list[float], list[float]]] = {}
+        """id(curve) -> its learned buckets' trust at `now` and their trusted corrections
+        (StepCostModel._trusted), in the order of its `xs` (the curves live while the version
+        holds)."""
+
+    def _check(self) -> None:
+        if self._version != self.model.version:
+            self._version = self.model.version
+            self._steps.clear()
+            self._prefills.clear()
+            self._evidence.clear()
+            self._curves.clear()
+
+    def _curve(self, curve: _Curve) -> tuple[list[float], list[float]]:
+        found = self._curves.get(id(curve))
+        if found is None:
+            now, half_life_s, prior = self.now, self.model.half_life_s, self.model.prior_weight
+            weights = [bucket.trust(now, half_life_s) for bucket in curve.learned]
+            trusted = [
+                (prior + bucket.ratio * weight) / (prior + weight)
+                for bucket, weight in zip(curve.learned, weights, strict=True)
+            ]
+            found = self._curves[id(curve)] = (weights, trusted)
+        return found
+
+    def _correction(self, curve: _Curve, size: float) -> float:
+        # StepCostModel._correction at `now`: the same floats, the size's place remembered.
+        if not curve.xs:
+            return 1.0
+        trusted = self._curve(curve)[1]
+        i, t = curve.point(size)
+        if t < 0:
+            return trusted[i]
+        return trusted[i - 1] * (1 - t) + trusted[i] * t
 
     def decode_step_ms(self, pool: str, batch: int, tokens_per_seq: int) -> float:
-        return self.model.decode_step_ms(pool, batch, tokens_per_seq, self.now)
+        """StepCostModel.decode_step_ms at `now`."""
+        if self._version != self.model.version:
+            self._check()
+        key = (pool, batch, tokens_per_seq)
+        step = self._steps.get(key)
+        if step is None:
+            model = self.model
+            batch = max(batch, 1)
+            seed = model._seed_steps.get((batch, tokens_per_seq)) if model._memo_seed is model.seed else None
+            if seed is None:  # seed_step_ms remembers it (an integer batch is its own key there)
+                seed = model.seed_step_ms(batch, tokens_per_seq)
+            step = seed * self._correction(model._pools[pool].decode, batch)
+            self._steps[key] = step
+        return step
 
     def prefill_ms(self, pool: str, tokens: int) -> float:
-        return self.model.prefill_ms(pool, tokens, self.now)
+        """StepCostModel.prefill_ms at `now`."""
+        if self._version != self.model.version:
+            self._check()
+        key = (pool, tokens)
+        ms = self._prefills.get(key)
+        if ms is None:
+            tokens = max(tokens, 1)
+            known = self.model._pools[pool]
+            ms = self.model.seed.prefill_ms(tokens, known.tokens_per_seq > 1) * self._correction(known.prefill, tokens)
+            self._prefills[key] = ms
+        return ms
 
     def evidence(self, pool: str, batch: float, prefill: bool = False) -> float:
-        return self.model.evidence(pool, batch, self.now, prefill)
+        """StepCostModel.evidence at `now`."""
+        self._check()
+        key = (pool, batch, prefill)
+        found = self._evidence.get(key)
+        if found is not None:
+            return found
+        known = self.model._pools.get(pool)
+        curve = None if known is None else known.prefill if prefill else known.decode
+        if curve is None or not curve.xs:
+            value = 0.0
+        else:
+            weights = self._curve(curve)[0]
+            value = -math.inf
+            for j, discount in curve.near(batch):
+                near = weights[j] / discount
+                if near > value:
+                    value = near
+        self._evidence[key] = value
+        return value
 
 
 def _nearest(buckets: tuple[int, ...], size: float) -> int:

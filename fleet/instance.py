@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from fleet.acceptance import CounterDelta
 from fleet.readings import Reading
+from fleet.types import InstanceState
 
 # Prefill tokens the measured prefill speed is averaged over (a moving mean after that).
 PREFILL_MEMORY_TOKENS = 65_536
@@ -114,14 +115,32 @@ class InstanceSignals:
         """(running, waiting): the reading, less completions since it and plus dispatches since
         it. A request sent after the reading is counted as waiting (queued for prefill) and a
         completion frees a running slot; SGLang moves waiting requests in at its next prefill."""
-        if self.reading is None or not self.polled:
+        running, waiting, _ = self.load_state()
+        return running, waiting
+
+    def waiting_tokens(self) -> float | None:
+        """The reading's unprefilled prompt tokens plus those of our dispatches since it."""
+        return self.load_state()[2]
+
+    def load_state(self) -> tuple[float, float, float | None]:
+        """`adjusted()` and `waiting_tokens()` in one pass over the events (what a snapshot
+        reads of each instance)."""
+        reading = self.reading
+        if reading is None or not self.polled:
             running = float(min(self.local_in_flight, self.max_running))
-            return running, self.local_in_flight - running
-        since = self.reading.at
-        sent = sum(1 for at, sign, _ in self.events if at >= since and sign > 0)
-        done = sum(1 for at, sign, _ in self.events if at >= since and sign < 0)
-        running = self.reading.running - done
-        waiting = self.reading.waiting + sent
+            return running, self.local_in_flight - running, None
+        since = reading.at
+        sent = done = 0
+        tokens = 0
+        for at, sign, t in self.events:
+            if at >= since:
+                if sign > 0:
+                    sent += 1
+                    tokens += t
+                elif sign < 0:
+                    done += 1
+        running = reading.running - done
+        waiting = reading.waiting + sent
         if running < 0:  # more completions than the reading had running: they came from the queue
             waiting += running
             running = 0.0
@@ -134,14 +153,28 @@ class InstanceSignals:
             to_running = min(missing, max(self.max_running - running, 0.0))
             running += to_running
             waiting += missing - to_running
-        return running, waiting
+        return running, waiting, None if reading.waiting_tokens is None else reading.waiting_tokens + tokens
 
-    def waiting_tokens(self) -> float | None:
-        """The reading's unprefilled prompt tokens plus those of our dispatches since it."""
-        if self.reading is None or not self.polled or self.reading.waiting_tokens is None:
-            return None
-        since = self.reading.at
-        return self.reading.waiting_tokens + sum(t for at, sign, t in self.events if at >= since and sign > 0)
+    def state(self, now: float) -> InstanceState:
+        """The instance as a policy sees it at `now` (what a snapshot holds): `load_state()`,
+        `age(now)` and the two rates' `per_s(now)`, written out here (a snapshot takes one per
+        instance per decision)."""
+        running, waiting, waiting_tokens = self.load_state()
+        reading = self.reading
+        age = 0.0 if not self.polled else math.inf if reading is None else max(now - reading.at, 0.0)
+        tokens, sent = self.prompt_tokens_sent, self.sent
+        return InstanceState(
+            self.url,
+            running,
+            waiting,
+            self.max_running,
+            self.healthy and not self.ejected,
+            self.ejected,
+            age,
+            waiting_tokens,
+            tokens.weighted * math.exp(-max(now - tokens.at, 0.0) / RATE_WINDOW_S) / RATE_WINDOW_S,
+            sent.weighted * math.exp(-max(now - sent.at, 0.0) / RATE_WINDOW_S) / RATE_WINDOW_S,
+        )
 
     def adjusted_load(self) -> float:
         running, waiting = self.adjusted()

@@ -229,13 +229,15 @@ class FleetModel:
         credit: dict[str, int] = {}
         matched: dict[str, int] = {}
         if blocks:
+            prefix = self.prefix
             healthy = [url for url, s in self.instances.items() if s.healthy and not s.ejected]
-            raw = self.prefix.match(blocks, now, raw=True, instances=healthy)
-            size = self.prefix.block_tokens
-            for url, depth in raw.items():
+            size = prefix.block_tokens
+            for url, depth in prefix.match(blocks, now, raw=True, instances=healthy).items():
                 if depth:
-                    matched[url] = min(depth * size, top)
-                    credit[url] = min(int(depth * size * self.prefix.trust(url, now)), top)
+                    tokens = depth * size
+                    matched[url] = top if top < tokens else tokens  # min(tokens, top)
+                    trusted = int(tokens * prefix.trust(url, now))
+                    credit[url] = top if top < trusted else trusted
         if session is not None:
             entry = self.sessions.get(session, now)
             signals = self.instances.get(entry.instance) if entry is not None else None
@@ -252,7 +254,10 @@ class FleetModel:
                     credit[entry.instance] = max(
                         credit.get(entry.instance, 0), int(held * self.prefix.trust(entry.instance, now))
                     )
-        credit = {url: tokens for url, tokens in credit.items() if tokens > 0}
+        for tokens in credit.values():
+            if tokens <= 0:
+                credit = {url: tokens for url, tokens in credit.items() if tokens > 0}
+                break
         return PrefixMatch(credit, matched) if credit or matched else NO_MATCH
 
     def _extends(self, last_prompt_tokens: int, blocks: Sequence[int], indexed_tokens: int, top: int) -> bool:
@@ -283,8 +288,8 @@ class FleetModel:
         signals = self.instances[url]
         cached = match.credit.get(url, 0)
         uncached = max(prompt_tokens - cached, 0)
-        running, waiting = signals.adjusted()
-        ahead = signals.waiting_tokens() if waiting > 0 else 0.0
+        running, waiting, waiting_tokens = signals.load_state()
+        ahead = waiting_tokens if waiting > 0 else 0.0
         sent = Dispatch(
             url,
             now,
@@ -452,16 +457,21 @@ class FleetModel:
         """The fleet at `now`; the cost model as it predicts then (its corrections' trust aged).
         `workload`: the key of the request it is taken for; each speculative pool's alpha is
         then that workload's estimate (the pool's own while the key is unknown)."""
+        states: dict[str, list[InstanceState]] = {}
+        for signals in self.instances.values():
+            members = states.get(signals.pool)
+            if members is None:
+                members = states[signals.pool] = []
+            members.append(signals.state(now))
         pools: dict[str, PoolState] = {}
         for pool in self.pools.values():
-            members = [s for s in self.instances.values() if s.pool == pool.name]
+            members = states.get(pool.name)
             if not members:
                 continue
-            states = tuple(self._instance_state(s, now) for s in members)
-            healthy_ages = [st.age_s for st in states if st.healthy]
+            healthy_ages = [st.age_s for st in members if st.healthy]
             pools[pool.name] = PoolState(
                 name=pool.name,  # type: ignore[arg-type]
-                instances=states,
+                instances=tuple(members),
                 speculative=pool.speculative,
                 num_draft_tokens=pool.num_draft_tokens,
                 alpha=self._alpha(pool, now, workload),
@@ -484,18 +494,3 @@ class FleetModel:
     def workload_acceptance(self, pool: str = "spec") -> WorkloadAcceptance | None:
         known = self.pools.get(pool)
         return known.workloads if known is not None else None
-
-    def _instance_state(self, signals: InstanceSignals, now: float) -> InstanceState:
-        running, waiting = signals.adjusted()
-        return InstanceState(
-            url=signals.url,
-            running=running,
-            waiting=waiting,
-            max_running=signals.max_running,
-            healthy=signals.healthy and not signals.ejected,
-            ejected=signals.ejected,
-            age_s=signals.age(now),
-            waiting_tokens=signals.waiting_tokens(),
-            prompt_tokens_per_s=signals.prompt_tokens_sent.per_s(now),
-            dispatches_per_s=signals.sent.per_s(now),
-        )

@@ -184,28 +184,31 @@ class PrefixIndex:
         alone). Touches nothing (routing there is what `insert` records). `hashes` given as
         `PromptBlocks` are hashed only a little past the first block no instance holds."""
         out: dict[str, int] = {}
-        names = self._lru.keys() if instances is None else tuple(instances)
-        limit = len(hashes)
+        lrus = self._lru
+        held = [(name, lrus.get(name)) for name in (tuple(lrus) if instances is None else instances)]
         if isinstance(hashes, PromptBlocks):
             # Hash only as far as some instance holds the prompt: the rest waits for `insert`.
-            blocks = hashes
-            held = [lru for lru in (self._lru.get(name) for name in names) if lru]
-            limit = blocks.hash_while_held(held)
-            hashes = blocks.hashed()
-        for name in names:
-            lru = self._lru.get(name)
-            if not lru or not limit or hashes[0] not in lru:
+            limit = hashes.hash_while_held([lru for _, lru in held if lru])
+            hashes = hashes.hashed()
+        else:
+            limit = len(hashes)
+        first = hashes[0] if limit else None
+        trusts = self._trust
+        for name, lru in held:
+            if not lru or not limit or first not in lru:
                 out[name] = 0
                 continue
             # Bisection on the matched depth: the instance's blocks are prefix-closed.
-            lo, hi = 1, min(limit, len(lru))
+            lo, hi = 1, len(lru)
+            if limit < hi:
+                hi = limit
             while lo < hi:
                 mid = (lo + hi + 1) >> 1
                 if hashes[mid - 1] in lru:
                     lo = mid
                 else:
                     hi = mid - 1
-            out[name] = lo if raw or name not in self._trust else int(lo * self.trust(name, now))
+            out[name] = lo if raw or name not in trusts else int(lo * self.trust(name, now))
         return out
 
     def match_tokens(self, hashes: Sequence[int], now: float, *, raw: bool = False) -> dict[str, int]:

@@ -37,6 +37,13 @@ class Features:
     match (fleet/prefix.py) scaled by its trust, or a named session's last prompt on its last
     instance (`FleetModel.cached`); always below `prompt_tokens`. Empty: nothing credited."""
 
+    def with_cached(self, cached: Mapping[str, int]) -> Features:
+        """These features with `cached` credited (`dataclasses.replace(self, cached=cached)`,
+        without its generic field walk: this is on every decision's path)."""
+        return Features(
+            self.prompt_tokens, self.max_tokens, self.stream, self.request_class, self.ignore_eos, self.workload, cached
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class InstanceState:
@@ -85,10 +92,15 @@ class PoolState:
     """Per-token acceptance probability estimated from the pool's accept length; None if unknown."""
     stale: bool = False
     """True when the freshest load reading is older than the configured staleness bound."""
+    _healthy: tuple[InstanceState, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Read several times per decision: taken once.
+        object.__setattr__(self, "_healthy", tuple(i for i in self.instances if i.healthy))
 
     @property
     def healthy_instances(self) -> tuple[InstanceState, ...]:
-        return tuple(i for i in self.instances if i.healthy)
+        return self._healthy
 
     @property
     def available(self) -> bool:
@@ -96,10 +108,17 @@ class PoolState:
 
     def least_loaded(self) -> InstanceState | None:
         """The instance a new request would join (fewest requests relative to its cap)."""
-        healthy = self.healthy_instances
-        if not healthy:
-            return None
-        return min(healthy, key=lambda i: (i.load / max(i.max_running, 1), i.load))
+        # min(healthy, key=lambda i: (i.load / max(i.max_running, 1), i.load)), written out: the
+        # first of the smallest keys, as min keeps it.
+        best: InstanceState | None = None
+        best_key = (0.0, 0.0)
+        for instance in self._healthy:
+            load = instance.running + instance.waiting
+            cap = instance.max_running
+            key = (load / (1 if 1 > cap else cap), load)
+            if best is None or key < best_key:
+                best, best_key = instance, key
+        return best
 
     @property
     def running(self) -> float:

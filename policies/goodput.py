@@ -67,7 +67,7 @@ Each rule, its reason tokens, and what it earned:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pydantic import Field
 
@@ -228,18 +228,28 @@ class Goodput:
         than that wait in its queue instead of stalling its decode. A slot is held for a typical
         decode (`n_out` tokens at the full batch) stretched by the prefills themselves, so the
         cap's turnover bounds the share at a / (1 + a), a = cap x prefill / decode."""
-        if instance.dispatches_per_s <= 0:
+        tau, width = self.accept_length(pool)
+        return self._prefill_share(pool.name, instance, cost, n_out, tau, width)
+
+    def _prefill_share(
+        self, pool: PoolName, instance: InstanceState, cost: StepCost, n_out: int, tau: float, width: int
+    ) -> float:
+        """`prefill_share`, the pool's accept length given (max and min written out as in
+        `_predict`)."""
+        sent = instance.dispatches_per_s
+        if sent <= 0:
             return 0.0
-        mean_prompt = max(int(instance.prompt_tokens_per_s / instance.dispatches_per_s), 1)
-        prefill_ms = cost.prefill_ms(pool.name, mean_prompt)
-        busy = instance.dispatches_per_s * prefill_ms / 1000
-        cap = max(instance.max_running, 1)
-        if n_out > 1 and instance.load + 1 >= cap:
-            tau, width = self.accept_length(pool)
-            held_ms = (n_out - 1) * cost.decode_step_ms(pool.name, cap, width) / tau
+        mean_prompt = int(instance.prompt_tokens_per_s / sent)
+        prefill_ms = cost.prefill_ms(pool, 1 if 1 > mean_prompt else mean_prompt)
+        busy = sent * prefill_ms / 1000
+        max_running = instance.max_running
+        cap = 1 if 1 > max_running else max_running
+        if n_out > 1 and instance.running + instance.waiting + 1 >= cap:
+            held_ms = (n_out - 1) * cost.decode_step_ms(pool, cap, width) / tau
             a = cap * prefill_ms / held_ms
-            busy = min(busy, a / (1 + a))
-        return min(busy, MAX_PREFILL_SHARE)
+            bound = a / (1 + a)
+            busy = bound if bound < busy else busy
+        return MAX_PREFILL_SHARE if MAX_PREFILL_SHARE < busy else busy
 
     def predict(
         self,
@@ -252,59 +262,84 @@ class Goodput:
     ) -> Prediction:
         """`n_out`: the output tokens planned for (`output_tokens`); `triage`: see `pressure`."""
         tau, width = self.accept_length(pool)
-        cap = max(instance.max_running, 1)
-        load = max(instance.load, 0.0)
-        waiting = max(instance.waiting, 0.0)
-        batch = int(min(load + 1, cap))
-        step_ms = cost.decode_step_ms(pool.name, batch, width)
-        tpot_ms = step_ms / tau / (1 - self.prefill_share(pool, instance, cost, n_out))
+        return self._predict(pool.name, instance, features, cost, n_out, triage, tau, width)
+
+    def _predict(
+        self,
+        pool: PoolName,
+        instance: InstanceState,
+        features: Features,
+        cost: StepCost,
+        n_out: int,
+        triage: bool,
+        tau: float,
+        width: int,
+    ) -> Prediction:
+        """`predict`, the pool named and its accept length given (a decision computes it once
+        per pool, then predicts on each of its instances). Its clamps are written out: `b if b
+        > a else a` is max(a, b) and `b if b < a else a` min(a, b), exactly (ties and all),
+        without a builtin call each."""
+        running, waiting, max_running = instance.running, instance.waiting, instance.max_running
+        cap = 1 if 1 > max_running else max_running
+        load = running + waiting
+        load = 0.0 if 0.0 > load else load
+        waiting = 0.0 if 0.0 > waiting else waiting
+        batch = int(cap if cap < load + 1 else load + 1)
+        step_ms = cost.decode_step_ms(pool, batch, width)
+        tpot_ms = step_ms / tau / (1 - self._prefill_share(pool, instance, cost, n_out, tau, width))
         # The own decode is costed unstretched: the prefills stall both pools' decodes alike, and
         # what joining adds to them is in `others`.
-        decode_ms = max(n_out - 1, 0) / tau * step_ms
-        prompt = max(features.prompt_tokens - self.cached(features, instance), 1)
+        rest = 0 if 0 > n_out - 1 else n_out - 1
+        decode_ms = rest / tau * step_ms
+        prompt_tokens = features.prompt_tokens
+        prompt = prompt_tokens - self.cached(features, instance)
+        prompt = 1 if 1 > prompt else prompt
         # SGLang prefills the queue first come, first served, before any decode step: the first
         # token comes after every waiting prompt (their tokens when the server reports them, else
         # each assumed as long as this one) and this one, in chunks of `prefill_chunk_tokens`.
-        ahead = (
-            instance.waiting_tokens if instance.waiting_tokens is not None else waiting * max(features.prompt_tokens, 1)
-        )
+        ahead = instance.waiting_tokens
+        if ahead is None:
+            ahead = waiting * (1 if 1 > prompt_tokens else prompt_tokens)
         queued = ahead + prompt
         chunks = math.ceil(queued / self.prefill_chunk_tokens)
-        prefill_ms = chunks * cost.prefill_ms(pool.name, math.ceil(queued / chunks))
-        own_prefill_ms = cost.prefill_ms(pool.name, prompt)
+        prefill_ms = chunks * cost.prefill_ms(pool, math.ceil(queued / chunks))
+        own_prefill_ms = cost.prefill_ms(pool, prompt)
         # Past the cap, a slot frees every (typical request time / cap): the queue drains at that
         # rate. A typical request holds its slot for its decode at the stretched TPOT. (Counting
         # the slots running requests free while the prompts ahead are prefilled admitted too
         # many: the requests still running are the long ones.)
-        typical_ms = max(n_out - 1, 0) * tpot_ms + own_prefill_ms
+        typical_ms = rest * tpot_ms + own_prefill_ms
         over = load + 1 - cap
         wait_ms = over * typical_ms / cap if over > 0 else 0.0
         # Slots free at random (output lengths vary widely): waiting for the n-th is a sum of n
         # about exponential gaps, whose 90th percentile is some 1.3 standard deviations above it.
         spread_ms = WAIT_QUANTILE_Z * math.sqrt(over) * typical_ms / cap if over > 0 else 0.0
         others_ms = 0.0
-        running = min(max(instance.running, 0.0), cap - 1)
+        running = 0.0 if 0.0 > running else running
+        running = cap - 1 if cap - 1 < running else running
         if running >= 1 and over <= 0:
             # Joining costs the running requests our prefill (decode stalls while it runs) and a
             # longer step for the rest of their decode (on average half their output is left).
-            slower = step_ms - cost.decode_step_ms(pool.name, max(int(load), 1), width)
-            others_ms = running * (own_prefill_ms + max(slower, 0.0) * (n_out / 2) / tau)
+            joined = int(load)
+            slower = step_ms - cost.decode_step_ms(pool, 1 if 1 > joined else joined, width)
+            others_ms = running * (own_prefill_ms + (0.0 if 0.0 > slower else slower) * (n_out / 2) / tau)
         # The requests decoding there sit through the prompts queued ahead of us and ours before
         # their next token: spread over what they have left (about half an output), that stall
         # is part of their TPOT, which sets how much they mind it (`pressure`). Our own TPOT
         # leaves it out: the queue ahead is prefilled before our first token (TTFT).
-        others_tpot_ms = tpot_ms + prefill_ms / max(n_out / 2, 1.0)
+        half = n_out / 2
+        others_tpot_ms = tpot_ms + prefill_ms / (1.0 if 1.0 > half else half)
         return Prediction(
-            wait_s=wait_ms / 1000,
-            prefill_s=prefill_ms / 1000,
-            decode_s=decode_ms / 1000,
-            others_s=self.externality * self.pressure(others_tpot_ms, triage) * others_ms / 1000,
-            batch=batch,
-            tokens_per_s=batch * tau / step_ms * 1000,
-            over_cap=max(over, 0.0),
-            wait_spread_s=spread_ms / 1000,
-            tpot_s=tpot_ms / 1000,
-            others_tpot_s=others_tpot_ms / 1000,
+            wait_ms / 1000,
+            prefill_ms / 1000,
+            decode_ms / 1000,
+            self.externality * self.pressure(others_tpot_ms, triage) * others_ms / 1000,
+            batch,
+            batch * tau / step_ms * 1000,
+            0.0 if 0.0 > over else over,
+            tpot_ms / 1000,
+            spread_ms / 1000,
+            others_tpot_ms / 1000,
         )
 
     # -- The decision: guards on the snapshot, then the rules on the predictions, in order. ----
@@ -312,9 +347,11 @@ class Goodput:
     # describes each under the same name, and the module docstring says what each one earned.
 
     def decide(self, features: Features, snapshot: Snapshot) -> Decision:
-        for guard in (self.pool_down, self.stale):
-            if (decision := guard(snapshot)) is not None:
-                return decision
+        decision = self.pool_down(snapshot)
+        if decision is None:
+            decision = self.stale(snapshot)
+        if decision is not None:
+            return decision
         c = self.context(features, snapshot)
         for rule in (
             self.throughput,
@@ -333,7 +370,9 @@ class Goodput:
         """The decision names the instance its pool's prediction was for, when `join` chose it
         for its cached prefix (else the router takes the least loaded)."""
         instance = c.chosen.get(decision.pool)
-        return replace(decision, instance=instance) if instance is not None else decision
+        if instance is None:
+            return decision
+        return Decision(pool=decision.pool, reason=decision.reason, scores=decision.scores, instance=instance)
 
     # Guards: the snapshot alone.
 
@@ -360,28 +399,31 @@ class Goodput:
     def context(self, features: Features, snapshot: Snapshot) -> Context:
         """The predictions on both pools (both up, as the guards made sure) and what the rules
         after the guards read; `scores` holds what the decision exposes."""
-        spec, base = snapshot.pool("spec"), snapshot.pool("base")
+        pools = snapshot.pools
+        spec, base = pools.get("spec"), pools.get("base")
         assert spec is not None and base is not None
-        if snapshot.cost is None:
+        cost = snapshot.cost
+        if cost is None:
             raise ValueError("the goodput policy needs a step-cost model in the snapshot")
         n_out = self.output_tokens(features, snapshot.mean_output_tokens, snapshot.output_samples)
         chosen: dict[str, str] = {}
-        joined_spec, on_spec = self.join(spec, features, snapshot.cost, n_out, chosen)
-        joined_base, on_base = self.join(base, features, snapshot.cost, n_out, chosen)
+        joined_spec, on_spec = self.join(spec, features, cost, n_out, chosen)
+        joined_base, on_base = self.join(base, features, cost, n_out, chosen)
+        t_spec, t_base = on_spec.total_s, on_base.total_s
         scores = {
-            "t_spec_s": round(on_spec.total_s, 6),
-            "t_base_s": round(on_base.total_s, 6),
-            "cost_spec_s": round(on_spec.cost_s, 6),
-            "cost_base_s": round(on_base.cost_s, 6),
+            "t_spec_s": round(t_spec, 6),
+            "t_base_s": round(t_base, 6),
+            "cost_spec_s": round(t_spec + on_spec.others_s, 6),  # cost_s
+            "cost_base_s": round(t_base + on_base.others_s, 6),
             "batch_spec": float(on_spec.batch),
             "batch_base": float(on_base.batch),
             "tpot_spec_ms": round(on_spec.tpot_s * 1000, 3),
             "tpot_base_ms": round(on_base.tpot_s * 1000, 3),
             # How much the cost model has seen near these predictions (0: the seed's guess).
-            "evidence_spec": round(snapshot.cost.evidence("spec", on_spec.batch), 2),
-            "evidence_base": round(snapshot.cost.evidence("base", on_base.batch), 2),
-            "prefill_evidence_spec": round(snapshot.cost.evidence("spec", features.prompt_tokens, prefill=True), 2),
-            "prefill_evidence_base": round(snapshot.cost.evidence("base", features.prompt_tokens, prefill=True), 2),
+            "evidence_spec": round(cost.evidence("spec", on_spec.batch), 2),
+            "evidence_base": round(cost.evidence("base", on_base.batch), 2),
+            "prefill_evidence_spec": round(cost.evidence("spec", features.prompt_tokens, prefill=True), 2),
+            "prefill_evidence_base": round(cost.evidence("base", features.prompt_tokens, prefill=True), 2),
         }
         if features.cached and self.cache_credit:
             scores["cached_spec_tokens"] = float(self.cached(features, joined_spec))
@@ -389,7 +431,7 @@ class Goodput:
         c = Context(
             features=features,
             snapshot=snapshot,
-            cost=snapshot.cost,
+            cost=cost,
             spec=spec,
             base=base,
             joined_spec=joined_spec,
@@ -425,15 +467,17 @@ class Goodput:
         healthy = pool.healthy_instances
         least = pool.least_loaded()
         assert least is not None
-        on_least = self.predict(pool, least, features, cost, n_out)
+        tau, width = self.accept_length(pool)
+        on_least = self._predict(pool.name, least, features, cost, n_out, False, tau, width)
         if len(healthy) < 2 or not self.cache_credit:
             return least, on_least
-        best, on_best = least, on_least
+        best, on_best, best_cost = least, on_least, on_least.cost_s
         for instance in healthy:
             if instance is not least:
-                prediction = self.predict(pool, instance, features, cost, n_out)
-                if prediction.cost_s < on_best.cost_s:
-                    best, on_best = instance, prediction
+                prediction = self._predict(pool.name, instance, features, cost, n_out, False, tau, width)
+                prediction_cost = prediction.cost_s
+                if prediction_cost < best_cost:
+                    best, on_best, best_cost = instance, prediction, prediction_cost
         # Named when it is not the least loaded, or holds part of the prompt (among equally
         # loaded instances the router would rotate away from it).
         if best is not least or self.cached(features, best):

@@ -10,7 +10,6 @@ itself stays pure (policies/).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 import time
@@ -421,7 +420,7 @@ class Router:
 
     def with_credit(self, features: Features, match: PrefixMatch) -> Features:
         """`features` carrying the match's credit per instance (what the policy reads)."""
-        return dataclasses.replace(features, cached=match.credit) if match.credit else features
+        return features.with_cached(match.credit) if match.credit else features
 
     def cache_best(self, pool: PoolName, cached: Mapping[str, int]) -> str | None:
         """For a decision the policy did not make (a pinned pool, or a pool swapped for an
