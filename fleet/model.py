@@ -170,6 +170,7 @@ class FleetModel:
         signals = self.instances[url]
         if signals.reading is not None and reading.at < signals.reading.at:
             return  # an answer overtaken by a newer one
+        queued = signals.reading is not None and signals.reading.waiting > 0
         signals.reading = reading
         signals.polled = True
         if reading.max_running:
@@ -177,7 +178,7 @@ class FleetModel:
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:
             work = signals.on_prefill_counters(reading.prefill_tokens_total, reading.prefill_busy_us_total)
             if work is not None:
-                self._on_prefill_work(signals, reading.at, *work)
+                self._on_prefill_work(signals, reading.at, *work, queued=queued)
         if reading.cache_tokens and reading.cache_tokens != signals.cache_tokens:
             signals.cache_tokens = reading.cache_tokens
             self.prefix.set_capacity(url, reading.cache_tokens)
@@ -417,18 +418,28 @@ class FleetModel:
         chunks = math.ceil(prompt / PREFILL_CHUNK_TOKENS)
         self.cost.observe_prefill(signals.pool, prompt / chunks, 1000 * ttft_s / chunks, now)
 
-    def _on_prefill_work(self, signals: InstanceSignals, now: float, tokens: float, busy_us: float) -> None:
+    def _on_prefill_work(
+        self, signals: InstanceSignals, now: float, tokens: float, busy_us: float, *, queued: bool
+    ) -> None:
         """A server's prefill work since its previous reading (its counters' delta) as prefill
-        evidence, whatever its load: the counters give tokens and busy time, not how many
-        iterations shared them, so the tokens are taken as iterations of the instance's recent
-        mean uncached prompt per dispatch of ours (capped at a chunk), each the busy time's
-        share, weighed as that many iterations. Nothing sent here lately: no step size to
-        attribute, no evidence."""
-        per_s = signals.sent.per_s(now)
-        if per_s <= 0:
+        evidence, whatever its load. The counters give tokens and busy time, not how many
+        iterations shared them, so the iterations are inferred from the queue: a server that
+        had prompts waiting at the previous reading (`queued`) packs each prefill iteration to its
+        chunk budget (SGLang's chunked_prefill_size), so the tokens are taken as full chunks;
+        one with none prefills prompts as they come, so as iterations of the instance's recent
+        mean uncached prompt per dispatch of ours (capped at a chunk). Each iteration gets the
+        busy time's share and the delta weighs as that many iterations. No queue and nothing
+        sent here lately: no step size to attribute, no evidence."""
+        if busy_us <= 0:
             return
-        step = min(signals.prompt_tokens_sent.per_s(now) / per_s, PREFILL_CHUNK_TOKENS)
-        if step < 1 or busy_us <= 0:
+        if queued:
+            step = min(tokens, PREFILL_CHUNK_TOKENS)
+        else:
+            per_s = signals.sent.per_s(now)
+            if per_s <= 0:
+                return
+            step = min(signals.prompt_tokens_sent.per_s(now) / per_s, PREFILL_CHUNK_TOKENS)
+        if step < 1:
             return
         steps = tokens / step
         self.cost.observe_prefill(signals.pool, step, busy_us / 1000 / steps, now, weight=steps)

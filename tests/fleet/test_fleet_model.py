@@ -144,3 +144,44 @@ def test_a_never_idle_server_prefilling_twice_as_slow_as_the_seed_is_learned_fro
     ms, evidence = learned(counters=True)
     assert ms == pytest.approx(2 * seed.prefill_ms(1000), rel=0.05)
     assert evidence > 50
+
+
+def test_a_queued_server_packs_its_prefill_into_chunks_and_the_counters_are_read_so() -> None:
+    """A server with prompts waiting packs each prefill iteration to its chunk budget: several
+    short prompts share one iteration's fixed cost. Read as one iteration per prompt, its
+    counters would make the right seed look fast; read as full chunks, they confirm it. A server
+    with no queue prefills prompt by prompt, and its counters are read that way."""
+    from fleet.costmodel import AffineSeed
+    from fleet.model import PREFILL_CHUNK_TOKENS
+
+    seed = AffineSeed(c0=30.0)  # a large fixed cost per iteration: packing matters
+
+    def learned(waiting: int) -> float:
+        model = FleetModel(seed=seed)
+        model.add_instance("b", "base", 64)
+        tokens = busy_us = 0.0
+        prompt = PREFILL_CHUNK_TOKENS // 4
+        for i in range(200):
+            now = 0.1 * i
+            model.on_reading(
+                "b",
+                Reading(
+                    now,
+                    running=32,
+                    waiting=waiting,
+                    prefill_tokens_total=tokens or None,
+                    prefill_busy_us_total=busy_us if tokens else None,
+                ),
+            )
+            for _ in range(4):
+                model.on_dispatch("b", now, prompt)
+            # What the server did with them by the next reading, exactly as the seed says.
+            if waiting:  # one iteration of four prompts
+                busy_us += 1000 * seed.prefill_ms(PREFILL_CHUNK_TOKENS)
+            else:  # four iterations of one
+                busy_us += 4000 * seed.prefill_ms(prompt)
+            tokens += PREFILL_CHUNK_TOKENS
+        return model.cost.prefill_ms("base", PREFILL_CHUNK_TOKENS, now) / seed.prefill_ms(PREFILL_CHUNK_TOKENS)
+
+    assert learned(waiting=5) == pytest.approx(1.0, rel=0.02)
+    assert learned(waiting=0) == pytest.approx(1.0, rel=0.02)
