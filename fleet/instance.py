@@ -76,6 +76,8 @@ class InstanceSignals:
     events: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=65536))
     """(time, +1 dispatch / -1 completion, prompt tokens of a dispatch) since the current reading."""
     counters: CounterDelta = field(default_factory=CounterDelta)
+    counters_at: float | None = None
+    """When its acceptance counters (generation tokens, verify calls) were last read (None: never)."""
     last_gauge: float | None = None
     polled: bool = True
     """False when the server answers no load endpoint: its load is our own in-flight count."""
