@@ -309,6 +309,7 @@ class FleetModel:
         signals.local_in_flight += 1
         signals.prompt_tokens_sent.add(now, uncached)
         signals.sent.add(now)
+        signals.add_backlog(now, uncached, self._prefill_ms_per_token(signals, now))
         if signals.polled:
             signals.events.append((now, +1, uncached))
         if blocks:
@@ -316,6 +317,13 @@ class FleetModel:
         if session is not None:
             self.sessions.put(session, url, prompt_tokens, now)
         return sent
+
+    def _prefill_ms_per_token(self, signals: InstanceSignals, now: float) -> float:
+        """The instance's prefill speed: measured from its counters, else the cost model's at a
+        full chunk."""
+        if signals.prefill_ms_per_token is not None:
+            return signals.prefill_ms_per_token
+        return self.cost.prefill_ms(signals.pool, PREFILL_CHUNK_TOKENS, now) / PREFILL_CHUNK_TOKENS
 
     def on_complete(self, url: str, now: float) -> None:
         signals = self.instances[url]
