@@ -117,7 +117,9 @@ class AcceptanceEstimator:
     decode-log interval), its token/verify counters (each poll adds the steps since the last
     one; they count finished requests, so they lag by about half a request's decode time and
     are discounted by that age), and the proxy's own streams (tokens per verify step of each
-    finished request, discounted by its age). Each weighs by the verify steps it covers.
+    finished request, discounted by its age; the fleet model gives them only for a server whose
+    counters are not read, which count those requests already). Each weighs by the verify steps
+    it covers.
     """
 
     def __init__(

@@ -7,8 +7,9 @@ routing_sim.py) feed this one object, so what was evaluated is what is served. I
 - our own traffic (`on_dispatch`, `on_complete`, `on_refused`), which adjusts the last reading
   until the next one (fleet/instance.py);
 - a finished response's evidence (`on_response`): its inter-chunk gap corrects the step-cost
-  model, its tokens per verify step the acceptance estimate (the pool's, and its workload's when
-  the request had a workload key), its length the output mean;
+  model, its tokens per verify step the acceptance estimate (its workload's when the request had
+  a workload key; the pool's only when the server's acceptance counters are not read, which
+  count the request already), its length the output mean;
 - a decode step seen directly (`on_step`, the virtual clock's shortcut for the chunk gaps);
 - health and ejection (`set_health`, `set_ejected`);
 and gives `snapshot(now)`, or `snapshot(now, workload)` for one request: the speculative pools'
@@ -46,6 +47,9 @@ from fleet.types import InstanceState, PoolState, Snapshot
 OUTPUT_MEMORY = 50
 PREFILL_CHUNK_TOKENS = 8192
 """Prompt tokens one prefill iteration takes at most (SGLang's --chunked-prefill-size default)."""
+COUNTERS_SILENT_HALF_LIVES = 4.0
+"""Acceptance half-lives after its last counter reading during which an instance's counters speak
+for it (FleetModel._counts_acceptance): by then that reading weighs 1/16 of what it did."""
 DEFAULT_POOLS: Mapping[str, int] = {"spec": 3, "base": 0}
 """Pool name -> tokens drafted per verify step (0: a plain pool)."""
 
@@ -188,6 +192,7 @@ class FleetModel:
         if pool.acceptance is None:
             return
         if reading.tokens_total is not None and reading.verify_total is not None:
+            signals.counters_at = reading.at
             delta = signals.counters.add(reading.tokens_total, reading.verify_total)
             if delta is not None:
                 pool.acceptance.observe_counters(reading.at, *delta, age_s=pool.decode_s / 2)
@@ -304,6 +309,7 @@ class FleetModel:
         signals.local_in_flight += 1
         signals.prompt_tokens_sent.add(now, uncached)
         signals.sent.add(now)
+        signals.add_backlog(now, uncached, self._prefill_ms_per_token(signals, now))
         if signals.polled:
             signals.events.append((now, +1, uncached))
         if blocks:
@@ -311,6 +317,13 @@ class FleetModel:
         if session is not None:
             self.sessions.put(session, url, prompt_tokens, now)
         return sent
+
+    def _prefill_ms_per_token(self, signals: InstanceSignals, now: float) -> float:
+        """The instance's prefill speed: measured from its counters, else the cost model's at a
+        full chunk."""
+        if signals.prefill_ms_per_token is not None:
+            return signals.prefill_ms_per_token
+        return self.cost.prefill_ms(signals.pool, PREFILL_CHUNK_TOKENS, now) / PREFILL_CHUNK_TOKENS
 
     def on_complete(self, url: str, now: float) -> None:
         signals = self.instances[url]
@@ -338,7 +351,8 @@ class FleetModel:
     def on_response(self, url: str, now: float, evidence: ResponseEvidence) -> None:
         """What one finished response teaches: its step gap corrects the cost model at about the
         instance's present batch, its tokens per verify step (a speculative pool's) are
-        acceptance evidence as old as half its decode time. Call it before the completion is
+        acceptance evidence as old as half its decode time: for its workload, and for the pool
+        unless the instance's counters are read (`_counts_acceptance`). Call it before the completion is
         counted (on_complete): the batch includes the request."""
         signals = self.instances[url]
         if evidence.tokens:
@@ -354,11 +368,23 @@ class FleetModel:
             return
         if evidence.tokens and evidence.verify_steps:
             age_s = evidence.decode_s / 2
-            pool.acceptance.observe_request(now, evidence.tokens, evidence.verify_steps, age_s)
+            if not self._counts_acceptance(signals, now):
+                pool.acceptance.observe_request(now, evidence.tokens, evidence.verify_steps, age_s)
             if evidence.workload is not None and pool.workloads is not None:
                 pool.workloads.observe_request(evidence.workload, now, evidence.tokens, evidence.verify_steps, age_s)
             # A running mean of the pool's decode time: how far the counters lag.
             pool.decode_s += 0.1 * (2 * age_s - pool.decode_s)
+
+    def _counts_acceptance(self, signals: InstanceSignals, now: float) -> bool:
+        """Whether the instance's own acceptance counters are being read: they count every request
+        it finishes, ours among them, so a response of ours adds nothing the pool's estimate will
+        not get from the counters' next delta. Taken again as well, our requests' evidence (as old
+        as the counters') would weigh twice against the fresh gauge, and the estimate would rest
+        on how many requests we happen to send there. Counters silent for longer than
+        COUNTERS_SILENT_HALF_LIVES half-lives (their last delta has all but faded from the
+        estimate) no longer speak for the instance: our responses are taken again."""
+        at = signals.counters_at
+        return at is not None and now - at <= COUNTERS_SILENT_HALF_LIVES * self.half_life_s
 
     def on_step(self, url: str, now: float, step_ms: float) -> None:
         """One decode step of the instance seen to take `step_ms`, at the batch the model holds."""

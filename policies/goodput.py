@@ -51,15 +51,19 @@ Each rule, its reason tokens, and what it earned:
     two other TPOT corrections of 360d8dd, missed targets went from 3 to 1 and the h200 code
     trace from 1.11x to 1.16x the oracle split (34db47f). Triaging every request instead had cost
     kimi-moe at 90-110 % a third of its SLO goodput.
- 7. `spec-backlog` (`spec-backlog`): the h200 code trace went from 1.13x to 1.18x the oracle split
+ 7. `lost-together` (amends: a lost request's instance in a full pool): on the Mooncake replay
+    at 110 % on h200 (2 + 2 instances) SLO goodput was 0.4-1.2 req/s on 3 of 9 seeds (every
+    instance missing) and 5.1-5.7 on the others; with the rule 4.9-5.9 on all nine (bench
+    prefix_eval; one instance per pool, as bench.routing, is unchanged).
+ 8. `spec-backlog` (`spec-backlog`): the h200 code trace went from 1.13x to 1.18x the oracle split
     (mean E2E 6.61 s -> 4.64 s), kimi-linear's from 1.17x to 1.20x (4cd6915, 4e4cf4e).
- 8. `spec-full` (`spec-full`): issue 4's rule. Before the SLO rules, removing it made SLO goodput
+ 9. `spec-full` (`spec-full`): issue 4's rule. Before the SLO rules, removing it made SLO goodput
     at overload worse: 30.1 against 37.0 req/s on h200 a=0.45 (docs/routing.md before bcedd6d).
     Its known cost: kimi-linear at 256 clients, 0.65x the oracle split (docs/routing.md).
- 9. `slot-price` (amends: spec's cost + the price): with the SLO rules, the overload figure under
+10. `slot-price` (amends: spec's cost + the price): with the SLO rules, the overload figure under
     4; without SLO targets Poisson 110 % went from 0.92-1.11x to 0.93-1.26x the oracle split,
     together with the stretched queue prediction (bcedd6d).
-10. `sooner` (`spec-sooner`, `base-sooner`; the cost comparison, always decides): the policy as a
+11. `sooner` (`spec-sooner`, `base-sooner`; the cost comparison, always decides): the policy as a
     whole, mean E2E 0.17-1.00x the better static policy on every run and p99 at most 1.00x (the
     run of 2026-12-03 in docs/routing.md).
 """
@@ -358,6 +362,7 @@ class Goodput:
             self.slo_queue_allowance,
             self.slo_one_pool,
             self.slo_triage,
+            self.lost_together,
             self.spec_backlog,
             self.spec_full,
             self.slot_price,
@@ -534,6 +539,35 @@ class Goodput:
         c.on_base = self.predict(c.base, c.joined_base, c.features, c.cost, c.n_out, triage=True)
         c.scores["cost_spec_s"] = round(c.on_spec.cost_s, 6)
         c.scores["cost_base_s"] = round(c.on_base.cost_s, 6)
+        return None
+
+    def lost_together(self, c: Context) -> Decision | None:
+        """`lost-together`: a lost request (`slo-triage`) joins, in a pool whose every healthy
+        instance is past its running cap, that pool's most loaded instance (the most requests
+        relative to its cap; score `lost_together_<pool>`) instead of the cheapest one. In a
+        full pool the queues are where requests miss their targets: lost requests spread over
+        every queue keep every instance missing, a state the cost comparison never leaves on
+        its own; gathered on one instance they leave the others' queues short enough for the
+        requests that can still meet their targets. Decides nothing itself: the pool's
+        prediction is re-costed on that instance for the rules after it."""
+        if not c.lost:
+            return None
+        for pool in (c.spec, c.base):
+            healthy = pool.healthy_instances
+            if len(healthy) < 2 or any(i.load + 1 <= i.max_running for i in healthy):
+                continue
+            worst = healthy[0]
+            for instance in healthy[1:]:
+                if instance.load / max(instance.max_running, 1) > worst.load / max(worst.max_running, 1):
+                    worst = instance
+            on_worst = self.predict(pool, worst, c.features, c.cost, c.n_out, triage=True)
+            c.chosen[pool.name] = worst.url
+            c.scores[f"lost_together_{pool.name}"] = 1.0
+            c.scores[f"cost_{pool.name}_s"] = round(on_worst.cost_s, 6)
+            if pool is c.spec:
+                c.joined_spec, c.on_spec = worst, on_worst
+            else:
+                c.joined_base, c.on_base = worst, on_worst
         return None
 
     def spec_backlog(self, c: Context) -> Decision | None:

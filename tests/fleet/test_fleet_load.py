@@ -88,6 +88,44 @@ def test_counters_feed_alpha():
     assert state.snapshot(2.0).pool("base").alpha is None
 
 
+def test_responses_do_not_count_twice_what_the_servers_counters_already_report():
+    """A spec server's token/verify counters count every request it finishes, ours too: while
+    they are read, our own responses (as old as the counters' evidence) must not be taken a
+    second time by the pool's estimate, which would weigh them twice against the fresh gauge and
+    depend on how many requests we send there. After a drop to alpha 0.3, the gauge and the
+    counters say 0.3 while our finished requests, which ran mostly before it, still say 0.7: the
+    estimate is the counters' and the gauge's. Our responses still teach their workload, and a
+    server whose counters are not read (or fell silent) is learned from our responses."""
+    tau_old, tau_new = accept_length(0.7, 3), accept_length(0.3, 3)
+    state = fleet()
+    for i in range(40):
+        now = 0.5 * i
+        state.on_reading(
+            "http://spec",
+            Reading(
+                at=now,
+                running=8,
+                waiting=0,
+                accept_length=tau_new + 1e-6 * i,  # a fresh gauge value each time
+                accept_steps=320,
+                tokens_total=i * 200 * tau_new,
+                verify_total=i * 200,
+            ),
+        )
+        evidence = ResponseEvidence(tokens=round(300 * tau_old) + 1, verify_steps=300, decode_s=0.2, workload="chat")
+        state.on_response("http://spec", now + 0.1, evidence)
+    assert state.snapshot(20.0).pool("spec").alpha == pytest.approx(0.3, abs=0.005)
+    chat = state.snapshot(20.0, "chat").pool("spec").alpha
+    assert chat is not None and chat > 0.5  # the workload's own evidence is ours alone
+
+    silent = fleet()
+    silent.on_reading("http://spec", Reading(at=0.0, running=8, waiting=0, tokens_total=0.0, verify_total=0.0))
+    for i in range(20):
+        evidence = ResponseEvidence(tokens=round(300 * tau_old) + 1, verify_steps=300, decode_s=0.2)
+        silent.on_response("http://spec", 10.0 + 0.5 * i, evidence)  # counters silent for 10 s and more
+    assert silent.snapshot(20.0).pool("spec").alpha == pytest.approx(0.7, abs=0.005)
+
+
 def test_queued_prompt_tokens_and_learned_output_length():
     state = fleet()
     state.on_reading("http://base", Reading(at=1.0, running=4, waiting=2, waiting_tokens=3000))

@@ -10,7 +10,7 @@ from policy_snapshots import pool, snapshot
 
 import policies.goodput
 from fleet.costmodel import StepCostModel, seed_from_profile
-from fleet.types import Decision, Features, Snapshot
+from fleet.types import Decision, Features, InstanceState, PoolState, Snapshot
 from policies.goodput import Goodput, GoodputParams
 
 RULES = (
@@ -20,6 +20,7 @@ RULES = (
     "slo-queue-allowance",
     "slo-one-pool",
     "slo-triage",
+    "lost-together",
     "spec-backlog",
     "spec-full",
     "slot-price",
@@ -146,6 +147,35 @@ def test_slo_triage(cost):
     # Base's requests miss their target anyway: re-costed, the stall there is plain latency.
     assert decision.scores["cost_base_s"] < decision.scores["cost_spec_s"]
     assert _reason(decision) == ("base", "base-sooner")
+
+
+def test_lost_together(cost):
+    """A lost request joins the most loaded instance of a pool past its cap everywhere; with a
+    free slot anywhere in the pool, or for a request that can still meet its targets, the
+    cheapest instance as before."""
+
+    def fleet(s0: float, s1: float, b0: float, b1: float) -> Snapshot:
+        def instance(url: str, load: float, cap: int) -> InstanceState:
+            return InstanceState(url, min(load, cap), max(load - cap, 0), cap, age_s=0.05)
+
+        spec = PoolState("spec", (instance("s0", s0, 48), instance("s1", s1, 48)), True, 3, alpha=0.6)
+        base = PoolState("base", (instance("b0", b0, 256), instance("b1", b1, 256)))
+        return Snapshot(pools={"spec": spec, "base": base}, cost=cost)
+
+    full = fleet(56, 60, 300, 280)
+    decision = slo_policy().decide(LONG, full)
+    assert decision.scores["slo_lost"] == 1.0
+    assert decision.scores["lost_together_spec"] == decision.scores["lost_together_base"] == 1.0
+    assert decision.instance == {"spec": "s1", "base": "b0"}[decision.pool]
+    # Without the rule's amendment the cheapest (least loaded) instance would have been named.
+    plain = slo_policy()
+    plain.lost_together = lambda c: None  # type: ignore[method-assign]
+    assert plain.decide(LONG, full).instance != decision.instance
+    # A free slot on one spec instance: spec's instance is the cheapest again.
+    room = slo_policy().decide(LONG, fleet(40, 60, 300, 280))
+    assert "lost_together_spec" not in room.scores and room.scores["lost_together_base"] == 1.0
+    # A request that meets its targets somewhere is not lost: the rule does not apply.
+    assert "lost_together_spec" not in Goodput().decide(SHORT, full).scores
 
 
 def test_spec_backlog(cost):
