@@ -177,6 +177,7 @@ class FleetModel:
         queued = signals.reading is not None and signals.reading.waiting > 0
         signals.reading = reading
         signals.polled = True
+        signals.bound_backlog(reading.at, reading.waiting_tokens)
         if reading.max_running:
             signals.max_running = reading.max_running
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:
