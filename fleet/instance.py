@@ -95,44 +95,6 @@ class InstanceSignals:
     """Its measured prefill time per uncached prompt token, under whatever load it had: busy
     time over tokens, weighted by tokens over about PREFILL_MEMORY_TOKENS (None: not reported)."""
     prefill_tokens_measured: float = 0.0
-    backlog_tokens: float = 0.0
-    """Uncached prompt tokens this router sent here that are likely not prefilled yet, as of
-    `backlog_at`: each dispatch adds its own, the instance's prefill speed (`backlog_ms_per_token`,
-    as known at the last dispatch) drains them, a reading bounds them (`prefill_backlog`)."""
-    largest_tokens: float = 0.0
-    """What is left, as of `backlog_at`, of the largest prompt we sent here, drained alike: at
-    most what a prompt in chunked prefill still holds (SGLang chunks one request at a time)."""
-    backlog_at: float = 0.0
-    backlog_ms_per_token: float = 0.0
-
-    def add_backlog(self, now: float, tokens: float, ms_per_token: float) -> None:
-        """A dispatch's uncached prompt tokens join the backlog (drained to `now` first)."""
-        backlog, largest = self.prefill_backlog(now), self._drained(self.largest_tokens, now)
-        self.backlog_tokens, self.largest_tokens = backlog + tokens, max(largest, tokens)
-        self.backlog_at = now
-        self.backlog_ms_per_token = ms_per_token
-
-    def bound_backlog(self, at: float, waiting_tokens: float | None) -> None:
-        """A reading at `at` (after our latest dispatch) bounds the backlog: the server holds no
-        more than the prompt tokens it reports waiting and the rest of one prompt in chunked
-        prefill. Without it the estimate would drift from the server wherever its speed or our
-        credit for its cache is off."""
-        if waiting_tokens is None or at < self.backlog_at:
-            return
-        largest = self._drained(self.largest_tokens, at)
-        backlog = min(self.prefill_backlog(at), waiting_tokens + largest)
-        self.backlog_tokens, self.largest_tokens, self.backlog_at = backlog, largest, at
-
-    def prefill_backlog(self, now: float) -> float:
-        """What is left at `now` of the prompt tokens we sent here, each prefilled in turn at the
-        instance's prefill speed: a fluid estimate that sees what the server's report does not,
-        the rest of a prompt in chunked prefill (SGLang counts it as running, not waiting)."""
-        return self._drained(self.backlog_tokens, now)
-
-    def _drained(self, tokens: float, now: float) -> float:
-        if tokens <= 0 or self.backlog_ms_per_token <= 0:
-            return 0.0
-        return max(tokens - max(now - self.backlog_at, 0.0) * 1000 / self.backlog_ms_per_token, 0.0)
 
     def on_prefill_counters(self, tokens_total: float, busy_us_total: float) -> tuple[float, float] | None:
         """Difference the cumulative counters: (uncached tokens, busy microseconds) since the
@@ -198,17 +160,9 @@ class InstanceSignals:
     def state(self, now: float) -> InstanceState:
         """The instance as a policy sees it at `now` (what a snapshot holds): `load_state()`,
         `age(now)` and the two rates' `per_s(now)`, written out here (a snapshot takes one per
-        instance per decision). Its waiting tokens are at least our prefill backlog when the
-        server reports none waiting."""
+        instance per decision)."""
         running, waiting, waiting_tokens = self.load_state()
         reading = self.reading
-        if reading is not None and reading.waiting_tokens == 0 and waiting_tokens is not None:
-            # The server reports no prompt waiting, but a long one may still be in chunked
-            # prefill: our own backlog estimate stands for it (with a queue reported, the
-            # server's figure is the better one).
-            backlog = self.prefill_backlog(now)
-            if backlog > waiting_tokens:
-                waiting_tokens = backlog
         age = 0.0 if not self.polled else math.inf if reading is None else max(now - reading.at, 0.0)
         tokens, sent = self.prompt_tokens_sent, self.sent
         return InstanceState(

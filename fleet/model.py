@@ -177,7 +177,6 @@ class FleetModel:
         queued = signals.reading is not None and signals.reading.waiting > 0
         signals.reading = reading
         signals.polled = True
-        signals.bound_backlog(reading.at, reading.waiting_tokens)
         if reading.max_running:
             signals.max_running = reading.max_running
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:
@@ -310,7 +309,6 @@ class FleetModel:
         signals.local_in_flight += 1
         signals.prompt_tokens_sent.add(now, uncached)
         signals.sent.add(now)
-        signals.add_backlog(now, uncached, self._prefill_ms_per_token(signals, now))
         if signals.polled:
             signals.events.append((now, +1, uncached))
         if blocks:
@@ -318,13 +316,6 @@ class FleetModel:
         if session is not None:
             self.sessions.put(session, url, prompt_tokens, now)
         return sent
-
-    def _prefill_ms_per_token(self, signals: InstanceSignals, now: float) -> float:
-        """The instance's prefill speed: measured from its counters, else the cost model's at a
-        full chunk."""
-        if signals.prefill_ms_per_token is not None:
-            return signals.prefill_ms_per_token
-        return self.cost.prefill_ms(signals.pool, PREFILL_CHUNK_TOKENS, now) / PREFILL_CHUNK_TOKENS
 
     def on_complete(self, url: str, now: float) -> None:
         signals = self.instances[url]

@@ -185,28 +185,3 @@ def test_a_queued_server_packs_its_prefill_into_chunks_and_the_counters_are_read
 
     assert learned(waiting=5) == pytest.approx(1.0, rel=0.02)
     assert learned(waiting=0) == pytest.approx(1.0, rel=0.02)
-
-
-def test_a_prompt_in_chunked_prefill_counts_as_queued_work_though_the_server_reports_none() -> None:
-    """SGLang counts a prompt in chunked prefill as running, not waiting: right after a long
-    prompt was sent the server reports no prompt tokens waiting while it has seconds of prefill
-    left. The instance's waiting tokens are then our backlog (what we sent, drained at its
-    prefill speed); with a queue reported, the server's figure stands."""
-    from fleet.costmodel import AffineSeed
-
-    seed = AffineSeed()
-    per_token_ms = seed.prefill_ms(8192) / 8192  # no counters read yet: the cost model's speed
-    model = FleetModel(seed=seed)
-    model.add_instance("b", "base", 8)
-    model.on_reading("b", Reading(0.0, running=0, waiting=0, waiting_tokens=0))
-    model.on_dispatch("b", 0.01, 30_000)
-
-    def waiting_tokens(now: float) -> float | None:
-        return model.snapshot(now).pools["base"].instances[0].waiting_tokens
-
-    model.on_reading("b", Reading(0.1, running=1, waiting=0, waiting_tokens=0))  # admitted, chunking
-    assert waiting_tokens(0.1) == pytest.approx(30_000 - 90 / per_token_ms)
-    assert waiting_tokens(0.5) == pytest.approx(30_000 - 490 / per_token_ms)
-    assert waiting_tokens(0.01 + 30_000 * per_token_ms / 1000) == pytest.approx(0.0, abs=1e-6)  # all prefilled
-    model.on_reading("b", Reading(0.2, running=1, waiting=1, waiting_tokens=5_000))  # a queue reported
-    assert waiting_tokens(0.2) == 5_000
