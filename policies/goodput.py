@@ -52,9 +52,10 @@ Each rule, its reason tokens, and what it earned:
     trace from 1.11x to 1.16x the oracle split (34db47f). Triaging every request instead had cost
     kimi-moe at 90-110 % a third of its SLO goodput.
  7. `lost-together` (amends: a lost request's instance in a full pool): on the Mooncake replay
-    at 110 % on h200 (2 + 2 instances) SLO goodput was 0.4-1.2 req/s on 3 of 9 seeds (every
-    instance missing) and 5.1-5.7 on the others; with the rule 4.9-5.9 on all nine (bench
-    prefix_eval; one instance per pool, as bench.routing, is unchanged).
+    (bench.prefix_eval, 2 + 2 instances, seeds 0-8) SLO goodput at 110 % went from 0.37-0.93
+    req/s on all nine seeds to 2.26-2.44 on kimi-linear, and on h200 from 0.29 and 0.78 on two
+    seeds (4.94-5.95 on the others) to 4.94-5.95 on all nine; at 90 % h200's worst seed went
+    from 1.48 to 3.43. One instance per pool (bench.routing) is unchanged.
  8. `spec-backlog` (`spec-backlog`): the h200 code trace went from 1.13x to 1.18x the oracle split
     (mean E2E 6.61 s -> 4.64 s), kimi-linear's from 1.17x to 1.20x (4cd6915, 4e4cf4e).
  9. `spec-full` (`spec-full`): issue 4's rule. Before the SLO rules, removing it made SLO goodput
