@@ -72,7 +72,7 @@ Each rule, its reason tokens, and what it earned:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pydantic import Field
 
@@ -374,11 +374,10 @@ class Goodput:
 
     def on_instance(self, c: Context, decision: Decision) -> Decision:
         """The decision names the instance its pool's prediction was for, when `join` chose it
-        for its cached prefix (else the router takes the least loaded)."""
+        for its cached prefix or `lost-together` moved it (else the router takes the least
+        loaded)."""
         instance = c.chosen.get(decision.pool)
-        if instance is None:
-            return decision
-        return Decision(pool=decision.pool, reason=decision.reason, scores=decision.scores, instance=instance)
+        return replace(decision, instance=instance) if instance is not None else decision
 
     # Guards: the snapshot alone.
 
