@@ -48,13 +48,13 @@ check: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/python -m pytest -m "not external"
 
-# Every test from source, then the decision path's tests (fleet, policies, routing) compiled.
+# Every test twice: from source, then with the decision path compiled (as `make run` serves it).
 test: check jaeger kubeconform
 	rm -rf build/native
 	$(BIN)/python -m pytest
 	$(BIN)/python deploy/native.py
 	$(BIN)/python deploy/native.py --status --require
-	$(BIN)/python -m pytest tests/fleet tests/policies tests/routing
+	$(BIN)/python -m pytest
 
 # Every benchmark whose figures docs/ records (long); `python -m bench` lists them.
 bench: $(STAMP)
