@@ -8,12 +8,15 @@ of the sources it compiled; `make test` runs the suite both ways.
 
 `attach`, called by `fleet/__init__.py` and `policies/__init__.py`, puts build/native/<package>
 ahead of the package's own directory on its `__path__`, so that its compiled modules are imported
-instead of their sources, only when every compiled module's source is byte for byte what was
-compiled, for this interpreter. Otherwise nothing changes and the sources run: a binary can never
-stand in for a source edited since (the hazard of compiling beside the sources), and the build
-is all or nothing (compiled modules share one runtime library and each other's native classes).
-`status()` says which path runs and why; the proxy logs it at start and the state endpoint shows
-it.
+instead of their sources, only when every source of fleet/ and policies/ (what mypyc read to
+compile them) is byte for byte what it was at the build, none added or removed, the build is
+whole and for this interpreter. Otherwise nothing changes and the sources run: compiling beside
+the sources would let a binary shadow a source edited since; here an edit sends the next process
+back to the sources, and the build is all or nothing (compiled modules share one runtime library
+and each other's native classes). The verdict is taken once per process, at its first import of
+`fleet`: a process started after an edit or a rebuild may run the other path than one started
+before, so what crosses between processes is plain values (proxy/body.py). `status()` says which
+path runs and why; the proxy logs it at start and the state endpoint shows it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ COMPILED = (
 )
 """Sources mypyc compiles, relative to the project root: what a decision runs, and what they
 import at every call (compiled modules call each other natively)."""
+PACKAGES = ("fleet", "policies")
+"""The packages whose every source mypyc reads (type-checks) to compile `COMPILED`: the build
+stands only for these sources, all of them, as they were."""
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD = ROOT / "build" / "native"
@@ -59,6 +65,18 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def sources(root: Path = ROOT) -> dict[str, str]:
+    """Every source of `PACKAGES` under `root` (relative path -> SHA-256)."""
+    return {
+        f"{package}/{path.name}": digest(path) for package in PACKAGES for path in sorted((root / package).glob("*.py"))
+    }
+
+
+def binary(source: str) -> str:
+    """The extension module a compiled source becomes (relative to the build)."""
+    return source.removesuffix(".py") + str(sysconfig.get_config_var("EXT_SUFFIX"))
+
+
 def manifest(build: Path = BUILD) -> dict[str, object]:
     """What deploy/native.py records next to a build (read it, do not change it)."""
     data = json.loads((build / MANIFEST).read_text())
@@ -68,7 +86,9 @@ def manifest(build: Path = BUILD) -> dict[str, object]:
 
 
 def check(build: Path = BUILD, root: Path = ROOT) -> NativeStatus:
-    """Whether the build in `build` may stand in for the sources under `root`, and why not."""
+    """Whether the build in `build` may stand in for the sources under `root`, and why not: it
+    must be for this interpreter's ABI, of `COMPILED`, from exactly the sources of `PACKAGES`
+    now there (none changed, added or removed), and whole (every binary it made, at its size)."""
     try:
         data = manifest(build)
     except FileNotFoundError:
@@ -78,43 +98,64 @@ def check(build: Path = BUILD, root: Path = ROOT) -> NativeStatus:
     soabi = sysconfig.get_config_var("SOABI")
     if data.get("soabi") != soabi:
         return NativeStatus(False, f"built for {data.get('soabi')}, this interpreter is {soabi}")
-    sources = data.get("sources")
-    if not isinstance(sources, dict) or sorted(sources) != sorted(COMPILED):
+    if data.get("compiled") != list(COMPILED):
         return NativeStatus(False, "built from another list of modules (make native again)")
-    for source in COMPILED:
-        try:
-            current = digest(root / source)
-        except OSError:
-            return NativeStatus(False, f"{source} is missing")
-        if current != sources[source]:
+    built = data.get("sources")
+    if not isinstance(built, dict):
+        return NativeStatus(False, "unreadable build manifest: no sources")
+    try:
+        current = sources(root)
+    except OSError as e:
+        return NativeStatus(False, f"cannot read the sources: {e}")
+    for source in sorted(set(built) | set(current)):
+        if source not in current:
+            return NativeStatus(False, f"{source} is gone since the build (make native again)")
+        if source not in built:
+            return NativeStatus(False, f"{source} is new since the build (make native again)")
+        if current[source] != built[source]:
             return NativeStatus(False, f"{source} changed since it was compiled (make native again)")
+    binaries = data.get("binaries")
     library = data.get("library")
-    if not isinstance(library, str) or not (build / library).is_file():
-        return NativeStatus(False, "the build's runtime library is missing")
+    if not isinstance(binaries, dict) or not isinstance(library, str) or library not in binaries:
+        return NativeStatus(False, "unreadable build manifest: no binaries")
+    if any(binary(source) not in binaries for source in COMPILED):
+        return NativeStatus(False, "the build lacks a compiled module (make native again)")
+    for name, size in binaries.items():
+        try:
+            if (build / name).stat().st_size != size:
+                return NativeStatus(False, f"{name} is not the one built (make native again)")
+        except OSError:
+            return NativeStatus(False, f"{name} is missing (make native again)")
     return NativeStatus(True, f"compiled by mypyc {data.get('mypy', '?')} on {data.get('built', '?')}")
 
 
 @functools.cache
 def status() -> NativeStatus:
     """This process's verdict, taken once (before the first compiled module is imported), then
-    loads the build's shared runtime library when it is used."""
+    loads the build's shared runtime library when it is used (a library that does not load,
+    e.g. copied from another machine, means the sources run)."""
     verdict = check()
-    if verdict.compiled:
-        library = str(manifest()["library"])
-        name = library.split(".", 1)[0]
+    if not verdict.compiled:
+        return verdict
+    library = str(manifest()["library"])
+    name = library.split(".", 1)[0]
+    try:
         spec = importlib.util.spec_from_file_location(name, BUILD / library)
         if spec is None or spec.loader is None:
             return NativeStatus(False, f"cannot load {library}")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
+    except (ImportError, OSError) as e:
+        sys.modules.pop(name, None)
+        return NativeStatus(False, f"cannot load {library}: {e}")
     return verdict
 
 
 def attach(package: str, path: list[str]) -> None:
     """Called by a package's `__init__` with its `__path__`: the build's directory for it first,
-    when the build stands for the current sources."""
-    if status().compiled:
+    when the build stands for the current sources and the package is this checkout's."""
+    if path and Path(path[0]).resolve() == ROOT / package and status().compiled:
         path.insert(0, str(BUILD / package))
 
 
