@@ -29,7 +29,8 @@ A digest of every decision (pool, reason, instance, scores, credits) is printed:
 must not change decisions keeps it (it covers the cache-credit path bench.decisions does not,
 as the virtual clock does not use the index yet). `--profile` adds a cProfile of the decisions.
 `--quick` (1,000 prefixes, 300 decisions) prints only; a full run writes its table into
-docs/routing.md ("Prefix index").
+docs/routing.md ("Prefix index"). The decision runs compiled when `make native` built the
+sources as they are (fleet/native.py), else from source; the header says which.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from typing import Any
 
 from bench.markers import write_section
 from bench.prefix_index import Conversation, Text, corpus, percentile
+from fleet import native
 from fleet.blocks import PromptBlocks
 from fleet.costmodel import seed_from_profile
 from fleet.features import count_prompt_tokens, workload_key
@@ -346,9 +348,11 @@ def main() -> None:
     load_after = os.getloadavg()[0]
     lengths = sorted(count_prompt_tokens(i.body) for i in indexed)
     when = time.strftime("%Y-%m-%d %H:%M")
+    path = "compiled (make native)" if native.status().compiled else "from source"
     header = (
         f"`python -m bench.prefix_decision{' --quick' if args.quick else ''}` ({when}; {machine()}, "
-        f"shared; load average {load_before:.2f} -> {load_after:.2f}): {len(indexed):,} indexed prompts of "
+        f"shared; load average {load_before:.2f} -> {load_after:.2f}; decision path {path}): "
+        f"{len(indexed):,} indexed prompts of "
         f"{lengths[0]:,}-{lengths[-1]:,} tokens in {len(conversations):,} conversations, "
         f"{len(model.prefix):,} (instance, block) entries, {len(model.sessions):,} sessions; {len(qs):,} "
         f"decisions on 2 spec + 2 base instances ({PROFILE} seed, 256-token blocks); decisions digest {digest}"

@@ -54,7 +54,7 @@ DEFAULT_POOLS: Mapping[str, int] = {"spec": 3, "base": 0}
 """Pool name -> tokens drafted per verify step (0: a plain pool)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefixMatch:
     """A request's prefix credit per instance (`FleetModel.cached`)."""
 
@@ -420,9 +420,9 @@ class FleetModel:
 
         Only the prompt's uncached tokens were prefilled: what the server reported cached, else
         what the router credited (in the estimate's units)."""
-        cached: float = sent.cached_tokens
+        cached = float(sent.cached_tokens)
         if evidence.cached_tokens is not None:
-            cached = evidence.cached_tokens
+            cached = float(evidence.cached_tokens)
             if evidence.prompt_tokens:
                 cached *= sent.prompt_tokens / evidence.prompt_tokens
         prompt = int(round(sent.prompt_tokens - cached))

@@ -3,6 +3,12 @@
 A policy sees only these values: what the request is (`Features`) and what the fleet looks like
 now (`Snapshot`). It reads no clock, does no I/O and keeps no globals, so the very same object
 is unit-tested on hand-built snapshots, swept on the twin's virtual clock, and served.
+
+They are values: built once, never changed (a policy that wants another one builds it, e.g.
+`Features.with_cached`, `Decision.on_instance`). They are plain slotted dataclasses, not frozen
+ones, because a frozen dataclass's `__init__` sets each field through `object.__setattr__`
+(about 1 us for `InstanceState`) and a decision builds about fifteen of them
+(docs/routing.md, "Prefix index").
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ POOLS: tuple[PoolName, PoolName] = ("spec", "base")
 RequestClass = Literal["latency", "batch"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Features:
     """What the router knows about one request before sending it."""
 
@@ -45,7 +51,7 @@ class Features:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class InstanceState:
     """One backend server as the router sees it now."""
 
@@ -79,7 +85,7 @@ class InstanceState:
         return self.max_running - self.load
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PoolState:
     """One pool (`spec` or `base`) of instances."""
 
@@ -96,7 +102,7 @@ class PoolState:
 
     def __post_init__(self) -> None:
         # Read several times per decision: taken once.
-        object.__setattr__(self, "_healthy", tuple(i for i in self.instances if i.healthy))
+        self._healthy = tuple([i for i in self.instances if i.healthy])
 
     @property
     def healthy_instances(self) -> tuple[InstanceState, ...]:
@@ -151,7 +157,7 @@ class StepCost(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Snapshot:
     """The fleet at the moment of a decision."""
 
@@ -167,7 +173,7 @@ class Snapshot:
         return self.pools.get(name)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     pool: PoolName
     reason: str
@@ -177,3 +183,8 @@ class Decision:
     instance: str | None = None
     """The instance of `pool` the policy chose (its URL), e.g. the one holding the prompt's
     prefix; None leaves the choice to the router (the least loaded)."""
+
+    def on_instance(self, instance: str) -> Decision:
+        """This decision naming `instance` (`dataclasses.replace(self, instance=instance)`,
+        without its generic field walk: this is on every decision's path)."""
+        return Decision(self.pool, self.reason, self.scores, instance)

@@ -72,13 +72,11 @@ Each rule, its reason tokens, and what it earned:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-
-from pydantic import Field
+from dataclasses import dataclass
 
 from fleet.acceptance import accept_length
 from fleet.types import Decision, Features, InstanceState, PoolName, PoolState, Snapshot, StepCost
-from policies.base import PolicyParams
+from policies.goodput_params import GoodputParams
 from policies.registry import register
 
 # Past this share of time spent prefilling, a server's decode is predicted 10x slower; the cap
@@ -94,7 +92,7 @@ WAIT_QUANTILE_Z = 1.28
 OUTPUT_PRIOR_SAMPLES = 10
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Prediction:
     """Seconds a request would spend on a pool, and the decode batch it would join."""
 
@@ -163,27 +161,6 @@ class Context:
     """The slot price added to spec's cost in `sooner`."""
 
 
-class GoodputParams(PolicyParams):
-    """SPECROUTE_GOODPUT_*: what the policy assumes before it has learned, and the SLO."""
-
-    output_tokens: int = Field(
-        256, ge=1, description="output tokens to plan for when a request does not run to max_tokens."
-    )
-    default_alpha: float = Field(
-        0.5, ge=0, lt=1, description="acceptance assumed before the spec pool has reported any."
-    )
-    externality: float = Field(1.0, ge=0, description="weight of the slowdown a request causes the batch it joins.")
-    slo_ttft_s: float = Field(
-        0.0, ge=0, description="time-to-first-token target in seconds (0: none); see SLO-aware routing."
-    )
-    slo_tpot_ms: float = Field(0.0, ge=0, description="time-per-output-token target in milliseconds (0: none).")
-    cache_credit: bool = Field(
-        True,
-        description="credit each instance's cached prompt prefix in its prefill and choose the instance by it.",
-    )
-
-
-@register("goodput", params=GoodputParams)
 class Goodput:
     name = "goodput"
 
@@ -377,7 +354,7 @@ class Goodput:
         for its cached prefix or `lost-together` moved it (else the router takes the least
         loaded)."""
         instance = c.chosen.get(decision.pool)
-        return replace(decision, instance=instance) if instance is not None else decision
+        return decision.on_instance(instance) if instance is not None else decision
 
     # Guards: the snapshot alone.
 
@@ -416,19 +393,19 @@ class Goodput:
         joined_base, on_base = self.join(base, features, cost, n_out, chosen)
         t_spec, t_base = on_spec.total_s, on_base.total_s
         scores = {
-            "t_spec_s": round(t_spec, 6),
-            "t_base_s": round(t_base, 6),
-            "cost_spec_s": round(t_spec + on_spec.others_s, 6),  # cost_s
-            "cost_base_s": round(t_base + on_base.others_s, 6),
+            "t_spec_s": t_spec,
+            "t_base_s": t_base,
+            "cost_spec_s": t_spec + on_spec.others_s,  # cost_s
+            "cost_base_s": t_base + on_base.others_s,
             "batch_spec": float(on_spec.batch),
             "batch_base": float(on_base.batch),
-            "tpot_spec_ms": round(on_spec.tpot_s * 1000, 3),
-            "tpot_base_ms": round(on_base.tpot_s * 1000, 3),
+            "tpot_spec_ms": on_spec.tpot_s * 1000,
+            "tpot_base_ms": on_base.tpot_s * 1000,
             # How much the cost model has seen near these predictions (0: the seed's guess).
-            "evidence_spec": round(cost.evidence("spec", on_spec.batch), 2),
-            "evidence_base": round(cost.evidence("base", on_base.batch), 2),
-            "prefill_evidence_spec": round(cost.evidence("spec", features.prompt_tokens, prefill=True), 2),
-            "prefill_evidence_base": round(cost.evidence("base", features.prompt_tokens, prefill=True), 2),
+            "evidence_spec": cost.evidence("spec", on_spec.batch),
+            "evidence_base": cost.evidence("base", on_base.batch),
+            "prefill_evidence_spec": cost.evidence("spec", features.prompt_tokens, prefill=True),
+            "prefill_evidence_base": cost.evidence("base", features.prompt_tokens, prefill=True),
         }
         if features.cached and self.cache_credit:
             scores["cached_spec_tokens"] = float(self.cached(features, joined_spec))
@@ -500,8 +477,8 @@ class Goodput:
             return None
         gain_spec = 0.0 if c.spec_full else self._gain(c.spec, c.joined_spec, c.cost)
         gain_base = 0.0 if c.on_base.over_cap > 0 else self._gain(c.base, c.joined_base, c.cost)
-        c.scores["gain_spec_tok_s"] = round(gain_spec, 3)
-        c.scores["gain_base_tok_s"] = round(gain_base, 3)
+        c.scores["gain_spec_tok_s"] = gain_spec
+        c.scores["gain_base_tok_s"] = gain_base
         if gain_spec > 0 or gain_base > 0:
             pool: PoolName = "spec" if gain_spec > gain_base else "base"
             return Decision(pool=pool, reason=f"throughput-{pool}", scores=c.scores)
@@ -537,8 +514,8 @@ class Goodput:
         c.scores["slo_lost"] = 1.0
         c.on_spec = self.predict(c.spec, c.joined_spec, c.features, c.cost, c.n_out, triage=True)
         c.on_base = self.predict(c.base, c.joined_base, c.features, c.cost, c.n_out, triage=True)
-        c.scores["cost_spec_s"] = round(c.on_spec.cost_s, 6)
-        c.scores["cost_base_s"] = round(c.on_base.cost_s, 6)
+        c.scores["cost_spec_s"] = c.on_spec.cost_s
+        c.scores["cost_base_s"] = c.on_base.cost_s
         return None
 
     def lost_together(self, c: Context) -> Decision | None:
@@ -563,7 +540,7 @@ class Goodput:
             on_worst = self.predict(pool, worst, c.features, c.cost, c.n_out, triage=True)
             c.chosen[pool.name] = worst.url
             c.scores[f"lost_together_{pool.name}"] = 1.0
-            c.scores[f"cost_{pool.name}_s"] = round(on_worst.cost_s, 6)
+            c.scores[f"cost_{pool.name}_s"] = on_worst.cost_s
             if pool is c.spec:
                 c.joined_spec, c.on_spec = worst, on_worst
             else:
@@ -605,7 +582,7 @@ class Goodput:
         request its turn; it is added to spec's side in `sooner`. Decides nothing itself."""
         if c.joined_spec.load + 1 >= c.joined_spec.max_running:
             c.price = self.last_slot_cost(c.snapshot, c.base, c.joined_base, c.features)
-            c.scores["slot_price_s"] = round(c.price, 6)
+            c.scores["slot_price_s"] = c.price
         return None
 
     def sooner(self, c: Context) -> Decision:
@@ -657,3 +634,8 @@ class Goodput:
         rate_after = after * tau / cost.decode_step_ms(pool.name, after, width)
         rate_now = running * tau / cost.decode_step_ms(pool.name, running, width) if running else 0.0
         return (rate_after - rate_now) * 1000
+
+
+# Registered by a call, not as a decorator: mypyc compiles a decorated class as a plain Python
+# class (attribute reads through its dict), an undecorated one natively (fleet/native.py).
+register("goodput", params=GoodputParams)(Goodput)

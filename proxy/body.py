@@ -28,7 +28,7 @@ import multiprocessing
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import orjson
@@ -169,9 +169,16 @@ BULK_FIELDS = ("messages", "prompt", "tools", "functions")
 small fields (model, sampling parameters) cross back."""
 
 
+Parts = tuple[dict[str, Any], tuple[Any, ...], tuple[int, ...], str | None]
+"""A body parsed in the worker as plain values: its small fields, its features' field values (in
+`Features`' order), its block hashes, its session key. Plain, because the worker may import the
+decision path from source while the proxy runs it compiled (or the other way round: each process
+decides alone, fleet/native.py), and an object of one class does not unpickle as the other."""
+
+
 def read_in_worker(
     body: bytes, max_items: int, max_values: int, given: Given = Given()
-) -> Parsed | tuple[int, str, str | None, str | None]:
+) -> Parts | tuple[int, str, str | None, str | None]:
     """`read` in the worker process, every block hashed there (the loop gets the tuple of
     hashes, not the prompt); a refusal comes back as (status, message, code, param)."""
     try:
@@ -179,7 +186,8 @@ def read_in_worker(
     except ProxyError as error:
         return error.status, error.message, error.code, error.param
     payload = {k: v for k, v in parsed.payload.items() if k not in BULK_FIELDS}
-    return Parsed(payload, parsed.features, parsed.blocks, parsed.session)
+    features = tuple(getattr(parsed.features, f.name) for f in fields(Features))
+    return payload, features, tuple(parsed.blocks), parsed.session
 
 
 class BodyReader:
@@ -213,10 +221,11 @@ class BodyReader:
             log.error("the body parsing process died; starting another for the next large body")
             self.pool = None
             return await asyncio.to_thread(read_hashed, *args)
-        if isinstance(result, tuple):
+        if isinstance(result[0], int):
             status, message, code, param = result
             raise ProxyError(status, message, code=code, param=param)
-        return result
+        payload, features, blocks, session = result
+        return Parsed(payload, Features(*features), blocks, session)
 
     async def close(self) -> None:
         """End the worker process (in a thread: the loop keeps serving while it exits)."""

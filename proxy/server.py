@@ -17,6 +17,7 @@ from typing import cast
 
 import uvicorn
 
+from fleet import native
 from proxy import __version__
 from proxy.app import SpecrouteApp
 from proxy.auth import warn_if_open
@@ -109,4 +110,6 @@ def serve(settings: Settings, on_ready: Callable[[], None] | None = None) -> Non
     settings.require_upstreams()
     app = build_app(settings)
     warn_if_open(settings, app.access)
+    path = native.status()
+    log.info("decision path: %s (%s)", "compiled" if path.compiled else "pure Python", path.reason)
     DrainingServer(uvicorn_config(app, settings), app, on_ready).run()

@@ -7,8 +7,10 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
+from fleet import native
 from fleet.model import FleetModel
 from fleet.types import Decision, Features, Snapshot
 from proxy.poller import Pollers
@@ -125,6 +127,8 @@ def fleet_state(
     pool_tau = acceptance.accept_length() if acceptance is not None else None
     return {
         "policy": settings.policy,
+        # Whether the decision runs compiled (make native) or from source, and why.
+        "decision_path": asdict(native.status()),
         "poll_interval_ms": settings.poll_interval_ms,
         "stale_ms": settings.stale_ms,
         "pools": pools,

@@ -9,7 +9,7 @@ import random
 from fleet.costmodel import StepCostModel, seed_from_profile
 from fleet.instance import InstanceSignals
 from fleet.readings import Reading
-from fleet.types import Features, InstanceState, PoolState
+from fleet.types import Decision, Features, InstanceState, PoolState
 
 
 def test_step_cost_at_matches_the_model_as_it_learns():
@@ -76,6 +76,13 @@ def test_with_cached_is_replace():
     # Every field is carried: a field added to Features must be added to with_cached too.
     assert [f.name for f in dataclasses.fields(Features)][-1] == "cached"
     assert len(dataclasses.fields(Features)) == 7
+
+
+def test_on_instance_is_replace():
+    decision = Decision(pool="spec", reason="spec-sooner", scores={"t_spec_s": 0.5})
+    assert decision.on_instance("http://a") == dataclasses.replace(decision, instance="http://a")
+    # Every field is carried: a field added to Decision must be added to on_instance too.
+    assert [f.name for f in dataclasses.fields(Decision)] == ["pool", "reason", "scores", "instance"]
 
 
 def test_pool_state_least_loaded_is_the_first_smallest():
