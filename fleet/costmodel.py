@@ -5,7 +5,8 @@ the shape; observed step times (inter-token latency of the streams, one chunk pe
 correct it per pool and batch-size bucket. A policy only reads this object (the `StepCost`
 protocol, through `at(now)`: what the model predicts at that moment); the proxy and the
 simulator feed it. A learned correction loses trust with its age (a half-life), so a pool that
-stopped being observed returns to its seed curve and is tried again.
+stopped being observed returns toward its seed, but no further than the other pools' correction
+(one seed describes every pool's hardware, so its error is mostly shared), and is tried again.
 
 A spec step drafts k tokens and verifies k+1: step(B, T=k+1) = k * draft(B) + target(B, k+1).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -153,8 +154,8 @@ class _Curve:
     def point(self, size: float) -> tuple[int, float]:
         """Where `size` falls among the learned buckets (some must be): (i, t) to interpolate
         between buckets i - 1 and i with weight t on i, or (i, -1.0) to take bucket i alone
-        (past either end). What `StepCostModel._correction` computes before it reads the
-        buckets' trust, which alone changes with time."""
+        (past either end). What `_corrected` computes before it reads the buckets' trust,
+        which alone changes with time."""
         found = self.points.get(size)
         if found is None:
             xs = self.xs
@@ -311,44 +312,54 @@ class StepCostModel:
         return now
 
     def correction(self, pool: str, batch: float, now: float | None = None) -> float:
-        return self._correction(self._pools[pool].decode, batch, now)
+        return self._anchored(pool, False, batch, self._weigher(now))
 
     def prefill_correction(self, pool: str, tokens: float, now: float | None = None) -> float:
-        return self._correction(self._pools[pool].prefill, tokens, now)
+        return self._anchored(pool, True, tokens, self._weigher(now))
 
     def evidence(self, pool: str, batch: float, now: float | None = None, prefill: bool = False) -> float:
-        """Observations' worth behind the correction at `batch` (or at `tokens` per prefill
-        iteration): the learned buckets around it, their trust aged to `now`, discounted by how
-        far (in doublings) the nearest lies. 0: the prediction there is the seed's alone."""
+        """Observations' worth behind the pool's own correction at `batch` (or at `tokens` per
+        prefill iteration): the learned buckets around it, their trust aged to `now`, discounted
+        by how far (in doublings) the nearest lies. 0: the prediction there is the anchor's
+        alone (the other pools' correction, or the seed's)."""
         model = self._pools.get(pool)
         if model is None:
             return 0.0
         curve = model.prefill if prefill else model.decode
-        if not curve.xs:
-            return 0.0
-        now = self.now if now is None else now
-        x = math.log(max(batch, 1.0))
-        i = bisect.bisect_left(curve.xs, x)
-        near = [j for j in (i - 1, i) if 0 <= j < len(curve.xs)]
-        return max(
-            curve.learned[j].trust(now, self.half_life_s) / (1.0 + abs(x - curve.xs[j]) / math.log(2.0)) for j in near
-        )
+        return _evidence(curve, self._weigher(now)(curve), batch)
 
-    def _correction(self, curve: _Curve, size: float, now: float | None) -> float:
-        xs, learned = curve.xs, curve.learned
-        if not xs:
-            return 1.0
-        now = self.now if now is None else now
-        x = math.log(size) if size > 1 else 0.0
-        i = bisect.bisect_left(xs, x)
-        if i == 0 or i >= len(xs):
-            return self._trusted(learned[0] if i == 0 else learned[-1], now)
-        t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
-        return self._trusted(learned[i - 1], now) * (1 - t) + self._trusted(learned[i], now) * t
+    def _weigher(self, now: float | None) -> Callable[[_Curve], list[float]]:
+        """Each learned bucket's trust at `now`, per curve (what `StepCostAt` remembers)."""
+        at = self.now if now is None else now
+        half_life_s = self.half_life_s
+        return lambda curve: [bucket.trust(at, half_life_s) for bucket in curve.learned]
 
-    def _trusted(self, bucket: _Bucket, now: float) -> float:
-        weight = bucket.trust(now, self.half_life_s)
-        return (self.prior_weight + bucket.ratio * weight) / (self.prior_weight + weight)
+    def _anchored(self, pool: str, prefill: bool, size: float, weights: Callable[[_Curve], list[float]]) -> float:
+        """The pool's correction at `size`: its learned buckets weighed against `prior_weight`
+        observations' worth of a target that takes the other pools' correction there into
+        account (`_anchor`, `_corrected`), not the seed's alone.
+
+        All pools share one seed, which assumes they run the same hardware and model: where it
+        is wrong, it is wrong for every pool by nearly the same factor (kimi-moe on the generic
+        prior: 3.0x on spec's step at batch 1, 2.6x on base's). Shrunk toward 1 instead, a pool
+        left unobserved for some half-lives fell back to the seed's error: on one client, base
+        (learned at 15.7 ms a step, seeded at 6.0) looked faster than spec every 30-60 s and took
+        a request at 1.7x spec's time per token (docs/learning.md). Where the other pools
+        have no evidence, the seed it is (None)."""
+        pools = self._pools
+        curve = pools[pool].prefill if prefill else pools[pool].decode
+        anchor: float | None = None
+        if len(pools) > 1:
+            others = [
+                (other, weights(other))
+                for name, known in pools.items()
+                if name != pool
+                for other in (known.prefill if prefill else known.decode,)
+                if other.xs
+            ]
+            if others:
+                anchor = _anchor(others, size, self.prior_weight)
+        return _corrected(curve, weights(curve) if curve.xs else [], size, self.prior_weight, anchor)
 
     # StepCost protocol (what policies read; a snapshot carries `at(now)` instead)
 
@@ -359,7 +370,7 @@ class StepCostModel:
     def prefill_ms(self, pool: str, tokens: int, now: float | None = None) -> float:
         tokens = max(tokens, 1)
         model = self._pools[pool]
-        return self.seed.prefill_ms(tokens, model.tokens_per_seq > 1) * self._correction(model.prefill, tokens, now)
+        return self.seed.prefill_ms(tokens, model.tokens_per_seq > 1) * self.prefill_correction(pool, tokens, now)
 
     def estimates(
         self, batches: tuple[int, ...] = (1, 8, 32, 48, 64, 128, 256), now: float | None = None
@@ -406,10 +417,9 @@ class StepCostAt:
         self._steps: dict[tuple[str, int, int], float] = {}
         self._prefills: dict[tuple[str, int], float] = {}
         self._evidence: dict[tuple[str, float, bool], float] = {}
-        self._curves: dict[int, tuple[list[float], list[float]]] = {}
-        """id(curve) -> its learned buckets' trust at `now` and their trusted corrections
-        (StepCostModel._trusted), in the order of its `xs` (the curves live while the version
-        holds)."""
+        self._curves: dict[int, list[float]] = {}
+        """id(curve) -> its learned buckets' trust at `now`, in the order of its `xs` (the curves
+        live while the version holds)."""
 
     def _check(self) -> None:
         if self._version != self.model.version:
@@ -419,27 +429,12 @@ class StepCostAt:
             self._evidence.clear()
             self._curves.clear()
 
-    def _curve(self, curve: _Curve) -> tuple[list[float], list[float]]:
+    def _weights(self, curve: _Curve) -> list[float]:
         found = self._curves.get(id(curve))
         if found is None:
-            now, half_life_s, prior = self.now, self.model.half_life_s, self.model.prior_weight
-            weights = [bucket.trust(now, half_life_s) for bucket in curve.learned]
-            trusted = [
-                (prior + bucket.ratio * weight) / (prior + weight)
-                for bucket, weight in zip(curve.learned, weights, strict=True)
-            ]
-            found = self._curves[id(curve)] = (weights, trusted)
+            now, half_life_s = self.now, self.model.half_life_s
+            found = self._curves[id(curve)] = [bucket.trust(now, half_life_s) for bucket in curve.learned]
         return found
-
-    def _correction(self, curve: _Curve, size: float) -> float:
-        # StepCostModel._correction at `now`: the same floats, the size's place remembered.
-        if not curve.xs:
-            return 1.0
-        trusted = self._curve(curve)[1]
-        i, t = curve.point(size)
-        if t < 0:
-            return trusted[i]
-        return trusted[i - 1] * (1 - t) + trusted[i] * t
 
     def decode_step_ms(self, pool: str, batch: int, tokens_per_seq: int) -> float:
         """StepCostModel.decode_step_ms at `now`."""
@@ -453,7 +448,7 @@ class StepCostAt:
             seed = model._seed_steps.get((batch, tokens_per_seq)) if model._memo_seed is model.seed else None
             if seed is None:  # seed_step_ms remembers it (an integer batch is its own key there)
                 seed = model.seed_step_ms(batch, tokens_per_seq)
-            step = seed * self._correction(model._pools[pool].decode, batch)
+            step = seed * model._anchored(pool, False, batch, self._weights)
             self._steps[key] = step
         return step
 
@@ -466,7 +461,9 @@ class StepCostAt:
         if ms is None:
             tokens = max(tokens, 1)
             known = self.model._pools[pool]
-            ms = self.model.seed.prefill_ms(tokens, known.tokens_per_seq > 1) * self._correction(known.prefill, tokens)
+            ms = self.model.seed.prefill_ms(tokens, known.tokens_per_seq > 1) * self.model._anchored(
+                pool, True, tokens, self._weights
+            )
             self._prefills[key] = ms
         return ms
 
@@ -479,17 +476,59 @@ class StepCostAt:
             return found
         known = self.model._pools.get(pool)
         curve = None if known is None else known.prefill if prefill else known.decode
-        if curve is None or not curve.xs:
-            value = 0.0
-        else:
-            weights = self._curve(curve)[0]
-            value = -math.inf
-            for j, discount in curve.near(batch):
-                near = weights[j] / discount
-                if near > value:
-                    value = near
+        value = 0.0 if curve is None else _evidence(curve, self._weights(curve), batch)
         self._evidence[key] = value
         return value
+
+
+def _corrected(curve: _Curve, weights: list[float], size: float, prior: float, anchor: float | None) -> float:
+    """A curve's correction at `size`: each learned bucket's running ratio weighed by its trust
+    (`weights`) against `prior` observations' worth of a target, interpolated in log-size between
+    the buckets around it (past either end, the nearest alone).
+
+    The target is what the bucket returns to as its trust fades: with no `anchor`, 1 (the seed);
+    with one (the other pools' correction), the lower of it and the bucket's own ratio, and
+    where nothing is learned the lower of it and 1. A pool avoided as slower than the others
+    is so retried once its evidence fades, as with the seed alone, but a pool seen as fast as
+    theirs (or faster) keeps what it showed: the seed's error is common to the pools, but not
+    its shape, and returning to theirs made base on kimi-moe at 4 clients, really 17-30 % faster
+    than spec's correction says, never tried again (0.95x the SLO goodput)."""
+    if not curve.xs:
+        return 1.0 if anchor is None or anchor > 1.0 else anchor
+    learned = curve.learned
+    i, t = curve.point(size)
+    w, ratio = weights[i], learned[i].ratio
+    target = 1.0 if anchor is None else ratio if ratio < anchor else anchor
+    upper = (prior * target + ratio * w) / (prior + w)
+    if t < 0:
+        return upper
+    w, ratio = weights[i - 1], learned[i - 1].ratio
+    target = 1.0 if anchor is None else ratio if ratio < anchor else anchor
+    lower = (prior * target + ratio * w) / (prior + w)
+    return lower * (1 - t) + upper * t
+
+
+def _evidence(curve: _Curve, weights: list[float], size: float) -> float:
+    """Observations' worth behind a curve's correction at `size` (`StepCostModel.evidence`)."""
+    value = 0.0
+    for j, discount in curve.near(size) if curve.xs else ():
+        near = weights[j] / discount
+        if near > value:
+            value = near
+    return value
+
+
+def _anchor(others: list[tuple[_Curve, list[float]]], size: float, prior: float) -> float | None:
+    """What the other pools' curves (each with its buckets' trust) say the seed's error is at
+    `size`: their own corrections (shrunk toward 1), weighed by the evidence behind each; None
+    where they have none (the pool then returns to its seed)."""
+    total = weighted = 0.0
+    for curve, weights in others:
+        evidence = _evidence(curve, weights, size)
+        if evidence > 0:
+            total += evidence
+            weighted += evidence * _corrected(curve, weights, size, prior, None)
+    return weighted / total if total > 0 else None
 
 
 def _nearest(buckets: tuple[int, ...], size: float) -> int:

@@ -21,9 +21,32 @@ def test_learning_corrects_the_seed_where_observed():
     for _ in range(100):
         model.observe("spec", 32, 2.0 * seed_spec_32)
     assert model.decode_step_ms("spec", 32, 4) == pytest.approx(2 * seed_spec_32, rel=0.03)
-    # the nearest learned bucket carries the correction outward; the other pool is untouched
+    # the nearest learned bucket carries the correction outward; the other pool, unobserved,
+    # keeps the seed (spec's correction says it is slower than seeded: it is not taken for so)
     assert model.correction("spec", 256) == pytest.approx(model.correction("spec", 32))
     assert model.correction("base", 32) == 1.0
+
+
+def test_an_aged_pool_returns_no_further_than_the_other_pools_correction():
+    """Both pools' steps are 2.6-3.4x the seed (the generic prior on a Kimi fleet). A pool
+    observed and then left alone returns, as its observations age, to spec's correction when it
+    was seen slower than that (it may have recovered: it is retried), and keeps what it showed
+    when it was seen faster; never to the seed, which would make it look 3x faster than it is
+    (docs/learning.md)."""
+    for seen, aged in ((3.4, 3.0), (2.6, 2.6)):
+        model = StepCostModel(AffineSeed(), num_draft_tokens=3, half_life_s=HALF_LIFE_S)
+        for i in range(200):
+            model.observe("base", 1, seen * model.seed_step_ms(1, 1), now=i * 0.01)
+        for i in range(6000):
+            model.observe("spec", 1, 3.0 * model.seed_step_ms(1, 4), now=i * 0.02)
+        assert model.correction("base", 1, 2.0) == pytest.approx(seen, abs=0.05)  # its own, fresh
+        assert model.correction("base", 1, 120.0) == pytest.approx(aged, abs=0.05)
+        assert model.correction("spec", 1, 120.0) == pytest.approx(3.0, abs=0.05)
+    # an unseen prefill takes the lower of the seed and what the other pool learned
+    model.observe_prefill("spec", 1000, 2.0 * model.seed.prefill_ms(1000, True), now=120.0)
+    assert model.prefill_correction("base", 1000, 120.0) == 1.0
+    model.observe_prefill("spec", 100, 0.5 * model.seed.prefill_ms(100, True), now=120.0)
+    assert model.prefill_correction("base", 100, 120.0) == pytest.approx(model.prefill_correction("spec", 100, 120.0))
 
 
 def test_correction_interpolates_between_buckets_and_forgets():
