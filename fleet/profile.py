@@ -227,7 +227,7 @@ class TableStep:
 def read_step_table(path: Path) -> TableStep:
     rows = []
     with path.open(newline="") as f:
-        lines = (line for line in f if line.strip() and not line.startswith("#"))
+        lines = [line for line in f if line.strip() and not line.startswith("#")]
         for row in csv.DictReader(lines):
             rows.append((row["kind"], int(row["B"]), int(row["T"]), int(row["L"]), float(row["ms"])))
     return TableStep(rows)
