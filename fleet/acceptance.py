@@ -165,6 +165,48 @@ class AcceptanceEstimator:
         return self._mean.weight(now)
 
 
+SPREAD_MEMORY = 50
+"""Responses the per-request spread is averaged over: a plain mean of the first ones, then a
+moving one over about this many (as the output length's)."""
+SPREAD_MIN_SAMPLES = 10
+"""Responses needed before the spread is reported (fewer: 0, no spread assumed)."""
+
+
+@dataclass(slots=True)
+class RequestSpread:
+    """How much a speculative pool's time per output token varies from request to request
+    because each request's own acceptance does (prompts draft well or badly).
+
+    A request's TPOT is the pool's step over its own accept length, so the pool's mean accept
+    length predicts the mean TPOT while about half the requests run slower than that. Kept over
+    each finished request's tokens per verify step, one request one sample (the SLO counts
+    requests), whether or not the server's counters feed the pool's acceptance estimate."""
+
+    memory: int = SPREAD_MEMORY
+    samples: int = 0
+    _mean: float = 0.0
+    """Mean of 1 / accept length (TPOT relative to the step)."""
+    _square: float = 0.0
+    """Mean of its square."""
+
+    def observe(self, completion_tokens: int, verify_steps: int) -> None:
+        if verify_steps <= 0 or completion_tokens <= 1:
+            return
+        # The first token comes from prefill, as in AcceptanceEstimator.observe_request.
+        tokens = completion_tokens - 1 if completion_tokens > verify_steps else completion_tokens
+        inverse = verify_steps / tokens
+        self.samples = min(self.samples + 1, self.memory)
+        self._mean += (inverse - self._mean) / self.samples
+        self._square += (inverse * inverse - self._square) / self.samples
+
+    def cv(self) -> float:
+        """Coefficient of variation of the requests' time per token at a given step (standard
+        deviation over mean of 1 / accept length); 0 until SPREAD_MIN_SAMPLES responses."""
+        if self.samples < SPREAD_MIN_SAMPLES or self._mean <= 0:
+            return 0.0
+        return math.sqrt(max(self._square - self._mean * self._mean, 0.0)) / self._mean
+
+
 WORKLOAD_KEYS = 4096
 """Workload keys whose acceptance is kept (least recently used dropped first)."""
 WORKLOAD_PRIOR_STEPS = 200.0

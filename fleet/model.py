@@ -31,9 +31,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from fleet.acceptance import DEFAULT_HALF_LIFE_S, WORKLOAD_KEYS, AcceptanceEstimator, WorkloadAcceptance
+from fleet.acceptance import (
+    DEFAULT_HALF_LIFE_S,
+    WORKLOAD_KEYS,
+    AcceptanceEstimator,
+    RequestSpread,
+    WorkloadAcceptance,
+)
 from fleet.blocks import BLOCK_TOKENS
 from fleet.costmodel import DEFAULT_HALF_LIFE_S as COST_HALF_LIFE_S
 from fleet.costmodel import Seed, StepCostModel
@@ -82,6 +88,8 @@ class PoolSignals:
     """Its acceptance per workload key (speculative pools only)."""
     decode_s: float = 0.0
     """Mean decode time of its recent requests (how far the server's counters lag)."""
+    spread: RequestSpread = field(default_factory=RequestSpread)
+    """How its requests' time per token varies with their own acceptance (speculative pools)."""
 
     @property
     def speculative(self) -> bool:
@@ -168,6 +176,7 @@ class FleetModel:
             known.num_draft_tokens = num_draft_tokens
             known.acceptance = AcceptanceEstimator(num_draft_tokens, self.half_life_s)
             known.workloads = self._workloads(num_draft_tokens)
+            known.spread = RequestSpread()
         self.cost.set_draft_tokens(pool, num_draft_tokens)
 
     def on_reading(self, url: str, reading: Reading) -> None:
@@ -360,6 +369,7 @@ class FleetModel:
             return
         if evidence.tokens and evidence.verify_steps:
             age_s = evidence.decode_s / 2
+            pool.spread.observe(evidence.tokens, evidence.verify_steps)
             if not self._counts_acceptance(signals, now):
                 pool.acceptance.observe_request(now, evidence.tokens, evidence.verify_steps, age_s)
             if evidence.workload is not None and pool.workloads is not None:
@@ -494,6 +504,7 @@ class FleetModel:
                 num_draft_tokens=pool.num_draft_tokens,
                 alpha=self._alpha(pool, now, workload),
                 stale=bool(healthy_ages) and min(healthy_ages) > self.stale_after_s,
+                tpot_cv=pool.spread.cv() if pool.speculative else 0.0,
             )
         return Snapshot(
             pools=pools,

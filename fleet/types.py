@@ -98,6 +98,10 @@ class PoolState:
     """Per-token acceptance probability estimated from the pool's accept length; None if unknown."""
     stale: bool = False
     """True when the freshest load reading is older than the configured staleness bound."""
+    tpot_cv: float = 0.0
+    """How much a request's time per output token varies around the pool's mean at a given step
+    (standard deviation / mean; a speculative pool's, from its requests' own accept lengths;
+    0: none known)."""
     _healthy: tuple[InstanceState, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

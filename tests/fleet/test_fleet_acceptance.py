@@ -3,6 +3,7 @@ import pytest
 from fleet.acceptance import (
     AcceptanceEstimator,
     CounterDelta,
+    RequestSpread,
     SmoothedMean,
     accept_length,
     alpha_from_accept_length,
@@ -80,3 +81,21 @@ def test_alpha_is_the_bisection_on_accept_length_bit_for_bit():
             tau = 1.0 + k * i / 2000
             assert alpha_from_accept_length(tau, k) == reference(tau, k)
         assert alpha_from_accept_length(k + 1 - 1e-15, k) == reference(k + 1 - 1e-15, k)
+
+
+def test_request_spread_is_the_cv_of_the_requests_time_per_token():
+    spread = RequestSpread()
+    for _ in range(9):
+        spread.observe(completion_tokens=41, verify_steps=20)  # 2 tokens per step, first dropped
+    assert spread.cv() == 0.0  # too few responses to say
+    spread.observe(completion_tokens=1, verify_steps=1)  # a single token says nothing of the step
+    assert spread.samples == 9
+    for _ in range(5):
+        spread.observe(completion_tokens=41, verify_steps=40)  # 1 token per step
+    # Nine at 1/2 step per token and five at 1 (a plain mean below SPREAD_MEMORY responses).
+    mean, square = (9 * 0.5 + 5) / 14, (9 * 0.25 + 5) / 14
+    assert spread.cv() == pytest.approx((square - mean * mean) ** 0.5 / mean, rel=1e-9)
+    same = RequestSpread()
+    for _ in range(20):
+        same.observe(completion_tokens=31, verify_steps=10)
+    assert same.cv() == pytest.approx(0.0, abs=1e-6)

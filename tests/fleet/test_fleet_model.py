@@ -25,6 +25,21 @@ def test_pools_are_data_each_speculative_one_with_its_own_acceptance() -> None:
     assert fleet.cost.tokens_per_seq("spec-b") == 6 and fleet.cost.tokens_per_seq("base") == 1
 
 
+def test_a_speculative_pool_reports_how_its_requests_time_per_token_spreads() -> None:
+    fleet = FleetModel({"spec": 3, "base": 0})
+    fleet.add_instance("http://s", "spec", 48)
+    fleet.add_instance("http://b", "base", 48)
+    for i in range(20):
+        # Half the requests accept 3 tokens per verify step, half 1.5: each one's own acceptance.
+        steps = 20 if i % 2 else 40
+        fleet.on_response("http://s", 1.0 + i, ResponseEvidence(tokens=61, verify_steps=steps, decode_s=0.2))
+        fleet.on_response("http://b", 1.0 + i, ResponseEvidence(tokens=61, verify_steps=60, decode_s=0.2))
+    snap = fleet.snapshot(21.0)
+    # 1/3 and 2/3 step per token: mean 1/2, standard deviation 1/6.
+    assert snap.pools["spec"].tpot_cv == pytest.approx(1 / 3, rel=1e-6)
+    assert snap.pools["base"].tpot_cv == 0.0
+
+
 def test_a_server_description_sets_the_cap_and_the_draft_width_and_a_wrong_role_is_reported() -> None:
     fleet = FleetModel({"spec": 3, "base": 0})
     fleet.add_instance("http://s", "spec", 48)

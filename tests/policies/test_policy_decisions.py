@@ -287,3 +287,25 @@ def test_goodput_queues_a_lost_request_on_spec_when_base_has_a_far_longer_prefil
     # Past base's cap its queue is one for slots as well: it does not clear when the burst ends.
     full = _with(snapshot(54, 316, cost), "base", waiting_tokens=200_000.0, **pressed)
     assert policy.decide(long_prompt, full).reason == "spec-full"
+
+
+def test_goodput_checks_the_tpot_target_at_the_slow_end_of_the_requests_spread():
+    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+    policy = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0))
+    pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)  # base misses its TPOT target
+    even = _with(snapshot(40, 200, cost), "base", **pressed)
+    tpot_ms = policy.decide(SHORT, even).scores["tpot_spec_ms"]
+    target = GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=tpot_ms * 1.1)
+    policy = Goodput(target)
+    decision = policy.decide(SHORT, even)
+    assert (decision.pool, decision.reason) == ("spec", "slo-spec")
+    # The pool's mean is 10 % inside the target, but its requests' own acceptance spreads their
+    # time per token by 20 %: about one in four of them would miss it.
+    from dataclasses import replace
+
+    spread = replace(even, pools={**even.pools, "spec": replace(even.pools["spec"], tpot_cv=0.2)})
+    spec = spread.pools["spec"]
+    p = policy.predict(spec, spec.least_loaded(), SHORT, cost, 256)
+    assert p.tpot_s * 1000 < target.slo_tpot_ms < (p.tpot_s + p.tpot_spread_s) * 1000
+    decision = policy.decide(SHORT, spread)
+    assert decision.scores["slo_spec"] == 0.0 and decision.reason != "slo-spec"
