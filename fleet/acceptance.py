@@ -30,6 +30,13 @@ def accept_length(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def verified_tokens(completion_tokens: int, verify_steps: int) -> int:
+    """A finished request's tokens that came from verify steps: all but the first when there are
+    more tokens than steps (the first comes from prefill, and SGLang's per-request figure is
+    biased up by it)."""
+    return completion_tokens - 1 if completion_tokens > verify_steps else completion_tokens
+
+
 def alpha_from_accept_length(tau: float, k: int) -> float:
     """Invert tau(alpha, k) by bisection; tau is clamped to its range [1, k + 1]."""
     if k <= 0:
@@ -142,9 +149,7 @@ class AcceptanceEstimator:
         `age_s`: how long ago, on average, its steps ran (half its decode time): the evidence is
         discounted by that age, as if it had been observed then."""
         if verify_steps > 0 and completion_tokens > 0:
-            # The first token comes from prefill, not a verify step (SGLang's per-request figure
-            # is biased up by it); drop it when there is more than one.
-            tokens = completion_tokens - 1 if completion_tokens > verify_steps else completion_tokens
+            tokens = verified_tokens(completion_tokens, verify_steps)
             weight = verify_steps * math.pow(0.5, max(age_s, 0.0) / self._mean.half_life_s)
             self._mean.observe(now, tokens / verify_steps, weight)
 
@@ -192,9 +197,7 @@ class RequestSpread:
     def observe(self, completion_tokens: int, verify_steps: int) -> None:
         if verify_steps <= 0 or completion_tokens <= 1:
             return
-        # The first token comes from prefill, as in AcceptanceEstimator.observe_request.
-        tokens = completion_tokens - 1 if completion_tokens > verify_steps else completion_tokens
-        inverse = verify_steps / tokens
+        inverse = verify_steps / verified_tokens(completion_tokens, verify_steps)
         self.samples = min(self.samples + 1, self.memory)
         self._mean += (inverse - self._mean) / self.samples
         self._square += (inverse * inverse - self._square) / self.samples
@@ -256,9 +259,8 @@ class WorkloadAcceptance:
             mean = self._keys[key] = SmoothedMean(self.half_life_s)
         else:
             self._keys.move_to_end(key)
-        tokens = completion_tokens - 1 if completion_tokens > verify_steps else completion_tokens
         weight = verify_steps * math.pow(0.5, max(age_s, 0.0) / self.half_life_s)
-        mean.observe(now, tokens / verify_steps, weight)
+        mean.observe(now, verified_tokens(completion_tokens, verify_steps) / verify_steps, weight)
 
     def accept_length(self, key: str, now: float, pool_accept_length: float | None) -> float | None:
         """The key's accept length shrunk toward `pool_accept_length` (the pool-wide estimate);

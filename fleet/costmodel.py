@@ -497,15 +497,17 @@ def _corrected(curve: _Curve, weights: list[float], size: float, prior: float, a
         return 1.0 if anchor is None or anchor > 1.0 else anchor
     learned = curve.learned
     i, t = curve.point(size)
-    w, ratio = weights[i], learned[i].ratio
-    target = 1.0 if anchor is None else ratio if ratio < anchor else anchor
-    upper = (prior * target + ratio * w) / (prior + w)
+    upper = _shrunk(learned[i].ratio, weights[i], prior, anchor)
     if t < 0:
         return upper
-    w, ratio = weights[i - 1], learned[i - 1].ratio
+    return _shrunk(learned[i - 1].ratio, weights[i - 1], prior, anchor) * (1 - t) + upper * t
+
+
+def _shrunk(ratio: float, weight: float, prior: float, anchor: float | None) -> float:
+    """One bucket's correction: its ratio, `weight` observations' worth, against `prior` of its
+    target (`_corrected`)."""
     target = 1.0 if anchor is None else ratio if ratio < anchor else anchor
-    lower = (prior * target + ratio * w) / (prior + w)
-    return lower * (1 - t) + upper * t
+    return (prior * target + ratio * weight) / (prior + weight)
 
 
 def _evidence(curve: _Curve, weights: list[float], size: float) -> float:

@@ -268,9 +268,9 @@ class Goodput:
         tpot_cv: float = 0.0,
     ) -> Prediction:
         """`predict`, the pool named and its accept length (and `PoolState.tpot_cv`) given (a
-        decision computes it once per pool, then predicts on each of its instances). Its clamps are written out: `b if b
-        > a else a` is max(a, b) and `b if b < a else a` min(a, b), exactly (ties and all),
-        without a builtin call each."""
+        decision computes them once per pool, then predicts on each of its instances). Its
+        clamps are written out: `b if b > a else a` is max(a, b) and `b if b < a else a` min(a,
+        b), exactly (ties and all), without a builtin call each."""
         running, waiting, max_running = instance.running, instance.waiting, instance.max_running
         cap = 1 if 1 > max_running else max_running
         load = running + waiting
