@@ -8,14 +8,16 @@ On SIGTERM or SIGINT: /ready turns 503 at once, the listening socket closes, run
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
 import logging
 import socket
 from collections.abc import Callable
 from types import FrameType
-from typing import cast
+from typing import Any, cast
 
 import uvicorn
+from uvicorn.config import LOGGING_CONFIG
 
 from fleet import native
 from proxy import __version__
@@ -97,6 +99,7 @@ def uvicorn_config(app: SpecrouteApp, settings: Settings) -> uvicorn.Config:
         timeout_keep_alive=keep_alive_s,
         lifespan="on",
         log_level=settings.log_level,
+        log_config=log_config(settings.log_level),
         access_log=False,  # the telemetry's JSON request log replaces it
         server_header=False,
         proxy_headers=False,  # no X-Forwarded-* rewriting: the client address is the peer's
@@ -105,12 +108,24 @@ def uvicorn_config(app: SpecrouteApp, settings: Settings) -> uvicorn.Config:
     )
 
 
+def log_config(level: str) -> dict[str, Any]:
+    """uvicorn's logging configuration, with the proxy's own "specroute" loggers written the
+    same way at the same level (without a handler of their own only warnings reached stderr,
+    through Python's last-resort handler)."""
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["specroute"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return config
+
+
 def serve(settings: Settings, on_ready: Callable[[], None] | None = None) -> None:
     """Run until stopped (blocks). Settings must already be valid (proxy.settings.load_settings)."""
     settings.require_upstreams()
     app = build_app(settings)
+    config = uvicorn_config(app, settings)  # configures logging
     warn_if_open(settings, app.access)
     path = native.status()
-    if not path.compiled:  # a warning: the "specroute" logger's info is not shown by default
+    if path.compiled:
+        log.info("the routing decision runs compiled (%s)", path.reason)
+    else:
         log.warning("the routing decision runs from source, about 2.5x slower than compiled (%s)", path.reason)
-    DrainingServer(uvicorn_config(app, settings), app, on_ready).run()
+    DrainingServer(config, app, on_ready).run()

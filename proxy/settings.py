@@ -244,7 +244,9 @@ class Settings(_SettingsWithPolicies):
         30.0, ge=0, description="On SIGTERM, seconds running requests get to finish before exit."
     )
     models_cache_s: float = Field(5.0, ge=0, description="Seconds a merged GET /v1/models answer is reused.")
-    log_level: str = Field("info", description="uvicorn log level: critical, error, warning, info, debug.")
+    log_level: str = Field(
+        "info", description="Log level of uvicorn and of the proxy's own lines: critical, error, warning, info, debug."
+    )
 
     # Telemetry (proxy/telemetry). The SDK reads the other OTEL_* variables itself.
     traces: bool | None = Field(

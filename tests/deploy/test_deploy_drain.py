@@ -62,6 +62,8 @@ def test_sigterm_drains_a_running_stream_to_completion(slow_twin: RunningTwin, t
         assert stream.error is None and stream.finish_reason == "length"
         assert proxy.process.wait(30) is not None
         assert stopped_cleanly(proxy.process.returncode, proxy.log()), proxy.log()
+        # The proxy's own info lines are written (uvicorn's format), not only its warnings.
+        assert re.search(r"^INFO: +stop signal \d+: draining for up to 30 s$", proxy.log(), re.M), proxy.log()
 
 
 def test_a_stream_longer_than_the_drain_is_cut_and_freed(slow_twin: RunningTwin, tmp_path: Path) -> None:
