@@ -23,6 +23,7 @@ RULES = (
     "slo-triage",
     "lost-together",
     "spec-backlog",
+    "spare-spec",
     "spec-full",
     "slot-price",
     "sooner",
@@ -206,6 +207,28 @@ def test_spec_backlog(cost):
     # Past base's cap its queue is one for slots as well, which does not clear after a burst.
     base_full = _with(snapshot(54, 316, cost), "base", waiting_tokens=200_000.0, **PRESSED)
     assert _reason(slo_policy().decide(LONG, base_full)) == ("base", "spec-full")
+
+
+def test_spare_spec(cost):
+    """A lost request stays off a spec pool whose TPOT it would take past the target, even where
+    spec is far cheaper; one lost by its first token alone still goes where it is cheaper."""
+    tight = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=10.0))
+    # Both pools prefill 1,000-token prompts at 20-30 a second: base's decode far past 10 ms a
+    # token, spec's (30 running, below its cap) just past it.
+    snap = _with(snapshot(30, 250, cost), "base", **PRESSED)
+    snap = _with(snap, "spec", dispatches_per_s=20.0, prompt_tokens_per_s=20_000.0)
+    decision = tight.decide(Features(prompt_tokens=1000), snap)
+    assert decision.scores["slo_lost"] == 1.0 and decision.scores["tpot_spec_ms"] > 10.0
+    assert decision.scores["cost_spec_s"] < decision.scores["cost_base_s"]
+    assert _reason(decision) == ("base", "spare-spec")
+    if not running_compiled("policies.goodput"):  # a compiled class's methods cannot be replaced
+        plain = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=10.0))
+        plain.spare_spec = lambda c: None  # type: ignore[method-assign]
+        assert _reason(plain.decide(Features(prompt_tokens=1000), snap)) == ("spec", "spec-sooner")
+    # A 60,000-token prompt misses a 1 s first token on both idle pools; spec's TPOT is fine.
+    huge = slo_policy().decide(Features(prompt_tokens=60_000, max_tokens=256, ignore_eos=True), snapshot(2, 2, cost))
+    assert huge.scores["slo_lost"] == 1.0
+    assert _reason(huge) == ("spec", "spec-sooner")
 
 
 def test_spec_full(cost):
