@@ -568,7 +568,7 @@ class Goodput:
 
     def spec_backlog(self, c: Context) -> Decision | None:
         """`spec-backlog`: a lost request queues on a full spec pool when base, below its cap,
-        would give its first token more than a TTFT target later than spec (`base_backlogged`).
+        would give its first token more than a TTFT target later than spec.
 
         Keeping a lost request out of spec's queue spares spec's slots for requests it can still
         serve in time, but in a burst it piles the whole overflow onto base's prefill queue:
@@ -576,28 +576,35 @@ class Goodput:
         burst then finds in the way (spec alone takes them and misses too). Once base's first
         token is more than a TTFT target later than spec's, spec would sit ready a whole
         target's time while base still cannot serve anyone: the lost request queues on spec
-        instead, where its own first token also comes sooner."""
-        if c.lost and c.spec_full and self.base_backlogged(c):
+        instead, where its own first token also comes sooner. Not past base's cap: there base's
+        queue is one for slots too, which does not clear when the burst ends."""
+        if (
+            c.lost
+            and c.spec_full
+            and c.on_base.over_cap <= 0
+            and c.on_base.ttft_s - c.on_spec.ttft_s > self.slo_ttft_s > 0
+        ):
             return Decision(pool="spec", reason="spec-backlog", scores=c.scores)
         return None
 
     def spare_spec(self, c: Context) -> Decision | None:
-        """`spare-spec`: a lost request goes to base when spec's time per output token with it
-        is predicted past the TPOT target (at the requests' 90th percentile), unless base holds
-        a burst's backlog (`base_backlogged`).
+        """`spare-spec`: a lost request goes to base when base is past its running cap and spec's
+        time per output token with it is predicted past the TPOT target (at the requests' 90th
+        percentile).
 
         Under overload one pool keeps serving within the SLO and the other holds what it cannot
-        take (with `spec-full`, base holds it). A lost request that the cost comparison sends to
-        spec, where it is cheaper, adds its prefill stall and a sequence to spec's batch; past
-        the TPOT target spec's running requests, which could still meet theirs, miss it too. A
-        request lost by its first token alone (a long prompt, a queue) still goes where it is
-        cheaper, and so does one that base's backlog would keep waiting a TTFT target longer:
-        a burst's backlog clears, and sent there it waits long for nothing."""
+        take: past its cap, base's queue is holding it (`spec-full` sends latency requests there
+        when spec is full). A lost request the cost comparison would send to spec instead,
+        because base's queue makes it cheaper there, adds its prefill stall and a sequence to
+        spec's batch: past the TPOT target spec's running requests, which could still meet
+        theirs, miss it too, and both pools are lost. Below its cap base takes the request at
+        once and holds no overflow; a request lost there (by a long prompt's first token, say)
+        goes where it is cheaper."""
         if (
             c.lost
             and self.slo_tpot_ms > 0
+            and c.on_base.over_cap > 0
             and (c.on_spec.tpot_s + c.on_spec.tpot_spread_s) * 1000 > self.slo_tpot_ms
-            and not self.base_backlogged(c)
         ):
             return Decision(pool="base", reason="spare-spec", scores=c.scores)
         return None
@@ -642,12 +649,6 @@ class Goodput:
         )
         n_out = self.output_tokens(typical, snapshot.mean_output_tokens, snapshot.output_samples)
         return self.predict(base, joined_base, typical, snapshot.cost, n_out).others_s
-
-    def base_backlogged(self, c: Context) -> bool:
-        """Base, below its cap, would give the request its first token more than a TTFT target
-        later than spec: a burst's prefill backlog (`spec-backlog`, `spare-spec`). Past base's
-        cap its queue is one for slots too, which does not clear when the burst ends."""
-        return c.on_base.over_cap <= 0 and c.on_base.ttft_s - c.on_spec.ttft_s > self.slo_ttft_s > 0
 
     def meets_slo(self, p: Prediction) -> bool:
         """Whether a prediction meets the configured targets (a target of 0 is not checked)."""
