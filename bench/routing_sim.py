@@ -393,8 +393,10 @@ def summarize(results: Sequence[RunResult]) -> dict[str, float]:
     (open arrivals), or to the last request the loop sends (a closed loop: until then every
     client is busy, so the load is what the run is named for). SLO goodput counts the measured
     requests that met the SLO, of open arrivals all of them (the offered load is the same for
-    every policy), of a closed loop those that finished within the window (its rate is how fast
-    the fleet turns over requests that meet it). Throughput is the output of a closed loop's
+    every policy), of a closed loop every request that finished within the window, those sent
+    before it included (its rate is how fast the fleet turns over requests that meet it; counting
+    only the window's own requests left out the N in flight at its start, a sixth of the count
+    at 100 clients and more). Throughput is the output of a closed loop's
     requests that finished within the window, per second of it, and of open arrivals all the
     output per second from the first arrival to the last completion (how fast the fleet clears
     a fixed amount of work; an overloaded run of 600 requests is still ramping up when its last
@@ -417,7 +419,10 @@ def summarize(results: Sequence[RunResult]) -> dict[str, float]:
         else:
             span += max(max(r.finish_time for r in recs) - start, 1e-9)
             tokens += sum(r.output_tokens for r in recs)
-        met += sum(1 for r in recs if result.slo.met(r) and (not result.closed or r.finish_time <= end))
+        if result.closed:
+            met += sum(1 for r in result.records if start <= r.finish_time <= end and result.slo.met(r))
+        else:
+            met += sum(1 for r in recs if result.slo.met(r))
     return {
         "requests": float(len(rs)),
         "mean_e2e_s": statistics.fmean(e2e),

@@ -63,13 +63,19 @@ Each rule, its reason tokens, and what it earned:
     from 1.48 to 3.43. One instance per pool (bench.routing) is unchanged.
  8. `spec-backlog` (`spec-backlog`): the h200 code trace went from 1.13x to 1.18x the oracle split
     (mean E2E 6.61 s -> 4.64 s), kimi-linear's from 1.17x to 1.20x (4cd6915, 4e4cf4e).
- 9. `spec-full` (`spec-full`): issue 4's rule. Before the SLO rules, removing it made SLO goodput
+ 9. `spare-spec` (`spare-spec`): on bench.learning's cells (seeds 0-2, own / none / wrong
+    profile) llama3b-a10, whose base is capped at 64, went at Poisson 110 % from 0.76 / 0.81 /
+    0.88x the oracle split to 1.19 / 1.02 / 1.18x, at 256 clients from 0.86 / 1.23 / 1.09x to
+    1.17 / 1.18 / 1.22x, at 128 from 0.98 / 1.01 / 0.96x to 1.15 / 1.10 / 1.15x (with closed
+    loops counted in full, which moved these by at most 0.05). Applied below base's cap too it
+    cost the Mooncake replay at 70 % its prefix credit's TTFT gain (1.61x -> 1.30x on h200).
+10. `spec-full` (`spec-full`): issue 4's rule. Before the SLO rules, removing it made SLO goodput
     at overload worse: 30.1 against 37.0 req/s on h200 a=0.45 (docs/routing.md before bcedd6d).
     Its known cost: kimi-linear at 256 clients, 0.65x the oracle split (docs/routing.md).
-10. `slot-price` (amends: spec's cost + the price): with the SLO rules, the overload figure under
+11. `slot-price` (amends: spec's cost + the price): with the SLO rules, the overload figure under
     4; without SLO targets Poisson 110 % went from 0.92-1.11x to 0.93-1.26x the oracle split,
     together with the stretched queue prediction (bcedd6d).
-11. `sooner` (`spec-sooner`, `base-sooner`; the cost comparison, always decides): the policy as a
+12. `sooner` (`spec-sooner`, `base-sooner`; the cost comparison, always decides): the policy as a
     whole, mean E2E 0.17-1.00x the better static policy on every run and p99 at most 1.00x (the
     run of 2026-12-03 in docs/routing.md).
 """
@@ -353,6 +359,7 @@ class Goodput:
             self.slo_triage,
             self.lost_together,
             self.spec_backlog,
+            self.spare_spec,
             self.spec_full,
             self.slot_price,
         ):
@@ -578,6 +585,28 @@ class Goodput:
             and c.on_base.ttft_s - c.on_spec.ttft_s > self.slo_ttft_s > 0
         ):
             return Decision(pool="spec", reason="spec-backlog", scores=c.scores)
+        return None
+
+    def spare_spec(self, c: Context) -> Decision | None:
+        """`spare-spec`: a lost request goes to base when base is past its running cap and spec's
+        time per output token with it is predicted past the TPOT target (at the requests' 90th
+        percentile).
+
+        Under overload one pool keeps serving within the SLO and the other holds what it cannot
+        take: past its cap, base's queue is holding it (`spec-full` sends latency requests there
+        when spec is full). A lost request the cost comparison would send to spec instead,
+        because base's queue makes it cheaper there, adds its prefill stall and a sequence to
+        spec's batch: past the TPOT target spec's running requests, which could still meet
+        theirs, miss it too, and both pools are lost. Below its cap base takes the request at
+        once and holds no overflow; a request lost there (by a long prompt's first token, say)
+        goes where it is cheaper."""
+        if (
+            c.lost
+            and self.slo_tpot_ms > 0
+            and c.on_base.over_cap > 0
+            and (c.on_spec.tpot_s + c.on_spec.tpot_spread_s) * 1000 > self.slo_tpot_ms
+        ):
+            return Decision(pool="base", reason="spare-spec", scores=c.scores)
         return None
 
     def spec_full(self, c: Context) -> Decision | None:

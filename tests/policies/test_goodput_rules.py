@@ -23,6 +23,7 @@ RULES = (
     "slo-triage",
     "lost-together",
     "spec-backlog",
+    "spare-spec",
     "spec-full",
     "slot-price",
     "sooner",
@@ -206,6 +207,31 @@ def test_spec_backlog(cost):
     # Past base's cap its queue is one for slots as well, which does not clear after a burst.
     base_full = _with(snapshot(54, 316, cost), "base", waiting_tokens=200_000.0, **PRESSED)
     assert _reason(slo_policy().decide(LONG, base_full)) == ("base", "spec-full")
+
+
+def test_spare_spec(cost):
+    """A lost request stays off a spec pool whose TPOT it would take past the target while base,
+    past its cap, holds the overflow, even where spec is far cheaper; below base's cap, or lost
+    by its first token alone, it goes where it is cheaper."""
+    tight = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=10.0))
+    # Both pools prefill 1,000-token prompts at 20-30 a second: base's decode far past 10 ms a
+    # token and 44 requests queued past its cap, spec's TPOT (30 running, below its cap) just
+    # past the target.
+    snap = _with(snapshot(30, 300, cost), "base", **PRESSED)
+    snap = _with(snap, "spec", dispatches_per_s=20.0, prompt_tokens_per_s=20_000.0)
+    decision = tight.decide(Features(prompt_tokens=1000), snap)
+    assert decision.scores["slo_lost"] == 1.0 and decision.scores["tpot_spec_ms"] > 10.0
+    assert decision.scores["cost_spec_s"] < decision.scores["cost_base_s"]
+    assert _reason(decision) == ("base", "spare-spec")
+    # The same pools with base below its cap: base holds no overflow, the cheaper pool wins.
+    below = _with(
+        _with(snapshot(30, 250, cost), "base", **PRESSED), "spec", dispatches_per_s=20.0, prompt_tokens_per_s=20_000.0
+    )
+    assert _reason(tight.decide(Features(prompt_tokens=1000), below)) == ("spec", "spec-sooner")
+    # A 60,000-token prompt misses a 1 s first token on both idle pools; spec's TPOT is fine.
+    huge = slo_policy().decide(Features(prompt_tokens=60_000, max_tokens=256, ignore_eos=True), snapshot(2, 2, cost))
+    assert huge.scores["slo_lost"] == 1.0
+    assert _reason(huge) == ("spec", "spec-sooner")
 
 
 def test_spec_full(cost):

@@ -54,6 +54,12 @@ def test_rates_are_scored_over_the_window_the_load_is_named_for():
     assert closed["slo_goodput_rps"] == 2 / 4.0
     assert closed["throughput_tok_s"] == 22 / 4.0
     assert closed["slo_attainment"] == 1.0 and closed["mean_e2e_s"] == (2 + 4 + 16) / 3
+    # Scored from 1 s (the warm-up): the window is 1-4 s, and a request sent during the warm-up
+    # that finishes in it is part of the turnover, as its tokens are of the throughput.
+    warm = [_record(0, 0.0, 0.5, 2.0), _record(1, 1.0, 1.5, 3.0), _record(2, 4.0, 4.5, 20.0, tokens=200)]
+    warmed = RunResult("p", warm, [], [], slo, warmup_s=1.0, closed=True).summary()
+    assert warmed["requests"] == 2 and warmed["slo_goodput_rps"] == 2 / 3.0
+    assert warmed["throughput_tok_s"] == 22 / 3.0
     # Open arrivals: every measured request that met the SLO counts against the arrival window
     # (the offered load is the same for every policy); throughput is all the work over the time
     # the fleet took to serve it.
