@@ -395,8 +395,8 @@ def summarize(results: Sequence[RunResult]) -> dict[str, float]:
     requests that met the SLO, of open arrivals all of them (the offered load is the same for
     every policy), of a closed loop every request that finished within the window, those sent
     before it included (its rate is how fast the fleet turns over requests that meet it; counting
-    only the window's own requests left out the N in flight at its start, a sixth of the count
-    at 100 clients and more). Throughput is the output of a closed loop's
+    only the window's own requests left out the N in flight at its start: 128 of the 513 that
+    finished in h200's window at 128 clients). Throughput is the output of a closed loop's
     requests that finished within the window, per second of it, and of open arrivals all the
     output per second from the first arrival to the last completion (how fast the fleet clears
     a fixed amount of work; an overloaded run of 600 requests is still ramping up when its last

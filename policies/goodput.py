@@ -588,9 +588,9 @@ class Goodput:
         return None
 
     def spare_spec(self, c: Context) -> Decision | None:
-        """`spare-spec`: a lost request goes to base when base is past its running cap and spec's
-        time per output token with it is predicted past the TPOT target (at the requests' 90th
-        percentile).
+        """`spare-spec`: a lost request goes to base when every base instance is past its running
+        cap and spec, below its cap, has its time per output token with the request predicted
+        past the TPOT target (at the requests' 90th percentile).
 
         Under overload one pool keeps serving within the SLO and the other holds what it cannot
         take: past its cap, base's queue is holding it (`spec-full` sends latency requests there
@@ -602,8 +602,9 @@ class Goodput:
         goes where it is cheaper."""
         if (
             c.lost
+            and not c.spec_full  # `spec-full` sends it to base anyway
             and self.slo_tpot_ms > 0
-            and c.on_base.over_cap > 0
+            and all(i.load + 1 > i.max_running for i in c.base.healthy_instances)
             and (c.on_spec.tpot_s + c.on_spec.tpot_spread_s) * 1000 > self.slo_tpot_ms
         ):
             return Decision(pool="base", reason="spare-spec", scores=c.scores)

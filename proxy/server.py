@@ -113,7 +113,9 @@ def log_config(level: str) -> dict[str, Any]:
     same way at the same level (without a handler of their own only warnings reached stderr,
     through Python's last-resort handler)."""
     config = copy.deepcopy(LOGGING_CONFIG)
-    config["loggers"]["specroute"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    # Propagating too: the root logger has no handler of its own here (no line is written twice),
+    # and whoever adds one (a test's log capture, an embedding application) still gets them.
+    config["loggers"]["specroute"] = {"handlers": ["default"], "level": level.upper(), "propagate": True}
     return config
 
 

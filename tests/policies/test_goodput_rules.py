@@ -4,6 +4,7 @@ that then decides). The order is checked against docs/routing.md and the module 
 
 import ast
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -228,10 +229,20 @@ def test_spare_spec(cost):
         _with(snapshot(30, 250, cost), "base", **PRESSED), "spec", dispatches_per_s=20.0, prompt_tokens_per_s=20_000.0
     )
     assert _reason(tight.decide(Features(prompt_tokens=1000), below)) == ("spec", "spec-sooner")
-    # A 60,000-token prompt misses a 1 s first token on both idle pools; spec's TPOT is fine.
-    huge = slo_policy().decide(Features(prompt_tokens=60_000, max_tokens=256, ignore_eos=True), snapshot(2, 2, cost))
-    assert huge.scores["slo_lost"] == 1.0
+    # Base past its cap but spec's TPOT within a 50 ms target: a request lost by its first token
+    # alone (a 60,000-token prompt misses 1 s on both pools) still goes where it is cheaper.
+    quiet_spec = _with(snapshot(2, 300, cost), "base", **PRESSED)
+    huge = slo_policy().decide(Features(prompt_tokens=60_000, max_tokens=256, ignore_eos=True), quiet_spec)
+    assert huge.scores["slo_lost"] == 1.0 and huge.scores["tpot_spec_ms"] < 50.0
     assert _reason(huge) == ("spec", "spec-sooner")
+    # Without a TPOT target there is no TPOT to spare.
+    ttft_only = Goodput(GoodputParams(slo_ttft_s=1.0))
+    decision = ttft_only.decide(Features(prompt_tokens=60_000, max_tokens=256, ignore_eos=True), snap)
+    assert decision.scores["slo_lost"] == 1.0 and decision.reason != "spare-spec"
+    # Two base instances, one with free slots: base as a whole holds no overflow.
+    b0, b1 = InstanceState("b0", 256, 44, 256, age_s=0.05), InstanceState("b1", 200, 0, 256, age_s=0.05)
+    two = replace(snap, pools={**snap.pools, "base": replace(snap.pools["base"], instances=(b0, b1))})
+    assert tight.decide(Features(prompt_tokens=1000), two).reason != "spare-spec"
 
 
 def test_spec_full(cost):
