@@ -393,8 +393,9 @@ def summarize(results: Sequence[RunResult]) -> dict[str, float]:
     (open arrivals), or to the last request the loop sends (a closed loop: until then every
     client is busy, so the load is what the run is named for). SLO goodput counts the measured
     requests that met the SLO, of open arrivals all of them (the offered load is the same for
-    every policy), of a closed loop every request that finished within the window, those sent
-    before it included (its rate is how fast the fleet turns over requests that meet it; counting
+    every policy), of a closed loop every request that finished within the window (after its
+    start: the one finishing at the start sent the first scored request), those sent before it
+    included (its rate is how fast the fleet turns over requests that meet it; counting
     only the window's own requests left out the N in flight at its start: 128 of the 513 that
     finished in h200's window at 128 clients). Throughput is the output of a closed loop's
     requests that finished within the window, per second of it, and of open arrivals all the
@@ -415,12 +416,12 @@ def summarize(results: Sequence[RunResult]) -> dict[str, float]:
         window += max(end - start, 1e-9)
         if result.closed:
             span += max(end - start, 1e-9)
-            tokens += sum(r.output_tokens for r in result.records if start <= r.finish_time <= end)
+            tokens += sum(r.output_tokens for r in result.records if start < r.finish_time <= end)
         else:
             span += max(max(r.finish_time for r in recs) - start, 1e-9)
             tokens += sum(r.output_tokens for r in recs)
         if result.closed:
-            met += sum(1 for r in result.records if start <= r.finish_time <= end and result.slo.met(r))
+            met += sum(1 for r in result.records if start < r.finish_time <= end and result.slo.met(r))
         else:
             met += sum(1 for r in recs if result.slo.met(r))
     return {

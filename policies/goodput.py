@@ -66,7 +66,7 @@ Each rule, its reason tokens, and what it earned:
  9. `spare-spec` (`spare-spec`): on bench.learning's cells (seeds 0-2, own / none / wrong
     profile) llama3b-a10, whose base is capped at 64, went at Poisson 110 % from 0.76 / 0.81 /
     0.88x the oracle split to 1.19 / 1.02 / 1.18x, at 256 clients from 0.86 / 1.23 / 1.09x to
-    1.17 / 1.18 / 1.22x, at 128 from 0.98 / 1.01 / 0.96x to 1.15 / 1.10 / 1.15x (with closed
+    1.17 / 1.18 / 1.21x, at 128 from 0.98 / 1.01 / 0.96x to 1.15 / 1.10 / 1.15x (with closed
     loops counted in full, which moved these by at most 0.05). Applied below base's cap too it
     cost the Mooncake replay at 70 % its prefix credit's TTFT gain (1.61x -> 1.30x on h200).
 10. `spec-full` (`spec-full`): issue 4's rule. Before the SLO rules, removing it made SLO goodput

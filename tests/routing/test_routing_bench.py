@@ -56,7 +56,9 @@ def test_rates_are_scored_over_the_window_the_load_is_named_for():
     assert closed["slo_attainment"] == 1.0 and closed["mean_e2e_s"] == (2 + 4 + 16) / 3
     # Scored from 1 s (the warm-up): the window is 1-4 s, and a request sent during the warm-up
     # that finishes in it is part of the turnover, as its tokens are of the throughput.
+    # The one finishing at 1 s sent the first scored request: it belongs to the warm-up.
     warm = [_record(0, 0.0, 0.5, 2.0), _record(1, 1.0, 1.5, 3.0), _record(2, 4.0, 4.5, 20.0, tokens=200)]
+    warm.append(_record(3, 0.0, 0.5, 1.0))
     warmed = RunResult("p", warm, [], [], slo, warmup_s=1.0, closed=True).summary()
     assert warmed["requests"] == 2 and warmed["slo_goodput_rps"] == 2 / 3.0
     assert warmed["throughput_tok_s"] == 22 / 3.0
