@@ -16,8 +16,8 @@ back to the sources, and the build is all or nothing (compiled modules share one
 and each other's native classes). The verdict is taken once per process, at its first import of
 `fleet`: a process started after an edit or a rebuild may run the other path than one started
 before, so what crosses between processes is plain values (proxy/body.py). `status()` says which
-path runs and why; the proxy warns at start when it runs from source, and the state endpoint
-shows it.
+path runs and why; the proxy logs it at start (a warning when from source), and the state
+endpoint shows it.
 """
 
 from __future__ import annotations

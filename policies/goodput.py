@@ -550,7 +550,7 @@ class Goodput:
             return None
         for pool in (c.spec, c.base):
             healthy = pool.healthy_instances
-            if len(healthy) < 2 or any(i.load + 1 <= i.max_running for i in healthy):
+            if len(healthy) < 2 or not self.full(pool):
                 continue
             worst = healthy[0]
             for instance in healthy[1:]:
@@ -604,8 +604,8 @@ class Goodput:
             c.lost
             and not c.spec_full  # `spec-full` sends it to base anyway
             and self.slo_tpot_ms > 0
-            and all(i.load + 1 > i.max_running for i in c.base.healthy_instances)
             and (c.on_spec.tpot_s + c.on_spec.tpot_spread_s) * 1000 > self.slo_tpot_ms
+            and self.full(c.base)
         ):
             return Decision(pool="base", reason="spare-spec", scores=c.scores)
         return None
@@ -650,6 +650,11 @@ class Goodput:
         )
         n_out = self.output_tokens(typical, snapshot.mean_output_tokens, snapshot.output_samples)
         return self.predict(base, joined_base, typical, snapshot.cost, n_out).others_s
+
+    def full(self, pool: PoolState) -> bool:
+        """Every healthy instance of the pool is at its running cap: one more request would queue
+        (`lost-together`, `spare-spec`)."""
+        return all(i.load + 1 > i.max_running for i in pool.healthy_instances)
 
     def meets_slo(self, p: Prediction) -> bool:
         """Whether a prediction meets the configured targets (a target of 0 is not checked)."""

@@ -239,10 +239,15 @@ def test_spare_spec(cost):
     ttft_only = Goodput(GoodputParams(slo_ttft_s=1.0))
     decision = ttft_only.decide(Features(prompt_tokens=60_000, max_tokens=256, ignore_eos=True), snap)
     assert decision.scores["slo_lost"] == 1.0 and decision.reason != "spare-spec"
-    # Two base instances, one with free slots: base as a whole holds no overflow.
-    b0, b1 = InstanceState("b0", 256, 44, 256, age_s=0.05), InstanceState("b1", 200, 0, 256, age_s=0.05)
+    # Two base instances: the one holding 39,000 of the prompt's 40,000 tokens is full, the other
+    # has free slots, so base as a whole holds no overflow. The request is predicted on the full
+    # one (its cached prefix makes it the cheapest), and the cost comparison decides.
+    b0 = InstanceState("b0", 256, 1, 256, age_s=0.05, **PRESSED)
+    b1 = InstanceState("b1", 200, 0, 256, age_s=0.05, **PRESSED)
     two = replace(snap, pools={**snap.pools, "base": replace(snap.pools["base"], instances=(b0, b1))})
-    assert tight.decide(Features(prompt_tokens=1000), two).reason != "spare-spec"
+    cached = tight.decide(Features(prompt_tokens=40_000, cached={"b0": 39_000}), two)
+    assert cached.scores["slo_lost"] == 1.0 and cached.instance == "b0"
+    assert _reason(cached) == ("base", "base-sooner")
 
 
 def test_spec_full(cost):
