@@ -44,7 +44,12 @@ Each rule, its reason tokens, and what it earned:
     fleets that missed it (missed targets 13 -> 5). Checking TTFT at the wait's 90th percentile
     instead of its mean (94d18a8): queued requests that missed TTFT went from 75 of 870 to 18 of
     823 on kimi-linear at 256 clients, which went from 0.58x to 0.64x the oracle split, kimi-moe
-    at 256 clients from 0.97x to 1.01x (96ea7b9, 4e4cf4e).
+    at 256 clients from 0.97x to 1.01x (96ea7b9, 4e4cf4e). It skipped `slo-one-pool` too until
+    2026-12-05, sending requests met on a full spec only to base, to miss there (kimi-linear at 256
+    clients, seed 0: 1,014 `base-sooner` decisions (46 now) onto a base past its TPOT target, 946
+    of its 1,069 requests missing it); with `slo-one-pool` applied to them bench.learning's
+    overload cells gained up to 0.4x the oracle split (the 70B at 256 clients 0.92 / 0.91 / 0.89x
+    -> 1.30 / 1.33 / 1.34x, own / none / wrong).
  5. `slo-one-pool` (`slo-spec`, `slo-base`): it came with SLO-aware routing, whose joint figure
     is under 4. Checking TPOT on a speculative pool at the requests' 90th percentile (their own
     acceptance spreads it, `PoolState.tpot_cv`) instead of the pool's mean: at 128 clients
@@ -507,16 +512,17 @@ class Goodput:
 
     def slo_queue_allowance(self, c: Context) -> Decision | None:
         """`slo-queue-allowance`: a request that meets its targets even queued past spec's cap
-        (TTFT at the wait's 90th percentile) may queue there: it skips `slo-one-pool` and
-        `spec-full` and competes on cost, slot price included. Decides nothing itself."""
+        (TTFT at the wait's 90th percentile) may queue there: it skips `spec-full`, and met on
+        base too it competes on cost, slot price included (met on spec only, `slo-one-pool`
+        sends it there). Decides nothing itself."""
         if c.slo_checked and c.spec_full and c.meets_spec:
             c.may_queue_on_spec = True
         return None
 
     def slo_one_pool(self, c: Context) -> Decision | None:
         """`slo-one-pool`: a request that meets its targets on one pool only goes there
-        (`slo-spec`, `slo-base`)."""
-        if c.slo_checked and not c.may_queue_on_spec and c.meets_spec != c.meets_base:
+        (`slo-spec`, `slo-base`), on spec queued past its cap too (`slo-queue-allowance`)."""
+        if c.slo_checked and c.meets_spec != c.meets_base:
             pool: PoolName = "spec" if c.meets_spec else "base"
             return Decision(pool=pool, reason=f"slo-{pool}", scores=c.scores)
         return None

@@ -135,16 +135,23 @@ def test_throughput(cost):
 
 
 def test_slo_queue_allowance(cost):
-    # Spec two past its cap but the slow end of the wait still meets the TTFT target; base misses
-    # its TPOT target. Met on spec only, yet the request does not get `slo-spec`: it may queue on
-    # spec and competes on cost there, slot price included.
-    snap = _with(snapshot(50, 200, cost), "base", **PRESSED)
-    decision = slo_policy().decide(LONG, snap)
-    assert decision.scores["slo_spec"] == 1.0 and decision.scores["slo_base"] == 0.0
+    # Spec two past its cap but the slow end of the wait still meets the TTFT target, and so does
+    # base: the request may queue on spec, skips `spec-full` and competes on cost there, slot
+    # price included.
+    snap = snapshot(50, 200, cost)
+    decision = slo_policy().decide(SHORT, snap)
+    assert decision.scores["slo_spec"] == 1.0 and decision.scores["slo_base"] == 1.0
     assert decision.scores["batch_spec"] == 48.0 and "slot_price_s" in decision.scores
     assert _reason(decision) == ("spec", "spec-sooner")
     # Without targets there is no allowance.
-    assert _reason(Goodput().decide(LONG, snap)) == ("base", "spec-full")
+    assert _reason(Goodput().decide(SHORT, snap)) == ("base", "spec-full")
+    # Base past its TPOT target: met on spec only, the request queues there (`slo-one-pool`).
+    # The allowance used to skip `slo-one-pool` too, and the cost comparison, slot price
+    # included, sent this request to base, where it misses its target.
+    pressed = _with(snap, "base", **PRESSED)
+    decision = slo_policy().decide(SHORT, pressed)
+    assert decision.scores["slo_spec"] == 1.0 and decision.scores["slo_base"] == 0.0
+    assert _reason(decision) == ("spec", "slo-spec")
 
 
 def test_slo_one_pool(cost):
