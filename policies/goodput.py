@@ -226,10 +226,12 @@ class Goodput:
         """The share of the instance's time its prefills take, at the rate prompts were sent to it
         lately (each prefilled alone, at the recent mean length: they mostly arrive one by one).
 
-        A server at its running cap admits a prompt only when a slot frees: prompts sent faster
-        than that wait in its queue instead of stalling its decode. A slot is held for a typical
-        decode (`n_out` tokens at the full batch) stretched by the prefills themselves, so the
-        cap's turnover bounds the share at a / (1 + a), a = cap x prefill / decode."""
+        Over a request's decode, the prompts that reach its batch are about the batch's own
+        turnover: B requests (the batch it joins, the cap when full) each hold a slot for a
+        typical decode (`n_out` tokens at that batch) stretched by the prefills themselves, so
+        the share is at most a / (1 + a), a = B x prefill / decode. At the cap, prompts sent
+        faster wait in the queue instead of stalling its decode; below it, a burst sent faster
+        stalls the decode only while it lasts, shorter than a decode."""
         tau, width = self.accept_length(pool)
         return self._prefill_share(pool.name, instance, cost, n_out, tau, width)
 
@@ -246,9 +248,11 @@ class Goodput:
         busy = sent * prefill_ms / 1000
         max_running = instance.max_running
         cap = 1 if 1 > max_running else max_running
-        if n_out > 1 and instance.running + instance.waiting + 1 >= cap:
-            held_ms = (n_out - 1) * cost.decode_step_ms(pool, cap, width) / tau
-            a = cap * prefill_ms / held_ms
+        if n_out > 1:
+            load = instance.running + instance.waiting + 1
+            batch = int(cap if cap < load else load)
+            held_ms = (n_out - 1) * cost.decode_step_ms(pool, batch, width) / tau
+            a = batch * prefill_ms / held_ms
             bound = a / (1 + a)
             busy = bound if bound < busy else busy
         return MAX_PREFILL_SHARE if MAX_PREFILL_SHARE < busy else busy

@@ -34,8 +34,9 @@ SOURCE = Path(__file__).resolve().parents[2] / "policies" / "goodput.py"
 SHORT = Features(prompt_tokens=64, max_tokens=256, ignore_eos=True)
 LONG = Features(prompt_tokens=4000)
 BATCH = Features(prompt_tokens=64, max_tokens=256, request_class="batch")
-# Base prefills 30 prompts/s of 1,000 tokens: its decode is stretched past a 50 ms TPOT target.
-PRESSED = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
+# Base prefills 30 prompts/s of 8,000 tokens: its decode is stretched past a 50 ms TPOT target,
+# by the turnover of its batch too (`Goodput.prefill_share`).
+PRESSED = dict(dispatches_per_s=30.0, prompt_tokens_per_s=240_000.0)
 
 
 @pytest.fixture
@@ -222,18 +223,18 @@ def test_spare_spec(cost):
     past its cap, holds the overflow, even where spec is far cheaper; below base's cap, or lost
     by its first token alone, it goes where it is cheaper."""
     tight = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=10.0))
-    # Both pools prefill 1,000-token prompts at 20-30 a second: base's decode far past 10 ms a
-    # token and 44 requests queued past its cap, spec's TPOT (30 running, below its cap) just
-    # past the target.
+    # Both pools prefill long prompts (base 8,000 tokens at 30 a second, spec 4,000 at 20):
+    # base's decode far past 10 ms a token and 44 requests queued past its cap, spec's TPOT (30
+    # running, below its cap) past the target.
     snap = _with(snapshot(30, 300, cost), "base", **PRESSED)
-    snap = _with(snap, "spec", dispatches_per_s=20.0, prompt_tokens_per_s=20_000.0)
+    snap = _with(snap, "spec", dispatches_per_s=20.0, prompt_tokens_per_s=80_000.0)
     decision = tight.decide(Features(prompt_tokens=1000), snap)
     assert decision.scores["slo_lost"] == 1.0 and decision.scores["tpot_spec_ms"] > 10.0
     assert decision.scores["cost_spec_s"] < decision.scores["cost_base_s"]
     assert _reason(decision) == ("base", "spare-spec")
     # The same pools with base below its cap: base holds no overflow, the cheaper pool wins.
     below = _with(
-        _with(snapshot(30, 250, cost), "base", **PRESSED), "spec", dispatches_per_s=20.0, prompt_tokens_per_s=20_000.0
+        _with(snapshot(30, 250, cost), "base", **PRESSED), "spec", dispatches_per_s=20.0, prompt_tokens_per_s=80_000.0
     )
     assert _reason(tight.decide(Features(prompt_tokens=1000), below)) == ("spec", "spec-sooner")
     # Base past its cap but spec's TPOT within a 50 ms target: a request lost by its first token

@@ -155,16 +155,16 @@ def test_goodput_predicts_tpot_stretched_by_the_prefills_sent():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
     policy = Goodput()
     quiet = snapshot(10, 100, cost)
-    busy = _with(quiet, "base", dispatches_per_s=20.0, prompt_tokens_per_s=20_000.0)
+    busy = _with(quiet, "base", dispatches_per_s=10.0, prompt_tokens_per_s=10_000.0)
     calm, loaded = (policy.decide(SHORT, s).scores["tpot_base_ms"] for s in (quiet, busy))
-    share = 20 * cost.prefill_ms("base", 1000) / 1000  # of base's time spent prefilling
+    share = 10 * cost.prefill_ms("base", 1000) / 1000  # of base's time spent prefilling
     assert loaded == pytest.approx(calm / (1 - share), rel=1e-3)
 
 
 def test_goodput_slo_sends_a_request_where_it_can_meet_its_targets():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
-    # Base prefills 30 prompts/s of 1,000 tokens: its decode is stretched past a 50 ms TPOT.
-    snap = _with(snapshot(46, 200, cost), "base", dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
+    # Base prefills 30 prompts/s of 8,000 tokens: its decode is stretched past a 50 ms TPOT.
+    snap = _with(snapshot(46, 200, cost), "base", dispatches_per_s=30.0, prompt_tokens_per_s=240_000.0)
     plain = Goodput().decide(SHORT, snap)
     aware = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0)).decide(SHORT, snap)
     assert aware.scores["tpot_base_ms"] > 50 > aware.scores["tpot_spec_ms"]
@@ -176,7 +176,7 @@ def test_goodput_slo_sends_a_request_where_it_can_meet_its_targets():
 def test_goodput_slo_may_queue_on_spec_within_the_ttft_target_but_not_past_it():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
     policy = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0))
-    pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
+    pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=240_000.0)
     long_prompt = Features(prompt_tokens=4000)  # its prefill would stall base's 200 requests most
     short_queue = _with(snapshot(50, 200, cost), "base", **pressed)  # 2 waiting past spec's cap
     decision = policy.decide(long_prompt, short_queue)
@@ -191,9 +191,9 @@ def test_goodput_slo_may_queue_on_spec_within_the_ttft_target_but_not_past_it():
 def test_goodput_a_lost_request_spares_the_pool_whose_requests_can_still_meet_their_target():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
     policy = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0))
-    # Base prefills 30 prompts/s: its 60 requests are past the 50 ms TPOT target. Spec's queue
-    # holds 60,000 prompt tokens: a new request there misses the 1 s TTFT target.
-    snap = _with(snapshot(30, 60, cost), "base", dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
+    # Base prefills 30 prompts/s of 8,000 tokens: its 60 requests are past the 50 ms TPOT target.
+    # Spec's queue holds 60,000 prompt tokens: a new request there misses the 1 s TTFT target.
+    snap = _with(snapshot(30, 60, cost), "base", dispatches_per_s=30.0, prompt_tokens_per_s=240_000.0)
     snap = _with(snap, "spec", waiting=6.0, waiting_tokens=60_000.0)
     prompt = Features(prompt_tokens=2000)
     decision = policy.decide(prompt, snap)
@@ -207,21 +207,27 @@ def test_goodput_a_lost_request_spares_the_pool_whose_requests_can_still_meet_th
     assert near_target[1].cost_s > near_target[0].cost_s  # weighed 20x, base would have been spared
 
 
-def test_goodput_prefill_share_at_the_cap_is_bounded_by_the_slot_turnover():
+def test_goodput_prefill_share_is_bounded_by_the_batch_turnover():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
     policy = Goodput()
-    sent = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
-    # Below its cap every prompt sent is prefilled at once: 30/s x 33 ms is past the 90 % cap.
-    roomy = _with(snapshot(20, 100, cost), "spec", **sent)
     tau = accept_length(0.6, 3)
+    prefill = cost.prefill_ms("spec", 1000)
+    # Prompts sent at a rate the batch's turnover bounds: each prefill stalls the decode.
+    calm = _with(snapshot(20, 100, cost), "spec", dispatches_per_s=2.0, prompt_tokens_per_s=2_000.0)
     step = cost.decode_step_ms("spec", 21, 4)
-    assert policy.decide(SHORT, roomy).scores["tpot_spec_ms"] == pytest.approx(step / tau / 0.1, rel=1e-3)
-    # At its cap a prompt gets in only when a slot frees (a typical decode at the full batch,
-    # stretched by the prefills): the share is a / (1 + a), a = cap x prefill / decode.
+    busy = 2.0 * prefill / 1000
+    assert policy.decide(SHORT, calm).scores["tpot_spec_ms"] == pytest.approx(step / tau / (1 - busy), rel=1e-3)
+    # A burst of 30 prompts/s x 33 ms (past the 90 % cap): over a decode its 21 requests' own
+    # turnover (a typical decode at batch 21, stretched by the prefills) brings a / (1 + a) of
+    # the time in prefills, a = batch x prefill / decode, not the burst's rate.
+    sent = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
+    burst = _with(snapshot(20, 100, cost), "spec", **sent)
+    a = 21 * prefill / (255 * step / tau)
+    assert policy.decide(SHORT, burst).scores["tpot_spec_ms"] == pytest.approx(step / tau * (1 + a), rel=1e-3)
+    # At its cap a prompt gets in only when a slot frees: the same bound at the full batch.
     full = _with(snapshot(48, 100, cost), "spec", **sent)
-    held = 255 * cost.decode_step_ms("spec", 48, 4) / tau
-    a = 48 * cost.prefill_ms("spec", 1000) / held
     step = cost.decode_step_ms("spec", 48, 4)
+    a = 48 * prefill / (255 * step / tau)
     assert policy.decide(SHORT, full).scores["tpot_spec_ms"] == pytest.approx(step / tau * (1 + a), rel=1e-3)
 
 
@@ -257,7 +263,7 @@ def test_goodput_queues_on_spec_only_if_the_slow_end_of_the_wait_meets_the_ttft_
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
     policy = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0))
     long_prompt = Features(prompt_tokens=4000)
-    pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)  # base misses its TPOT target
+    pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=240_000.0)  # base misses its TPOT target
     # Six requests queued past spec's cap: on average the first token comes within the second,
     # but slots free at random, and the wait's 90th percentile is past it.
     snap = _with(snapshot(54, 200, cost), "base", **pressed)
@@ -275,7 +281,7 @@ def test_goodput_queues_a_lost_request_on_spec_when_base_has_a_far_longer_prefil
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
     policy = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0))
     long_prompt = Features(prompt_tokens=4000)
-    pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)  # base misses its TPOT target
+    pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=240_000.0)  # base misses its TPOT target
     # Spec six past its cap (its first token at the slow end of the wait is late); base below its
     # cap with prompts of a burst waiting to be prefilled: lost on both.
     burst = _with(snapshot(54, 120, cost), "base", waiting=60.0, waiting_tokens=200_000.0, **pressed)
@@ -292,7 +298,7 @@ def test_goodput_queues_a_lost_request_on_spec_when_base_has_a_far_longer_prefil
 def test_goodput_checks_the_tpot_target_at_the_slow_end_of_the_requests_spread():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
     policy = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0))
-    pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)  # base misses its TPOT target
+    pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=240_000.0)  # base misses its TPOT target
     even = _with(snapshot(40, 200, cost), "base", **pressed)
     tpot_ms = policy.decide(SHORT, even).scores["tpot_spec_ms"]
     target = GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=tpot_ms * 1.1)
