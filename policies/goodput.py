@@ -13,8 +13,9 @@ For each pool, on the instance the request would join (`predict`):
 Counting the others' slowdown is what keeps the fleet near the best mean latency instead of each
 request grabbing the faster pool until it is no longer faster. Prefills stall decode (SGLang
 runs them before the next decode step): at the rate this router has sent prompts to an
-instance, a share `busy` of its time goes to prefill, and the predicted time per output token
-(TPOT) there is step / tau / (1 - busy).
+instance, a share `busy` of its time goes to prefill (at most what the turnover of the batch it
+joins brings in: `prefill_share`), and the predicted time per output token (TPOT) there is
+step / tau / (1 - busy).
 
 The instance a request would join (`join`): with `cache_credit` (the default), the one of its
 pool with the smallest predicted cost, its cached prefix credited; without, the least loaded.
@@ -44,19 +45,20 @@ Each rule, its reason tokens, and what it earned:
     fleets that missed it (missed targets 13 -> 5). Checking TTFT at the wait's 90th percentile
     instead of its mean (94d18a8): queued requests that missed TTFT went from 75 of 870 to 18 of
     823 on kimi-linear at 256 clients, which went from 0.58x to 0.64x the oracle split, kimi-moe
-    at 256 clients from 0.97x to 1.01x (96ea7b9, 4e4cf4e). It skipped `slo-one-pool` too until
-    2026-12-05, sending requests met on a full spec only to base, to miss there (kimi-linear at 256
-    clients, seed 0: 1,014 `base-sooner` decisions (46 now) onto a base past its TPOT target, 946
-    of its 1,069 requests missing it); with `slo-one-pool` applied to them bench.learning's
-    overload cells gained up to 0.4x the oracle split (the 70B at 256 clients 0.92 / 0.91 / 0.89x
-    -> 1.30 / 1.33 / 1.34x, own / none / wrong).
- 5. `slo-one-pool` (`slo-spec`, `slo-base`): it came with SLO-aware routing, whose joint figure
-    is under 4. Checking TPOT on a speculative pool at the requests' 90th percentile (their own
+    at 256 clients from 0.97x to 1.01x (96ea7b9, 4e4cf4e).
+ 5. `slo-one-pool` (`slo-spec`, `slo-base`): it came with SLO-aware routing, whose joint figure is
+    under 4. Checking TPOT on a speculative pool at the requests' 90th percentile (their own
     acceptance spreads it, `PoolState.tpot_cv`) instead of the pool's mean: at 128 clients
-    llama3b-a10 went from 0.81x to 0.98x the oracle split and llama70b-tp4-h100 from 0.81x to
-    1.01x (bench.learning's cells, own profile; 0.85-0.87x -> 0.96-1.05x with none or a wrong
-    one): filled to its cap by requests predicted just inside the target, spec had 43 % of its
-    requests past it.
+    llama3b-a10 went from 0.81x to 0.98x the oracle split and llama70b-tp4-h100 from 0.81x to 1.01x
+    (bench.learning's cells, own profile; 0.85-0.87x -> 0.96-1.05x with none or a wrong one):
+    filled to its cap by requests predicted just inside the target, spec had 43 % of its requests
+    past it. Applied to requests allowed to queue on a full spec (f71f61e; they skipped it before,
+    and the cost comparison sent requests met on spec only to a base past its TPOT target:
+    kimi-linear at 256 clients, seed 0, 1,014 `base-sooner` decisions, 946 of base's 1,069 requests
+    past it), with the prefill share bounded by the batch's turnover (bbb2b4c): bench.learning's
+    70B at 256 clients FIGLEARN, bench.routing's kimi-linear at 256 clients 0.63x -> 0.84x and
+    kimi-moe 1.10x -> 1.25x, h200 a=0.45 at Poisson 110 % 1.02x -> 0.99x (per seed 1.00 / 0.97 /
+    1.01).
  6. `slo-triage` (amends: score `slo_lost`, both pools re-costed): no figure of its own; with the
     two other TPOT corrections of 360d8dd, missed targets went from 3 to 1 and the h200 code
     trace from 1.11x to 1.16x the oracle split (34db47f). Triaging every request instead had cost
@@ -233,24 +235,29 @@ class Goodput:
         faster wait in the queue instead of stalling its decode; below it, a burst sent faster
         stalls the decode only while it lasts, shorter than a decode."""
         tau, width = self.accept_length(pool)
-        return self._prefill_share(pool.name, instance, cost, n_out, tau, width)
+        return self._prefill_share(pool.name, instance, cost, n_out, tau, width, self.joined_batch(instance))
+
+    def joined_batch(self, instance: InstanceState) -> int:
+        """The decode batch a request joining the instance runs in: its running and waiting
+        requests and this one, at most its running cap (at least 1)."""
+        max_running = instance.max_running
+        cap = 1 if 1 > max_running else max_running
+        load = instance.running + instance.waiting
+        load = 0.0 if 0.0 > load else load
+        return int(cap if cap < load + 1 else load + 1)
 
     def _prefill_share(
-        self, pool: PoolName, instance: InstanceState, cost: StepCost, n_out: int, tau: float, width: int
+        self, pool: PoolName, instance: InstanceState, cost: StepCost, n_out: int, tau: float, width: int, batch: int
     ) -> float:
-        """`prefill_share`, the pool's accept length given (max and min written out as in
-        `_predict`)."""
+        """`prefill_share`, the pool's accept length and the joined batch (`joined_batch`) given
+        (max and min written out as in `_predict`)."""
         sent = instance.dispatches_per_s
         if sent <= 0:
             return 0.0
         mean_prompt = int(instance.prompt_tokens_per_s / sent)
         prefill_ms = cost.prefill_ms(pool, 1 if 1 > mean_prompt else mean_prompt)
         busy = sent * prefill_ms / 1000
-        max_running = instance.max_running
-        cap = 1 if 1 > max_running else max_running
         if n_out > 1:
-            load = instance.running + instance.waiting + 1
-            batch = int(cap if cap < load else load)
             held_ms = (n_out - 1) * cost.decode_step_ms(pool, batch, width) / tau
             a = batch * prefill_ms / held_ms
             bound = a / (1 + a)
@@ -291,9 +298,9 @@ class Goodput:
         load = running + waiting
         load = 0.0 if 0.0 > load else load
         waiting = 0.0 if 0.0 > waiting else waiting
-        batch = int(cap if cap < load + 1 else load + 1)
+        batch = self.joined_batch(instance)
         step_ms = cost.decode_step_ms(pool, batch, width)
-        tpot_ms = step_ms / tau / (1 - self._prefill_share(pool, instance, cost, n_out, tau, width))
+        tpot_ms = step_ms / tau / (1 - self._prefill_share(pool, instance, cost, n_out, tau, width, batch))
         # The own decode is costed unstretched: the prefills stall both pools' decodes alike, and
         # what joining adds to them is in `others`.
         rest = 0 if 0 > n_out - 1 else n_out - 1
@@ -622,7 +629,8 @@ class Goodput:
 
     def spec_full(self, c: Context) -> Decision | None:
         """`spec-full`: a latency request never queues on the spec pool past its cap (but for
-        `slo-queue-allowance` and `spec-backlog` above): it goes to base."""
+        `slo-queue-allowance`, which lets `slo-one-pool` and the cost comparison queue it there,
+        and `spec-backlog` above): it goes to base."""
         if not c.batch_class and c.spec_full and not c.may_queue_on_spec:
             return Decision(pool="base", reason="spec-full", scores=c.scores)
         return None

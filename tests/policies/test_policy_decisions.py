@@ -177,10 +177,11 @@ def test_goodput_slo_may_queue_on_spec_within_the_ttft_target_but_not_past_it():
     cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
     policy = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0))
     pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=240_000.0)
-    long_prompt = Features(prompt_tokens=4000)  # its prefill would stall base's 200 requests most
+    long_prompt = Features(prompt_tokens=4000)
     short_queue = _with(snapshot(50, 200, cost), "base", **pressed)  # 2 waiting past spec's cap
     decision = policy.decide(long_prompt, short_queue)
-    assert decision.pool == "spec" and decision.scores["slo_spec"] == 1.0
+    assert decision.scores["slo_spec"] == 1.0 and decision.scores["slo_base"] == 0.0
+    assert (decision.pool, decision.reason) == ("spec", "slo-spec")
     long_queue = _with(snapshot(48 + 200, 200, cost), "base", **pressed)  # far past its TTFT
     decision = policy.decide(long_prompt, long_queue)
     assert decision.scores["slo_spec"] == 0.0 and decision.pool == "base"
@@ -224,6 +225,9 @@ def test_goodput_prefill_share_is_bounded_by_the_batch_turnover():
     burst = _with(snapshot(20, 100, cost), "spec", **sent)
     a = 21 * prefill / (255 * step / tau)
     assert policy.decide(SHORT, burst).scores["tpot_spec_ms"] == pytest.approx(step / tau * (1 + a), rel=1e-3)
+    # Its prompts waiting to be prefilled join the batch too: 18 running and 2 waiting is 21.
+    waiting = _with(snapshot(18, 100, cost), "spec", waiting=2.0, **sent)
+    assert policy.decide(SHORT, waiting).scores["tpot_spec_ms"] == pytest.approx(step / tau * (1 + a), rel=1e-3)
     # At its cap a prompt gets in only when a slot frees: the same bound at the full batch.
     full = _with(snapshot(48, 100, cost), "spec", **sent)
     step = cost.decode_step_ms("spec", 48, 4)
@@ -274,7 +278,7 @@ def test_goodput_queues_on_spec_only_if_the_slow_end_of_the_wait_meets_the_ttft_
     assert decision.scores["slo_spec"] == 0.0 and (decision.pool, decision.reason) == ("base", "spec-full")
     # Two queued: even the slow end of the wait meets the target.
     decision = policy.decide(long_prompt, _with(snapshot(50, 200, cost), "base", **pressed))
-    assert decision.scores["slo_spec"] == 1.0 and decision.pool == "spec"
+    assert decision.scores["slo_spec"] == 1.0 and (decision.pool, decision.reason) == ("spec", "slo-spec")
 
 
 def test_goodput_queues_a_lost_request_on_spec_when_base_has_a_far_longer_prefill_backlog():
