@@ -80,7 +80,8 @@ class Admission:
         if instance is None:
             return None
         n_out = self.predictor.output_tokens(features, snapshot.mean_output_tokens, snapshot.output_samples)
-        return self.predictor.predict(pool, instance, features, snapshot.cost, n_out)
+        # The streams decoding there now sit through the prompts sent lately at their rate.
+        return self.predictor.predict(pool, instance, features, snapshot.cost, n_out, now=True)
 
     def past_limits(self, ttft_s: float, tpot_s: float, share: float) -> str | None:
         """The rule a prediction breaks with the limits at `share` of the targets, if any."""

@@ -249,15 +249,15 @@ class Goodput:
     def _prefill_share(
         self, pool: PoolName, instance: InstanceState, cost: StepCost, n_out: int, tau: float, width: int, batch: int
     ) -> float:
-        """`prefill_share`, the pool's accept length and the joined batch (`joined_batch`) given
-        (max and min written out as in `_predict`)."""
+        """`prefill_share`, the pool's accept length and the joined batch (`joined_batch`; 0: no
+        bound) given (max and min written out as in `_predict`)."""
         sent = instance.dispatches_per_s
         if sent <= 0:
             return 0.0
         mean_prompt = int(instance.prompt_tokens_per_s / sent)
         prefill_ms = cost.prefill_ms(pool, 1 if 1 > mean_prompt else mean_prompt)
         busy = sent * prefill_ms / 1000
-        if n_out > 1:
+        if n_out > 1 and batch > 0:
             held_ms = (n_out - 1) * cost.decode_step_ms(pool, batch, width) / tau
             a = batch * prefill_ms / held_ms
             bound = a / (1 + a)
@@ -272,10 +272,14 @@ class Goodput:
         cost: StepCost,
         n_out: int,
         triage: bool = False,
+        now: bool = False,
     ) -> Prediction:
-        """`n_out`: the output tokens planned for (`output_tokens`); `triage`: see `pressure`."""
+        """`n_out`: the output tokens planned for (`output_tokens`); `triage`: see `pressure`;
+        `now`: the prefill share at the rate prompts were sent lately, bounded only at the cap:
+        what the streams decoding there sit through in the next moments (admission judges
+        those), not over a request's whole decode (`prefill_share`)."""
         tau, width = self.accept_length(pool)
-        return self._predict(pool.name, instance, features, cost, n_out, triage, tau, width, pool.tpot_cv)
+        return self._predict(pool.name, instance, features, cost, n_out, triage, tau, width, pool.tpot_cv, now)
 
     def _predict(
         self,
@@ -288,6 +292,7 @@ class Goodput:
         tau: float,
         width: int,
         tpot_cv: float = 0.0,
+        now: bool = False,
     ) -> Prediction:
         """`predict`, the pool named and its accept length (and `PoolState.tpot_cv`) given (a
         decision computes them once per pool, then predicts on each of its instances). Its
@@ -300,7 +305,9 @@ class Goodput:
         waiting = 0.0 if 0.0 > waiting else waiting
         batch = self.joined_batch(instance)
         step_ms = cost.decode_step_ms(pool, batch, width)
-        tpot_ms = step_ms / tau / (1 - self._prefill_share(pool, instance, cost, n_out, tau, width, batch))
+        # `now`: the turnover bounds the share only at the cap (0: no bound).
+        bounded = (batch if load + 1 >= cap else 0) if now else batch
+        tpot_ms = step_ms / tau / (1 - self._prefill_share(pool, instance, cost, n_out, tau, width, bounded))
         # The own decode is costed unstretched: the prefills stall both pools' decodes alike, and
         # what joining adds to them is in `others`.
         rest = 0 if 0 > n_out - 1 else n_out - 1

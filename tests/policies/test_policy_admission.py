@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
 from policy_snapshots import snapshot
 
 from fleet.costmodel import StepCostModel, seed_from_profile
@@ -74,3 +77,21 @@ def test_the_scale_settles_where_the_target_share_of_admitted_requests_meets_the
     for i in range(100):
         admission.observe(i >= 4 * misses_per_100)
     assert admission.scale < 0.3
+
+
+def test_a_burst_below_the_cap_counts_at_its_rate() -> None:
+    # 30 prompts/s of 1,000 tokens into a base running 100, below its cap: routing predicts a new
+    # request's whole decode, where the batch's turnover bounds the stall, but the streams
+    # decoding now sit through the burst at its rate, and admission judges by that.
+    snap = snapshot(10, 100, COST)
+    base = snap.pools["base"]
+    burst = replace(base.instances[0], dispatches_per_s=30.0, prompt_tokens_per_s=30_000.0)
+    snap = replace(snap, pools={**snap.pools, "base": replace(base, instances=(burst,))})
+    p = Admission(0.0, 0.05).predict(LATENCY, snap, TO_BASE)
+    assert p is not None
+    over_a_decode = Admission(0.0, 0.05).predictor.predict(snap.pools["base"], burst, LATENCY, COST, 256)
+    step = COST.decode_step_ms("base", 101, 1)
+    assert p.tpot_s * 1000 == pytest.approx(step / (1 - 0.9), rel=1e-3)  # the rate, capped at 90 %
+    assert over_a_decode.tpot_s < p.tpot_s / 2
+    refusal = Admission(0.0, 0.05).admit(LATENCY, snap, TO_BASE)
+    assert refusal is not None and refusal.rule == "predicted-tpot"
