@@ -162,6 +162,9 @@ def test_ctrl_c_stops_serve_and_its_span_export_without_a_traceback(tmp_path: Pa
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # As from a terminal: a shell's background job (make test &) inherits SIGINT ignored, and
+        # a process started so never gets the KeyboardInterrupt the exit status comes from.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 30
