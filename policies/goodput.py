@@ -235,7 +235,9 @@ class Goodput:
         faster wait in the queue instead of stalling its decode; below it, a burst sent faster
         stalls the decode only while it lasts, shorter than a decode."""
         tau, width = self.accept_length(pool)
-        return self._prefill_share(pool.name, instance, cost, n_out, tau, width, self.joined_batch(instance))
+        batch = self.joined_batch(instance)
+        step_ms = cost.decode_step_ms(pool.name, batch, width)
+        return self._prefill_share(pool.name, instance, cost, n_out, tau, batch, step_ms)
 
     def joined_batch(self, instance: InstanceState) -> int:
         """The decode batch a request joining the instance runs in: its running and waiting
@@ -247,10 +249,18 @@ class Goodput:
         return int(cap if cap < load + 1 else load + 1)
 
     def _prefill_share(
-        self, pool: PoolName, instance: InstanceState, cost: StepCost, n_out: int, tau: float, width: int, batch: int
+        self,
+        pool: PoolName,
+        instance: InstanceState,
+        cost: StepCost,
+        n_out: int,
+        tau: float,
+        batch: int,
+        step_ms: float,
     ) -> float:
-        """`prefill_share`, the pool's accept length and the joined batch (`joined_batch`; 0: no
-        bound) given (max and min written out as in `_predict`)."""
+        """`prefill_share`, the pool's accept length, the joined batch (`joined_batch`; 0: no
+        bound) and its decode step given (the prediction has it already; max and min written
+        out as in `_predict`)."""
         sent = instance.dispatches_per_s
         if sent <= 0:
             return 0.0
@@ -258,7 +268,7 @@ class Goodput:
         prefill_ms = cost.prefill_ms(pool, 1 if 1 > mean_prompt else mean_prompt)
         busy = sent * prefill_ms / 1000
         if n_out > 1 and batch > 0:
-            held_ms = (n_out - 1) * cost.decode_step_ms(pool, batch, width) / tau
+            held_ms = (n_out - 1) * step_ms / tau
             a = batch * prefill_ms / held_ms
             bound = a / (1 + a)
             busy = bound if bound < busy else busy
@@ -307,7 +317,7 @@ class Goodput:
         step_ms = cost.decode_step_ms(pool, batch, width)
         # `now`: the turnover bounds the share only at the cap (0: no bound).
         bounded = (batch if load + 1 >= cap else 0) if now else batch
-        tpot_ms = step_ms / tau / (1 - self._prefill_share(pool, instance, cost, n_out, tau, width, bounded))
+        tpot_ms = step_ms / tau / (1 - self._prefill_share(pool, instance, cost, n_out, tau, bounded, step_ms))
         # The own decode is costed unstretched: the prefills stall both pools' decodes alike, and
         # what joining adds to them is in `others`.
         rest = 0 if 0 > n_out - 1 else n_out - 1
