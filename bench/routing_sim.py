@@ -307,7 +307,14 @@ class VirtualRouter:
         if self.keep_snapshots:
             self.snapshots.append((features, snapshot))
         index = self.pick(decision.pool, decision.instance)
-        sent = self.fleet.on_dispatch(self.urls[index], arrival.time, arrival.prompt_tokens, blocks=blocks, match=match)
+        sent = self.fleet.on_dispatch(
+            self.urls[index],
+            arrival.time,
+            arrival.prompt_tokens,
+            blocks=blocks,
+            match=match,
+            predicted_tpot_s=decision.predicted_tpot_s(self.pool_of_engine[index]),
+        )
         self._sent.setdefault((arrival.time, arrival.prompt_tokens, index), deque()).append(sent)
         return index
 

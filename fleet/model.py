@@ -44,6 +44,7 @@ from fleet.blocks import BLOCK_TOKENS
 from fleet.costmodel import DEFAULT_HALF_LIFE_S as COST_HALF_LIFE_S
 from fleet.costmodel import Seed, StepCostModel
 from fleet.instance import InstanceSignals
+from fleet.outcomes import TpotOutcomes
 from fleet.prefix import DEFAULT_MAX_BLOCKS, PrefixIndex
 from fleet.readings import Dispatch, Reading, ResponseEvidence, ServerDescription
 from fleet.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S, SessionTable
@@ -90,6 +91,8 @@ class PoolSignals:
     """Mean decode time of its recent requests (how far the server's counters lag)."""
     spread: RequestSpread = field(default_factory=RequestSpread)
     """How its requests' time per token varies with their own acceptance (speculative pools)."""
+    outcomes: TpotOutcomes = field(default_factory=TpotOutcomes)
+    """Its requests' TPOT against the TPOT predicted for them (`Dispatch.predicted_tpot_s`)."""
 
     @property
     def speculative(self) -> bool:
@@ -294,11 +297,14 @@ class FleetModel:
         blocks: Sequence[int] = (),
         match: PrefixMatch = NO_MATCH,
         session: str | None = None,
+        predicted_tpot_s: float = 0.0,
     ) -> Dispatch:
         """A request sent to `url`; the returned record, handed back with its response's
-        evidence, lets its time to first token teach the prefill cost. `blocks`: its prompt's
-        block hashes, now the instance's most recent in the index; `match`: its credit
-        (`cached`); `session`: the session it named. Its load counts its uncached tokens."""
+        evidence, lets its time to first token teach the prefill cost and its TPOT the pool's
+        bias (against `predicted_tpot_s`, what the policy predicted there; 0: nothing).
+        `blocks`: its prompt's block hashes, now the instance's most recent in the index;
+        `match`: its credit (`cached`); `session`: the session it named. Its load counts its
+        uncached tokens."""
         signals = self.instances[url]
         cached = match.credit.get(url, 0)
         uncached = max(prompt_tokens - cached, 0)
@@ -313,6 +319,7 @@ class FleetModel:
             running + waiting + 1 <= signals.max_running,
             cached_tokens=cached,
             matched_tokens=match.matched.get(url, 0),
+            predicted_tpot_s=predicted_tpot_s,
         )
         signals.recent_dispatches.append(now)
         signals.local_in_flight += 1
@@ -365,6 +372,8 @@ class FleetModel:
         if evidence.ttft_s is not None and evidence.dispatch is not None:
             self._on_first_token(signals, now, evidence.ttft_s, evidence.dispatch, evidence)
         pool = self.pools[signals.pool]
+        if evidence.dispatch is not None and evidence.tokens is not None and evidence.tokens > 1:
+            pool.outcomes.observe(now, evidence.decode_s / (evidence.tokens - 1), evidence.dispatch.predicted_tpot_s)
         if pool.acceptance is None:
             return
         if evidence.tokens and evidence.verify_steps:
@@ -505,6 +514,7 @@ class FleetModel:
                 alpha=self._alpha(pool, now, workload),
                 stale=bool(healthy_ages) and min(healthy_ages) > self.stale_after_s,
                 tpot_cv=pool.spread.cv() if pool.speculative else 0.0,
+                tpot_bias=pool.outcomes.bias(now),
             )
         return Snapshot(
             pools=pools,

@@ -38,6 +38,7 @@ COMPILED = (
     "fleet/features.py",
     "fleet/instance.py",
     "fleet/model.py",
+    "fleet/outcomes.py",
     "fleet/prefix.py",
     "fleet/profile.py",
     "fleet/readings.py",

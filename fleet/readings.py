@@ -69,6 +69,8 @@ class Dispatch:
     matched_tokens: int = 0
     """The prefix index's raw claim for it (matched blocks x block tokens, before trust): what
     the server's report of cached tokens is checked against."""
+    predicted_tpot_s: float = 0.0
+    """The time per output token the policy predicted for it there (the mean; 0: none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,18 +110,21 @@ class ResponseEvidence:
         workload: str | None = None,
         prompt_tokens: int | None = None,
         cached_tokens: int | None = None,
+        decode_s: float | None = None,
     ) -> ResponseEvidence:
         """A relayed response: `events` content events, `gaps_s` the gaps between the reads that
         carried them, and what its usage tail said (tokens; verify steps with SGLang's spec
         details). Without verify steps a spec stream's events stand for them: one event per
-        verify step, less the first token's (from prefill) and the usage one."""
+        verify step, less the first token's (from prefill) and the usage one. `decode_s`: from the
+        first content event to the last (else the gaps' sum, which a long stream's kept gaps cut
+        short)."""
         if verify_steps is None and completion_tokens and events >= 3:
             verify_steps = events - 2
         return cls(
             tokens=completion_tokens,
             verify_steps=verify_steps,
             step_ms=1000 * statistics.median(gaps_s) if gaps_s else None,
-            decode_s=sum(gaps_s),
+            decode_s=sum(gaps_s) if decode_s is None else decode_s,
             ttft_s=ttft_s,
             dispatch=dispatch,
             workload=workload,

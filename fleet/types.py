@@ -102,6 +102,9 @@ class PoolState:
     """How much a request's time per output token varies around the pool's mean at a given step
     (standard deviation / mean; a speculative pool's, from its requests' own accept lengths;
     0: none known)."""
+    tpot_bias: float = 1.0
+    """Its recent requests' TPOT over the TPOT predicted for them, the median over the last
+    minute (fleet/outcomes.py; 1.0 while there are too few)."""
     _healthy: tuple[InstanceState, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -192,3 +195,8 @@ class Decision:
         """This decision naming `instance` (`dataclasses.replace(self, instance=instance)`,
         without its generic field walk: this is on every decision's path)."""
         return Decision(self.pool, self.reason, self.scores, instance)
+
+    def predicted_tpot_s(self, pool: str) -> float:
+        """The time per output token the policy predicted on `pool` (its score `tpot_<pool>_ms`),
+        0.0 when it predicted none: what the request's own TPOT is compared with there."""
+        return self.scores.get(f"tpot_{pool}_ms", 0.0) / 1000

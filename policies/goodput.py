@@ -224,6 +224,20 @@ class Goodput:
         alpha = pool.alpha if pool.alpha is not None else self.default_alpha
         return accept_length(alpha, k), k + 1
 
+    def tpot_spread(self, pool: PoolState) -> float:
+        """How much slower than the predicted mean TPOT the SLO check takes a request's on the
+        pool, as a share of it (`Prediction.tpot_spread_s`): on a speculative pool, the mean
+        corrected by how its recent requests' TPOT came out against their predictions
+        (`PoolState.tpot_bias`) and taken at about the 90th percentile of the requests' own
+        acceptance (`PoolState.tpot_cv`), never below the mean as predicted. A plain pool's
+        requests share one step and its batch is not capped near its TPOT target: what they
+        got past the prediction is the load that came after them, not an error of the model
+        (docs/routing.md, "SLO targets")."""
+        if not pool.speculative:
+            return 0.0
+        checked = pool.tpot_bias * (1 + WAIT_QUANTILE_Z * pool.tpot_cv)
+        return checked - 1 if checked > 1 else 0.0
+
     def prefill_share(self, pool: PoolState, instance: InstanceState, cost: StepCost, n_out: int = 0) -> float:
         """The share of the instance's time its prefills take, at the rate prompts were sent to it
         lately (each prefilled alone, at the recent mean length: they mostly arrive one by one).
@@ -289,7 +303,9 @@ class Goodput:
         what the streams decoding there sit through in the next moments (admission judges
         those), not over a request's whole decode (`prefill_share`)."""
         tau, width = self.accept_length(pool)
-        return self._predict(pool.name, instance, features, cost, n_out, triage, tau, width, pool.tpot_cv, now)
+        return self._predict(
+            pool.name, instance, features, cost, n_out, triage, tau, width, self.tpot_spread(pool), now
+        )
 
     def _predict(
         self,
@@ -301,11 +317,11 @@ class Goodput:
         triage: bool,
         tau: float,
         width: int,
-        tpot_cv: float = 0.0,
+        tpot_spread: float = 0.0,
         now: bool = False,
     ) -> Prediction:
-        """`predict`, the pool named and its accept length (and `PoolState.tpot_cv`) given (a
-        decision computes them once per pool, then predicts on each of its instances). Its
+        """`predict`, the pool named, its accept length and `tpot_spread` given (a decision
+        computes them once per pool, then predicts on each of its instances). Its
         clamps are written out: `b if b > a else a` is max(a, b) and `b if b < a else a` min(a,
         b), exactly (ties and all), without a builtin call each."""
         running, waiting, max_running = instance.running, instance.waiting, instance.max_running
@@ -371,7 +387,7 @@ class Goodput:
             tpot_ms / 1000,
             spread_ms / 1000,
             others_tpot_ms / 1000,
-            WAIT_QUANTILE_Z * tpot_cv * tpot_ms / 1000,
+            tpot_spread * tpot_ms / 1000,
         )
 
     # -- The decision: guards on the snapshot, then the rules on the predictions, in order. ----
@@ -501,14 +517,14 @@ class Goodput:
         least = pool.least_loaded()
         assert least is not None
         tau, width = self.accept_length(pool)
-        cv = pool.tpot_cv
-        on_least = self._predict(pool.name, least, features, cost, n_out, False, tau, width, cv)
+        spread = self.tpot_spread(pool)
+        on_least = self._predict(pool.name, least, features, cost, n_out, False, tau, width, spread)
         if len(healthy) < 2 or not self.cache_credit:
             return least, on_least
         best, on_best, best_cost = least, on_least, on_least.cost_s
         for instance in healthy:
             if instance is not least:
-                prediction = self._predict(pool.name, instance, features, cost, n_out, False, tau, width, cv)
+                prediction = self._predict(pool.name, instance, features, cost, n_out, False, tau, width, spread)
                 prediction_cost = prediction.cost_s
                 if prediction_cost < best_cost:
                     best, on_best, best_cost = instance, prediction, prediction_cost

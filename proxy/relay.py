@@ -520,6 +520,7 @@ class CompletionHandler:
             blocks=exchange.blocks,
             match=exchange.match,
             session=exchange.session,
+            predicted_tpot_s=exchange.decision.predicted_tpot_s(instance.pool) if exchange.decision else 0.0,
         )
         if exchange.logged is not None:
             dispatched(exchange.logged, instance.url, attempt.sent.cached_tokens)

@@ -153,6 +153,7 @@ class Attempt:
         "tokens",
         "open",
         "chunks",
+        "first_at",
         "last_at",
         "gaps",
         "outliers",
@@ -179,6 +180,7 @@ class Attempt:
         blocks: Sequence[int] = (),
         match: PrefixMatch = NO_MATCH,
         session: str | None = None,
+        predicted_tpot_s: float = 0.0,
     ) -> None:
         self.fleet = fleet
         self.instance = instance
@@ -196,13 +198,20 @@ class Attempt:
         self.open = True
         # Stream evidence for the cost model and the acceptance estimate (fleet/model.py).
         self.chunks = 0
+        self.first_at = 0.0
         self.last_at = 0.0
         self.gaps: list[float] = []
         instance.dispatched_total += 1
         # The prompt's blocks become the instance's most recent in the prefix index, the session
         # (a key, never its name) points at it; the load counts the uncached tokens only.
         self.sent = fleet.on_dispatch(
-            instance.url, self.dispatched_at, prompt_tokens, blocks=blocks, match=match, session=session
+            instance.url,
+            self.dispatched_at,
+            prompt_tokens,
+            blocks=blocks,
+            match=match,
+            session=session,
+            predicted_tpot_s=predicted_tpot_s,
         )
         self.uncached_tokens = max(prompt_tokens - self.sent.cached_tokens, 0)
         """The prompt tokens its dispatch counted (less the instance's credited prefix)."""
@@ -222,6 +231,8 @@ class Attempt:
             now = time.monotonic()
             if self.chunks and len(self.gaps) < MAX_GAPS:
                 self.gaps.append(now - self.last_at)
+            if not self.chunks:
+                self.first_at = now
             self.last_at = now
             self.chunks += 1
 
@@ -236,6 +247,7 @@ class Attempt:
                 completion_tokens=summary.completion_tokens if summary else None,
                 verify_steps=summary.spec_verify_ct if summary else None,
                 ttft_s=self.ttft_s,
+                decode_s=self.last_at - self.first_at,
                 dispatch=self.sent,
                 workload=self.workload,
                 prompt_tokens=summary.prompt_tokens if summary else None,
@@ -499,10 +511,13 @@ class Router:
         blocks: Sequence[int] = (),
         match: PrefixMatch = NO_MATCH,
         session: str | None = None,
+        predicted_tpot_s: float = 0.0,
     ) -> Attempt:
         """Start an attempt on `instance`; the caller must end it (finished/failed) on every path.
         `blocks`, `match`, `session`: the request's prompt blocks, prefix credit and session key
-        (the same objects for every attempt of a request: nothing is hashed twice)."""
+        (the same objects for every attempt of a request: nothing is hashed twice);
+        `predicted_tpot_s`: the decision's TPOT on the instance's pool (its outcome teaches the
+        pool's bias)."""
         admission = self.admission if stream and request_class == "latency" else None
         return Attempt(
             self.fleet,
@@ -515,4 +530,5 @@ class Router:
             blocks=blocks,
             match=match,
             session=session,
+            predicted_tpot_s=predicted_tpot_s,
         )

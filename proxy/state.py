@@ -118,6 +118,11 @@ def fleet_state(
             "speculative": pool.speculative,
             "num_draft_tokens": pool.num_draft_tokens,
             "alpha": pool.alpha,
+            # Its recent requests' TPOT over the TPOT predicted for them (median, last minute;
+            # 1.0 with fewer than `tpot_outcomes_min`), and how many finished in that minute.
+            "tpot_bias": round(pool.tpot_bias, 3),
+            "tpot_outcomes": fleet.pools[name].outcomes.samples(now),
+            "tpot_outcomes_min": fleet.pools[name].outcomes.min_samples,
             "stale": pool.stale,
             "age_s": _age(pool.age_s),
             "instances": instances,

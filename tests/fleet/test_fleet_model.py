@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fleet.model import FleetModel
+from fleet.outcomes import OUTCOME_HORIZON_S, OUTCOME_MIN_SAMPLES
 from fleet.readings import Reading, ResponseEvidence, ServerDescription
 from proxy import backends
 from proxy.backends import VLLM, OpenAICompatible, SGLang
@@ -200,3 +201,40 @@ def test_a_queued_server_packs_its_prefill_into_chunks_and_the_counters_are_read
 
     assert learned(waiting=5) == pytest.approx(1.0, rel=0.02)
     assert learned(waiting=0) == pytest.approx(1.0, rel=0.02)
+
+
+def test_a_pool_learns_how_its_requests_tpot_came_out_against_their_predictions() -> None:
+    fleet = FleetModel({"spec": 3, "base": 0})
+    fleet.add_instance("http://s", "spec", 48)
+    fleet.add_instance("http://b", "base", 48)
+
+    def finish(url: str, at: float, predicted_s: float, decode_s: float) -> None:
+        sent = fleet.on_dispatch(url, at - decode_s - 0.1, 100, predicted_tpot_s=predicted_s)
+        evidence = ResponseEvidence(tokens=101, verify_steps=50, decode_s=decode_s, ttft_s=0.1, dispatch=sent)
+        fleet.on_response(url, at, evidence)
+        fleet.on_complete(url, at)
+
+    # Spec's requests take 20 ms per token against 16 predicted (x1.25), one in five 40 ms (x2.5):
+    # the median is what is learned, once there are OUTCOME_MIN_SAMPLES of them.
+    for i in range(OUTCOME_MIN_SAMPLES - 1):
+        finish("http://s", 10.0 + i * 0.1, 0.016, (4.0 if i % 5 == 0 else 2.0))
+    assert fleet.snapshot(13.0).pools["spec"].tpot_bias == 1.0  # too few yet
+    finish("http://s", 13.0, 0.016, 2.0)
+    assert fleet.snapshot(13.0).pools["spec"].tpot_bias == pytest.approx(1.25)
+    # A request the policy predicted nothing for (an override), or a non-streamed one (no
+    # decode time seen), teaches nothing; nor does the other pool's.
+    finish("http://s", 13.1, 0.0, 9.0)
+    finish("http://s", 13.2, 0.016, 0.0)
+    finish("http://b", 13.3, 0.010, 1.0)
+    assert fleet.pools["spec"].outcomes.samples(13.3) == OUTCOME_MIN_SAMPLES
+    assert fleet.snapshot(13.3).pools["base"].tpot_bias == 1.0
+    # After the horizon the samples are gone: the bias is back to 1 until new ones come.
+    later = 13.0 + OUTCOME_HORIZON_S + 1
+    assert fleet.snapshot(later).pools["spec"].tpot_bias == 1.0
+    assert fleet.pools["spec"].outcomes.samples(later) == 0
+
+
+def test_a_streams_decode_time_is_its_first_to_last_event_when_its_gaps_were_cut_short() -> None:
+    evidence = ResponseEvidence.from_stream(5, [0.01, 0.01], completion_tokens=5, decode_s=0.04)
+    assert evidence.decode_s == 0.04 and evidence.step_ms == pytest.approx(10.0)
+    assert ResponseEvidence.from_stream(3, [0.01, 0.02]).decode_s == pytest.approx(0.03)

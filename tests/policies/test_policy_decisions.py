@@ -319,3 +319,29 @@ def test_goodput_checks_the_tpot_target_at_the_slow_end_of_the_requests_spread()
     assert p.tpot_s * 1000 < target.slo_tpot_ms < (p.tpot_s + p.tpot_spread_s) * 1000
     decision = policy.decide(SHORT, spread)
     assert decision.scores["slo_spec"] == 0.0 and decision.reason != "slo-spec"
+
+
+def test_goodput_checks_the_tpot_target_on_spec_as_its_requests_came_out_against_their_predictions():
+    from dataclasses import replace
+
+    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+    pressed = dict(dispatches_per_s=30.0, prompt_tokens_per_s=240_000.0)  # base misses its TPOT target
+    even = _with(snapshot(40, 200, cost), "base", **pressed)
+    tpot_ms = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50.0)).decide(SHORT, even).scores["tpot_spec_ms"]
+    policy = Goodput(GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=tpot_ms * 1.1))
+    assert (policy.decide(SHORT, even).pool, policy.decide(SHORT, even).reason) == ("spec", "slo-spec")
+    # The mean predicted is 10 % inside the target, but spec's recent requests took 15 % longer
+    # per token than predicted for them: the check takes the prediction as they came out.
+    slow = replace(even, pools={**even.pools, "spec": replace(even.pools["spec"], tpot_bias=1.15)})
+    spec = slow.pools["spec"]
+    p = policy.predict(spec, spec.least_loaded(), SHORT, cost, 256)
+    assert (p.tpot_s + p.tpot_spread_s) * 1000 == pytest.approx(tpot_ms * 1.15, rel=1e-6)
+    decision = policy.decide(SHORT, slow)
+    assert decision.scores["slo_spec"] == 0.0 and decision.reason != "slo-spec"
+    # Predictions found pessimistic do not take the check below the mean predicted.
+    fast = replace(even, pools={**even.pools, "spec": replace(even.pools["spec"], tpot_bias=0.8)})
+    spec = fast.pools["spec"]
+    assert policy.predict(spec, spec.least_loaded(), SHORT, cost, 256).tpot_spread_s == 0.0
+    # A plain pool's bias is shown, not applied (docs/routing.md, "SLO targets").
+    base = replace(even.pools["base"], tpot_bias=2.0)
+    assert policy.predict(base, base.least_loaded(), SHORT, cost, 256).tpot_spread_s == 0.0
