@@ -58,7 +58,11 @@ Each rule, its reason tokens, and what it earned:
     past it), with the prefill share bounded by the batch's turnover (bbb2b4c): bench.learning's
     70B at 256 clients 0.92 / 0.91 / 0.89x -> 1.27 / 1.25 / 1.34x (own / none / wrong),
     bench.routing's kimi-linear at 256 clients 0.63x -> 0.84x and kimi-moe 1.10x -> 1.25x, h200
-    a=0.45 at Poisson 110 % 1.02x -> 0.99x (per seed 1.00 / 0.97 / 1.01).
+    a=0.45 at Poisson 110 % 1.02x -> 0.99x (per seed 1.00 / 0.97 / 1.01). The TPOT checked on
+    spec scaled by how its recent requests came out against their predictions (`tpot_spread`,
+    `PoolState.tpot_bias`): bench.learning's llama3b at Poisson 110 % with no profile 0.95x ->
+    1.13x (spec's requests past TPOT 57 / 52 -> 21 / 21 on seeds 0 and 1), bench.routing's
+    kimi-moe throughput at Poisson 110 % 1.28x -> 1.31x always-base.
  6. `slo-triage` (amends: score `slo_lost`, both pools re-costed): no figure of its own; with the
     two other TPOT corrections of 360d8dd, missed targets went from 3 to 1 and the h200 code
     trace from 1.11x to 1.16x the oracle split (34db47f). Triaging every request instead had cost
