@@ -20,14 +20,23 @@ OUTCOME_HORIZON_S = 60.0
 """Seconds a finished request's sample counts."""
 OUTCOME_MIN_SAMPLES = 30
 """Samples within the horizon before the bias is trusted (1.0 until then)."""
+OUTCOME_MAX_SAMPLES = 2000
+"""Samples kept at most (the latest): memory and the cost of keeping them in order stay bounded
+however many requests a minute brings."""
 
 
 class TpotOutcomes:
     """Actual over predicted TPOT of one pool's recently finished requests."""
 
-    def __init__(self, horizon_s: float = OUTCOME_HORIZON_S, min_samples: int = OUTCOME_MIN_SAMPLES) -> None:
+    def __init__(
+        self,
+        horizon_s: float = OUTCOME_HORIZON_S,
+        min_samples: int = OUTCOME_MIN_SAMPLES,
+        max_samples: int = OUTCOME_MAX_SAMPLES,
+    ) -> None:
         self.horizon_s = horizon_s
         self.min_samples = min_samples
+        self.max_samples = max_samples
         self._recent: deque[tuple[float, float]] = deque()
         """(finished at, ratio), oldest first."""
         self._sorted: list[float] = []
@@ -38,6 +47,8 @@ class TpotOutcomes:
         if actual_s <= 0 or predicted_s <= 0:
             return
         self._expire(now)
+        if len(self._recent) >= self.max_samples:
+            self._drop_oldest()
         ratio = actual_s / predicted_s
         self._recent.append((now, ratio))
         insort(self._sorted, ratio)
@@ -57,5 +68,8 @@ class TpotOutcomes:
     def _expire(self, now: float) -> None:
         cutoff = now - self.horizon_s
         while self._recent and self._recent[0][0] < cutoff:
-            _, ratio = self._recent.popleft()
-            del self._sorted[bisect_left(self._sorted, ratio)]
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        _, ratio = self._recent.popleft()
+        del self._sorted[bisect_left(self._sorted, ratio)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from fleet.model import FleetModel
-from fleet.outcomes import OUTCOME_HORIZON_S, OUTCOME_MIN_SAMPLES
+from fleet.outcomes import OUTCOME_HORIZON_S, OUTCOME_MIN_SAMPLES, TpotOutcomes
 from fleet.readings import Reading, ResponseEvidence, ServerDescription
 from proxy import backends
 from proxy.backends import VLLM, OpenAICompatible, SGLang
@@ -238,3 +238,11 @@ def test_a_streams_decode_time_is_its_first_to_last_event_when_its_gaps_were_cut
     evidence = ResponseEvidence.from_stream(5, [0.01, 0.01], completion_tokens=5, decode_s=0.04)
     assert evidence.decode_s == 0.04 and evidence.step_ms == pytest.approx(10.0)
     assert ResponseEvidence.from_stream(3, [0.01, 0.02]).decode_s == pytest.approx(0.03)
+
+
+def test_the_tpot_outcomes_keep_the_latest_samples_only() -> None:
+    outcomes = TpotOutcomes(min_samples=3, max_samples=3)
+    for i, ratio in enumerate((5.0, 1.0, 1.2, 1.4)):
+        outcomes.observe(float(i), ratio * 0.02, 0.02)
+    # The first (5.0) was dropped for the fourth: the median of 1.0, 1.2, 1.4.
+    assert outcomes.samples(3.0) == 3 and outcomes.bias(3.0) == pytest.approx(1.2)
