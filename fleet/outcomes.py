@@ -13,6 +13,7 @@ policy stopped sending there does not outlive the horizon.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_left, insort
 from collections import deque
 
@@ -44,10 +45,10 @@ class TpotOutcomes:
 
     def observe(self, now: float, actual_s: float, predicted_s: float) -> None:
         """A request finished at `now` with `actual_s` per output token, `predicted_s` predicted."""
-        if actual_s <= 0 or predicted_s <= 0:
-            return
+        if not (actual_s > 0 and predicted_s > 0 and math.isfinite(actual_s) and math.isfinite(predicted_s)):
+            return  # NaN would break the order the median is read from
         self._expire(now)
-        if len(self._recent) >= self.max_samples:
+        if self._recent and len(self._recent) >= self.max_samples:
             self._drop_oldest()
         ratio = actual_s / predicted_s
         self._recent.append((now, ratio))
@@ -61,7 +62,7 @@ class TpotOutcomes:
         """The median ratio over the horizon; 1.0 with fewer than `min_samples`."""
         self._expire(now)
         n = len(self._sorted)
-        if n < self.min_samples:
+        if n < self.min_samples or n == 0:
             return 1.0
         return self._sorted[n // 2]
 

@@ -116,8 +116,8 @@ class ResponseEvidence:
         carried them, and what its usage tail said (tokens; verify steps with SGLang's spec
         details). Without verify steps a spec stream's events stand for them: one event per
         verify step, less the first token's (from prefill) and the usage one. `decode_s`: from the
-        first content event to the last (else the gaps' sum, which a long stream's kept gaps cut
-        short)."""
+        first data event to the last (a usage event follows the last token at once; else the
+        gaps' sum, which a long stream's kept gaps cut short)."""
         if verify_steps is None and completion_tokens and events >= 3:
             verify_steps = events - 2
         return cls(

@@ -614,6 +614,7 @@ class Goodput:
             c.chosen[pool.name] = worst.url
             c.scores[f"lost_together_{pool.name}"] = 1.0
             c.scores[f"cost_{pool.name}_s"] = on_worst.cost_s
+            c.scores[f"tpot_{pool.name}_ms"] = on_worst.tpot_s * 1000
             if pool is c.spec:
                 c.joined_spec, c.on_spec = worst, on_worst
             else:

@@ -134,6 +134,8 @@ class Exchange:
         "match",
         "session",
         "logged",
+        "hide_usage",
+        "choices",
     )
 
     def __init__(self, request_id: str, send: Send, hooks: RequestHooks) -> None:
@@ -170,6 +172,12 @@ class Exchange:
         self.asked_stream = False
         """Whether the client asked for a stream: a JSON answer's headers come only once it is
         complete, so only a stream's first byte is held to the first-token timeout."""
+        self.choices = 1
+        """Completions it asked for (`n`): with more than one, its usage counts all their tokens
+        against one decode time, so its TPOT teaches nothing."""
+        self.hide_usage = False
+        """The proxy asked the upstream for the stream's usage chunk, which the client did not:
+        it is read (the fleet model learns from it) and not passed on."""
 
     def routing_headers(self) -> list[tuple[bytes, bytes]]:
         """Where the request went: the pool and server of the last attempt, and why."""
@@ -366,6 +374,13 @@ class CompletionHandler:
             exchange.request_class = features.request_class
             exchange.workload = features.workload
             exchange.blocks, exchange.session = parsed.blocks, parsed.session
+            choices = payload.get("n")
+            exchange.choices = choices if isinstance(choices, int) and choices > 1 else 1
+            if self.settings.stream_usage and features.stream and "stream_options" not in payload:
+                # Its token count is what its time per token, acceptance and output length are
+                # learned from (routing.md, "What is learned").
+                body = scan.with_usage_requested(body)
+                exchange.hide_usage = True
             snapshot = router.snapshot(features.workload)
             # What each instance likely holds of the prompt, for the policy (and a pinned pool).
             exchange.match = router.cached(parsed.blocks, features, parsed.session)
@@ -520,7 +535,11 @@ class CompletionHandler:
             blocks=exchange.blocks,
             match=exchange.match,
             session=exchange.session,
-            predicted_tpot_s=exchange.decision.predicted_tpot_s(instance.pool) if exchange.decision else 0.0,
+            predicted_tpot_s=(
+                exchange.decision.predicted_tpot_s(instance.pool)
+                if exchange.decision and exchange.choices == 1
+                else 0.0
+            ),
         )
         if exchange.logged is not None:
             dispatched(exchange.logged, instance.url, attempt.sent.cached_tokens)
@@ -630,7 +649,9 @@ class CompletionHandler:
                     await self.end_with_error(exchange, "upstream_event_too_large")
                     return
             if chunk:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                passed = scan.without_usage_events(chunk) if exchange.hide_usage else chunk
+                if passed:
+                    await send({"type": "http.response.body", "body": passed, "more_body": True})
                 if is_stream:
                     events = scan.content_events(chunk)
                     attempt.chunk(events)
@@ -650,7 +671,8 @@ class CompletionHandler:
         exchange.done = True
         # The upstream ended cleanly after an unterminated event: it goes on as it came.
         partial = splitter.rest() if splitter is not None else b""
-        await send({"type": "http.response.body", "body": partial, "more_body": False})
+        passed = scan.without_usage_events(partial) if exchange.hide_usage else partial
+        await send({"type": "http.response.body", "body": passed, "more_body": False})
         if partial:
             tail.append(partial)
         # Usage, spec details and the last finish reason sit in the last few hundred bytes; 4 KB

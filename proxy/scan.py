@@ -119,3 +119,34 @@ def summarise(tail: bytes) -> Summary:
         spec_verify_ct=int(verify[-1]) if verify else None,
         cached_tokens=int(cached[-1]) if cached else None,
     )
+
+
+# Asked of the upstream for a stream whose client did not say (`with_usage_requested`).
+USAGE_REQUESTED = b'"stream_options":{"include_usage":true},'
+_EVENT_SPLIT = re.compile(rb"(?<=\n\n)|(?<=\r\n\r\n)|(?<=\r\r)")
+_EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+
+
+def with_usage_requested(body: bytes) -> bytes:
+    """A JSON object's body asking for a stream's usage chunk (`stream_options.include_usage`),
+    for a body that names no `stream_options` (the caller checked) and has a key already (a
+    stream's has `stream`): the member goes first, so nothing else is re-encoded."""
+    opening = body.index(b"{") + 1
+    return body[:opening] + USAGE_REQUESTED + body[opening:]
+
+
+def without_usage_events(chunk: bytes) -> bytes:
+    """`chunk` (whole SSE events) less the usage chunk a stream sends when asked for it: an event
+    with no choices and a usage object. Other choice-less events (SGLang's spec details, say)
+    stay. Only a chunk holding a usage is looked at, one event at a time."""
+    if b'"usage"' not in chunk:
+        return chunk
+    kept = [event for event in _EVENT_SPLIT.split(chunk) if not _is_usage_event(event)]
+    return b"".join(kept)
+
+
+def _is_usage_event(event: bytes) -> bool:
+    return b'"usage"' in event and _EMPTY_CHOICES.search(event) is not None and _USAGE_OBJECT.search(event) is not None
+
+
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')

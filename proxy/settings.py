@@ -203,6 +203,10 @@ class Settings(_SettingsWithPolicies):
         "replace",
         description="X-Forwarded-For sent upstream: replace (the client's address only; a client's own X-Forwarded-*/Forwarded are dropped) or append (behind a trusted proxy: its list plus the peer, also added to a Forwarded header it kept).",
     )
+    stream_usage: bool = Field(
+        True,
+        description="Ask the upstream for a stream's usage chunk (stream_options.include_usage) when the client named no stream_options, and keep that chunk from the client: its token count is what the router learns a stream's time per token, acceptance and output length from.",
+    )
     header_timeout_s: float = Field(
         10.0,
         gt=0,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from fleet.model import FleetModel
@@ -227,7 +229,7 @@ def test_a_pool_learns_how_its_requests_tpot_came_out_against_their_predictions(
     finish("http://s", 13.2, 0.016, 0.0)
     finish("http://b", 13.3, 0.010, 1.0)
     assert fleet.pools["spec"].outcomes.samples(13.3) == OUTCOME_MIN_SAMPLES
-    assert fleet.snapshot(13.3).pools["base"].tpot_bias == 1.0
+    assert fleet.pools["base"].outcomes.samples(13.3) == 1
     # After the horizon the samples are gone: the bias is back to 1 until new ones come.
     later = 13.0 + OUTCOME_HORIZON_S + 1
     assert fleet.snapshot(later).pools["spec"].tpot_bias == 1.0
@@ -246,3 +248,7 @@ def test_the_tpot_outcomes_keep_the_latest_samples_only() -> None:
         outcomes.observe(float(i), ratio * 0.02, 0.02)
     # The first (5.0) was dropped for the fourth: the median of 1.0, 1.2, 1.4.
     assert outcomes.samples(3.0) == 3 and outcomes.bias(3.0) == pytest.approx(1.2)
+    # A ratio that is no number is not kept (it would break the order the median is read from).
+    for actual, predicted in ((math.nan, 0.02), (0.02, math.nan), (math.inf, 0.02), (0.02, 0.0)):
+        outcomes.observe(3.5, actual, predicted)
+    assert outcomes.samples(3.5) == 3 and outcomes.bias(3.5) == pytest.approx(1.2)

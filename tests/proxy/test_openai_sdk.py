@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -199,3 +200,50 @@ def test_expect_100_continue_is_answered_by_the_proxy_not_forwarded() -> None:
         assert answer.startswith(b"HTTP/1.1 200 OK")
         sent = [r for r in upstream.requests if r.method == "POST"][-1]
         assert sent.body == body and "expect" not in sent.headers
+
+
+def _events(body: bytes) -> list[dict]:
+    lines = [line.removeprefix(b"data: ") for line in body.split(b"\n") if line.startswith(b"data: {")]
+    return [json.loads(line) for line in lines]
+
+
+def test_a_stream_is_asked_for_its_usage_which_only_a_client_that_asked_gets(proxy: RunningProxy) -> None:
+    def stream(extra: dict) -> tuple[str, list[dict]]:
+        body = {"model": "specroute/twin", "messages": MESSAGES, "max_tokens": 8, "stream": True, **extra}
+        with httpx.stream("POST", proxy.base_url + "/chat/completions", json=body, timeout=30) as answer:
+            assert answer.status_code == 200
+            return answer.headers["x-specroute-pool"], _events(answer.read())
+
+    def outcomes(pool: str) -> int:
+        return httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()["pools"][pool]["tpot_outcomes"]
+
+    pool, events = stream({})
+    # The client named no stream_options: the stream it gets carries no usage chunk (nor any
+    # choice-less event), as without the proxy, yet the proxy read one: the stream's time per
+    # token was compared with its decision's prediction.
+    assert events and all(event["choices"] for event in events) and not any(e.get("usage") for e in events)
+    wait_for(lambda: outcomes(pool) >= 1, what="the stream's TPOT outcome counted")
+    before = {name: outcomes(name) for name in ("spec", "base")}
+    pool, events = stream({"stream_options": {"include_usage": True}})
+    usage = [event["usage"] for event in events if event.get("usage")]
+    assert len(usage) == 1 and usage[0]["completion_tokens"] == 8 and events[-1]["choices"] == []
+    wait_for(lambda: outcomes(pool) > before[pool], what="its outcome counted")
+
+
+def test_only_a_stream_that_names_no_stream_options_is_asked_for_its_usage() -> None:
+    base = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": true}'
+    named = b'{"model": "m", "stream": true, "stream_options": {"include_usage": false}, "messages": []}'
+    plain = b'{"model": "m", "messages": [], "stream": false}'
+    with FaultServer("echo") as upstream:
+        for settings, body, expected in (
+            ({}, base, b'{"stream_options":{"include_usage":true},' + base[1:]),
+            ({}, named, named),
+            ({}, plain, plain),
+            ({"stream_usage": False}, base, base),
+        ):
+            with running_proxy(spec_urls=[upstream.url], policy="spec", **settings) as proxy:
+                httpx.post(
+                    proxy.base_url + "/chat/completions", content=body, headers={"content-type": "application/json"}
+                )
+            sent = [r for r in upstream.requests if r.method == "POST"][-1]
+            assert sent.body == expected, (settings, body)

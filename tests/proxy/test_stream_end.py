@@ -27,6 +27,7 @@ def test_a_client_that_leaves_at_done_does_not_cut_the_response_short():
             model="fault",
             messages=[{"role": "user", "content": "hi"}],
             stream=True,
+            stream_options={"include_usage": True},
             extra_headers={"x-specroute-pool": "spec"},
         )
         chunks = list(stream)  # the SDK closes the connection at [DONE]
