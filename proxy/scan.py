@@ -12,14 +12,17 @@ from dataclasses import dataclass
 EVENT = b"data:"
 DONE = b"data: [DONE]"
 
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# A count of more than nine digits (a billion tokens) is no count an upstream means: it is not
+# taken (a 400-digit one overflowed the float arithmetic of the fleet model's means).
+_COUNT = rb"(\d{1,9})(?!\d)"
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*' + _COUNT)
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*' + _COUNT)
 _FINISH_REASON = re.compile(rb'"finish_reason"\s*:\s*"([A-Za-z_]+)"')
-_SPEC_VERIFY_CT = re.compile(rb'"spec_verify_ct"\s*:\s*(\d+)')
+_SPEC_VERIFY_CT = re.compile(rb'"spec_verify_ct"\s*:\s*' + _COUNT)
 # usage.prompt_tokens_details.cached_tokens (SGLang --enable-cache-report, vLLM
 # --enable-prompt-tokens-details); only inside prompt_tokens_details, so SGLang's
 # meta_info.cached_tokens or a completion's text cannot be taken for it.
-_CACHED_TOKENS = re.compile(rb'"prompt_tokens_details"\s*:\s*\{[^{}]*?"cached_tokens"\s*:\s*(\d+)')
+_CACHED_TOKENS = re.compile(rb'"prompt_tokens_details"\s*:\s*\{[^{}]*?"cached_tokens"\s*:\s*' + _COUNT)
 
 
 # A chat stream's opening event that carries the role and no text (vLLM sends one just before

@@ -196,6 +196,11 @@ class FaultServer:
             writer.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
             )
+        elif kind == "hugeusage":  # an answer whose usage counts more tokens than any float holds
+            body = json.dumps(COMPLETION | {"usage": {"prompt_tokens": 10**400, "completion_tokens": 10**400}}).encode()
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+            )
         elif kind == "cutjson":  # announces a full JSON body, sends a few bytes, drops the connection
             writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 500\r\n\r\n{"id": ')
             await writer.drain()

@@ -140,3 +140,18 @@ def test_requests_the_upstream_refuses_leave_no_load_behind(twin_pair) -> None:
         spec = proxy.app.router.snapshot().pools["spec"].instances[0]
         assert spec.prompt_tokens_per_s < 1.0 and spec.dispatches_per_s < 0.01
         assert proxy.in_flight() == 0
+
+
+def test_an_upstream_usage_past_any_count_is_not_taken() -> None:
+    with FaultServer("hugeusage") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
+        for _ in range(2):
+            answer = httpx.post(
+                proxy.base_url + "/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                timeout=10,
+            )
+            assert answer.status_code == 200 and "1" + "0" * 400 in answer.text  # relayed as it came
+        # Taken, the count overflowed the fleet model's float means and the request was never
+        # released; the fleet learned no output length from it.
+        wait_for(lambda: proxy.in_flight() == 0, "the requests to be released", timeout=10)
+        assert proxy.app.router.fleet.output_samples == 0
