@@ -110,21 +110,21 @@ class ResponseEvidence:
         workload: str | None = None,
         prompt_tokens: int | None = None,
         cached_tokens: int | None = None,
-        decode_s: float | None = None,
+        decode_s: float = 0.0,
     ) -> ResponseEvidence:
         """A relayed response: `events` content events, `gaps_s` the gaps between the reads that
         carried them, and what its usage tail said (tokens; verify steps with SGLang's spec
         details). Without verify steps a spec stream's events stand for them: one event per
         verify step, less the first token's (from prefill) and the usage one. `decode_s`: from the
-        first data event to the last (a usage event follows the last token at once; else the
-        gaps' sum, which a long stream's kept gaps cut short)."""
+        first data event to the last (a usage event follows the last token at once), measured
+        by the caller: the gaps kept are capped, their sum would cut a long stream short."""
         if verify_steps is None and completion_tokens and events >= 3:
             verify_steps = events - 2
         return cls(
             tokens=completion_tokens,
             verify_steps=verify_steps,
             step_ms=1000 * statistics.median(gaps_s) if gaps_s else None,
-            decode_s=sum(gaps_s) if decode_s is None else decode_s,
+            decode_s=decode_s,
             ttft_s=ttft_s,
             dispatch=dispatch,
             workload=workload,

@@ -128,6 +128,7 @@ def summarise(tail: bytes) -> Summary:
 USAGE_REQUESTED = b'"stream_options":{"include_usage":true},'
 _EVENT_SPLIT = re.compile(rb"(?<=\n\n)|(?<=\r\n\r\n)|(?<=\r\r)")
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 
 
 def with_usage_requested(body: bytes) -> bytes:
@@ -141,15 +142,9 @@ def with_usage_requested(body: bytes) -> bytes:
 def without_usage_events(chunk: bytes) -> bytes:
     """`chunk` (whole SSE events) less the usage chunk a stream sends when asked for it: an event
     with no choices and a usage object. Other choice-less events (SGLang's spec details, say)
-    stay. Only a chunk holding a usage is looked at, one event at a time."""
-    if b'"usage"' not in chunk:
+    stay. A chunk without a usage object (SGLang's and the twin's content chunks carry
+    `"usage":null`) goes on after one scan; only one holding a usage is split into events."""
+    if _USAGE_OBJECT.search(chunk) is None:
         return chunk
-    kept = [event for event in _EVENT_SPLIT.split(chunk) if not _is_usage_event(event)]
-    return b"".join(kept)
-
-
-def _is_usage_event(event: bytes) -> bool:
-    return b'"usage"' in event and _EMPTY_CHOICES.search(event) is not None and _USAGE_OBJECT.search(event) is not None
-
-
-_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+    events = _EVENT_SPLIT.split(chunk)
+    return b"".join(e for e in events if _EMPTY_CHOICES.search(e) is None or _USAGE_OBJECT.search(e) is None)

@@ -239,7 +239,6 @@ def test_a_pool_learns_how_its_requests_tpot_came_out_against_their_predictions(
 def test_a_streams_decode_time_is_its_first_to_last_event_when_its_gaps_were_cut_short() -> None:
     evidence = ResponseEvidence.from_stream(5, [0.01, 0.01], completion_tokens=5, decode_s=0.04)
     assert evidence.decode_s == 0.04 and evidence.step_ms == pytest.approx(10.0)
-    assert ResponseEvidence.from_stream(3, [0.01, 0.02]).decode_s == pytest.approx(0.03)
 
 
 def test_the_tpot_outcomes_keep_the_latest_samples_only() -> None:

@@ -249,3 +249,15 @@ def test_only_a_stream_that_names_no_stream_options_is_asked_for_its_usage() -> 
                 )
             sent = [r for r in upstream.requests if r.method == "POST"][-1]
             assert sent.body == expected, (settings, body)
+
+
+def test_only_the_usage_event_is_kept_from_a_client_that_did_not_ask() -> None:
+    from proxy.scan import without_usage_events
+
+    content = b'data: {"choices":[{"index":0,"delta":{"content":"a \\"usage\\": {"}}],"usage":null}\n\n'
+    details = b'data: {"choices":[],"sglext":{"spec_tokens_details":{"spec_verify_ct":3}}}\r\n\r\n'
+    usage = b'data: {"id":"x","choices": [ ],"usage": {"prompt_tokens":3,"completion_tokens":5}}\n\n'
+    done = b"data: [DONE]\n\n"
+    assert without_usage_events(content) is content  # no usage object: one scan, as it came
+    assert without_usage_events(content + details + usage + done) == content + details + done
+    assert without_usage_events(usage) == b""
