@@ -28,6 +28,9 @@ class Instance:
     """Requests whose first response byte has arrived (decoding rather than queued/prefilling)."""
     dispatched_total: int = 0
     failed_total: int = 0
+    takes_stream_options: bool = True
+    """Whether a stream is sent with the `stream_options` the proxy adds to learn its usage; False
+    once the server refused the field (proxy/relay.py, `refuses_stream_options`)."""
 
     @property
     def in_flight(self) -> int:

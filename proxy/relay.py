@@ -9,6 +9,7 @@ failed attempt can still be retried elsewhere, and a first-token timeout can sti
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
@@ -95,6 +96,8 @@ MAX_MODEL_CHARS = 256
 """The longest model name the log line and the spans carry (the body goes upstream whole)."""
 RETRY_AFTER = frozenset({b"retry-after", b"retry-after-ms"})
 ERROR_EVENT_SEND_S = 1.0
+
+log = logging.getLogger("specroute")
 """How long the closing error event of a failed stream may wait for the client to read."""
 
 
@@ -135,6 +138,7 @@ class Exchange:
         "session",
         "logged",
         "hide_usage",
+        "with_usage",
         "choices",
     )
 
@@ -175,9 +179,12 @@ class Exchange:
         self.choices = 1
         """Completions it asked for (`n`): with more than one, its usage counts all their tokens
         against one decode time, so its TPOT teaches nothing."""
+        self.with_usage: bytes | None = None
+        """Its body asking for the stream's usage chunk, which the client did not (None: the client
+        named `stream_options`, it is no stream, or SPECROUTE_STREAM_USAGE is off)."""
         self.hide_usage = False
-        """The proxy asked the upstream for the stream's usage chunk, which the client did not:
-        it is read (the fleet model learns from it) and not passed on."""
+        """The current attempt sent `with_usage`: the usage chunk is read (the fleet model learns
+        from it) and not passed on."""
 
     def routing_headers(self) -> list[tuple[bytes, bytes]]:
         """Where the request went: the pool and server of the last attempt, and why."""
@@ -211,6 +218,13 @@ class Exchange:
         await self.start(error.status, headers)
         self.done = True
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def refuses_stream_options(error: ProxyError) -> bool:
+    """Whether an upstream's answer refuses the `stream_options` the proxy added: a 400 or 422
+    (a strict schema's "extra fields not permitted") whose message names the field. Not another
+    client error: that goes to the client as it came, the request sent once."""
+    return error.status in (400, 422) and error.payload is not None and b"stream_options" in error.payload
 
 
 def request_headers(scope: Scope) -> tuple[dict[str, str], list[str]]:
@@ -378,9 +392,8 @@ class CompletionHandler:
             exchange.choices = choices if isinstance(choices, int) and choices > 1 else 1
             if self.settings.stream_usage and features.stream and "stream_options" not in payload:
                 # Its token count is what its time per token, acceptance and output length are
-                # learned from (routing.md, "What is learned").
-                body = scan.with_usage_requested(body)
-                exchange.hide_usage = True
+                # learned from (routing.md, "What is learned"); sent to servers that take it.
+                exchange.with_usage = scan.with_usage_requested(body)
             snapshot = router.snapshot(features.workload)
             # What each instance likely holds of the prompt, for the policy (and a pinned pool).
             exchange.match = router.cached(parsed.blocks, features, parsed.session)
@@ -484,13 +497,27 @@ class CompletionHandler:
         deadline = loop.time() + self.settings.total_timeout_s
         tried: list[Instance] = []
         failure: ProxyError | None = None
-        for number in range(1, self.settings.max_attempts + 1):
+        number = 0
+        for _ in range(self.settings.max_attempts):
             instance = self.router.next_instance(pool, tried, pinned, prefer)
             if instance is None:
                 break
             tried.append(instance)
             exchange.instance = instance
+            number += 1
             failure = await self.attempt(exchange, instance, number, path, headers, body, deadline - loop.time())
+            if failure is not None and exchange.hide_usage and refuses_stream_options(failure):
+                # The field the proxy added was refused, not the client's request: this server
+                # gets bodies as their clients sent them from now on, this one at once.
+                instance.takes_stream_options = False
+                log.warning(
+                    "%s refused stream_options (HTTP %d): streams go to it as their clients sent them, "
+                    "and those whose clients ask no usage teach the router nothing",
+                    instance.name,
+                    failure.status,
+                )
+                number += 1
+                failure = await self.attempt(exchange, instance, number, path, headers, body, deadline - loop.time())
             if failure is None or not failure.retryable:
                 break
         if failure is None and not tried:
@@ -522,6 +549,10 @@ class CompletionHandler:
             attempt=number,
             cached_tokens=exchange.match.credit.get(instance.url, 0),
         )
+        with_usage = exchange.with_usage if instance.takes_stream_options else None
+        exchange.hide_usage = with_usage is not None
+        if with_usage is not None:
+            body = with_usage
         out = outgoing_headers(
             headers, instance, exchange.request_id, exchange.client, self.settings.forwarded_headers == "append"
         )

@@ -40,6 +40,9 @@ FLAT_ERROR = {
     "param": None,
     "code": 503,
 }
+STRICT_ERROR = {  # FastAPI's answer for a field its model forbids (pydantic v2)
+    "detail": [{"type": "extra_forbidden", "loc": ["body", "stream_options"], "msg": "Extra inputs are not permitted"}]
+}
 COMPLETION = {
     "id": "fault-1",
     "object": "chat.completion",
@@ -196,6 +199,21 @@ class FaultServer:
             writer.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
             )
+        elif kind == "strict":  # a schema without stream_options, extra fields refused; else N events
+            if b'"stream_options"' in self.requests[-1].body:
+                body = json.dumps(STRICT_ERROR).encode()
+                writer.write(
+                    b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\n\r\n%s" % (len(body), body)
+                )
+            else:
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
+                for i in range(int(arg)):
+                    writer.write(sse_chunk(i))
+                    await writer.drain()
+                writer.write(http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         elif kind == "hugeusage":  # an answer whose usage counts more tokens than any float holds
             body = json.dumps(COMPLETION | {"usage": {"prompt_tokens": 10**400, "completion_tokens": 10**400}}).encode()
             writer.write(

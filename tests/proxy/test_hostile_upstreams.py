@@ -155,3 +155,26 @@ def test_an_upstream_usage_past_any_count_is_not_taken() -> None:
         # released; the fleet learned no output length from it.
         wait_for(lambda: proxy.in_flight() == 0, "the requests to be released", timeout=10)
         assert proxy.app.router.fleet.output_samples == 0
+
+
+def test_a_server_that_refuses_stream_options_gets_streams_as_their_clients_sent_them() -> None:
+    # A strict OpenAI-compatible server (FastAPI refusing fields its schema lacks) behind a proxy
+    # that asks every stream for its usage: the first stream is refused for the field the proxy
+    # added and sent again unchanged, later ones go unchanged at once; the clients never see it.
+    with FaultServer("strict:3") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        for _ in range(2):
+            stream = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, stream=True)
+            assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == "t0 t1 t2 "
+        posted = [r.body for r in upstream.requests if r.method == "POST"]
+        assert [b'"stream_options"' in body for body in posted] == [True, False, False]
+        assert json.loads(posted[1]) == json.loads(posted[2])  # as the client sent it
+        state = httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()
+        assert state["pools"]["spec"]["instances"][0]["takes_stream_options"] is False
+        # A client that names stream_options itself gets the server's answer, its request sent once.
+        with pytest.raises(openai.UnprocessableEntityError, match="stream_options"):
+            client.chat.completions.create(
+                model="m", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
+            )
+        assert sum(1 for r in upstream.requests if r.method == "POST") == 4
+        wait_for(lambda: proxy.in_flight() == 0, "the requests to be released", timeout=10)
