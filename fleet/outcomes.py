@@ -6,7 +6,9 @@ leaves out or has wrong (a step learned from chunk gaps at another batch, the ge
 shape, each request's own acceptance against the pool's mean, the requests that join after it).
 Each finished stream's TPOT over the TPOT predicted for it when it was sent is one sample; the
 median of those finished in the last `horizon_s` is the pool's bias (1: the predictions are
-right). Recent samples only: a correction learned while the cost model was still far off (the
+right), taken in part while fewer than `min_samples` finished: 1 + (median - 1) x n / min_samples,
+so a pool that finishes few streams a minute is corrected in proportion to its evidence, and one
+whose correction cut its traffic returns gradually rather than all at once. Recent samples only: a correction learned while the cost model was still far off (the
 first seconds with no profile) fades once the model has learned, and one learned before the
 policy stopped sending there does not outlive the horizon.
 """
@@ -20,7 +22,7 @@ from collections import deque
 OUTCOME_HORIZON_S = 60.0
 """Seconds a finished request's sample counts."""
 OUTCOME_MIN_SAMPLES = 30
-"""Samples within the horizon before the bias is trusted (1.0 until then)."""
+"""Samples within the horizon before the bias is trusted in full (in proportion until then)."""
 OUTCOME_MAX_SAMPLES = 2000
 """Samples kept at most (the latest): memory and the cost of keeping them in order stay bounded
 however many requests a minute brings."""
@@ -59,12 +61,15 @@ class TpotOutcomes:
         return len(self._sorted)
 
     def bias(self, now: float) -> float:
-        """The median ratio over the horizon; 1.0 with fewer than `min_samples`."""
+        """The median ratio over the horizon, shrunk toward 1.0 by n / `min_samples` below it."""
         self._expire(now)
         n = len(self._sorted)
-        if n < self.min_samples or n == 0:
+        if n == 0:
             return 1.0
-        return self._sorted[n // 2]
+        median = self._sorted[n // 2]
+        if n >= self.min_samples:
+            return median
+        return 1.0 + (median - 1.0) * n / self.min_samples
 
     def _expire(self, now: float) -> None:
         cutoff = now - self.horizon_s

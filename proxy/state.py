@@ -121,7 +121,7 @@ def fleet_state(
             "num_draft_tokens": pool.num_draft_tokens,
             "alpha": pool.alpha,
             # Its recent requests' TPOT over the TPOT predicted for them (median, last minute;
-            # 1.0 with fewer than `tpot_outcomes_min`), and how many finished in that minute.
+            # in proportion below `tpot_outcomes_min`), and how many finished in that minute.
             "tpot_bias": round(pool.tpot_bias, 3),
             "tpot_outcomes": fleet.pools[name].outcomes.samples(now),
             "tpot_outcomes_min": fleet.pools[name].outcomes.min_samples,

@@ -98,10 +98,10 @@ def test_a_load_ramp_moves_traffic_to_base_and_back(fleet):
     assert last["pool"] == "spec" and "t_spec_s" in last["scores"] and "spec.load" in last["scores"]
     assert state["cost_model"]["decode_step_ms"]["spec"]["1"] > 0
     # Every stream's TPOT against the TPOT its decision predicted (the proxy asked for the
-    # usage these clients did not): spec's are counted, its bias 1.0 below the minimum; base's too.
+    # usage these clients did not): spec's are counted, and base's.
     spec_pool, base_pool = state["pools"]["spec"], state["pools"]["base"]
     assert spec_pool["tpot_outcomes"] >= len(before) + len(after)
-    assert spec_pool["tpot_bias"] == 1.0 and spec_pool["tpot_outcomes"] < spec_pool["tpot_outcomes_min"]
+    assert spec_pool["tpot_bias"] > 0 and spec_pool["tpot_outcomes_min"] == 30
     assert base_pool["tpot_outcomes"] >= len(to_base) > 0
 
 
