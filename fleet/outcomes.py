@@ -5,12 +5,13 @@ prefills it expects to sit through; what the request then gets also depends on w
 leaves out or has wrong (a step learned from chunk gaps at another batch, the generic prior's
 shape, each request's own acceptance against the pool's mean, the requests that join after it).
 Each finished stream's TPOT over the TPOT predicted for it when it was sent is one sample; the
-median of those finished in the last `horizon_s` is the pool's bias (1: the predictions are
-right), taken in part while fewer than `min_samples` finished: 1 + (median - 1) x n / min_samples,
-so a pool that finishes few streams a minute is corrected in proportion to its evidence, and one
-whose correction cut its traffic returns gradually rather than all at once. Recent samples only: a correction learned while the cost model was still far off (the
-first seconds with no profile) fades once the model has learned, and one learned before the
-policy stopped sending there does not outlive the horizon.
+median of those finished in the last `horizon_s` is the pool's bias (1: the predictions are right),
+taken in part while fewer than `min_samples` finished: 1 + (median - 1) x n / min_samples, so a
+pool that finishes few streams a minute is corrected in proportion to its evidence, and one whose
+correction cut its traffic returns gradually rather than all at once. Recent samples only: a
+correction learned while the cost model was still far off (the first seconds with no profile) fades
+once the model has learned, and one learned before the policy stopped sending there does not
+outlive the horizon.
 """
 
 from __future__ import annotations

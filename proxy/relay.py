@@ -96,9 +96,9 @@ MAX_MODEL_CHARS = 256
 """The longest model name the log line and the spans carry (the body goes upstream whole)."""
 RETRY_AFTER = frozenset({b"retry-after", b"retry-after-ms"})
 ERROR_EVENT_SEND_S = 1.0
+"""How long the closing error event of a failed stream may wait for the client to read."""
 
 log = logging.getLogger("specroute")
-"""How long the closing error event of a failed stream may wait for the client to read."""
 
 
 class ClientGone(Exception):
@@ -220,11 +220,12 @@ class Exchange:
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
 
-def refuses_stream_options(error: ProxyError) -> bool:
-    """Whether an upstream's answer refuses the `stream_options` the proxy added: a 400 or 422
-    (a strict schema's "extra fields not permitted") whose message names the field. Not another
-    client error: that goes to the client as it came, the request sent once."""
-    return error.status in (400, 422) and error.payload is not None and b"stream_options" in error.payload
+def refuses_stream_options(status: int, payload: bytes | None) -> bool:
+    """Whether an upstream's answer (its status, its normalised error body) may refuse the
+    `stream_options` the proxy added: a 400 or 422 (a strict schema's "extra inputs are not
+    permitted") whose message names the field. It may only quote the request: `forward` sends it
+    again without the field to tell."""
+    return status in (400, 422) and payload is not None and b"stream_options" in payload
 
 
 def request_headers(scope: Scope) -> tuple[dict[str, str], list[str]]:
@@ -506,18 +507,25 @@ class CompletionHandler:
             exchange.instance = instance
             number += 1
             failure = await self.attempt(exchange, instance, number, path, headers, body, deadline - loop.time())
-            if failure is not None and exchange.hide_usage and refuses_stream_options(failure):
-                # The field the proxy added was refused, not the client's request: this server
-                # gets bodies as their clients sent them from now on, this one at once.
-                instance.takes_stream_options = False
-                log.warning(
-                    "%s refused stream_options (HTTP %d): streams go to it as their clients sent them, "
-                    "and those whose clients ask no usage teach the router nothing",
-                    instance.name,
-                    failure.status,
-                )
+            if failure is not None and exchange.hide_usage and refuses_stream_options(failure.status, failure.payload):
+                if deadline - loop.time() <= 0:
+                    break  # no time for another: the client gets the answer
+                # The field the proxy added may be what was refused: once more as the client sent
+                # it (not counted against max_attempts). Served so, the field was: that server
+                # gets bodies as their clients sent them from now on. Refused again, the request
+                # itself was (its error quoting the body, say): the client gets that answer.
                 number += 1
-                failure = await self.attempt(exchange, instance, number, path, headers, body, deadline - loop.time())
+                failure = await self.attempt(
+                    exchange, instance, number, path, headers, body, deadline - loop.time(), usage=False
+                )
+                if failure is None:
+                    instance.takes_stream_options = False
+                    log.warning(
+                        "%s refused stream_options and served the stream without it: streams go to it "
+                        "as their clients sent them, and teach the router their token counts only "
+                        "where their clients ask for usage",
+                        instance.name,
+                    )
             if failure is None or not failure.retryable:
                 break
         if failure is None and not tried:
@@ -539,9 +547,12 @@ class CompletionHandler:
         headers: dict[str, str],
         body: bytes,
         remaining_s: float,
+        usage: bool = True,
     ) -> ProxyError | None:
         """One upstream attempt. None when the client got its answer (or the stream ended with an
-        error event); a ProxyError, `retryable` set, when it failed before any byte was sent."""
+        error event); a ProxyError, `retryable` set, when it failed before any byte was sent.
+        `usage`: a stream's usage is asked for as the proxy does (`Exchange.with_usage`), where
+        the server takes it; False: the body goes as the client sent it."""
         hooks = exchange.hooks
         hooks.attempt_started(
             pool=instance.pool,
@@ -549,7 +560,7 @@ class CompletionHandler:
             attempt=number,
             cached_tokens=exchange.match.credit.get(instance.url, 0),
         )
-        with_usage = exchange.with_usage if instance.takes_stream_options else None
+        with_usage = exchange.with_usage if usage and instance.takes_stream_options else None
         exchange.hide_usage = with_usage is not None
         if with_usage is not None:
             body = with_usage
@@ -640,6 +651,10 @@ class CompletionHandler:
         if retryable:
             attempt.failed(f"status_{response.status}")
             exchange.hooks.attempt_failed(error=f"status_{response.status}", retryable=True)
+        elif exchange.hide_usage and refuses_stream_options(response.status, payload):
+            # Sent again without the field (`forward`): an attempt that failed, its span kept.
+            attempt.refused()
+            exchange.hooks.attempt_failed(error="stream_options_refused", retryable=True)
         else:
             attempt.refused()
             exchange.hooks.attempt_finished(status=response.status)

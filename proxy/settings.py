@@ -222,7 +222,10 @@ class Settings(_SettingsWithPolicies):
         64 * 1024, ge=1024, description="Largest request line plus headers accepted (431 and close above)."
     )
     max_attempts: int = Field(
-        3, ge=1, le=10, description="Upstream attempts per request, first try included (failover bound)."
+        3,
+        ge=1,
+        le=10,
+        description="Upstream attempts per request, first try included (failover bound); a stream sent again without the stream_options the proxy added is not counted.",
     )
     max_connections: int = Field(1024, ge=1, description="Upstream connections kept per instance.")
     outlier_consecutive_failures: int = Field(

@@ -199,12 +199,23 @@ class FaultServer:
             writer.write(
                 b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
             )
-        elif kind == "strict":  # a schema without stream_options, extra fields refused; else N events
-            if b'"stream_options"' in self.requests[-1].body:
-                body = json.dumps(STRICT_ERROR).encode()
+        elif kind in ("strict", "quoting"):
+            # strict: a schema without stream_options (extra fields refused) that includes usage
+            # in every stream by default; quoting: takes stream_options, and answers a request
+            # naming top_logprobs without logprobs with a 400 quoting the request's start. Else
+            # N events (and the usage chunk, when included), then [DONE].
+            body = self.requests[-1].body
+            error: dict | None = None
+            if kind == "strict" and b'"stream_options"' in body:
+                error = STRICT_ERROR
+            elif kind == "quoting" and b'"top_logprobs"' in body:
+                error = {"object": "error", "message": f"`logprobs` must be true [input={body[:60]!r}]", "code": 400}
+            if error is not None:
+                status = b"422 Unprocessable Entity" if kind == "strict" else b"400 Bad Request"
+                answer = json.dumps(error).encode()
                 writer.write(
-                    b"HTTP/1.1 422 Unprocessable Entity\r\ncontent-type: application/json\r\n"
-                    b"content-length: %d\r\n\r\n%s" % (len(body), body)
+                    b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (status, len(answer), answer)
                 )
             else:
                 writer.write(
@@ -213,6 +224,8 @@ class FaultServer:
                 for i in range(int(arg)):
                     writer.write(sse_chunk(i))
                     await writer.drain()
+                if kind == "strict" or b'"include_usage":true' in body:
+                    writer.write(http_chunk(b"data: " + json.dumps(STREAM_USAGE).encode() + b"\n\n"))
                 writer.write(http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         elif kind == "hugeusage":  # an answer whose usage counts more tokens than any float holds
             body = json.dumps(COMPLETION | {"usage": {"prompt_tokens": 10**400, "completion_tokens": 10**400}}).encode()

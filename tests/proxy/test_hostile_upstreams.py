@@ -158,14 +158,16 @@ def test_an_upstream_usage_past_any_count_is_not_taken() -> None:
 
 
 def test_a_server_that_refuses_stream_options_gets_streams_as_their_clients_sent_them() -> None:
-    # A strict OpenAI-compatible server (FastAPI refusing fields its schema lacks) behind a proxy
-    # that asks every stream for its usage: the first stream is refused for the field the proxy
-    # added and sent again unchanged, later ones go unchanged at once; the clients never see it.
+    # A strict OpenAI-compatible server (FastAPI refusing fields its schema lacks, usage included
+    # by default) behind a proxy that asks every stream for its usage: the first stream is refused
+    # for the field the proxy added and sent again unchanged, later ones go unchanged at once; the
+    # clients see none of it, and get the server's own usage chunk as they would without the proxy.
     with FaultServer("strict:3") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
         for _ in range(2):
-            stream = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, stream=True)
-            assert "".join(chunk.choices[0].delta.content or "" for chunk in stream) == "t0 t1 t2 "
+            chunks = list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, stream=True))
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "t0 t1 t2 "
+            assert [c.usage.completion_tokens for c in chunks if c.usage] == [2]
         posted = [r.body for r in upstream.requests if r.method == "POST"]
         assert [b'"stream_options"' in body for body in posted] == [True, False, False]
         assert json.loads(posted[1]) == json.loads(posted[2])  # as the client sent it
@@ -177,4 +179,21 @@ def test_a_server_that_refuses_stream_options_gets_streams_as_their_clients_sent
                 model="m", messages=MESSAGES, stream=True, stream_options={"include_usage": True}
             )
         assert sum(1 for r in upstream.requests if r.method == "POST") == 4
+        wait_for(lambda: proxy.in_flight() == 0, "the requests to be released", timeout=10)
+
+
+def test_a_client_error_that_quotes_the_added_stream_options_keeps_the_server_asked_for_usage() -> None:
+    # The server takes stream_options, but its 400 for a wrong request quotes the request's start,
+    # where the proxy put the field: sent again without it, the request is refused again, so the
+    # client gets that 400 and the server keeps being asked for usage.
+    with FaultServer("quoting:2") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="logprobs"):
+            client.chat.completions.create(model="m", messages=MESSAGES, stream=True, top_logprobs=2)
+        chunks = list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2, stream=True))
+        assert all(c.choices for c in chunks) and not any(c.usage for c in chunks)  # its usage kept from it
+        posted = [r.body for r in upstream.requests if r.method == "POST"]
+        assert [b'"stream_options"' in body for body in posted] == [True, False, True]
+        state = httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()
+        assert state["pools"]["spec"]["instances"][0]["takes_stream_options"] is True
         wait_for(lambda: proxy.in_flight() == 0, "the requests to be released", timeout=10)

@@ -101,7 +101,10 @@ def test_a_load_ramp_moves_traffic_to_base_and_back(fleet):
     # usage these clients did not): spec's are counted, and base's.
     spec_pool, base_pool = state["pools"]["spec"], state["pools"]["base"]
     assert spec_pool["tpot_outcomes"] >= len(before) + len(after)
-    assert spec_pool["tpot_bias"] > 0 and spec_pool["tpot_outcomes_min"] == 30
+    # Below the minimum the median is taken in proportion to the outcomes (fleet/outcomes.py): the
+    # twin's TPOT is within 3x of the prediction, so the bias moves at most 2 x n / min from 1.
+    n, least = spec_pool["tpot_outcomes"], spec_pool["tpot_outcomes_min"]
+    assert n < least and abs(spec_pool["tpot_bias"] - 1) <= 2 * n / least
     assert base_pool["tpot_outcomes"] >= len(to_base) > 0
 
 
