@@ -129,7 +129,8 @@ def oracle_name(runs: dict[str, dict[str, float]]) -> str:
     return max(candidates, key=lambda k: (round(candidates[k]["slo_goodput_rps"], 6), -candidates[k]["mean_e2e_s"]))
 
 
-def _static(name: str) -> str:
+def static_of(name: str) -> str:
+    """The static policy an oracle name stands for (split-0.0 is always-base, split-1.0 always-spec)."""
     return {"split-0.0": "base", "split-1.0": "spec"}.get(name, name)
 
 
@@ -151,7 +152,7 @@ def analyse(results: list[dict[str, Any]]) -> dict[str, Any]:
         cells.items(), key=lambda kv: (list(FLEETS).index(kv[0][0]), kv[0][1] != "poisson", kv[0][2])
     ):
         pooled = {k: v["summary"] for k, v in runs.items()}
-        best = _static(oracle_name(pooled))
+        best = static_of(oracle_name(pooled))
         better = min(("spec", "base"), key=lambda p: pooled[p]["mean_e2e_s"])
         better_p99 = min(("spec", "base"), key=lambda p: pooled[p]["p99_e2e_s"])
         row: dict[str, Any] = {"fleet": fleet, "kind": kind, "level": level, "oracle": best, "ways": {}}

@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from bench.learning import DOC, FLEETS, STATIC, WAYS, Job, oracle_name, workload_of
+from bench.learning import DOC, FLEETS, STATIC, WAYS, Job, oracle_name, static_of, workload_of
 from bench.markers import sweep_parser, write_section
 from bench.routing import SEEDS
 from bench.routing_sim import run, summarize
@@ -88,8 +88,8 @@ def report(results: list[dict[str, Any]], elapsed_s: float, quick: bool) -> str:
         plain = {p: runs[p]["summary"] for p in STATIC}
         gated = {p: runs[p + "+adm"]["summary"] for p in STATIC}
         best_plain, best_gated = oracle_name(plain), oracle_name(gated)
-        plain_rps = _pick(plain, best_plain)["slo_goodput_rps"]
-        gated_rps = _pick(gated, best_gated)["slo_goodput_rps"]
+        plain_rps = plain[static_of(best_plain)]["slo_goodput_rps"]
+        gated_rps = gated[static_of(best_gated)]["slo_goodput_rps"]
         ours = [runs[f"goodput/{way}"]["summary"]["slo_goodput_rps"] for way in WAYS]
         lines.append(
             f"| {fleet} | Poisson {level:.0%} | {best_plain} {plain_rps:.2f} | {best_gated} {gated_rps:.2f} | "
@@ -99,10 +99,6 @@ def report(results: list[dict[str, Any]], elapsed_s: float, quick: bool) -> str:
             + f" | {runs['goodput/own']['refused']:.0%} |"
         )
     return "\n".join(lines)
-
-
-def _pick(runs: dict[str, dict[str, float]], name: str) -> dict[str, float]:
-    return runs[{"split-0.0": "base", "split-1.0": "spec"}.get(name, name)]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

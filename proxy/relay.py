@@ -507,13 +507,17 @@ class CompletionHandler:
             exchange.instance = instance
             number += 1
             failure = await self.attempt(exchange, instance, number, path, headers, body, deadline - loop.time())
-            if failure is not None and exchange.hide_usage and refuses_stream_options(failure.status, failure.payload):
-                if deadline - loop.time() <= 0:
-                    break  # no time for another: the client gets the answer
+            if (
+                failure is not None
+                and exchange.hide_usage
+                and refuses_stream_options(failure.status, failure.payload)
+                and deadline - loop.time() > 0
+            ):
                 # The field the proxy added may be what was refused: once more as the client sent
                 # it (not counted against max_attempts). Served so, the field was: that server
                 # gets bodies as their clients sent them from now on. Refused again, the request
-                # itself was (its error quoting the body, say): the client gets that answer.
+                # itself was (its error quoting the body, say): the client gets that answer, as it
+                # does when no time is left for the second send.
                 number += 1
                 failure = await self.attempt(
                     exchange, instance, number, path, headers, body, deadline - loop.time(), usage=False
