@@ -161,6 +161,9 @@ class InstancePoller:
 
     def _learned(self, backend: Backend, described: bool) -> None:
         self.backend = backend
+        # Learned again, the server behind the URL may be another (an upgrade): it is asked for
+        # its streams' usage again.
+        self.instance.refused_stream_options_at = None
         default = backend.default_description()
         if not described and default is not None:
             self.info = {"server": default.kind, "speculative": default.speculative}

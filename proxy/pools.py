@@ -10,6 +10,9 @@ from fleet.types import POOLS, PoolName
 from proxy.settings import Settings
 
 DEFAULT_MAX_RUNNING = 48
+STREAM_OPTIONS_RECHECK_S = 600.0
+"""How long a server that refused the `stream_options` the proxy adds gets streams as their
+clients sent them before the field is tried on it again (an upgraded server may take it now)."""
 """SGLang's max_running_requests default on an EAGLE-3 server, until a poll says otherwise."""
 
 
@@ -28,14 +31,21 @@ class Instance:
     """Requests whose first response byte has arrived (decoding rather than queued/prefilling)."""
     dispatched_total: int = 0
     failed_total: int = 0
-    takes_stream_options: bool = True
-    """Whether a stream is sent with the `stream_options` the proxy adds to learn its usage; False
-    once the server refused the field (proxy/relay.py, `refuses_stream_options`)."""
+    refused_stream_options_at: float | None = None
+    """When (time.monotonic) the server last refused the `stream_options` the proxy adds to learn a
+    stream's usage (proxy/relay.py, `refuses_stream_options`); None: never, or it was learned
+    again since (the poller: the server behind the URL may have changed)."""
 
     @property
     def in_flight(self) -> int:
         """Our requests on this instance now, from admission until the response is closed."""
         return self.signals.local_in_flight
+
+    def takes_stream_options(self, now: float) -> bool:
+        """Whether a stream is sent with the `stream_options` the proxy adds: not for
+        STREAM_OPTIONS_RECHECK_S after the server refused the field."""
+        at = self.refused_stream_options_at
+        return at is None or now - at >= STREAM_OPTIONS_RECHECK_S
 
     @property
     def healthy(self) -> bool:

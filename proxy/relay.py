@@ -13,7 +13,7 @@ import logging
 import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from time import perf_counter
+from time import monotonic, perf_counter
 from typing import Any
 
 import aiohttp
@@ -24,7 +24,7 @@ from proxy import body as request_body
 from proxy import scan
 from proxy.errors import ProxyError, normalise_upstream_error, stream_error_event
 from proxy.hooks import RequestHooks, Telemetry
-from proxy.pools import Instance
+from proxy.pools import STREAM_OPTIONS_RECHECK_S, Instance
 from proxy.routing import Attempt, Router, RoutingInputError, read_overrides, read_session, read_workload
 from proxy.settings import Settings
 from proxy.state import dispatched
@@ -523,12 +523,13 @@ class CompletionHandler:
                     exchange, instance, number, path, headers, body, deadline - loop.time(), usage=False
                 )
                 if failure is None:
-                    instance.takes_stream_options = False
+                    instance.refused_stream_options_at = monotonic()
                     log.warning(
-                        "%s refused stream_options and served the stream without it: streams go to it "
-                        "as their clients sent them, and teach the router their token counts only "
-                        "where their clients ask for usage",
+                        "%s refused stream_options and served the stream without it: for %.0f s streams "
+                        "go to it as their clients sent them, and teach the router their token counts "
+                        "only where their clients ask for usage",
                         instance.name,
+                        STREAM_OPTIONS_RECHECK_S,
                     )
             if failure is None or not failure.retryable:
                 break
@@ -564,7 +565,7 @@ class CompletionHandler:
             attempt=number,
             cached_tokens=exchange.match.credit.get(instance.url, 0),
         )
-        with_usage = exchange.with_usage if usage and instance.takes_stream_options else None
+        with_usage = exchange.with_usage if usage and instance.takes_stream_options(monotonic()) else None
         exchange.hide_usage = with_usage is not None
         if with_usage is not None:
             body = with_usage

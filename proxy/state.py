@@ -108,8 +108,9 @@ def fleet_state(
                     "age_s": _age(i.age_s),
                     "probe": poller.probe,
                     "kind": poller.backend.kind if poller.backend is not None else None,
-                    # False once it refused the stream_options the proxy adds (routing.md).
-                    "takes_stream_options": poller.instance.takes_stream_options,
+                    # False for a while after it refused the stream_options the proxy adds
+                    # (routing.md, "SLO targets").
+                    "takes_stream_options": poller.instance.takes_stream_options(now),
                     "error": poller.error,
                     "server_info": poller.info,
                     "prefix": prefix_state(fleet, i.url, now),

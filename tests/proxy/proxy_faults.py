@@ -120,6 +120,8 @@ class FaultServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._loop.is_closed():  # stopped already (a test taking the server away)
+            return
         self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(10)
 
@@ -130,7 +132,7 @@ class FaultServer:
 
     async def _serve(self, ready: threading.Event) -> None:
         self._stop = asyncio.Event()
-        server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        server = await asyncio.start_server(self._connection, "127.0.0.1", self.port)  # 0: any free port
         self.port = server.sockets[0].getsockname()[1]
         ready.set()
         async with server:

@@ -14,6 +14,8 @@ import pytest
 from proxy_faults import FaultServer
 from proxy_harness import running_proxy, wait_for
 
+from proxy.pools import STREAM_OPTIONS_RECHECK_S
+
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 CHAT = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
 
@@ -197,3 +199,65 @@ def test_a_client_error_that_quotes_the_added_stream_options_keeps_the_server_as
         state = httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()
         assert state["pools"]["spec"]["instances"][0]["takes_stream_options"] is True
         wait_for(lambda: proxy.in_flight() == 0, "the requests to be released", timeout=10)
+
+
+def _spec_instance_state(proxy) -> dict:
+    return httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()["pools"]["spec"]["instances"][0]
+
+
+def test_a_server_that_refused_stream_options_is_asked_again_after_a_while() -> None:
+    # The mark lasts STREAM_OPTIONS_RECHECK_S (aged here by moving its time back, not by waiting):
+    # still strict, the server refuses the field again and the stream is sent again without it;
+    # upgraded in place to one that takes it, the next stream carries it and the mark is gone.
+    with FaultServer("strict:3") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        instance = proxy.app.router.pools["spec"].instances[0]
+
+        def stream() -> list:
+            return list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, stream=True))
+
+        def posted() -> list[bool]:
+            return [b'"stream_options"' in r.body for r in upstream.requests if r.method == "POST"]
+
+        stream()
+        assert posted() == [True, False] and _spec_instance_state(proxy)["takes_stream_options"] is False
+        instance.refused_stream_options_at -= STREAM_OPTIONS_RECHECK_S
+        assert _spec_instance_state(proxy)["takes_stream_options"] is True
+        stream()  # still strict: refused, sent again, marked again
+        assert posted() == [True, False, True, False] and _spec_instance_state(proxy)["takes_stream_options"] is False
+        upstream.behaviour = "quoting:3"  # takes stream_options now
+        stream()
+        assert posted()[-1] is False  # the mark holds until it is aged
+        instance.refused_stream_options_at -= STREAM_OPTIONS_RECHECK_S
+        chunks = stream()
+        assert posted()[-1] is True and _spec_instance_state(proxy)["takes_stream_options"] is True
+        assert all(c.choices for c in chunks) and not any(c.usage for c in chunks)  # the usage kept from it
+        assert instance.refused_stream_options_at is not None  # aged, not cleared: served with the field
+        stream()
+        assert posted()[-1] is True
+        wait_for(lambda: proxy.in_flight() == 0, "the requests to be released", timeout=10)
+
+
+def test_a_server_learned_again_is_asked_for_stream_options_again() -> None:
+    # The server behind the URL went away and another answers there now: the poller learns it
+    # again, and it gets the field at once.
+    with (
+        FaultServer("strict:3") as strict,
+        running_proxy(spec_urls=[strict.url], policy="spec", poll_interval_ms=20) as proxy,
+    ):
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, stream=True))
+        assert _spec_instance_state(proxy)["takes_stream_options"] is False
+        port = strict.port
+        strict.__exit__()
+        wait_for(lambda: not _spec_instance_state(proxy)["healthy"], "the server to be seen gone", timeout=20)
+        assert _spec_instance_state(proxy)["takes_stream_options"] is False
+        with FaultServer("quoting:3", port=port) as upgraded:
+            wait_for(
+                lambda: _spec_instance_state(proxy)["takes_stream_options"],
+                "the server to be learned again",
+                timeout=20,
+            )
+            list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, stream=True))
+            assert [b'"stream_options"' in r.body for r in upgraded.requests if r.method == "POST"] == [True]
+            wait_for(lambda: proxy.in_flight() == 0, "the requests to be released", timeout=10)
