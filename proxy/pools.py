@@ -10,10 +10,10 @@ from fleet.types import POOLS, PoolName
 from proxy.settings import Settings
 
 DEFAULT_MAX_RUNNING = 48
+"""SGLang's max_running_requests default on an EAGLE-3 server, until a poll says otherwise."""
 STREAM_OPTIONS_RECHECK_S = 600.0
 """How long a server that refused the `stream_options` the proxy adds gets streams as their
 clients sent them before the field is tried on it again (an upgraded server may take it now)."""
-"""SGLang's max_running_requests default on an EAGLE-3 server, until a poll says otherwise."""
 
 
 @dataclass(eq=False, slots=True)

@@ -514,16 +514,19 @@ class CompletionHandler:
                 and deadline - loop.time() > 0
             ):
                 # The field the proxy added may be what was refused: once more as the client sent
-                # it (not counted against max_attempts). Served so, the field was: that server
-                # gets bodies as their clients sent them from now on. Refused again, the request
-                # itself was (its error quoting the body, say): the client gets that answer, as it
-                # does when no time is left for the second send.
+                # it (not counted against max_attempts). The server is marked as refusing the field
+                # while it is sent (streams sent to it meanwhile go without it, rather than each
+                # being refused in turn) and stays so if it is served: it gets bodies as their
+                # clients sent them for STREAM_OPTIONS_RECHECK_S. Refused again, the request
+                # itself was (its error quoting the body, say): the mark is taken back and the
+                # client gets that answer, as it does when no time is left for the second send.
                 number += 1
+                marked = instance.refused_stream_options_at
+                instance.refused_stream_options_at = now = monotonic()
                 failure = await self.attempt(
                     exchange, instance, number, path, headers, body, deadline - loop.time(), usage=False
                 )
                 if failure is None:
-                    instance.refused_stream_options_at = monotonic()
                     log.warning(
                         "%s refused stream_options and served the stream without it: for %.0f s streams "
                         "go to it as their clients sent them, and teach the router their token counts "
@@ -531,6 +534,8 @@ class CompletionHandler:
                         instance.name,
                         STREAM_OPTIONS_RECHECK_S,
                     )
+                elif instance.refused_stream_options_at == now:  # not marked since by another stream
+                    instance.refused_stream_options_at = marked
             if failure is None or not failure.retryable:
                 break
         if failure is None and not tried:

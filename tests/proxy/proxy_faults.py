@@ -117,6 +117,8 @@ class FaultServer:
         self._thread.start()
         if not ready.wait(10):
             raise RuntimeError("fault server did not start")
+        if self._error is not None:
+            raise self._error  # its port taken, say
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -127,8 +129,14 @@ class FaultServer:
 
     def _run(self, ready: threading.Event) -> None:
         asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(self._serve(ready))
-        self._loop.close()
+        self._error: OSError | None = None
+        try:
+            self._loop.run_until_complete(self._serve(ready))
+        except OSError as exc:  # could not listen: __enter__ raises it
+            self._error = exc
+            ready.set()
+        finally:
+            self._loop.close()
 
     async def _serve(self, ready: threading.Event) -> None:
         self._stop = asyncio.Event()
