@@ -40,6 +40,7 @@ from fleet.acceptance import (
     RequestSpread,
     WorkloadAcceptance,
 )
+from fleet.attainment import SloAttainment
 from fleet.blocks import BLOCK_TOKENS
 from fleet.costmodel import DEFAULT_HALF_LIFE_S as COST_HALF_LIFE_S
 from fleet.costmodel import Seed, StepCostModel
@@ -93,6 +94,8 @@ class PoolSignals:
     """How its requests' time per token varies with their own acceptance (speculative pools)."""
     outcomes: TpotOutcomes = field(default_factory=TpotOutcomes)
     """Its requests' TPOT against the TPOT predicted for them (`Dispatch.predicted_tpot_s`)."""
+    attainment: SloAttainment = field(default_factory=SloAttainment)
+    """Its requests finished within the SLO targets (none measured without targets)."""
 
     @property
     def speculative(self) -> bool:
@@ -117,8 +120,12 @@ class FleetModel:
         prefix_max_blocks: int = DEFAULT_MAX_BLOCKS,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         session_ttl_s: float = DEFAULT_SESSION_TTL_S,
+        slo_ttft_s: float = 0.0,
+        slo_tpot_s: float = 0.0,
     ):
         self.stale_after_s = stale_after_s
+        self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
+        """The SLO targets finished requests are counted against (`PoolSignals.attainment`; 0: none)."""
         self.workload_keys = workload_keys
         """Workload keys whose acceptance each speculative pool keeps (0: none, pool-wide only)."""
         self.half_life_s = half_life_s
@@ -141,6 +148,7 @@ class FleetModel:
         estimator = AcceptanceEstimator(num_draft_tokens, self.half_life_s) if role else None
         workloads = self._workloads(num_draft_tokens) if role else None
         pool = self.pools[name] = PoolSignals(name, num_draft_tokens, role, estimator, workloads)
+        pool.attainment = SloAttainment(self.slo_ttft_s, self.slo_tpot_s)
         self.cost.set_draft_tokens(name, num_draft_tokens)
         return pool
 
@@ -372,8 +380,13 @@ class FleetModel:
         if evidence.ttft_s is not None and evidence.dispatch is not None:
             self._on_first_token(signals, now, evidence.ttft_s, evidence.dispatch, evidence)
         pool = self.pools[signals.pool]
-        if evidence.dispatch is not None and evidence.tokens is not None and evidence.tokens > 1:
-            pool.outcomes.observe(now, evidence.decode_s / (evidence.tokens - 1), evidence.dispatch.predicted_tpot_s)
+        tpot_s = (
+            evidence.decode_s / (evidence.tokens - 1) if evidence.tokens is not None and evidence.tokens > 1 else None
+        )
+        if evidence.dispatch is not None and tpot_s is not None:
+            pool.outcomes.observe(now, tpot_s, evidence.dispatch.predicted_tpot_s)
+        if evidence.ttft_s is not None:
+            pool.attainment.observe(now, evidence.ttft_s, tpot_s)
         if pool.acceptance is None:
             return
         if evidence.tokens and evidence.verify_steps:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 COMPILED = (
     "fleet/acceptance.py",
+    "fleet/attainment.py",
     "fleet/blocks.py",
     "fleet/costmodel.py",
     "fleet/features.py",

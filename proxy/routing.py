@@ -339,6 +339,8 @@ class Router:
             prefix_max_blocks=settings.prefix_max_blocks,
             max_sessions=settings.max_sessions,
             session_ttl_s=settings.session_ttl_s,
+            slo_ttft_s=settings.slo_targets[0],
+            slo_tpot_s=settings.slo_targets[1],
         )
         policy = registry.create(settings.policy, settings.policy_params())
         pools = pools_from_settings(settings, fleet)

@@ -387,12 +387,18 @@ class Settings(_SettingsWithPolicies):
         return {param: getattr(self, policy_setting(policy or self.policy, param)) for param in params.model_fields}
 
     @property
+    def slo_targets(self) -> tuple[float, float]:
+        """(TTFT seconds, TPOT seconds) the SLO names (goodput's targets); 0 where none."""
+        slo = GoodputParams(**self.policy_params("goodput"))
+        return slo.slo_ttft_s, slo.slo_tpot_ms / 1000
+
+    @property
     def admission_limits(self) -> tuple[float, float]:
         """(TTFT seconds, TPOT seconds) admission holds requests to; 0 where off."""
-        slo = GoodputParams(**self.policy_params("goodput"))
-        ttft = self.admission_ttft_s if self.admission_ttft_s is not None else slo.slo_ttft_s
-        tpot_ms = self.admission_tpot_ms if self.admission_tpot_ms is not None else slo.slo_tpot_ms
-        return ttft, tpot_ms / 1000
+        ttft, tpot_s = self.slo_targets
+        ttft = self.admission_ttft_s if self.admission_ttft_s is not None else ttft
+        tpot_s = self.admission_tpot_ms / 1000 if self.admission_tpot_ms is not None else tpot_s
+        return ttft, tpot_s
 
     def require_upstreams(self) -> None:
         if not self.spec_urls and not self.base_urls:

@@ -82,6 +82,10 @@ def _age(seconds: float) -> float | None:
     return None if math.isinf(seconds) else round(seconds, 3)
 
 
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
 def _per_1k(ms_per_token: float | None) -> float | None:
     """A measured prefill speed as milliseconds per 1,000 tokens (None: not reported)."""
     return None if ms_per_token is None else round(ms_per_token * 1000, 3)
@@ -126,6 +130,10 @@ def fleet_state(
             "tpot_bias": round(pool.tpot_bias, 3),
             "tpot_outcomes": fleet.pools[name].outcomes.samples(now),
             "tpot_outcomes_min": fleet.pools[name].outcomes.min_samples,
+            # Its requests finished within the SLO targets in the last minute: per second, and
+            # their part of all it finished (null: no targets, or under 30 s of them).
+            "slo_met_per_s": _rounded(fleet.pools[name].attainment.rate(now)),
+            "slo_met_share": _rounded(fleet.pools[name].attainment.share(now)),
             "stale": pool.stale,
             "age_s": _age(pool.age_s),
             "instances": instances,

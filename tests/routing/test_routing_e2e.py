@@ -106,6 +106,8 @@ def test_a_load_ramp_moves_traffic_to_base_and_back(fleet):
     n, least = spec_pool["tpot_outcomes"], spec_pool["tpot_outcomes_min"]
     assert n < least and abs(spec_pool["tpot_bias"] - 1) <= 2 * n / least
     assert base_pool["tpot_outcomes"] >= len(to_base) > 0
+    # No SLO targets here: nothing is counted against them (fleet/attainment.py).
+    assert spec_pool["slo_met_per_s"] is None and base_pool["slo_met_share"] is None
 
 
 def test_the_override_header_is_obeyed(fleet):
