@@ -55,8 +55,7 @@ class SloAttainment:
         ):
             self._met.append(now)
         self._finished.append(now)
-        if len(self._finished) > 1 and self._finished[0] <= now - self.horizon_s:
-            self._expire(now)
+        self._expire(now)
 
     def rate(self, now: float) -> float | None:
         """Requests within the targets per second over the horizon; None before `min_window_s`."""

@@ -147,8 +147,8 @@ class FleetModel:
         role = num_draft_tokens > 0 if speculative is None else speculative
         estimator = AcceptanceEstimator(num_draft_tokens, self.half_life_s) if role else None
         workloads = self._workloads(num_draft_tokens) if role else None
-        pool = self.pools[name] = PoolSignals(name, num_draft_tokens, role, estimator, workloads)
-        pool.attainment = SloAttainment(self.slo_ttft_s, self.slo_tpot_s)
+        attainment = SloAttainment(self.slo_ttft_s, self.slo_tpot_s)
+        pool = self.pools[name] = PoolSignals(name, num_draft_tokens, role, estimator, workloads, attainment=attainment)
         self.cost.set_draft_tokens(name, num_draft_tokens)
         return pool
 
