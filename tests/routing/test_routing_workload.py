@@ -19,9 +19,16 @@ from proxy.routing import RoutingInputError, read_workload
 from sim.testing import TwinSpec, twins
 
 TIME_SCALE = 2.0
-BURST = 24
-"""Long streams pinned to spec. With them running, a 300-token request is predicted about 0.7 s
-on spec against 1.0 s on base for code, 1.25 s for chat (with what it costs the others)."""
+BURST = 18
+"""Long requests pinned to spec. With them decoding, a 300-token request is predicted 0.53-0.58 s
+on spec (0.33 s its own, the rest what it costs them) against 0.74-0.76 s on base for code, and
+0.89-0.96 s on spec for chat (5 runs beside a busy loop on one of the two cores).
+
+They are not streamed: 24 streams' chunks kept this test's own event loop (and the proxy's)
+busy on two cores, so the two asks came up to 5.7 s after the burst instead of 0.3 s, after much
+of it had finished, and the chunk gaps the proxy learns spec's step time from were the client's
+(CI failed so). The asks wait for the burst to be running, not waiting for its prefill: what
+joining costs the requests there is counted only for those decoding."""
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +65,20 @@ async def ask(client: openai.AsyncOpenAI, max_tokens: int, headers: dict[str, st
     return pool, reason
 
 
+async def spec_running(proxy, count: int, timeout_s: float = 30.0) -> None:
+    """Until the proxy's last reading of the spec pool shows `count` requests running (decoding:
+    while they wait for their prefill, joining them costs them nothing the policy counts)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with httpx.AsyncClient(timeout=5) as http:
+        while True:
+            pool = (await http.get(proxy.url + "/v1/specroute/state")).json()["pools"]["spec"]
+            running = sum(instance["running"] for instance in pool["instances"])
+            if running >= count:
+                return
+            assert asyncio.get_running_loop().time() < deadline, f"spec shows {running} of {count} after {timeout_s} s"
+            await asyncio.sleep(0.02)
+
+
 def test_code_stays_on_spec_where_chat_goes_to_base(fleet):
     proxy = fleet
 
@@ -68,12 +89,20 @@ def test_code_stays_on_spec_where_chat_goes_to_base(fleet):
                     await ask(client, 300, {"x-specroute-workload": workload, "x-specroute-pool": "spec"})
                 await ask(client, 300, {"x-specroute-pool": "base"})
             state = httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()
-            # The burst: long streams pinned to spec load it; meanwhile one of each workload asks.
+            # The burst: long requests pinned to spec load it; once the proxy sees them running,
+            # one of each workload asks.
             burst = [
-                asyncio.create_task(ask(client, 3000, {"x-specroute-workload": "bulk", "x-specroute-pool": "spec"}))
+                asyncio.create_task(
+                    client.chat.completions.create(
+                        model="twin",
+                        messages=[{"role": "user", "content": "Go on."}],
+                        max_tokens=3000,
+                        extra_headers={"x-specroute-workload": "bulk", "x-specroute-pool": "spec"},
+                    )
+                )
                 for _ in range(BURST)
             ]
-            await asyncio.sleep(0.3)
+            await spec_running(proxy, BURST)
             code, chat = await asyncio.gather(
                 ask(client, 300, {"x-specroute-workload": "code"}), ask(client, 300, {"x-specroute-workload": "chat"})
             )
