@@ -169,6 +169,11 @@ def error_response(
     return JSONResponse({"error": error_object(message, error_type_for(status), code)}, status, headers=headers)
 
 
+READ_METHODS = ["GET", "HEAD"]
+"""The read-only endpoints answer HEAD too (load balancers' and uptime checks' probes), as SGLang's
+Starlette routes do; uvicorn sends a HEAD answer's headers without its body."""
+
+
 def management_api(app: SpecrouteApp) -> FastAPI:
     api = FastAPI(title="specroute", lifespan=app.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -187,38 +192,44 @@ def management_api(app: SpecrouteApp) -> FastAPI:
 
     description = openapi.describe()
 
-    @api.get("/openapi.json", include_in_schema=False)
+    @api.api_route("/openapi.json", methods=READ_METHODS, include_in_schema=False)
     async def openapi_document() -> dict[str, Any]:
         """The OpenAPI description of the proxy's API (proxy/openapi.py)."""
         return description
 
-    @api.get("/health")
+    @api.api_route("/health", methods=READ_METHODS)
     async def health() -> dict[str, str]:
         """Liveness: the process serves HTTP."""
         return {"status": "ok"}
 
-    @api.get("/ready")
+    @api.api_route("/ready", methods=READ_METHODS)
     async def ready() -> JSONResponse:
         """Readiness: some pool can take work and the server is not draining."""
         state = app.readiness()
         return JSONResponse(state, 200 if state["ready"] else 503)
 
-    @api.get("/v1/specroute/state")
+    @api.api_route("/v1/specroute/state", methods=READ_METHODS)
     async def routing_state() -> dict[str, Any]:
         """The router's live view: snapshot, acceptance, cost estimates, recent decisions, and
         the process's own resources (what a leak would show)."""
         return {**app.router.state(), "process": process_state()}
 
-    @api.get("/v1/models")
+    @api.api_route("/v1/models", methods=READ_METHODS)
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": await app.models()}
 
-    @api.get("/v1/models/{model_id:path}")
+    @api.api_route("/v1/models/{model_id:path}", methods=READ_METHODS)
     async def model(model_id: str) -> dict[str, Any]:
         for card in await app.models():
             if card["id"] == model_id:
                 return card
-        raise ProxyError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
+        raise ProxyError(
+            404,
+            f"The model '{model_id}' does not exist",
+            param="model",
+            code="model_not_found",
+            type="invalid_request_error",  # OpenAI's type for it, as SGLang's
+        )
 
     return api
 

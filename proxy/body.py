@@ -65,10 +65,17 @@ def parse_object(body: bytes) -> dict[str, Any]:
     return payload
 
 
+NOT_NULL = frozenset({"model"})
+"""Typed fields a client may leave out but not send as null (OpenAI's `model` is a string; the
+others are nullable there)."""
+
+
 def check_fields(payload: dict[str, Any]) -> None:
     for name, (kind, what) in TYPED_FIELDS.items():
         value = payload.get(name)
         if value is None:
+            if name in NOT_NULL and name in payload:
+                raise ProxyError(400, f"'{name}' must be {what}, not null", param=name, code="invalid_type")
             continue
         if kind is int and isinstance(value, float) and value.is_integer():
             continue  # 2.0 is an integer in JSON Schema, and SGLang's and vLLM's parsers take it

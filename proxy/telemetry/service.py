@@ -42,7 +42,7 @@ class SpecrouteTelemetry(Telemetry):
         metrics = self.metrics
 
         # async: rendering reads the fleet snapshot, which only the event loop may touch.
-        @app.get("/metrics", include_in_schema=False)
+        @app.api_route("/metrics", methods=["GET", "HEAD"], include_in_schema=False)
         async def prometheus_metrics() -> Response:
             return Response(metrics.render(), media_type=metrics.content_type)
 

@@ -93,6 +93,7 @@ def test_a_big_legitimate_body_is_served_while_the_loop_keeps_answering(proxy: R
         ("max_completion_tokens", 2.5),
         ("n", "2"),
         ("n", 1.5),
+        ("model", None),  # OpenAI's model is a string, never null (the others may be null)
     ],
 )
 def test_fields_the_proxy_acts_on_must_have_their_openai_types(proxy: RunningProxy, field: str, value: object) -> None:

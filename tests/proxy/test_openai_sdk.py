@@ -95,11 +95,23 @@ def test_models_health_ready(proxy: RunningProxy) -> None:
     ids = [model.id for model in client.models.list()]
     assert ids == ["specroute/twin"]  # both pools serve it: one entry
     assert client.models.retrieve("specroute/twin").id == "specroute/twin"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError) as missing:
         client.models.retrieve("no-such-model")
+    assert missing.value.body == {
+        "message": "The model 'no-such-model' does not exist",
+        "type": "invalid_request_error",  # OpenAI's (and SGLang's) type for it
+        "param": "model",
+        "code": "model_not_found",
+    }
     assert httpx.get(proxy.url + "/health").json() == {"status": "ok"}
     ready = httpx.get(proxy.url + "/ready")
     assert ready.status_code == 200 and ready.json()["ready"] is True
+    # Load balancers and uptime checks probe with HEAD: the read-only endpoints answer it as GET,
+    # headers only.
+    for path in ("/health", "/ready", "/v1/models", "/v1/models/specroute/twin", "/metrics", "/v1/specroute/state"):
+        head = httpx.head(proxy.url + path)
+        assert head.status_code == 200 and head.content == b"", (path, head.status_code, head.headers)
+        assert head.headers["content-type"].startswith(httpx.get(proxy.url + path).headers["content-type"][:10])
 
 
 def test_body_and_headers_reach_the_backend_unchanged() -> None:
