@@ -81,12 +81,13 @@ def normalise_upstream_error(status: int, body: bytes, request_id: str) -> bytes
     JSON error's message is kept (at most MAX_UPSTREAM_MESSAGE_CHARS); nested bodies (vLLM,
     OpenAI) keep their fields, SGLang's flat {"object": "error", ...} is lifted into "error", a
     `type` outside OpenAI's vocabulary (SGLang sends "BadRequestError") becomes the OpenAI type
-    for the status. A body that is not a JSON error (HTML from a load balancer, plain text) is
+    for the status, and a numeric `code` (SGLang's is the status) becomes a string, as OpenAI's
+    codes are. A body that is not a JSON error (HTML from a load balancer, plain text) is
     replaced by `upstream answered HTTP n`.
     """
     if status >= 500:
         return error_body(
-            f"upstream server error (HTTP {status}; request id {request_id})", error_type_for(status), status
+            f"upstream server error (HTTP {status}; request id {request_id})", error_type_for(status), str(status)
         )
     try:
         data = orjson.loads(body) if body else None
@@ -109,7 +110,7 @@ def normalise_upstream_error(status: int, body: bytes, request_id: str) -> bytes
             return error_body(
                 text[:MAX_UPSTREAM_MESSAGE_CHARS],
                 kind if isinstance(kind, str) and kind.endswith("_error") else error_type_for(status),
-                code if isinstance(code, (str, int)) else status,
+                code if isinstance(code, str) else str(code if isinstance(code, int) else status),
                 param if isinstance(param, str) else None,
             )
-    return error_body(f"upstream answered HTTP {status}", error_type_for(status), status)
+    return error_body(f"upstream answered HTTP {status}", error_type_for(status), str(status))

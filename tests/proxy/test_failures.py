@@ -340,10 +340,12 @@ def test_sglang_flat_error_is_normalised(proxy: RunningProxy) -> None:
     response = httpx.post(proxy.base_url + "/chat/completions", json={"model": "m", "messages": 3})
     assert response.status_code == 400
     error = error_of(response)
-    assert error["type"] == "invalid_request_error" and error["message"]
+    # SGLang's numeric code (the status) comes as a string, as OpenAI's codes are.
+    assert error["type"] == "invalid_request_error" and error["message"] and error["code"] == "400"
     client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=-1)
+    assert refused.value.code == "400" and refused.value.body["code"] == "400"
 
 
 def test_bad_input_gets_openai_errors_while_others_are_served(twin_pair) -> None:
