@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from proxy.settings import SettingsError, load_settings, share_dotenv_otel
+from proxy.settings import SettingsError, load_settings, share_dotenv_otel, unknown_variables
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_demo(port=args.port, profile=args.profile, time_scale=args.time_scale)
         overrides: dict[str, Any] = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         settings = load_settings(**overrides)
+        warn_unknown_variables()
         share_dotenv_otel()
         from proxy.server import serve
 
@@ -64,8 +65,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def warn_unknown_variables() -> None:
+    for line in unknown_variables():
+        print(f"specroute: warning: {line}", file=sys.stderr)
+
+
 def print_config() -> int:
     view = load_settings().public_view()
+    warn_unknown_variables()
     width = max(len(name) for name in view)
     for name, value in view.items():
         print(f"{name:<{width}}  {'' if value is None else value}")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, create_model, field_validator, model_validator
@@ -430,6 +433,31 @@ def share_dotenv_otel(path: str = ".env") -> None:
     for name, value in dotenv_values(path).items():
         if name.startswith("OTEL_") and value and not os.environ.get(name):  # empty = unset
             os.environ[name] = value
+
+
+SERVICE_LINK = re.compile(r"SPECROUTE_(SERVICE_(HOST|PORT(_\w+)?)|PORT_\d+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)")
+"""What Kubernetes puts in every pod's environment for a Service named `specroute` (service
+links: SPECROUTE_SERVICE_HOST, SPECROUTE_PORT_8000_TCP_ADDR...): no settings, and not typos."""
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None, dotenv: str = ".env") -> list[str]:
+    """The SPECROUTE_* variables set in the environment or the .env file that name no setting,
+    each as a line saying so and which setting it most likely meant. pydantic-settings ignores
+    them (a deployment's environment holds other things too), so a misspelt one would silently
+    leave its setting at the default."""
+    from dotenv import dotenv_values
+
+    known = {variable_name(field) for field in Settings.model_fields}
+    names = set(os.environ if environ is None else environ)
+    names |= {name for name in dotenv_values(dotenv) if name}
+    lines = []
+    for name in sorted(names):
+        if not name.startswith(ENV_PREFIX) or name in known or SERVICE_LINK.fullmatch(name):
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        lines.append(f"{name} is not a setting{hint}; it is ignored (`specroute config` lists them)")
+    return lines
 
 
 def without_password(url: str) -> str:

@@ -69,6 +69,28 @@ def test_config_prints_effective_settings_with_secrets_masked(tmp_path: Path) ->
     assert "secret" not in result.stdout
 
 
+def test_a_misspelt_variable_is_named_with_the_setting_it_meant(tmp_path: Path) -> None:
+    # pydantic-settings ignores unknown variables: a typo would leave its setting at the default.
+    (tmp_path / ".env").write_text("SPECROUTE_DRAIN_TIMOUT_S=5\n")
+    env = {
+        "SPECROUTE_BASE_URLS": "http://a:1",
+        "SPECROUTE_POLCY": "threshold",
+        # Kubernetes' service links for a Service named specroute: not settings, not typos.
+        "SPECROUTE_SERVICE_HOST": "10.96.0.12",
+        "SPECROUTE_SERVICE_PORT_HTTP": "8000",
+        "SPECROUTE_PORT_8000_TCP_ADDR": "10.96.0.12",
+    }
+    result = run(["config"], env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "specroute: warning: SPECROUTE_DRAIN_TIMOUT_S is not a setting (did you mean SPECROUTE_DRAIN_TIMEOUT_S?);"
+        " it is ignored (`specroute config` lists them)",
+        "specroute: warning: SPECROUTE_POLCY is not a setting (did you mean SPECROUTE_POLICY?);"
+        " it is ignored (`specroute config` lists them)",
+    ]
+    assert ["SPECROUTE_POLICY", "goodput"] in [line.split() for line in result.stdout.splitlines()]
+
+
 def test_an_empty_value_means_unset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # What an uncommented `NAME=` line of deploy/.env.example gives.
     (tmp_path / ".env").write_text(
