@@ -105,7 +105,7 @@ class _SettingsHead(BaseSettings):
     )
     profile: str | None = Field(
         None,
-        description="Step-time profile seeding the cost model: a built-in name (h200-llama8b, h200-llama8b-sglang, kimi-linear, kimi-moe) or a JSON path.",
+        description="Step-time profile seeding the cost model: a built-in name (h200-llama8b, h200-llama8b-sglang, kimi-linear, kimi-linear-vllm, kimi-moe, kimi-moe-vllm) or a JSON path.",
     )
     costmodel_half_life_s: float = Field(
         COSTMODEL_HALF_LIFE_S,
