@@ -24,7 +24,7 @@ from proxy import __version__
 from proxy.app import SpecrouteApp
 from proxy.auth import warn_if_open
 from proxy.connection import Limits, guarded_protocol
-from proxy.settings import Settings
+from proxy.settings import Settings, SettingsError
 from proxy.telemetry import SpecrouteTelemetry
 
 log = logging.getLogger("specroute")
@@ -65,6 +65,10 @@ class DrainingServer(uvicorn.Server):
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
+        if self.started and sockets:
+            # uvicorn says where it listens only for a socket it bound itself ("Uvicorn running
+            # on http://host:port"): said here for the one `serve` bound, in its words.
+            self._log_started_message(sockets)
         tune_gc()
         if self.started and self.on_ready is not None:
             self.on_ready()
@@ -119,9 +123,31 @@ def log_config(level: str) -> dict[str, Any]:
     return config
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The proxy's listening socket, bound before anything else starts: an address it cannot
+    have (a port in use, a host that is not this machine's) stops start-up with one line naming
+    the settings. Left to uvicorn, the bind came after the app's startup, its error after
+    "Application startup complete". Bound as uvicorn's own `bind_socket` binds: IPv6 for a host
+    with a colon, else IPv4; SO_REUSEADDR; inheritable."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family=family, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        reason = exc.strerror or str(exc)
+        raise SettingsError(
+            f"SPECROUTE_HOST / SPECROUTE_PORT (--host / --port): cannot listen on {host}:{port}: {reason}"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(settings: Settings, on_ready: Callable[[], None] | None = None) -> None:
     """Run until stopped (blocks). Settings must already be valid (proxy.settings.load_settings)."""
     settings.require_upstreams()
+    listener = listening_socket(settings.host, settings.port)
     app = build_app(settings)
     config = uvicorn_config(app, settings)  # configures logging
     warn_if_open(settings, app.access)
@@ -130,4 +156,4 @@ def serve(settings: Settings, on_ready: Callable[[], None] | None = None) -> Non
         log.info("the routing decision runs compiled (%s)", path.reason)
     else:
         log.warning("the routing decision runs from source, about 2.5x slower than compiled (%s)", path.reason)
-    DrainingServer(config, app, on_ready).run()
+    DrainingServer(config, app, on_ready).run(sockets=[listener])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,22 @@ def test_a_misspelt_variable_is_named_with_the_setting_it_meant(tmp_path: Path) 
     assert ["SPECROUTE_POLICY", "goodput"] in [line.split() for line in result.stdout.splitlines()]
 
 
+def test_an_address_the_proxy_cannot_listen_on_stops_serve_with_one_line(tmp_path: Path) -> None:
+    with socket.socket() as taken:  # a port in use; and a host that is not this machine's
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for env in (
+            {"SPECROUTE_HOST": "127.0.0.1", "SPECROUTE_PORT": str(port)},
+            {"SPECROUTE_HOST": "192.0.2.1", "SPECROUTE_PORT": "0"},  # TEST-NET-1: never local
+        ):
+            result = run(["serve"], {"SPECROUTE_BASE_URLS": "http://127.0.0.1:1", **env}, tmp_path)
+            assert result.returncode == 2, result.stderr
+            lines = result.stderr.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("specroute: SPECROUTE_HOST / SPECROUTE_PORT"), lines
+            assert env["SPECROUTE_HOST"] in lines[0] and "startup complete" not in result.stderr
+
+
 def test_an_empty_value_means_unset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # What an uncommented `NAME=` line of deploy/.env.example gives.
     (tmp_path / ".env").write_text(
@@ -162,7 +179,6 @@ def test_ctrl_c_stops_serve_and_its_span_export_without_a_traceback(tmp_path: Pa
     """A terminal's Ctrl-C reaches the whole process group: the proxy drains and exits 130, its
     span export process (its own group) exports what it holds and ends with it."""
     import signal
-    import socket
     import time
 
     with socket.socket() as s:
