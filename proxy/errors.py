@@ -110,7 +110,7 @@ def normalise_upstream_error(status: int, body: bytes, request_id: str) -> bytes
             return error_body(
                 text[:MAX_UPSTREAM_MESSAGE_CHARS],
                 kind if isinstance(kind, str) and kind.endswith("_error") else error_type_for(status),
-                code if isinstance(code, str) else str(code if isinstance(code, int) else status),
+                code if isinstance(code, str) else str(code if type(code) is int else status),
                 param if isinstance(param, str) else None,
             )
     return error_body(f"upstream answered HTTP {status}", error_type_for(status), str(status))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, ValidationError, create_model, field_validator, model_validator
@@ -440,7 +439,7 @@ SERVICE_LINK = re.compile(r"SPECROUTE_(SERVICE_(HOST|PORT(_\w+)?)|PORT_\d+_(TCP|
 links: SPECROUTE_SERVICE_HOST, SPECROUTE_PORT_8000_TCP_ADDR...): no settings, and not typos."""
 
 
-def unknown_variables(environ: Mapping[str, str] | None = None, dotenv: str = ".env") -> list[str]:
+def unknown_variables() -> list[str]:
     """The SPECROUTE_* variables set in the environment or the .env file that name no setting,
     each as a line saying so and which setting it most likely meant. pydantic-settings ignores
     them (a deployment's environment holds other things too), so a misspelt one would silently
@@ -448,8 +447,7 @@ def unknown_variables(environ: Mapping[str, str] | None = None, dotenv: str = ".
     from dotenv import dotenv_values
 
     known = {variable_name(field) for field in Settings.model_fields}
-    names = set(os.environ if environ is None else environ)
-    names |= {name for name in dotenv_values(dotenv) if name}
+    names = set(os.environ) | {name for name in dotenv_values(".env") if name}
     lines = []
     for name in sorted(names):
         if not name.startswith(ENV_PREFIX) or name in known or SERVICE_LINK.fullmatch(name):
