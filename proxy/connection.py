@@ -23,6 +23,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
@@ -48,6 +49,10 @@ def refusal(status: int, code: str, message: str) -> bytes:
     )
 
 
+class HeadersTooLarge(httptools.HttpParserError):
+    """Raised from a parser callback: uvicorn's protocol stops parsing and calls send_400_response."""
+
+
 class GuardedProtocol(HttpToolsProtocol):
     limits: Limits  # set by `guarded_protocol`
 
@@ -55,6 +60,9 @@ class GuardedProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
         self.in_headers = True
         self.header_bytes = 0
+        self.header_tail = b""
+        """The last bytes of the header block read so far (its end may straddle two reads)."""
+        self.oversized = False
         self.deadline: asyncio.TimerHandle | None = None
 
     # -- deadlines --------------------------------------------------------------------------------
@@ -85,9 +93,14 @@ class GuardedProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         """A request the HTTP parser refused (bad bytes in the request line or a header): answered
         in OpenAI's error shape, like every other error, instead of uvicorn's plain text."""
-        if not self.transport.is_closing():
+        if self.oversized:
+            self._refuse(431, "headers_too_large", self.too_large_message())
+        elif not self.transport.is_closing():
             self.transport.write(refusal(400, "invalid_http", "the request is not valid HTTP/1.1"))
         self.transport.close()
+
+    def too_large_message(self) -> str:
+        return f"request line and headers over {self.limits.max_header_bytes} bytes"
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -99,20 +112,33 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self.in_headers:
-            self.header_bytes += len(data)
+            # Counted before the parser sees them, up to the end of the header block: a block
+            # that arrives whole in one read is parsed, and its request started, within this call
+            # (measured after it, a 70 KB header in one read went upstream).
+            seen = self.header_tail + data
+            end = seen.find(b"\r\n\r\n")
+            self.header_bytes += len(data) if end < 0 else max(end + 4 - len(self.header_tail), 0)
+            self.header_tail = seen[-3:]
+            if self.header_bytes > self.limits.max_header_bytes:
+                self._refuse(431, "headers_too_large", self.too_large_message())
+                return
         super().data_received(data)
-        if self.in_headers and self.header_bytes > self.limits.max_header_bytes:
-            self._refuse(
-                431, "headers_too_large", f"request line and headers over {self.limits.max_header_bytes} bytes"
-            )
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.in_headers = True
 
     def on_headers_complete(self) -> None:
+        # A pipelined request whose headers came in the same read as an earlier request's was
+        # not counted above: measured as parsed, and refused before its request starts (the
+        # parser's error path answers it, send_400_response).
+        parsed = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)
+        if parsed > self.limits.max_header_bytes:
+            self.oversized = True
+            raise HeadersTooLarge
         self.in_headers = False
         self.header_bytes = 0
+        self.header_tail = b""
         self._disarm()
         super().on_headers_complete()
         cycle = self.cycle
@@ -149,6 +175,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if not self.transport.is_closing() and (cycle is None or cycle.response_complete):
             self.in_headers = True
             self.header_bytes = 0
+            self.header_tail = b""
             self._arm(self.limits.header_timeout_s, 408, "header_timeout", "request headers not received in time")
 
 
