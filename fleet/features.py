@@ -82,13 +82,15 @@ def _system_prompt(body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def workload_key(body: Mapping[str, Any]) -> str | None:
+def workload_key(body: Mapping[str, Any], secret: bytes = b"") -> str | None:
     """A request's workload key when its client sent none: what it asks for (`json` when its
     response_format asks for JSON, `tools` when it offers tools, else `text`) and a short hash of
     its system prompt (`-` without one), e.g. `json:1f0c9a2e`; None for plain text without a
     system prompt (nothing sets it apart: it is routed on the pool-wide estimate, as before).
-    The prompt's text is never kept: only 32 bits of its BLAKE2b hash. The model name is left
-    out (the pools serve one model: a speculative server's draft is trained for one target)."""
+    The prompt's text is never kept: only 32 bits of its BLAKE2b hash, keyed with `secret` (the
+    proxy's is random per process) so that the keys shown by the state endpoint cannot confirm a
+    guess at another client's system prompt. The model name is left out (the pools serve one
+    model: a speculative server's draft is trained for one target)."""
     response_format = body.get("response_format")
     kind = response_format.get("type") if isinstance(response_format, Mapping) else None
     tools = body.get("tools")
@@ -101,5 +103,7 @@ def workload_key(body: Mapping[str, Any]) -> str | None:
     system = _system_prompt(body)
     if system is None:
         return None if mode == "text" else f"{mode}:-"
-    digest = hashlib.blake2b(system.encode("utf-8", "surrogatepass"), digest_size=8, person=b"specroute-wkld")
+    digest = hashlib.blake2b(
+        system.encode("utf-8", "surrogatepass"), digest_size=8, key=secret, person=b"specroute-wkld"
+    )
     return f"{mode}:{digest.hexdigest()[:SYSTEM_HASH_HEX]}"

@@ -121,6 +121,8 @@ class Given:
     """The prefix index's block size."""
     max_blocks: int | None = None
     """The most blocks worth hashing (what the index can hold for one instance)."""
+    hash_key: bytes = b""
+    """The key of a derived workload key's system-prompt hash (`Router.hash_key`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +157,7 @@ def read(body: bytes, max_items: int, max_values: int, given: Given = Given()) -
     check_fields(payload)
     return Parsed(
         payload,
-        features_of(payload, given.request_class, given.workload),
+        features_of(payload, given.request_class, given.workload, given.hash_key),
         PromptBlocks.of(payload, given.block_tokens, given.max_blocks),
         session_of(payload, given.session),
     )

@@ -380,7 +380,12 @@ class CompletionHandler:
                 raise ProxyError(400, str(exc), param=exc.header, code="invalid_header") from None
             router = self.router
             given = request_body.Given(
-                request_class, workload, session, router.fleet.prefix.block_tokens, router.prefix_blocks()
+                request_class,
+                workload,
+                session,
+                router.fleet.prefix.block_tokens,
+                router.prefix_blocks(),
+                router.hash_key,
             )
             parsed = await self.bodies.parse(body, given)
             payload, features = parsed.payload, parsed.features

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import secrets
 import time
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -64,10 +65,13 @@ class RoutingInputError(ValueError):
         self.header = header
 
 
-def features_of(body: Mapping[str, Any], request_class: str | None, workload: str | None = None) -> Features:
+def features_of(
+    body: Mapping[str, Any], request_class: str | None, workload: str | None = None, hash_key: bytes = b""
+) -> Features:
     """What the policy may know about a request: sizes and flags, never the text itself.
     `workload`: the client's key (x-specroute-workload), else one is derived from the body
-    (fleet.features.workload_key: what it asks for and a hash of its system prompt)."""
+    (fleet.features.workload_key: what it asks for and a hash of its system prompt, keyed with
+    `hash_key`)."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     request_class = request_class or default_request_class(body)
     return Features(
@@ -76,7 +80,7 @@ def features_of(body: Mapping[str, Any], request_class: str | None, workload: st
         stream=body.get("stream") is True,
         request_class="batch" if request_class == "batch" else "latency",
         ignore_eos=body.get("ignore_eos") is True,
-        workload=workload if workload is not None else workload_key(body),
+        workload=workload if workload is not None else workload_key(body, hash_key),
     )
 
 
@@ -325,6 +329,9 @@ class Router:
             timeout_s=max(settings.stale_ms / 1000, 0.5),
         )
         self.decisions = DecisionLog(settings.state_decisions)
+        self.hash_key = secrets.token_bytes(16)
+        """Keys the system-prompt hash of derived workload keys: random per process, so the keys
+        the state endpoint shows cannot confirm a guessed prompt."""
         self._turn = itertools.count()
 
     @classmethod

@@ -332,7 +332,9 @@ class Settings(_SettingsWithPolicies):
     @field_validator("log_level")
     @classmethod
     def _check_log_level(cls, value: str) -> str:
-        levels = ("critical", "error", "warning", "info", "debug", "trace")
+        # Not uvicorn's "trace": it logs each request's scope, query string (where a client may
+        # put its key) and client address included.
+        levels = ("critical", "error", "warning", "info", "debug")
         if value.lower() not in levels:
             raise ValueError(f"must be one of {', '.join(levels)}")
         return value.lower()

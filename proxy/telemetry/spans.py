@@ -43,7 +43,9 @@ SAMPLED_CONTEXT = SpanContext(1, 1, False, TraceFlags(TraceFlags.SAMPLED), Trace
 FIRST_BYTES = 2048
 """How much of an attempt's first chunk is kept for its response id and model (they open it)."""
 
-_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"([^"\\]{1,200})"')
+# Only the first object's first key: an "id" further in may be a tool call's or one an upstream
+# echoed from the request, which would put request or completion data on the span.
+_RESPONSE_ID = re.compile(rb'\s*(?:data:\s*)?\{\s*"id"\s*:\s*"([^"\\]{1,200})"')
 _RESPONSE_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,300})"')
 _REQUEST_PARAMS = (
     (n.GEN_AI_REQUEST_MAX_TOKENS, int),
@@ -229,9 +231,9 @@ class SpanWriter:
         if a.first is not None:
             attributes += encoder.double(_ATTRIBUTES, n.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, a.first - a.started)
             events = encoder.event(n.EVENT_FIRST_TOKEN, start_ns + int((a.first - start) * 1e9))
-            # The response's first object (JSON body or first SSE event) opens with its id and
-            # model, as SGLang and vLLM write them; a regex over these bytes, never a parse.
-            found = _RESPONSE_ID.search(a.first_data)
+            # The response's first object (JSON body or first SSE event) opens with its id, then
+            # its model, as SGLang and vLLM write them; a regex over these bytes, never a parse.
+            found = _RESPONSE_ID.match(a.first_data)
             if found:
                 attributes += encoder.string(_ATTRIBUTES, n.GEN_AI_RESPONSE_ID, found.group(1).decode(errors="replace"))
             found = _RESPONSE_MODEL.search(a.first_data)

@@ -121,3 +121,10 @@ def test_a_derived_key_says_what_the_request_asks_for_and_hashes_its_system_prom
     assert workload_key({"prompt": "{", "response_format": {"type": "json_schema"}}) == "json:-"
     other = {"messages": [{"role": "developer", "content": [{"type": "text", "text": "Answer in French."}]}]}
     assert workload_key(other) not in (key, None)
+
+
+def test_a_derived_key_is_keyed_so_a_guessed_prompt_cannot_be_confirmed():
+    chat = {"messages": [{"role": "system", "content": "You are a helpful assistant."}]}
+    unkeyed, one, two = workload_key(chat), workload_key(chat, b"k" * 16), workload_key(chat, b"j" * 16)
+    assert len({unkeyed, one, two}) == 3
+    assert workload_key(chat, b"k" * 16) == one  # stable for the process's key

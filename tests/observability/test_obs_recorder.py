@@ -8,6 +8,7 @@ import io
 import json
 from typing import Any
 
+import pytest
 from google.protobuf.json_format import MessageToDict
 from opentelemetry.proto.trace.v1.trace_pb2 import ScopeSpans
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
@@ -53,8 +54,9 @@ def telemetry(exporter: Decoded | None = None, **settings: Any) -> SpecrouteTele
     return SpecrouteTelemetry(Settings(policy="spec", **settings), "test", tracing=tracing)
 
 
-def failover_then_stream(t: SpecrouteTelemetry) -> None:
-    """The hook calls of a streamed request whose spec attempt failed and base answered."""
+def failover_then_stream(t: SpecrouteTelemetry, first: bytes = FIRST) -> None:
+    """The hook calls of a streamed request whose spec attempt failed and base answered (its
+    first chunk `first`)."""
     hooks = t.request_hooks("/v1/chat/completions")
     hooks.received(endpoint="/v1/chat/completions", request_id="req-1", headers={"user-agent": "t"}, body_bytes=99)
     hooks.decided(
@@ -72,7 +74,7 @@ def failover_then_stream(t: SpecrouteTelemetry) -> None:
     hooks.upstream_headers(status=200, headers={})
     extra = hooks.response_headers(upstream_wait_s=0.0)
     assert extra[0][0] == b"x-specroute-overhead-ms" and float(extra[0][1]) >= 0
-    hooks.first_chunk(FIRST)
+    hooks.first_chunk(first)
     hooks.attempt_finished(status=200)
     hooks.finished(
         status=200,
@@ -184,6 +186,26 @@ def test_spans_carry_genai_attributes_and_no_prompt_by_default() -> None:
     assert [e["name"] for e in answered["events"]] == [n.EVENT_FIRST_TOKEN]
     for span in spans.values():
         assert PROMPT not in json.dumps(span)
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        # An upstream that echoes the request first, and one that writes its keys in another order:
+        # the ids inside (a tool call's) are request or completion data, not the response's id.
+        b'data: {"messages":[{"role":"tool","tool_call_id":"call-' + PROMPT.encode() + b'"}],"id":"x"}\n\n',
+        b'{"choices":[{"message":{"tool_calls":[{"id":"call-' + PROMPT.encode() + b'"}]}}],"id":"chatcmpl-1"}',
+    ],
+    ids=["echo", "reordered"],
+)
+def test_only_the_first_key_of_the_first_object_is_taken_as_the_response_id(first: bytes) -> None:
+    exporter = Decoded()
+    t = telemetry(exporter, request_log=False)
+    failover_then_stream(t, first)
+    t.tracing.flush()  # type: ignore[union-attr]
+    answered = [s for s in exporter.spans if s["name"] == "chat m"][-1]
+    assert n.GEN_AI_RESPONSE_ID not in answered["attrs"]
+    assert PROMPT not in json.dumps(exporter.spans)
 
 
 def test_prompt_recorded_only_when_opted_in() -> None:

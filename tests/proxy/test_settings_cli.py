@@ -41,6 +41,8 @@ def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
         ({"SPECROUTE_BASE_URLS": "http://gpu a:30000"}, "SPECROUTE_BASE_URLS"),
         # Credentials in a URL would reach every client in x-specroute-backend:
         ({"SPECROUTE_BASE_URLS": "http://user:secret@gpu-a:30000"}, "SPECROUTE_BASE_URLS"),
+        # uvicorn's trace level logs each request's query string, where a client may put its key:
+        ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_LOG_LEVEL": "trace"}, "SPECROUTE_LOG_LEVEL"),
     ],
 )
 def test_a_wrong_setting_stops_serve_with_one_line_naming_it(
