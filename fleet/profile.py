@@ -244,6 +244,8 @@ def load_profile(name_or_path: str) -> Profile:
     if not (path.suffix == ".json" and path.is_file()):
         candidate = Path(str(resources.files("fleet") / "profiles" / f"{name_or_path}.json"))
         if not candidate.is_file():
+            if path.suffix == ".json":
+                raise ValueError(f"profile file {name_or_path!r} not found")
             raise ValueError(
                 f"unknown profile {name_or_path!r}: use one of {', '.join(builtin_names())} or a path to a .json file"
             )

@@ -524,10 +524,13 @@ class Profiler:
             if last.bursty:
                 result.unreliable.append(last)
                 result.skipped = sizes[i + 1 :]
+                skipped = (
+                    f", and larger batches skipped ({', '.join(map(str, result.skipped))})" if result.skipped else ""
+                )
                 note = (
                     f"batch {b}: chunks came in bursts (median gap {last.median_gap_ms:.2f} ms against a mean of "
-                    f"{last.step_ms:.2f} ms): this client or the server's CPU could not keep up; left out, "
-                    f"and larger batches skipped ({result.skipped}): profile from a less busy machine or lower --max-batch"
+                    f"{last.step_ms:.2f} ms): this client or the server's CPU could not keep up; left out{skipped}: "
+                    "profile from a less busy machine or lower --max-batch"
                 )
                 result.notes.append(note)
                 self.progress.line(f"{server.role} {server.shown}: {note}")

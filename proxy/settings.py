@@ -89,7 +89,9 @@ class _SettingsHead(BaseSettings):
     )
 
     # Routing
-    policy: str = Field("goodput", description="Routing policy name (see `specroute config`).")
+    policy: str = Field(
+        "goodput", description="Routing policy: goodput, threshold, spec, base or round-robin (README, Routing)."
+    )
     poll_interval_ms: int = Field(
         100, ge=10, le=60_000, description="Milliseconds between two load polls of each upstream instance."
     )

@@ -45,6 +45,7 @@ class RequestRecorder(RequestHooks):
         "_t_attempt",
         "_t_first",
         "_pool",
+        "_decided_pool",
         "_instance",
         "_attempt",
         "_reason",
@@ -80,6 +81,7 @@ class RequestRecorder(RequestHooks):
         self._t_attempt = 0.0
         self._t_first: float | None = None
         self._pool: str | None = None
+        self._decided_pool: str | None = None
         self._instance: str | None = None
         self._attempt = 0
         self._reason: str | None = None
@@ -138,6 +140,7 @@ class RequestRecorder(RequestHooks):
         body: Mapping[str, Any] | None = None,
     ) -> None:
         self._reason = decision.reason
+        self._decided_pool = decision.pool
         self._stream = features.stream
         self._model = model
         self._owner.metrics.decided(decision.reason, decision.pool)
@@ -150,6 +153,13 @@ class RequestRecorder(RequestHooks):
             self._params = request_params(body)
             if self._owner.trace_content:
                 self._content = content_json(body)
+
+    def _logged_reason(self) -> str | None:
+        """The decision's reason, with `+failover` when the request ended on the other pool, as
+        its x-specroute-reason header says."""
+        if self._reason is not None and self._pool is not None and self._pool != self._decided_pool:
+            return self._reason + "+failover"
+        return self._reason
 
     # -- attempts --------------------------------------------------------------------------
     def attempt_started(self, *, pool: str, instance: str, attempt: int, cached_tokens: int = 0) -> None:
@@ -283,7 +293,7 @@ class RequestRecorder(RequestHooks):
                     "instance": self._instance,
                     "attempts": self._attempt,
                     "policy": owner.policy,
-                    "reason": self._reason,
+                    "reason": self._logged_reason(),
                     "model": self._model,
                     "stream": self._stream,
                     "ttft_ms": None if ttft_s is None else round(ttft_s * 1000, 3),

@@ -159,7 +159,7 @@ def test_one_json_log_line_per_request_without_prompt_text() -> None:
         "base",
         "http://127.0.0.1:2",
         200,
-        "static",
+        "static+failover",
     )
     assert (line["prompt_tokens"], line["completion_tokens"], line["attempts"]) == (10, 5, 2)
     assert line["ttft_ms"] is not None and line["duration_ms"] >= line["ttft_ms"]

@@ -77,6 +77,8 @@ def test_user_profile_from_a_file(tmp_path):
     assert profile.spec_step_ms(2, 3, 100) == pytest.approx(3 * 0.5 + 10 + 8)
     with pytest.raises(ValueError, match="unknown profile"):
         load_profile("no-such-profile")
+    with pytest.raises(ValueError, match="profile file 'missing.json' not found"):
+        load_profile("missing.json")
 
 
 def test_tau_formula():
