@@ -44,7 +44,7 @@ from fleet.attainment import SloAttainment
 from fleet.blocks import BLOCK_TOKENS
 from fleet.costmodel import DEFAULT_HALF_LIFE_S as COST_HALF_LIFE_S
 from fleet.costmodel import Seed, StepCostModel
-from fleet.instance import InstanceSignals
+from fleet.instance import CacheStats, InstanceSignals
 from fleet.outcomes import TpotOutcomes
 from fleet.prefix import DEFAULT_MAX_BLOCKS, PrefixIndex
 from fleet.readings import Dispatch, Reading, ResponseEvidence, ServerDescription
@@ -419,18 +419,19 @@ class FleetModel:
     def _on_cache_report(self, url: str, now: float, evidence: ResponseEvidence, sent: Dispatch) -> None:
         """A server's report of the request's cached tokens: the instance's hit statistics, and
         the index's trust in it when the index had claimed a prefix there."""
-        if evidence.cached_tokens is None:
-            return
         stats = self.instances[url].cache
+        cached = reported_cached(evidence, stats)
+        if cached is None:
+            return
         stats.responses += 1
         stats.prompt_tokens += evidence.prompt_tokens or sent.prompt_tokens
-        stats.cached_tokens += evidence.cached_tokens
+        stats.cached_tokens += cached
         stats.credited_tokens += sent.cached_tokens
         if sent.matched_tokens > 0:
             self.prefix.observe_hit(
                 url,
                 sent.matched_tokens,
-                evidence.cached_tokens,
+                cached,
                 now,
                 estimated_prompt_tokens=sent.prompt_tokens,
                 reported_prompt_tokens=evidence.prompt_tokens,
@@ -453,8 +454,9 @@ class FleetModel:
         Only the prompt's uncached tokens were prefilled: what the server reported cached, else
         what the router credited (in the estimate's units)."""
         cached = float(sent.cached_tokens)
-        if evidence.cached_tokens is not None:
-            cached = float(evidence.cached_tokens)
+        reported = reported_cached(evidence, signals.cache)
+        if reported is not None:
+            cached = float(reported)
             if evidence.prompt_tokens:
                 cached *= sent.prompt_tokens / evidence.prompt_tokens
         prompt = int(round(sent.prompt_tokens - cached))
@@ -546,3 +548,12 @@ class FleetModel:
     def workload_acceptance(self, pool: str = "spec") -> WorkloadAcceptance | None:
         known = self.pools.get(pool)
         return known.workloads if known is not None else None
+
+
+def reported_cached(evidence: ResponseEvidence, stats: CacheStats) -> int | None:
+    """The prompt tokens a server reported cached for a response, if it reported: a null count is
+    a miss only from a server seen to report some (SGLang leaves out a zero, and a server without
+    its cache report says null to everything)."""
+    if evidence.cached_tokens is not None:
+        return evidence.cached_tokens
+    return 0 if evidence.cached_details_null and stats.cached_tokens > 0 else None

@@ -35,6 +35,43 @@ class Reading:
     prefill steps took (SGLang's /v1/loads total_prefill_uncached_tokens, total_prefill_busy_us),
     if it reports them: its prefill speed under any load."""
 
+    def check(self) -> Reading:
+        """This reading, if every number in it is one a server can mean; else ValueError naming
+        the field. A NaN, an infinity, a negative count or one past MAX_COUNT (a poll answer is
+        the upstream's to write) would otherwise reach the policy's arithmetic: one such reading
+        made every unpinned request a 500."""
+        for name in _READING_NUMBERS:
+            value = getattr(self, name)
+            if value is not None and not (0 <= value <= MAX_COUNT):  # NaN fails every comparison
+                raise ValueError(f"{name} is not a count: {value!r}")
+        return self
+
+
+MAX_COUNT = 1e15
+"""The largest number a reading or description may hold: counters of microseconds or tokens
+over years stay far below it, and floats hold every integer up to it exactly."""
+_READING_NUMBERS = (
+    "running",
+    "waiting",
+    "max_running",
+    "waiting_tokens",
+    "accept_length",
+    "accept_steps",
+    "tokens_total",
+    "verify_total",
+    "cache_tokens",
+    "prefill_tokens_total",
+    "prefill_busy_us_total",
+)
+
+
+def count_or_none(value: object, limit: float = MAX_COUNT) -> int | None:
+    """A count a server wrote (JSON or Prometheus), as an int: None for what is not one (a bool, a
+    string, NaN, an infinity, a negative number or one past `limit`)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (0 <= value <= limit):
+        return None
+    return int(value)
+
 
 @dataclass(frozen=True, slots=True)
 class ServerDescription:
@@ -97,6 +134,9 @@ class ResponseEvidence:
     cached_tokens: int | None = None
     """Of them, found in its prefix cache (usage.prompt_tokens_details.cached_tokens), if it
     reports them (SGLang --enable-cache-report, vLLM --enable-prompt-tokens-details)."""
+    cached_details_null: bool = False
+    """Its usage had prompt_tokens_details: null: SGLang's report of no token cached when it
+    reports them (it leaves out a zero count), and its every answer when it does not."""
 
     @classmethod
     def from_stream(
@@ -111,6 +151,7 @@ class ResponseEvidence:
         prompt_tokens: int | None = None,
         cached_tokens: int | None = None,
         decode_s: float = 0.0,
+        cached_details_null: bool = False,
     ) -> ResponseEvidence:
         """A relayed response: `events` content events, `gaps_s` the gaps between the reads that
         carried them, and what its usage tail said (tokens; verify steps with SGLang's spec
@@ -130,4 +171,5 @@ class ResponseEvidence:
             workload=workload,
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
+            cached_details_null=cached_details_null,
         )

@@ -256,6 +256,7 @@ class Attempt:
                 workload=self.workload,
                 prompt_tokens=summary.prompt_tokens if summary else None,
                 cached_tokens=summary.cached_tokens if summary else None,
+                cached_details_null=summary.cached_details_null if summary else False,
             )
             self.fleet.on_response(self.instance.url, time.monotonic(), evidence)
         if self.open and complete and self.admission is not None and self.ttft_s is not None:

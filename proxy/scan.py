@@ -23,20 +23,32 @@ _SPEC_VERIFY_CT = re.compile(rb'"spec_verify_ct"\s*:\s*' + _COUNT)
 # --enable-prompt-tokens-details); only inside prompt_tokens_details, so SGLang's
 # meta_info.cached_tokens or a completion's text cannot be taken for it.
 _CACHED_TOKENS = re.compile(rb'"prompt_tokens_details"\s*:\s*\{[^{}]*?"cached_tokens"\s*:\s*' + _COUNT)
+# SGLang writes prompt_tokens_details only when some prompt token was cached (its
+# _details_if_cached): null is a miss on a server that reports, and every answer of one that does not.
+_NO_CACHED_DETAILS = re.compile(rb'"prompt_tokens_details"\s*:\s*null')
 
 
-# A chat stream's opening event that carries the role and no text (vLLM sends one just before
-# the first token's): no token, so neither a token nor a step gap.
-ROLE_ONLY = b'"delta":{"role":"assistant","content":""'
+# Chat stream events that carry no text: the opening with the role alone (vLLM and SGLang send
+# one per choice with the first token's), and SGLang's closing one per choice with an empty delta
+# and the finish reason, after the last token's. Neither is a token nor a step gap. The prefixes
+# as SGLang's versions write them: msgspec leaving None out ({} to close), pydantic writing it
+# (role, then content), and a StreamDelta writing reasoning_content first.
+TEXTLESS = (
+    b'"delta":{"role":"assistant","content":""',
+    b'"delta":{}',
+    b'"delta":{"role":null,"content":null',
+    b'"delta":{"reasoning_content":null,"role":"assistant","content":""',
+    b'"delta":{"reasoning_content":null,"role":null,"content":null',
+)
 
 
 def content_events(chunk: bytes) -> int:
-    """SSE data events in a chunk, the closing [DONE] and role-only openings not counted."""
+    """SSE data events in a chunk, the closing [DONE] and chat events without text not counted."""
     events = chunk.count(EVENT)
     if events and DONE in chunk:
         events -= 1
-    if events and ROLE_ONLY in chunk:
-        events = max(events - chunk.count(ROLE_ONLY), 0)
+    if events and b'"delta":{' in chunk:
+        events = max(events - sum(chunk.count(prefix) for prefix in TEXTLESS), 0)
     return events
 
 
@@ -107,6 +119,8 @@ class Summary:
     cached_tokens: int | None = None
     """Prompt tokens the server found in its prefix cache (usage.prompt_tokens_details.cached_tokens),
     when it reports them."""
+    cached_details_null: bool = False
+    """The usage said prompt_tokens_details: null (SGLang's answer for a miss when it reports)."""
 
 
 def summarise(tail: bytes) -> Summary:
@@ -121,6 +135,7 @@ def summarise(tail: bytes) -> Summary:
         finish_reasons=tuple(reason.decode() for reason in _FINISH_REASON.findall(tail)),
         spec_verify_ct=int(verify[-1]) if verify else None,
         cached_tokens=int(cached[-1]) if cached else None,
+        cached_details_null=not cached and _NO_CACHED_DETAILS.search(tail) is not None,
     )
 
 

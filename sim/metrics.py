@@ -88,9 +88,12 @@ class EngineCollector:
                 engine.finished_verify_ct,
             ),
         ):
-            c = CounterMetricFamily(f"sglang:{name}", doc, labels=tok_names)
-            c.add_metric(tok_values, float(value))
-            yield c
+            # SGLang counts these only when there is something to count (a labelled counter has no
+            # sample before): a base server never shows spec_verify_calls_total.
+            if value > 0:
+                c = CounterMetricFamily(f"sglang:{name}", doc, labels=tok_names)
+                c.add_metric(tok_values, float(value))
+                yield c
 
 
 class TwinMetrics:

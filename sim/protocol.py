@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 DEFAULT_MODEL_NAME = "default"
 
@@ -103,6 +103,14 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens_positive(cls, value: int) -> int:
+        # SGLang's CompletionRequest.validate_max_tokens_positive (chat has no such check)
+        if value is not None and value <= 0:
+            raise ValueError("max_tokens must be positive")
+        return value
+
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
@@ -161,6 +169,8 @@ def unsupported_features(request: ChatCompletionRequest | CompletionRequest) -> 
         # A twin-only bound: one engine request per choice, and n = 10^17 would take the process down.
         raise TwinError(f"n must be at most {MAX_N} on the twin, got {request.n}.")
     if isinstance(request, ChatCompletionRequest):
+        if not request.messages:
+            raise TwinError("Messages cannot be empty.")  # SGLang's _validate_request
         check_logprobs("top_logprobs", request.top_logprobs)
         check_tools(request)
     else:
@@ -236,14 +246,20 @@ def stop_strings(request: ChatCompletionRequest | CompletionRequest) -> tuple[st
     return tuple(request.stop)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
-    """OpenAI usage as SGLang writes it; `cached_tokens` None leaves out prompt_tokens_details
-    (SGLang fills it only with --enable-cache-report)."""
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None, zero_cached: bool = False
+) -> dict[str, Any]:
+    """OpenAI usage as SGLang writes it: prompt_tokens_details only with --enable-cache-report
+    (`cached_tokens` not None) and some tokens cached (its _details_if_cached: null for 0);
+    `zero_cached`: a count of 0 written as such (vLLM's --enable-prompt-tokens-details)."""
+    details = None
+    if cached_tokens is not None and (cached_tokens > 0 or zero_cached):
+        details = {"cached_tokens": cached_tokens}
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": details,
         "reasoning_tokens": 0,
     }
 

@@ -323,11 +323,12 @@ class Twin:
 
     def _usage(self, reqs: list[Request], completion_tokens: int | None = None) -> dict[str, Any]:
         """Usage of one HTTP request (its n sequences): the prompt once, every sequence's
-        completion tokens and, with the cache report on, every sequence's cached tokens."""
+        completion tokens and, with the cache report on, the prompt's cached tokens once (the
+        first sequence's, as SGLang's UsageProcessor counts one per prompt)."""
         if completion_tokens is None:
             completion_tokens = sum(req.output_tokens for req in reqs)
-        cached = sum(req.cached_tokens for req in reqs) if self.options.enable_cache_report else None
-        body = usage(reqs[0].prompt_tokens, completion_tokens, cached)
+        cached = reqs[0].cached_tokens if self.options.enable_cache_report else None
+        body = usage(reqs[0].prompt_tokens, completion_tokens, cached, zero_cached=self.options.vllm)
         return vllm.as_vllm_usage(body) if self.options.vllm else body
 
     async def _stream(
@@ -339,12 +340,32 @@ class Twin:
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
+
+        def event(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+            return sse(
+                {
+                    "id": rid,
+                    "object": obj,
+                    "created": created,
+                    "model": request.model,
+                    "choices": choices,
+                    "usage": usage,
+                }
+            )
+
+        # A chat stream opens with the role alone when the engine's first output (the first token,
+        # after prefill) comes: nothing of the body goes out while a request waits. vLLM sends one
+        # such event per choice at the first output of any and puts the finish reason on the last
+        # text; SGLang sends one per choice at its own first output, then only text, then, once
+        # every choice is done, one event per choice with an empty delta and its finish reason
+        # (serving_chat.py: "Send finish_reason chunks for each index that completed"). A
+        # completions stream has no opening and puts the reason on its last text, in both.
+        chat = kind == "chat"
+        vllm_opening = self.options.vllm and chat
+        closing_events = chat and not self.options.vllm
+        opened = [not closing_events] * len(calls)
         first = [True] * len(calls)
-        # vLLM opens a chat stream with the role alone, when the engine's first output (the first
-        # token, after prefill) comes: nothing of the body goes out while a request waits.
-        opening = self.options.vllm and kind == "chat"
-        if opening:
-            first = [False] * len(calls)
+        finished: list[tuple[int, str | None, Any]] = []
         emitted = 0
         remaining = len(calls)
         while remaining:
@@ -366,47 +387,35 @@ class Twin:
                 )
                 yield b"data: [DONE]\n\n"
                 return
-            if opening:  # one event per choice, as vLLM's
-                opening = False
+            if vllm_opening:
+                vllm_opening = False
                 for c in calls:
-                    yield sse(
-                        {
-                            "id": rid,
-                            "object": obj,
-                            "created": created,
-                            "model": request.model,
-                            "choices": [
-                                {
-                                    "index": c.index,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                        }
-                    )
+                    yield event([role_opening(c.index)])
+            if not opened[index] and (n or done):
+                opened[index] = True
+                yield event([{**role_opening(index), "matched_stop": None}])
             emitted += n
             pieces = call.shape.feed(text, done, req.finish_reason)
-            if n or done or pieces:
-                choice = call.shape.render(
-                    kind,
-                    pieces,
-                    req.finish_reason if done else None,
-                    req.matched_stop if done else None,
-                    stream=True,
-                    first=first[index],
-                )
-                chunk: dict[str, Any] = {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": request.model,
-                    "choices": [vllm.as_vllm_choice(choice) if self.options.vllm else choice],
-                    "usage": self._usage(reqs, emitted) if continuous else None,
-                }
+            if closing_events:
+                if done:
+                    finished.append((index, req.finish_reason, req.matched_stop))
+                send = any(pieces)  # SGLang sends text only when there is some
+                reason, matched = None, None
+            else:
+                send = bool(n or done or pieces)
+                reason, matched = (req.finish_reason, req.matched_stop) if done else (None, None)
+            if send:
+                choice = call.shape.render(kind, pieces, reason, matched, stream=True, first=first[index])
                 first[index] = False
-                yield sse(chunk)
+                usage = self._usage(reqs, emitted) if continuous else None
+                yield event([vllm.as_vllm_choice(choice) if self.options.vllm else choice], usage)
             remaining -= done
+        for index, reason, matched in finished:
+            closing = calls[index].shape.render(kind, [], reason, matched, stream=True) | {
+                "delta": {},
+                "logprobs": None,
+            }
+            yield event([closing], self._usage(reqs, emitted) if continuous else None)
         if self.config.speculative and request.return_spec_tokens_details:
             yield sse(
                 {
@@ -419,16 +428,7 @@ class Twin:
                 }
             )
         if include_usage:
-            yield sse(
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": request.model,
-                    "choices": [],
-                    "usage": self._usage(reqs),
-                }
-            )
+            yield event([], self._usage(reqs))
         yield b"data: [DONE]\n\n"
 
     # ---- other endpoints ------------------------------------------------------------------
@@ -571,6 +571,11 @@ def check_context(prompt_tokens: int, max_new_tokens: int | None, context_length
 
 def iso_timestamp(epoch_s: float) -> str:
     return datetime.datetime.fromtimestamp(epoch_s, tz=datetime.UTC).isoformat()
+
+
+def role_opening(index: int) -> dict[str, Any]:
+    """A chat stream's first event of choice `index`: the role, no text."""
+    return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
 
 def sse(obj: dict[str, Any]) -> bytes:

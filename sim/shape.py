@@ -284,13 +284,14 @@ class ChoiceShape:
         stream: bool,
         first: bool = False,
     ) -> dict[str, Any]:
-        """The choice object of a response (stream: of one chunk) carrying `pieces`."""
+        """The choice object of a response (stream: of one chunk) carrying `pieces`; `first`: the
+        choice's first piece (a tool call's opens with its id and name)."""
         text = "".join(pieces)
         body: dict[str, Any] = {"index": self.index}
         if kind != "chat":
             body["text"] = text
         elif stream:
-            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            delta: dict[str, Any] = {}
             if self.tool_name is None:
                 delta["content"] = text
             elif first:

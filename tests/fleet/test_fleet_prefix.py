@@ -62,6 +62,30 @@ def test_reports_of_fewer_cached_tokens_lower_the_credit_and_unreachable_forgets
     assert model.cached(NEXT_TURN, 5200, 7.0) is NO_MATCH
 
 
+@pytest.mark.parametrize("reported_before", [True, False])
+def test_sglangs_null_count_is_a_miss_only_from_a_server_seen_to_report(reported_before: bool):
+    # SGLang leaves out a zero cached count (prompt_tokens_details: null), as a server without its
+    # cache report does for every answer: a miss is only told apart once the server reported a hit.
+    model = fleet()
+    if reported_before:
+        sent = model.on_dispatch("s0", 0.0, 2048, blocks=OTHER)
+        model.on_response("s0", 0.5, ResponseEvidence(tokens=5, dispatch=sent, prompt_tokens=2048, cached_tokens=512))
+        model.on_complete("s0", 0.5)
+    model.on_dispatch("s0", 1.0, 4096, blocks=CONVERSATION)
+    for t in range(2, 7):
+        match = model.cached(NEXT_TURN, 5200, float(t))
+        sent = model.on_dispatch("s0", float(t), 5200, blocks=NEXT_TURN, match=match)
+        evidence = ResponseEvidence(tokens=10, dispatch=sent, prompt_tokens=5200, cached_details_null=True)
+        model.on_response("s0", float(t) + 0.5, evidence)
+        model.on_complete("s0", float(t) + 0.5)
+    credit = model.cached(NEXT_TURN, 5200, 7.0).credit["s0"]
+    stats = model.instances["s0"].cache
+    if reported_before:
+        assert credit < 0.3 * 10 * BLOCK and (stats.responses, stats.cached_tokens) == (6, 512)
+    else:
+        assert credit == 10 * BLOCK and stats.responses == 0  # nothing known: the index's own claim
+
+
 def test_a_named_session_credits_its_last_instance_with_its_last_prompt():
     model = fleet()
     short = chain_ids(())  # a prompt under one block: the index cannot see it

@@ -134,7 +134,9 @@ def test_cached_tokens_are_read_from_a_json_body_and_a_stream_tail():
     )
     assert summarise(tail).cached_tokens == 768
     # Not reported (SGLang without --enable-cache-report), or only elsewhere: None.
-    assert summarise(b'{"usage":{"prompt_tokens":9,"prompt_tokens_details":null}}').cached_tokens is None
+    null = summarise(b'{"usage":{"prompt_tokens":9,"prompt_tokens_details":null}}')
+    assert null.cached_tokens is None and null.cached_details_null  # SGLang's miss (or no report)
+    assert not summarise(body).cached_details_null and not summarise(b'{"usage":{}}').cached_details_null
     assert summarise(b'{"meta_info":{"cached_tokens":5},"usage":{"prompt_tokens":9}}').cached_tokens is None
     # A completion's text that spells the field is escaped JSON: never taken for it.
     text = b'{"choices":[{"text":"\\"prompt_tokens_details\\":{\\"cached_tokens\\":77}"}]}'

@@ -130,7 +130,9 @@ def test_a_conversation_stays_on_the_instance_holding_its_prefix_until_that_one_
     assert usages[0].prompt_tokens > 1200  # several 256-token blocks
     # The router credited the home instance, named it, sent the turns there, and learned from its
     # reports (read from the stream's usage tail; the proxy reads it once the client has it all).
-    wait_for(lambda: reported(proxy, home) >= 4, "the proxy to read the last turn's usage", timeout=10)
+    # The first turn's miss is SGLang's null, a report only from a server seen to report (the
+    # turns after it): three reports.
+    wait_for(lambda: reported(proxy, home) >= 3, "the proxy to read the last turn's usage", timeout=10)
     seen = state(proxy)
     turns = seen["decisions"][-3:]
     by_name = instances(proxy)
@@ -141,7 +143,7 @@ def test_a_conversation_stays_on_the_instance_holding_its_prefix_until_that_one_
         assert decision["scores"]["cached_spec_tokens"] == decision["cached_tokens"]
     prefix = by_name[home]["prefix"]
     assert prefix["blocks"] >= usages[-1].prompt_tokens // 256 - 1
-    assert prefix["reported_responses"] >= 4 and prefix["reported_cached_tokens"] > 0
+    assert prefix["reported_responses"] >= 3 and prefix["reported_cached_tokens"] > 0
     assert 0 < prefix["reported_hit_rate"] < 1 and prefix["trust"] > 0.9
     assert prefix["credited_tokens"] > 0
     assert seen["prefix"]["block_tokens"] == 256 and seen["prefix"]["entries"] >= prefix["blocks"]
@@ -166,7 +168,7 @@ def test_a_conversation_stays_on_the_instance_holding_its_prefix_until_that_one_
     assert moved != home, (home, moved)
     last = state(proxy)["decisions"][-1]
     assert last["instance"] != home_url and last["cached"].get(home_url, 0) > 1024, last
-    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == 0
+    assert usage.prompt_tokens_details is None  # nothing cached there: SGLang leaves the 0 out
 
 
 def test_short_turns_stay_together_only_when_the_session_is_named(fleet):

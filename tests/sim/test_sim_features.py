@@ -67,8 +67,10 @@ def chat(t, **kw):
 
 
 def stream(t, **kw):
+    """(the chunks with text or a tool call, every chunk): SGLang opens each choice with the role
+    alone and closes it with an empty delta and the finish reason."""
     chunks = list(chat(t, stream=True, **kw))
-    return [c for c in chunks if c.choices], chunks
+    return [c for c in chunks if c.choices and (c.choices[0].delta.content or c.choices[0].delta.tool_calls)], chunks
 
 
 def loads(t):
@@ -109,17 +111,20 @@ def test_a_named_tool_is_called_and_a_function_without_parameters_gets_empty_arg
 
 
 def test_a_forced_tool_call_streams_name_then_argument_pieces(spec):
-    content, _ = stream(spec, tools=[WEATHER], tool_choice="required")
+    content, chunks = stream(spec, tools=[WEATHER], tool_choice="required")
+    opening, closing = chunks[0].choices[0], [c for c in chunks if c.choices][-1].choices[0]
+    assert (opening.delta.role, opening.delta.content, opening.delta.tool_calls) == ("assistant", "", None)
+    assert closing.finish_reason == "tool_calls" and closing.delta.tool_calls is None
     deltas = [c.choices[0].delta for c in content]
     first = deltas[0].tool_calls[0]
-    assert deltas[0].role == "assistant" and deltas[0].content is None
+    assert deltas[0].role is None and deltas[0].content is None
     assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
     assert first.id.startswith("call_")
     later = [d.tool_calls[0] for d in deltas[1:] if d.tool_calls]
     assert later and all(t.index == 0 and t.id is None and t.function.name is None for t in later)
     arguments = first.function.arguments + "".join(t.function.arguments for t in later)
     assert set(json.loads(arguments)) == {"city", "days", "unit"}
-    assert [c.choices[0].finish_reason for c in content][-1] == "tool_calls"
+    assert all(c.choices[0].finish_reason is None for c in content)
     assert len(content) > 2  # spread over the engine steps
 
 
@@ -168,8 +173,8 @@ def test_json_cut_by_max_tokens_ends_with_length_and_is_not_closed(spec):
     assert r.choices[0].message.content.startswith('{"answer": "')
     with pytest.raises(ValueError):
         json.loads(r.choices[0].message.content)
-    content, _ = stream(spec, **kw)
-    assert content[-1].choices[0].finish_reason == "length"
+    _, chunks = stream(spec, **kw)
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "length"
 
 
 def test_a_natural_end_closes_the_json_even_with_a_stop_string(spec):
@@ -261,11 +266,17 @@ def test_n_choices_stream_interleaved_with_their_index(spec):
     indexes = [c.choices[0].index for c in content]
     assert set(indexes) == {0, 1}
     assert indexes.index(1) < len(indexes) - indexes[::-1].index(0) - 1  # interleaved, not one after the other
+    events = [c.choices[0] for c in chunks if c.choices]
     for i in (0, 1):
         mine = [c.choices[0] for c in content if c.choices[0].index == i]
-        assert mine[0].delta.role == "assistant" and all(m.delta.role is None for m in mine[1:])
-        assert [m.finish_reason for m in mine] == [None] * (len(mine) - 1) + ["length"]
+        assert all(m.delta.role is None and m.finish_reason is None for m in mine)
         assert len("".join(m.delta.content for m in mine).split()) == 30
+        # SGLang: the role alone before the choice's text, its finish reason after every choice's
+        theirs = [(n, e) for n, e in enumerate(events) if e.index == i and not e.delta.content]
+        (opened, opening), (closed, closing) = theirs
+        assert opening.delta.role == "assistant" and opening.delta.content == ""
+        assert closing.finish_reason == "length" and closed >= len(events) - 2
+        assert opened < min(n for n, e in enumerate(events) if e.index == i and e.delta.content)
     assert chunks[-1].usage.completion_tokens == 60
 
 

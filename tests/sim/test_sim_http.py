@@ -32,6 +32,12 @@ def words(text):
     return len(text.split())
 
 
+def with_text(chunks):
+    """A chat stream's chunks that carry text: SGLang opens each choice with the role alone and
+    closes it with an empty delta and the finish reason."""
+    return [c for c in chunks if c.choices and c.choices[0].delta.content]
+
+
 @pytest.fixture(scope="module")
 def fleet():
     with twins(
@@ -106,9 +112,11 @@ def test_stream_one_chunk_per_step_with_usage_and_spec_details(spec):
             extra_body={"ignore_eos": True, "return_spec_tokens_details": True},
         )
     )
-    content = [c for c in chunks if c.choices]
-    assert content[0].choices[0].delta.role == "assistant"
-    assert content[-1].choices[0].finish_reason == "length"
+    events = [c for c in chunks if c.choices]
+    content = with_text(chunks)
+    assert (events[0].choices[0].delta.role, events[0].choices[0].delta.content) == ("assistant", "")
+    assert events[-1].choices[0].finish_reason == "length" and events[-1].choices[0].delta.content is None
+    assert len(events) == len(content) + 2 and all(c.choices[0].finish_reason is None for c in content)
     details_chunk, usage_chunk = chunks[-2], chunks[-1]
     assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens == 200
     details = details_chunk.model_extra["sglext"]["spec_tokens_details"]
@@ -187,6 +195,7 @@ def test_same_seed_same_text(base):
             "top-level type is not object",
         ),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "at least 0"),
+        ({"messages": []}, "Messages cannot be empty."),
     ],
 )
 def test_bad_requests_get_sglang_400(spec, body, fragment):
@@ -210,6 +219,7 @@ def test_sdk_raises_bad_request(spec):
         ({"prompt": "x", "suffix": "y"}, "does not support suffix"),
         ({"prompt": ["x", "y"]}, "does not support batched prompts"),
         ({"prompt": "x", "n": 0}, "n must be at least 1"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens must be positive"),
     ],
 )
 def test_bad_completions_get_sglang_400(spec, body, fragment):
@@ -258,6 +268,13 @@ def test_models_health_and_server_info(spec, base):
     assert "avg_spec_accept_length" not in info["internal_states"][0]
 
 
+def test_a_base_server_has_no_verify_counter(base):
+    # SGLang counts verify calls only when a request had some: a plain server never shows the series
+    chat(base, max_tokens=3)
+    assert metric(base, "sglang:spec_verify_calls_total") is None
+    assert metric(base, "sglang:num_aborted_requests_total") is None  # none aborted yet
+
+
 def test_metrics_and_loads_count_finished_work(spec):
     before = metric(spec, "sglang:generation_tokens_total") or 0.0  # no series before the first request
     chat(spec, max_tokens=40, extra_body={"ignore_eos": True})
@@ -278,7 +295,7 @@ def test_alpha_admin_endpoint(spec, base):
     try:
         r = httpx.post(spec.url + "/specroute/twin/alpha", json={"alpha": 0.0})
         assert r.status_code == 200 and r.json() == {"alpha": 0.0}
-        chunks = [c for c in chat(spec, max_tokens=30, stream=True, extra_body={"ignore_eos": True}) if c.choices]
+        chunks = with_text(chat(spec, max_tokens=30, stream=True, extra_body={"ignore_eos": True}))
         assert all(words(c.choices[0].delta.content) == 1 for c in chunks)  # nothing accepted: 1 token per step
         assert httpx.get(spec.url + "/server_info").json()["mean_alpha"] == 0.0
     finally:
@@ -292,7 +309,7 @@ def test_alpha_admin_endpoint(spec, base):
 
 
 async def chunk_times(t, n_streams, max_tokens, **extra):
-    """Wall time of every content chunk of `n_streams` concurrent streams."""
+    """Wall time of every chunk with text of `n_streams` concurrent streams, and its words."""
     aclient = openai.AsyncOpenAI(base_url=t.base_url, api_key="unused", max_retries=0, timeout=120)
 
     async def one():
@@ -305,8 +322,8 @@ async def chunk_times(t, n_streams, max_tokens, **extra):
             extra_body={"ignore_eos": True, **extra},
         )
         async for chunk in stream:
-            if chunk.choices:
-                times.append((time.monotonic(), words(chunk.choices[0].delta.content or "")))
+            if chunk.choices and chunk.choices[0].delta.content:
+                times.append((time.monotonic(), words(chunk.choices[0].delta.content)))
         return times
 
     try:
@@ -402,7 +419,7 @@ async def _cap_scenario(t):
         assert not first_of_last.done()
         await streams[0].close()
         chunk = await asyncio.wait_for(first_of_last, DEADLINE_S)
-        assert chunk.choices[0].delta.content
+        assert chunk.choices[0].delta.role == "assistant"  # the opening comes with the first token
         await until(lambda: metric(t, "sglang:num_aborted_requests_total") == 1, "the abort counted")
         await until(lambda: (loads(t)["num_running_reqs"], loads(t)["num_waiting_reqs"]) == (48, 0), "slot reused")
     finally:

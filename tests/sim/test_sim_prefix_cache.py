@@ -71,14 +71,16 @@ def test_a_repeated_long_prompt_skips_its_prefill(cached):
     assert tokens == 20_000
     first, ttft_first = timed(cached, body_of(messages))
     second, ttft_second = timed(cached, body_of(messages))
-    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert first["usage"]["prompt_tokens_details"] is None  # SGLang leaves out a zero count
     # all but the last prompt token, whose logits give the first output token
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": tokens - 1}
     full, skipped = prefill_s(tokens), prefill_s(1)
     assert full - skipped > 0.9  # the profile's prefill it skips: 20,000 x 0.05 ms + 3 chunks
-    # wall-clock TTFT (x time scale) against the profile, with room for the twin's HTTP and Python
-    assert ttft_first == pytest.approx(full, abs=0.25)
-    assert ttft_second < skipped + 0.25
+    # wall-clock TTFT (x time scale) against the profile, with room for the twin's HTTP and Python:
+    # reading and counting a 20,000-token prompt took 0.12-0.13 s of wall clock (0.25 simulated)
+    # on a 2-core machine, in both; their difference is the prefill skipped
+    assert ttft_first == pytest.approx(full, abs=0.5)
+    assert ttft_second < skipped + 0.5
     assert ttft_first - ttft_second == pytest.approx(full - skipped, abs=0.3)
     # the server's own TTFT histogram (simulated seconds) holds both
     assert metric(cached, "sglang:time_to_first_token_seconds_sum") == pytest.approx(full + skipped, abs=0.1)
@@ -98,7 +100,7 @@ def test_cached_tokens_equal_the_shared_prefix_streamed_and_not(cached):
     assert shared == count_prompt_tokens({"messages": [system]}) + 3  # + the next message's header
     first, _ = timed(cached, body_of(a))
     # at most the template's opening token, which every earlier prompt on this twin began with
-    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] <= 1
+    assert (first["usage"]["prompt_tokens_details"] or {"cached_tokens": 0})["cached_tokens"] <= 1
     stream = httpx.post(
         cached.url + "/v1/chat/completions",
         json=body_of(b, stream=True, stream_options={"include_usage": True}),
@@ -109,6 +111,10 @@ def test_cached_tokens_equal_the_shared_prefix_streamed_and_not(cached):
     assert usage[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": shared}
     again, _ = timed(cached, body_of(b, stream=False))
     assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": len(ids_b) - 1}
+    # n choices: the prompt's cached tokens once, as its prompt tokens (SGLang's UsageProcessor)
+    twice, _ = timed(cached, body_of(b, stream=False, n=2))
+    assert twice["usage"]["prompt_tokens_details"] == {"cached_tokens": len(ids_b) - 1}
+    assert twice["usage"]["prompt_tokens"] == len(ids_b)
 
 
 def test_loads_count_waiting_uncached_tokens():
@@ -158,7 +164,8 @@ def test_without_the_report_flag_usage_has_no_details_and_radix_cache_can_be_dis
     with twin("base", "kimi-linear", time_scale=SCALE, seed=5, args=args) as t:
         timed(t, body_of(messages))
         body, _ = timed(t, body_of(messages))
-        assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert body["usage"]["prompt_tokens_details"] is None  # nothing cached: SGLang says null
+        assert metric(t, "sglang:cached_tokens_total") in (None, 0.0)
 
 
 def test_eviction_under_memory_pressure_brings_the_full_prefill_back():

@@ -41,10 +41,13 @@ def test_a_stream_whose_steps_all_queued_sends_every_token_and_one_finish():
     events = [e.removeprefix(b"data: ").strip() for e in asyncio.run(read())]
     assert events[-1] == b"[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    content = [c for c in chunks if c["choices"]]
+    events = [c for c in chunks if c["choices"]]
+    opening, *content, closing = events  # SGLang's: the role alone, the text, the finish reason
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     text = "".join(c["choices"][0]["delta"]["content"] for c in content)
     assert len(text.split()) == 40 == chunks[-1]["usage"]["completion_tokens"]
-    assert [c["choices"][0]["finish_reason"] for c in content] == [None] * (len(content) - 1) + ["stop"]
+    assert [c["choices"][0]["finish_reason"] for c in content] == [None] * len(content)
+    assert closing["choices"][0]["delta"] == {} and closing["choices"][0]["finish_reason"] == "stop"
     # Cumulative usage grows chunk by chunk, not jumping to the end.
     counts = [c["usage"]["completion_tokens"] for c in content]
     assert counts == sorted(counts) and counts[0] == 1 and counts[-1] == 40
