@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import secrets
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
@@ -307,10 +308,36 @@ def relayed_headers(response: aiohttp.ClientResponse, stream: bool) -> list[tupl
             or lower in listed
             or lower.startswith(OWN_PREFIX)
             or (stream and lower == b"content-length")
+            or not valid_header_value(value)
         ):
             continue
         out.append((lower, value))
     return out
+
+
+_CONTROL_BYTE = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def valid_header_value(value: bytes) -> bool:
+    """No control byte but tab (uvicorn refuses to send one: the client's connection dropped)."""
+    return _CONTROL_BYTE.search(value) is None
+
+
+def unusable_answer(response: aiohttp.ClientResponse) -> tuple[str, str] | None:
+    """(error code, what the server did) for an answer no client could use, else None: a status
+    outside HTTP's (uvicorn cannot send it), a success other than 200 (SGLang, vLLM and OpenAI
+    answer completions with 200 alone; a 204 reached clients as an empty body), or a stream in a
+    content-encoding the proxy did not ask for (its events cannot be read, so it would reach the
+    client only at its end, the usage the proxy added still in it)."""
+    status = response.status
+    if not 200 <= status <= 599:
+        return "upstream_bad_status", f"answered HTTP {status}"
+    if 200 < status < 300:
+        return "upstream_bad_status", f"answered HTTP {status}, not 200"
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    if status == 200 and response.content_type == "text/event-stream" and encoding not in ("", "identity"):
+        return "upstream_encoding", f"sent a stream in {encoding[:32]!r} encoding, which was not asked for"
+    return None
 
 
 async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], exchange: Exchange) -> None:
@@ -551,7 +578,13 @@ class CompletionHandler:
             elif failure.retryable:
                 failure.retryable = None  # one server failed: the SDK's own retry may find another
             # else: a timeout (the generation would run again) or a 4xx: x-should-retry: false
-            raise failure
+            try:
+                raise failure
+            finally:
+                # The raised error's traceback holds this frame, which held the error: a cycle
+                # keeping the body alive until the cyclic collector ran (raised thresholds: a 15 MB
+                # prompt the upstream refused stayed for seconds, 1.3 GB with ten clients).
+                del failure
 
     async def attempt(
         self,
@@ -612,6 +645,12 @@ class CompletionHandler:
                     instance.url + path, out.items(), body, remaining_s, first_byte_limited=exchange.asked_stream
                 )
                 hooks.upstream_headers(status=response.status, headers=response.headers)
+                unusable = unusable_answer(response)
+                if unusable is not None:
+                    code, what = unusable
+                    attempt.failed(code)
+                    hooks.attempt_failed(error=code, retryable=True)
+                    return ProxyError(502, f"upstream {instance.pool} server {what}", code=code, retryable=True)
                 if response.status >= 400:
                     return await self.upstream_error(exchange, response, attempt)
                 if response.status >= 300:
@@ -626,6 +665,8 @@ class CompletionHandler:
                         retryable=True,
                     )
                 first = await response.content.readany()
+                if response.content_type == "text/event-stream":
+                    first = await self.first_event(response, first)
                 exchange.upstream_wait_s += perf_counter() - began
                 began = 0.0
                 attempt.first_byte()
@@ -655,6 +696,27 @@ class CompletionHandler:
                 else:
                     response.close()  # unread bytes: drop the connection, which ends the upstream request
 
+    async def first_event(self, response: aiohttp.ClientResponse, first: bytes) -> bytes:
+        """A stream's first bytes, read on until they hold its first data event: comments and
+        blank lines ahead of it (keep-alives) are no first token, which must still come within
+        the first-token timeout (an upstream sending `: keep-alive` every half second and never
+        data held a request for the whole total timeout)."""
+        buffered = bytearray(first)
+        searched = 0
+        deadline = perf_counter() + self.settings.first_token_timeout_s
+        while first and buffered.find(scan.EVENT, max(searched - len(scan.EVENT), 0)) < 0:
+            searched = len(buffered)
+            left = deadline - perf_counter()
+            if left <= 0 or searched > MAX_EVENT_BYTES:
+                raise aiohttp.SocketTimeoutError("no data event within the first-token timeout")
+            try:
+                async with asyncio.timeout(left):
+                    first = await response.content.readany()
+            except TimeoutError:
+                raise aiohttp.SocketTimeoutError("no data event within the first-token timeout") from None
+            buffered += first
+        return bytes(buffered)
+
     async def upstream_error(
         self, exchange: Exchange, response: aiohttp.ClientResponse, attempt: Attempt
     ) -> ProxyError:
@@ -673,7 +735,11 @@ class CompletionHandler:
         else:
             attempt.refused()
             exchange.hooks.attempt_finished(status=response.status)
-        relayed = [(name.lower(), value) for name, value in response.raw_headers if name.lower() in RETRY_AFTER]
+        relayed = [
+            (name.lower(), value)
+            for name, value in response.raw_headers
+            if name.lower() in RETRY_AFTER and valid_header_value(value)
+        ]
         # A 4xx is the client's to act on: the SDK retries a 429 (after its retry-after), not a 400.
         return ProxyError(
             response.status,
@@ -700,7 +766,16 @@ class CompletionHandler:
         # The client only ever gets whole events: an event split across reads waits for its end,
         # so an upstream that fails mid-event leaves no half event before ours.
         splitter = scan.EventSplitter(MAX_EVENT_BYTES) if is_stream else None
+        heard = perf_counter()
         while chunk:
+            if is_stream:
+                # Comments and blank lines keep the socket busy, not the stream: the chunk timeout
+                # is held between data (or a data event still arriving), not between reads.
+                now = perf_counter()
+                if scan.EVENT in chunk or (splitter is not None and splitter.pending):
+                    heard = now
+                elif now - heard > self.settings.chunk_timeout_s:
+                    raise aiohttp.SocketTimeoutError("no data event within the chunk timeout")
             if splitter is not None:
                 try:
                     chunk = splitter.feed(chunk)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fleet.cadence import gauge_steps, reads_counters
-from fleet.readings import Reading, ServerDescription
+from fleet.readings import Reading, ServerDescription, count_or_none
 from proxy.backends.base import Backend
 from proxy.backends.prometheus import parse_prometheus
 
@@ -26,6 +26,10 @@ METRIC_NAMES = frozenset(
 )
 
 
+MAX_DRAFT_TOKENS = 64
+"""More draft tokens per verify step than any speculative server runs (SGLang's EAGLE: 1-16)."""
+
+
 class SGLang(Backend):
     kind = "sglang"
     load_paths = ("/v1/loads", "/metrics", "/get_load")
@@ -38,12 +42,11 @@ class SGLang(Backend):
     @classmethod
     def describe(cls, doc: Mapping[str, Any]) -> tuple[ServerDescription, dict[str, Any]]:
         facts = server_info_facts(doc)
-        cap = facts["max_running_requests"]
         description = ServerDescription(
             kind=cls.kind,
             speculative=facts["speculative"],
             num_draft_tokens=facts["num_draft_tokens"],
-            max_running=int(cap) if cap else None,
+            max_running=count_or_none(facts["max_running_requests"]) or None,
         )
         return description, facts
 
@@ -58,9 +61,13 @@ class SGLang(Backend):
         return "/metrics" if self.load_path == "/v1/loads" and speculative and reads_counters(poll) else None
 
     def with_counters(self, reading: Reading, text: str) -> Reading:
+        """The reading with a speculative server's token and verify counters. SGLang increments
+        spec_verify_calls_total only by a request's count above 0, and a labelled counter has no
+        sample before its first increment: absent, both read 0 (so the first requests to finish
+        count, rather than becoming the baseline)."""
         m = parse_prometheus(text, METRIC_NAMES)
-        if "sglang:spec_verify_calls_total" not in m:
-            return reading
+        if "sglang:num_running_reqs" not in m and "sglang:generation_tokens_total" not in m:
+            return reading  # not SGLang's metrics (or no metrics at all): no counters to read
         return Reading(
             at=reading.at,
             running=reading.running,
@@ -69,8 +76,8 @@ class SGLang(Backend):
             waiting_tokens=reading.waiting_tokens,
             accept_length=m.get("sglang:spec_accept_length") or None,
             accept_steps=gauge_steps(reading.running),
-            tokens_total=m.get("sglang:generation_tokens_total", 0.0),  # no sample before a request finished
-            verify_total=m["sglang:spec_verify_calls_total"],
+            tokens_total=m.get("sglang:generation_tokens_total", 0.0),
+            verify_total=m.get("sglang:spec_verify_calls_total", 0.0),
         )
 
 
@@ -81,11 +88,11 @@ def _json(text: str) -> Any:
 def server_info_facts(doc: Mapping[str, Any]) -> dict[str, Any]:
     """What /server_info says about speculation and the running cap."""
     algorithm = doc.get("speculative_algorithm")
-    steps = doc.get("speculative_num_steps") or 0
+    steps = count_or_none(doc.get("speculative_num_steps"), MAX_DRAFT_TOKENS) or 0
     return {
         "speculative": bool(algorithm),
         "speculative_algorithm": algorithm,
-        "num_draft_tokens": int(steps) if algorithm else 0,
+        "num_draft_tokens": steps if algorithm else 0,
         "speculative_eagle_topk": doc.get("speculative_eagle_topk"),
         "speculative_num_draft_tokens": doc.get("speculative_num_draft_tokens"),
         "max_running_requests": doc.get("max_running_requests"),
@@ -100,22 +107,34 @@ def reading_from_loads(doc: Mapping[str, Any], at: float) -> Reading:
     # Its speculative.accept_length is cumulative since start: too slow for routing, not used.
     return Reading(
         at=at,
-        running=float(sum(e.get("num_running_reqs", 0) for e in loads)),
-        waiting=float(sum(e.get("num_waiting_reqs", 0) for e in loads)),
-        max_running=int(sum(e.get("max_running_requests", 0) for e in loads)) or None,
-        waiting_tokens=float(sum(e.get("num_waiting_uncached_tokens", 0) for e in loads)),
-        cache_tokens=int(sum(e.get("max_total_num_tokens", 0) for e in loads)) or None,
+        running=_sum(loads, "num_running_reqs"),
+        waiting=_sum(loads, "num_waiting_reqs"),
+        max_running=int(_sum(loads, "max_running_requests")) or None,
+        waiting_tokens=_sum(loads, "num_waiting_uncached_tokens"),
+        cache_tokens=int(_sum(loads, "max_total_num_tokens")) or None,
         prefill_tokens_total=_total(loads, "total_prefill_uncached_tokens"),
         prefill_busy_us_total=_total(loads, "total_prefill_busy_us"),
     )
 
 
+def _sum(loads: list[Mapping[str, Any]], field: str) -> float:
+    """A count summed over the ranks (0 where a rank leaves it out); ValueError for a value that
+    is no count (a string, a bool, NaN, a negative or absurd number)."""
+    total = 0
+    for entry in loads:
+        value = entry.get(field, 0)
+        count = count_or_none(value)
+        if count is None:
+            raise ValueError(f"/v1/loads {field} is not a count: {value!r}")
+        total += count
+    return float(total)
+
+
 def _total(loads: list[Mapping[str, Any]], field: str) -> float | None:
     """A counter summed over the ranks, None when a rank does not report it (an older server)."""
-    values = [e.get(field) for e in loads]
-    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+    if not all(field in e for e in loads):
         return None
-    return float(sum(values))  # type: ignore[arg-type]
+    return _sum(loads, field)
 
 
 def reading_from_metrics(text: str, at: float) -> Reading:
@@ -123,16 +142,18 @@ def reading_from_metrics(text: str, at: float) -> Reading:
     if "sglang:num_running_reqs" not in m:
         raise ValueError("no SGLang load gauges in /metrics")
     running = m["sglang:num_running_reqs"]
+    cap = m.get("sglang:max_running_requests")
     return Reading(
         at=at,
         running=running,
         waiting=m.get("sglang:num_queue_reqs", 0.0),
-        max_running=int(m["sglang:max_running_requests"]) if m.get("sglang:max_running_requests") else None,
+        max_running=count_or_none(cap) or None,
         accept_length=m.get("sglang:spec_accept_length") or None,
         accept_steps=gauge_steps(running),
-        # A labelled counter has no sample until its first child exists (no request finished).
-        tokens_total=m.get("sglang:generation_tokens_total", 0.0) if "sglang:spec_verify_calls_total" in m else None,
-        verify_total=m.get("sglang:spec_verify_calls_total"),
+        # A labelled counter has no sample before its first increment: absent reads 0 (as
+        # with_counters; only a speculative pool's counters are used).
+        tokens_total=m.get("sglang:generation_tokens_total", 0.0),
+        verify_total=m.get("sglang:spec_verify_calls_total", 0.0),
     )
 
 
@@ -141,6 +162,6 @@ def reading_from_get_load(doc: Any, at: float) -> Reading:
     entries = [e for e in entries if isinstance(e, Mapping)]
     if not entries:
         raise ValueError("empty /get_load answer")
-    total = sum(e.get("num_reqs", 0) for e in entries)
-    waiting = sum(e.get("num_waiting_reqs", 0) for e in entries)
-    return Reading(at=at, running=float(total - waiting), waiting=float(waiting))
+    total = _sum(entries, "num_reqs")
+    waiting = _sum(entries, "num_waiting_reqs")
+    return Reading(at=at, running=max(total - waiting, 0.0), waiting=waiting)

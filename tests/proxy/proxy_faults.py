@@ -19,15 +19,20 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
     with FaultServer("hopheaders") as bad:       # 200 JSON with hop-by-hop, connection-listed and x-specroute-* headers
     with FaultServer("drop") as bad:             # reads the request, closes the connection without a byte
     with FaultServer("lateend:0.5") as bad:      # 200 SSE, 2 events, usage, [DONE]; the body's end 0.5 s later
+    with FaultServer("rawstatus:999") as bad:    # a completion's JSON under status 999 (any status: 204, 206...)
+    with FaultServer("ctlheader") as bad:        # 200 JSON with a control byte in a header's value
+    with FaultServer("gzipsse") as bad:          # 200 SSE in gzip, unasked for
+    with FaultServer("keepalive:2") as bad:      # 200 SSE, 2 events, then only `: keep-alive` comments
 
 Load polls (GET) get 404, as from a server with no load endpoint, unless `probe` names the one
 it answers: "/get_load" (older SGLang's JSON) or "/metrics" (SGLang's Prometheus gauges), with
-`load` = (running, waiting).
+`load` = (running, waiting), or `load_text` as the answer's body.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import itertools
 import json
 import threading
@@ -100,6 +105,7 @@ class FaultServer:
     behaviour: str
     probe: str = ""
     load: tuple[int, int] = (0, 0)
+    load_text: str | None = None
     requests: list[Received] = field(default_factory=list)
     port: int = 0
     open_connections: int = 0
@@ -180,7 +186,10 @@ class FaultServer:
 
     def _load_answer(self) -> bytes:
         running, waiting = self.load
-        if self.probe == "/get_load":
+        if self.load_text is not None:
+            body = self.load_text.encode()
+            kind = b"application/json" if self.probe != "/metrics" else b"text/plain; version=0.0.4"
+        elif self.probe == "/get_load":
             body = json.dumps([{"num_reqs": running + waiting, "num_waiting_reqs": waiting, "num_tokens": 0}]).encode()
             kind = b"application/json"
         else:
@@ -237,6 +246,35 @@ class FaultServer:
                 if kind == "strict" or b'"include_usage":true' in body:
                     writer.write(http_chunk(b"data: " + json.dumps(STREAM_USAGE).encode() + b"\n\n"))
                 writer.write(http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        elif kind == "rawstatus":
+            body = b"" if arg in ("204", "304") else json.dumps(COMPLETION).encode()  # no content, by HTTP
+            writer.write(
+                b"HTTP/1.1 %s Whatever\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (arg.encode(), len(body), body)
+            )
+        elif kind == "ctlheader":
+            body = json.dumps(COMPLETION).encode()
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-note: a\x01b\r\nretry-after: 1\x7f\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+        elif kind == "gzipsse":
+            body = gzip.compress(sse_event(0) + sse_event(1) + b"data: [DONE]\n\n")
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-encoding: gzip\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+        elif kind == "keepalive":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for i in range(int(arg)):
+                writer.write(sse_chunk(i))
+            try:
+                while True:  # until the proxy gives up and closes the connection
+                    writer.write(http_chunk(b": keep-alive\n\n"))
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+            except ConnectionError:
+                return False
         elif kind == "hugeusage":  # an answer whose usage counts more tokens than any float holds
             body = json.dumps(COMPLETION | {"usage": {"prompt_tokens": 10**400, "completion_tokens": 10**400}}).encode()
             writer.write(

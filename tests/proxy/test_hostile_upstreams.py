@@ -261,3 +261,78 @@ def test_a_server_learned_again_is_asked_for_stream_options_again() -> None:
             list(client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3, stream=True))
             assert [b'"stream_options"' in r.body for r in upgraded.requests if r.method == "POST"] == [True]
             wait_for(lambda: proxy.in_flight() == 0, "the requests to be released", timeout=10)
+
+
+@pytest.mark.parametrize("status", [999, 204, 206])
+def test_an_answer_status_no_client_can_use_fails_over_as_a_502(twin_pair, status: int) -> None:
+    # A status outside HTTP's dropped the client's connection (uvicorn cannot send it); a 204
+    # reached the SDK as an empty body. SGLang and vLLM answer completions with 200 alone.
+    spec, base = twin_pair
+    with (
+        FaultServer(f"rawstatus:{status}") as bad,
+        running_proxy(spec_urls=[bad.url], base_urls=[base.url], policy="spec") as proxy,
+    ):
+        pinned = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers={"x-specroute-pool": "spec"})
+        assert pinned.status_code == 502, pinned.text
+        assert pinned.json()["error"]["code"] == "upstream_bad_status"
+        served = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
+        assert served.status_code == 200 and served.headers["x-specroute-pool"] == "base"
+
+
+def test_an_upstream_header_with_a_control_byte_is_not_relayed() -> None:
+    # uvicorn refuses to send one: the client's connection dropped without an answer.
+    with FaultServer("ctlheader") as bad, running_proxy(spec_urls=[bad.url], policy="spec") as proxy:
+        answer = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
+    assert answer.status_code == 200 and answer.json()["choices"][0]["message"]["content"] == "ok"
+    assert "x-note" not in answer.headers and "retry-after" not in answer.headers
+
+
+def test_a_stream_in_an_encoding_nobody_asked_for_fails_over_as_a_502() -> None:
+    # Its events cannot be read: it reached the client only at its end, the added usage in it.
+    with FaultServer("gzipsse") as bad, running_proxy(spec_urls=[bad.url], policy="spec") as proxy:
+        answer = httpx.post(proxy.base_url + "/chat/completions", json=CHAT | {"stream": True})
+    assert answer.status_code == 502 and answer.json()["error"]["code"] == "upstream_encoding"
+
+
+def test_keep_alive_comments_hold_a_stream_no_longer_than_its_timeouts() -> None:
+    # Comments kept the socket busy: the first-token and chunk timeouts never fired, and the
+    # request was held for the whole total timeout (600 s by default).
+    limits = {"first_token_timeout_s": 0.5, "chunk_timeout_s": 0.5, "total_timeout_s": 60}
+    with FaultServer("keepalive:0") as silent, running_proxy(spec_urls=[silent.url], policy="spec", **limits) as proxy:
+        started = time.monotonic()
+        answer = httpx.post(proxy.base_url + "/chat/completions", json=CHAT | {"stream": True}, timeout=30)
+        assert answer.status_code == 504 and answer.json()["error"]["code"] == "first_token_timeout"
+        assert time.monotonic() - started < 10
+    with FaultServer("keepalive:2") as quiet, running_proxy(spec_urls=[quiet.url], policy="spec", **limits) as proxy:
+        started = time.monotonic()
+        answer = httpx.post(proxy.base_url + "/chat/completions", json=CHAT | {"stream": True}, timeout=30)
+        events = [line for line in answer.text.splitlines() if line.startswith("data: ")]
+        assert answer.status_code == 200 and len(events) == 4, answer.text  # 2 events, the error, [DONE]
+        assert '"chunk_timeout"' in events[2] and events[3] == "data: [DONE]"
+        assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    "gauges",
+    [
+        "sglang:num_running_reqs NaN\nsglang:num_queue_reqs 0\n",
+        "sglang:num_running_reqs +Inf\nsglang:num_queue_reqs 0\n",
+        "sglang:num_running_reqs 1e400\nsglang:num_queue_reqs 0\n",
+        "sglang:num_running_reqs -4\nsglang:num_queue_reqs 0\n",
+        "sglang:num_running_reqs 1\nsglang:num_queue_reqs 0\nsglang:max_running_requests -4\n",
+    ],
+    ids=["nan", "inf", "overflow", "negative", "negative-cap"],
+)
+def test_a_load_no_server_means_is_not_taken(twin_pair, gauges: str) -> None:
+    # One NaN in a poll answer made every unpinned request a 500 (the policy's arithmetic), and a
+    # negative cap drew all traffic to the server that wrote it.
+    spec, _ = twin_pair
+    with (
+        FaultServer("echo", probe="/metrics", load_text=gauges) as odd,
+        running_proxy(spec_urls=[spec.url], base_urls=[odd.url], poll_interval_ms=50) as proxy,
+    ):
+        wait_for(lambda: sum(r.path == "/metrics" for r in odd.requests) >= 3, "three polls of the odd server")
+        answers = [httpx.post(proxy.base_url + "/chat/completions", json=CHAT) for _ in range(4)]
+        assert [a.status_code for a in answers] == [200] * 4
+        state = httpx.get(proxy.url + "/v1/specroute/state").text
+        assert "NaN" not in state and "Infinity" not in state and '"max_running": -4' not in state
