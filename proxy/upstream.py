@@ -38,6 +38,8 @@ def classify(exc: BaseException, started: bool) -> str:
 
 
 UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+UPSTREAM_KEEPALIVE_S = 4.0
+"""Seconds an idle upstream connection is kept for reuse: below uvicorn's 5 s keep-alive."""
 
 
 class Upstream:
@@ -51,7 +53,10 @@ class Upstream:
         connector = aiohttp.TCPConnector(
             limit=0,  # no global cap: each instance has its own (limit_per_host)
             limit_per_host=self.settings.max_connections,
-            keepalive_timeout=30,
+            # Idle connections close before the server closes them: SGLang and vLLM serve with
+            # uvicorn's 5 s keep-alive, and a pooled connection reused as its server's FIN was in
+            # flight failed the request sent on it ("server disconnected", before any byte).
+            keepalive_timeout=UPSTREAM_KEEPALIVE_S,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
