@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 DEFAULT_MODEL_NAME = "default"
 
@@ -103,14 +103,6 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens_positive(cls, value: int) -> int:
-        # SGLang's CompletionRequest.validate_max_tokens_positive (chat has no such check)
-        if value is not None and value <= 0:
-            raise ValueError("max_tokens must be positive")
-        return value
-
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
@@ -133,7 +125,10 @@ class TwinError(Exception):
         return {"object": "error", "message": self.message, "type": self.err_type, "param": None, "code": self.status}
 
 
-def parse_request(kind: Literal["chat", "completion"], body: Any) -> ChatCompletionRequest | CompletionRequest:
+def parse_request(
+    kind: Literal["chat", "completion"], body: Any, vllm: bool = False
+) -> ChatCompletionRequest | CompletionRequest:
+    """The request, or the TwinError SGLang (`vllm`: vLLM) answers it with."""
     model = ChatCompletionRequest if kind == "chat" else CompletionRequest
     if not isinstance(body, dict):
         raise TwinError("The request body must be a JSON object.", err_type="Bad Request")
@@ -143,14 +138,24 @@ def parse_request(kind: Literal["chat", "completion"], body: Any) -> ChatComplet
         # SGLang turns FastAPI's 422 into a 400 whose message is the validation error text.
         raise TwinError(str(exc), err_type="Bad Request") from None
     unsupported_features(request)
-    check_sampling(request)
+    check_sampling(request, vllm)
     return request
 
 
-def check_sampling(request: ChatCompletionRequest | CompletionRequest) -> None:
-    """SGLang's SamplingParams.verify messages for the parameters the twin reads or echoes."""
-    if request.max_new_tokens is not None and request.max_new_tokens < 0:
-        raise TwinError(f"max_new_tokens must be at least 0, got {request.max_new_tokens}.")
+def check_sampling(request: ChatCompletionRequest | CompletionRequest, vllm: bool = False) -> None:
+    """SGLang's SamplingParams.verify messages (`vllm`: vLLM's) for the parameters the twin reads
+    or echoes."""
+    n = request.max_new_tokens
+    if vllm:
+        if n is not None and n < 1:  # vLLM's SamplingParams._verify_args
+            raise TwinError(f"max_tokens must be at least 1, got {n}.")
+        if request.stream_options is not None and not request.stream:  # its validate_stream_options
+            raise TwinError("Stream options can only be defined when `stream=True`.")
+    elif isinstance(request, CompletionRequest) and n is not None and n <= 0:
+        # SGLang's CompletionRequest.validate_max_tokens_positive (a pydantic validator; chat has none)
+        raise TwinError("max_tokens must be positive", err_type="Bad Request")
+    if n is not None and n < 0:
+        raise TwinError(f"max_new_tokens must be at least 0, got {n}.")
     if request.temperature is not None and request.temperature < 0:
         raise TwinError(f"temperature must be non-negative, got {request.temperature}.")
     if request.top_p is not None and not 0 < request.top_p <= 1:
@@ -171,6 +176,11 @@ def unsupported_features(request: ChatCompletionRequest | CompletionRequest) -> 
     if isinstance(request, ChatCompletionRequest):
         if not request.messages:
             raise TwinError("Messages cannot be empty.")  # SGLang's _validate_request
+        if request.stream and request.return_meta_info:  # its _convert_to_internal_request
+            raise TwinError(
+                "return_meta_info is not supported with streaming. "
+                "Please set stream=false when using return_meta_info=true."
+            )
         check_logprobs("top_logprobs", request.top_logprobs)
         check_tools(request)
     else:

@@ -176,10 +176,14 @@ class Twin:
             body = json.loads(await http.body())
         except ValueError as exc:
             raise TwinError(f"JSON decode error: {exc}", err_type="Bad Request") from None
-        request = parse_request("chat" if kind == "chat" else "completion", body)
-        if self.options.vllm and request.model and request.model != self.options.model_name:
-            # vLLM serves only its --served-model-name (SGLang answers whatever model is named).
-            raise TwinError(f"The model `{request.model}` does not exist.", status=404, err_type="NotFoundError")
+        request = parse_request("chat" if kind == "chat" else "completion", body, vllm=self.options.vllm)
+        if self.options.vllm:
+            if "model" not in body or not body["model"]:
+                # vLLM serves a request that names no model with its served one (_is_model_supported)
+                request = request.model_copy(update={"model": self.options.model_name})
+            elif request.model != self.options.model_name:
+                # vLLM serves only its --served-model-name (SGLang answers whatever model is named).
+                raise TwinError(f"The model `{request.model}` does not exist.", status=404, err_type="NotFoundError")
         faults = self.faults
         if faults.first_token_delay_ms:
             await asyncio.sleep(faults.first_token_delay_ms / 1000.0)
@@ -192,6 +196,8 @@ class Twin:
         # acceptance (--workload-alpha).
         workload = http.headers.get(WORKLOAD_HEADER, "").strip() or None
         prompt_tokens = max(count_prompt_tokens(body), 1)
+        if kind == "chat":
+            check_output_length(request.max_new_tokens, self.config.context_length)
         check_context(prompt_tokens, request.max_new_tokens, self.config.context_length)
         ids = prompt_token_ids(body) if self.engine.cache is not None else None
         cache_key = self.engine.page_key(ids) if ids is not None and len(ids) == prompt_tokens else None
@@ -230,12 +236,18 @@ class Twin:
             for r in rids:
                 loop.abort(r)
 
+        # vLLM's response id: its kind's prefix and the client's X-Request-Id, else a fresh one
+        # (_base_request_id); SGLang's is the request's rid
+        response_id = rid
+        if self.options.vllm:
+            prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+            response_id = prefix + (http.headers.get("x-request-id") or uuid.uuid4().hex)
         if request.stream:
-            chunks = self._stream(kind, request, calls, rid)
+            chunks = self._stream(kind, request, calls, response_id)
             if faults.hang_after_chunks is not None or faults.drop_after_chunks is not None:
                 chunks = sick_stream(chunks, faults)
             return SseResponse(chunks, on_disconnect=abort_all)
-        return await self._complete(kind, request, calls, rid, http.receive, abort_all)
+        return await self._complete(kind, request, calls, response_id, http.receive, abort_all)
 
     async def _complete(
         self,
@@ -274,6 +286,8 @@ class Twin:
             "choices": choices,
             "usage": self._usage(reqs),
         }
+        if not self.options.vllm:
+            response["metadata"] = {"weight_version": "default"}  # SGLang's _build_*_response
         meta = kind == "chat" and getattr(request, "return_meta_info", False)
         if self.config.speculative and request.return_spec_tokens_details:
             response["sglext"] = {"spec_tokens_details": self._spec_details(reqs)}
@@ -339,7 +353,9 @@ class Twin:
         obj = object_name(kind, stream=True)
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
-        continuous = bool(opts and opts.continuous_usage_stats)
+        # vLLM sends usage in every chunk only when the final usage is asked for too
+        # (should_include_usage); SGLang for continuous_usage_stats alone
+        continuous = bool(opts and opts.continuous_usage_stats and (opts.include_usage or not self.options.vllm))
 
         def event(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
             return sse(
@@ -554,6 +570,15 @@ class Twin:
         return card
 
 
+def check_output_length(max_new_tokens: int | None, context_length: int) -> None:
+    """SGLang's chat check before the prompt is counted (serving_chat._validate_request)."""
+    if max_new_tokens and max_new_tokens > context_length:
+        raise TwinError(
+            f"max_completion_tokens is too large: {max_new_tokens}."
+            f"This model supports at most {context_length} completion tokens."
+        )
+
+
 def check_context(prompt_tokens: int, max_new_tokens: int | None, context_length: int) -> None:
     """SGLang's length checks (tokenizer_manager._validate_one_request, no auto-truncate)."""
     if prompt_tokens >= context_length:
@@ -601,7 +626,8 @@ class SseResponse:
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")],
+                # Starlette's StreamingResponse(media_type="text/event-stream"), as SGLang's and vLLM's
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
             }
         )
         gone = asyncio.ensure_future(wait_disconnect(receive))

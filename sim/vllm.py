@@ -122,7 +122,9 @@ def as_vllm_choice(choice: dict[str, Any]) -> dict[str, Any]:
     """An SGLang-shaped choice as vLLM writes it: `stop_reason` for `matched_stop`, and a message's
     `reasoning` for SGLang's `reasoning_content` (vLLM renamed it, PR #33402)."""
     if "matched_stop" in choice:
-        choice["stop_reason"] = choice.pop("matched_stop")
+        # vLLM names a stop string there, or a stop_token_ids token; an EOS stop it leaves null
+        matched = choice.pop("matched_stop")
+        choice["stop_reason"] = None if isinstance(matched, int) else matched
     message = choice.get("message")
     if isinstance(message, dict) and "reasoning_content" in message:
         message["reasoning"] = message.pop("reasoning_content")

@@ -133,6 +133,7 @@ def test_non_stream_spec_details_on_request(spec):
     details = r.model_extra["sglext"]["spec_tokens_details"]
     assert details["spec_verify_ct"] >= 50 / 4
     assert "sglext" not in chat(spec, max_tokens=5).model_extra
+    assert r.to_dict()["metadata"] == {"weight_version": "default"}  # SGLang adds it to every answer
 
 
 def test_completions_endpoint(base):
@@ -196,6 +197,11 @@ def test_same_seed_same_text(base):
         ),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, "at least 0"),
         ({"messages": []}, "Messages cannot be empty."),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "stream": True, "return_meta_info": True},
+            "return_meta_info is not supported with streaming",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}, "max_completion_tokens is too large"),
     ],
 )
 def test_bad_requests_get_sglang_400(spec, body, fragment):

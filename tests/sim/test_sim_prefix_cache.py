@@ -183,8 +183,9 @@ def test_eviction_under_memory_pressure_brings_the_full_prefill_back():
         back, ttft_back = timed(t, body_of(a))
         # only the user header (3 tokens, shared with b) is still cached
         assert back["usage"]["prompt_tokens_details"]["cached_tokens"] == 3
-        assert ttft_back == pytest.approx(prefill_s(20_000 - 3), abs=0.25)
-        assert ttft_back - ttft_hit > 0.7
+        # against the cached request's, which took as long to read (0.12 s of wall clock here; more
+        # beside a busy core): the difference is the prefill eviction brought back
+        assert ttft_back - ttft_hit == pytest.approx(prefill_s(20_000 - 3) - prefill_s(1), abs=0.3)
         snapshot = loads(t)
         assert snapshot["max_total_num_tokens"] == 21_000
 

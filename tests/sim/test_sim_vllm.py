@@ -232,3 +232,31 @@ def test_a_model_it_does_not_serve_is_not_found(vllm_twin):
         "param": None,
         "code": 404,
     }
+
+
+def test_vllm_ids_model_stop_reason_and_validation_are_vllms(vllm_twin):
+    url = vllm_twin.url + "/v1/chat/completions"
+    chat = {"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 3}
+    # the response id: chatcmpl- (cmpl- for completions) and the client's X-Request-Id
+    named = httpx.post(url, json=chat | {"model": MODEL}, headers={"x-request-id": "abc123"}, timeout=30).json()
+    assert named["id"] == "chatcmpl-abc123"
+    legacy = httpx.post(
+        vllm_twin.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=30
+    )
+    assert legacy.json()["id"].startswith("cmpl-")
+    # no model named: served with the served one
+    unnamed = httpx.post(url, json=chat, timeout=30)
+    assert unnamed.status_code == 200 and unnamed.json()["model"] == MODEL
+    # an EOS stop leaves stop_reason null (vLLM sets it for stop strings and stop_token_ids)
+    natural = httpx.post(url, json=chat | {"model": MODEL, "max_tokens": 5000}, timeout=60).json()["choices"][0]
+    assert natural["finish_reason"] == "stop" and natural["stop_reason"] is None
+    # continuous usage only with include_usage
+    body = chat | {"model": MODEL, "stream": True, "stream_options": {"continuous_usage_stats": True}}
+    text = httpx.post(url, json=body, timeout=30).text
+    assert '"usage":{' not in text.replace(" ", "")
+    for bad, words in (
+        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0."),
+        ({"stream_options": {"include_usage": True}}, "Stream options can only be defined when `stream=True`."),
+    ):
+        refused = httpx.post(url, json=chat | {"model": MODEL} | bad, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["message"] == words
