@@ -4,15 +4,15 @@ Pure, like the policies: `admit(features, snapshot, decision)` reads what the ro
 returns None (admit) or a Refusal with the seconds after which a retry may find room. The
 rules, top to bottom (docs/routing.md, "Admission control"):
 
-1. `shed-batch`: a `batch` request whose predicted time to first token, or its pool's time per
-   output token, is past BATCH_SHARE of its limit. Batch work is the first to go, so latency
-   work keeps its room.
-2. `predicted-ttft`: a request whose predicted time to first token on the pool the policy chose
+1. `predicted-ttft`: a request whose predicted time to first token on the pool the policy chose
    (its slow end: the wait for a slot at about its 90th percentile, plus the prefill of the
    queue ahead and its own) is past the TTFT limit.
-3. `predicted-tpot`: a request that would push the pool's time per output token past the TPOT
+2. `predicted-tpot`: a request that would push the pool's time per output token past the TPOT
    limit: the requests decoding there sit through every prompt queued ahead of their next
    token, so a pool can meet every first-token target while its running streams crawl.
+3. `shed-batch`: a `batch` request within those limits whose predicted time to first token, or
+   its pool's time per output token, is past BATCH_SHARE of them. Batch work is the first to
+   go, so latency work keeps its room.
 
 The prediction is goodput's (policies/goodput.py `predict`), whatever policy routes: the queue
 ahead, the slots freeing past the cap, the prefill in chunks. A request refused costs the fleet

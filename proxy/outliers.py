@@ -10,10 +10,14 @@ pool's others' is found from the requests themselves, as Envoy's outlier detecti
   SLOW_MIN_SAMPLES streams each, and SLOW_FLOOR_S above them).
 
 Either ejects it for SPECROUTE_OUTLIER_EJECTION_S times the number of times it was ejected (at
-most SPECROUTE_OUTLIER_MAX_EJECTION_S). Never more than half of a pool is ejected at once (one
-instance of a pool of one or two), and never the fleet's last available instance. When its
-time is up it is half-open: one request at a time until one succeeds (back to full traffic) or
-fails (ejected again, for longer). An ejected instance is unhealthy in the fleet snapshot, so
+most SPECROUTE_OUTLIER_MAX_EJECTION_S); that count falls by one for every
+SPECROUTE_OUTLIER_MAX_EJECTION_S it then serves without ejection (Envoy's ejection multiplier
+does the same). Never more than half of a pool is ejected at once (one instance of a pool of one
+or two), and never the fleet's last available instance. When its time is up it is half-open: one
+request at a time until one succeeds (back to full traffic, its first-token average judged
+afresh) or fails (ejected again, for longer); a probe whose first token is as slow as the rule
+above judges slow fails (a slow probe counted as a success put a still slow server back, and its
+slow samples then ejected it again once it had healed). An ejected instance is unhealthy in the fleet snapshot, so
 the policy routes as if it were down.
 """
 
@@ -52,6 +56,8 @@ class Record:
     ttft_samples: int = 0
     reason: str | None = None
     """Why it was last ejected."""
+    ok_since: float = 0.0
+    """When it last came back (or its ejection count last fell)."""
 
 
 class OutlierDetector:
@@ -120,8 +126,16 @@ class OutlierDetector:
     def succeeded(self, instance: Instance, ttft_s: float | None) -> None:
         record = self.records[instance.url]
         record.consecutive = 0
+        now = self.clock()
         if record.state == PROBING:
-            record.state, record.probe_in_flight = OK, False
+            record.probe_in_flight = False
+            if ttft_s is not None and self.slow_factor > 0 and self._too_slow(instance.url, ttft_s):
+                self._eject(instance.url, record, "probe-slow-first-token", probe_failed=True)
+                return
+            record.state, record.ok_since = OK, now
+        elif record.ejections and now - record.ok_since >= self.max_ejection_s:
+            record.ejections -= 1
+            record.ok_since = now
         if ttft_s is not None:
             record.ttft_s = ttft_s if record.ttft_s is None else record.ttft_s + TTFT_WEIGHT * (ttft_s - record.ttft_s)
             record.ttft_samples += 1
@@ -149,6 +163,10 @@ class OutlierDetector:
     def _slow(self, url: str, record: Record) -> bool:
         if record.ttft_samples < SLOW_MIN_SAMPLES or record.ttft_s is None:
             return False
+        return self._too_slow(url, record.ttft_s)
+
+    def _too_slow(self, url: str, ttft_s: float) -> bool:
+        """`ttft_s` is past slow_factor times its pool's others' median, and SLOW_FLOOR_S past it."""
         others = [self.records[i.url] for i in self.pool_of[url].instances if i.url != url]
         peers = [
             r.ttft_s for r in others if r.ttft_s is not None and r.ttft_samples >= SLOW_MIN_SAMPLES and r.state == OK
@@ -156,7 +174,7 @@ class OutlierDetector:
         if not peers:
             return False
         median = statistics.median(peers)
-        return record.ttft_s > self.slow_factor * median and record.ttft_s > median + SLOW_FLOOR_S
+        return ttft_s > self.slow_factor * median and ttft_s > median + SLOW_FLOOR_S
 
     def _may_eject(self, url: str) -> bool:
         pool = self.pool_of[url]

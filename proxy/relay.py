@@ -571,7 +571,8 @@ class CompletionHandler:
             if failure is None or not failure.retryable:
                 break
         if failure is None and not tried:
-            failure = ProxyError(503, f"no upstream server is available in pool {pool!r}", code="no_upstream")
+            where = f"in pool {pool!r}" if pinned else "in either pool"
+            failure = ProxyError(503, f"no upstream server is available {where}", code="no_upstream")
         if failure is not None:
             if len(tried) > 1:
                 failure.retryable = False  # the proxy already failed over: the SDK must not multiply

@@ -69,7 +69,10 @@ class Metrics:
             n.M_SNAPSHOT_AGE, "Age in seconds of the freshest load reading per pool.", ["pool"], registry=r
         )
         self.healthy = Gauge(
-            n.M_HEALTHY, "1 when the proxy can reach an upstream instance, else 0.", ["pool", "instance"], registry=r
+            n.M_HEALTHY,
+            "1 when the proxy sends work to an upstream instance (reachable, not ejected), else 0.",
+            ["pool", "instance"],
+            registry=r,
         )
         self.ejected = Gauge(
             n.M_EJECTED,

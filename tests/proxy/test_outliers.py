@@ -126,6 +126,54 @@ def test_a_first_token_far_later_than_the_pools_others_ejects() -> None:
     assert not outliers.ejected(busy.url)
 
 
+def test_a_probe_as_slow_as_what_ejected_it_fails_and_a_quick_one_starts_the_average_afresh() -> None:
+    # A slow probe counted as a success put a still slow server back on full traffic, and its slow
+    # samples then ejected it again once it had healed.
+    clock = Clock()
+    fleet, pools = fleet_of(3, 1)
+    outliers = detector(pools, fleet, clock)
+    slow, a, b = pools[0].instances
+    for _ in range(5):
+        outliers.succeeded(a, 0.04)
+        outliers.succeeded(b, 0.06)
+        outliers.succeeded(slow, 2.0)
+    assert outliers.ejected(slow.url)
+    clock.now += 30.0
+    assert outliers.admits(slow)
+    outliers.dispatched(slow)
+    outliers.succeeded(slow, 2.2)  # still slow
+    assert outliers.ejected(slow.url) and outliers.state_of(slow.url)["reason"] == "probe-slow-first-token"
+    assert outliers.state_of(slow.url)["ejections"] == 2
+    clock.now += 60.0
+    assert outliers.admits(slow)
+    outliers.dispatched(slow)
+    outliers.succeeded(slow, 0.05)  # healed
+    assert not outliers.ejected(slow.url) and outliers.state_of(slow.url)["ttft_s"] == 0.05
+    for _ in range(5):
+        outliers.succeeded(slow, 0.05)
+    assert not outliers.ejected(slow.url)
+
+
+def test_the_ejection_count_falls_for_each_max_ejection_served_without_one() -> None:
+    clock = Clock()
+    fleet, pools = fleet_of(2, 1)
+    outliers = detector(pools, fleet, clock, max_ejection_s=100.0)
+    flaky = pools[0].instances[0]
+    for _ in range(5):
+        outliers.failed(flaky, "connect")
+    clock.now += 30.0
+    outliers.admits(flaky)
+    outliers.dispatched(flaky)
+    outliers.succeeded(flaky, None)
+    assert outliers.state_of(flaky.url)["ejections"] == 1
+    clock.now += 99.0
+    outliers.succeeded(flaky, None)
+    assert outliers.state_of(flaky.url)["ejections"] == 1
+    clock.now += 2.0
+    outliers.succeeded(flaky, None)
+    assert outliers.state_of(flaky.url)["ejections"] == 0  # the next ejection is 30 s again
+
+
 # -- over HTTP, with the twin's fault modes ------------------------------------------------------
 
 
