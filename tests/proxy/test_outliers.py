@@ -103,14 +103,21 @@ def test_never_more_than_half_a_pool_nor_the_fleets_last_server() -> None:
     assert not outliers.ejected(base.url)  # but the fleet keeps its last server
 
 
-def test_a_first_token_far_later_than_the_pools_others_ejects() -> None:
-    clock = Clock()
+def beside_two_quick_peers(clock: Clock) -> tuple[OutlierDetector, Instance]:
+    """A detector over three spec servers, two of them with five quick first tokens each; the
+    third is returned."""
     fleet, pools = fleet_of(3, 1)
     outliers = detector(pools, fleet, clock)
     slow, a, b = pools[0].instances
     for _ in range(5):
         outliers.succeeded(a, 0.04)
         outliers.succeeded(b, 0.06)
+    return outliers, slow
+
+
+def test_a_first_token_far_later_than_the_pools_others_ejects() -> None:
+    clock = Clock()
+    outliers, slow = beside_two_quick_peers(clock)
     for _ in range(4):
         outliers.succeeded(slow, 2.0)
     assert not outliers.ejected(slow.url)  # too few samples yet
@@ -130,12 +137,8 @@ def test_a_probe_as_slow_as_what_ejected_it_fails_and_a_quick_one_starts_the_ave
     # A slow probe counted as a success put a still slow server back on full traffic, and its slow
     # samples then ejected it again once it had healed.
     clock = Clock()
-    fleet, pools = fleet_of(3, 1)
-    outliers = detector(pools, fleet, clock)
-    slow, a, b = pools[0].instances
+    outliers, slow = beside_two_quick_peers(clock)
     for _ in range(5):
-        outliers.succeeded(a, 0.04)
-        outliers.succeeded(b, 0.06)
         outliers.succeeded(slow, 2.0)
     assert outliers.ejected(slow.url)
     clock.now += 30.0
