@@ -27,6 +27,8 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+ABORT_EXTENSION = "specroute.abort"
+"""The scope extension an app calls to end a response it cannot complete (`GuardedProtocol._abort`)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,13 @@ class GuardedProtocol(HttpToolsProtocol):
             self.transport.write(refusal(status, code, message))
         self.transport.close()
 
+    def _abort(self, cycle: Any) -> None:
+        """End a response the app cannot complete (its upstream broke after bytes went out): the
+        connection closes, and the cycle counts as disconnected, so uvicorn does not log the
+        return as an application error (a client could have written ERROR lines at will)."""
+        cycle.disconnected = True
+        self.transport.close()
+
     # -- uvicorn's protocol -------------------------------------------------------------------------
     def send_400_response(self, msg: str) -> None:
         """A request the HTTP parser refused (bad bytes in the request line or a header): answered
@@ -157,6 +166,8 @@ class GuardedProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is None:
             return
+        extensions: dict[str, Any] = cycle.scope.setdefault("extensions", {})
+        extensions[ABORT_EXTENSION] = lambda: self._abort(cycle)
         has_body = any(
             name in (b"content-length", b"transfer-encoding") and value not in (b"0",) for name, value in self.headers
         )

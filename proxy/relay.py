@@ -23,6 +23,7 @@ from fleet.model import NO_MATCH, PrefixMatch
 from fleet.types import Decision, PoolName
 from proxy import body as request_body
 from proxy import scan
+from proxy.connection import ABORT_EXTENSION
 from proxy.errors import ProxyError, normalise_upstream_error, stream_error_event
 from proxy.hooks import RequestHooks, Telemetry
 from proxy.pools import STREAM_OPTIONS_RECHECK_S, Instance
@@ -107,9 +108,9 @@ class ClientGone(Exception):
 
 
 class ResponseAborted(Exception):
-    """A JSON body was cut short upstream after its first bytes went to the client: returning
-    without completing the response makes uvicorn close the connection, so the client sees a
-    broken response rather than a short one."""
+    """A JSON body was cut short upstream after its first bytes went to the client (or a stream's
+    error event could not be sent): the connection is closed, so the client sees a broken
+    response rather than a short one."""
 
 
 class Exchange:
@@ -460,7 +461,12 @@ class CompletionHandler:
         except ClientGone:
             exchange.client_gone = True
         except ResponseAborted as aborted:
-            exchange.error_type = str(aborted)  # uvicorn closes the connection: the client sees the break
+            exchange.error_type = str(aborted)
+            # the connection closes: the client sees the break (without the extension, uvicorn
+            # closes it, logging the incomplete response at ERROR)
+            abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
+            if abort is not None:
+                abort()
         except asyncio.CancelledError:
             if not exchange.client_gone:
                 # The server is stopping (its drain timeout passed), not our client leaving: the
