@@ -20,7 +20,9 @@ of any size is buffered whole. Here:
 from __future__ import annotations
 
 import asyncio
+import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import httptools
@@ -28,7 +30,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 ABORT_EXTENSION = "specroute.abort"
-"""The scope extension an app calls to end a response it cannot complete (`GuardedProtocol._abort`)."""
+"""The scope extension an app calls to end a response it cannot complete (`_abort`)."""
 
 
 @dataclass(frozen=True)
@@ -101,13 +103,6 @@ class GuardedProtocol(HttpToolsProtocol):
             self.transport.write(refusal(status, code, message))
         self.transport.close()
 
-    def _abort(self, cycle: Any) -> None:
-        """End a response the app cannot complete (its upstream broke after bytes went out): the
-        connection closes, and the cycle counts as disconnected, so uvicorn does not log the
-        return as an application error (a client could have written ERROR lines at will)."""
-        cycle.disconnected = True
-        self.transport.close()
-
     # -- uvicorn's protocol -------------------------------------------------------------------------
     def send_400_response(self, msg: str) -> None:
         """A request the HTTP parser refused (bad bytes in the request line or a header): answered
@@ -167,7 +162,9 @@ class GuardedProtocol(HttpToolsProtocol):
         if cycle is None:
             return
         extensions: dict[str, Any] = cycle.scope.setdefault("extensions", {})
-        extensions[ABORT_EXTENSION] = lambda: self._abort(cycle)
+        # Weak: the scope belongs to the cycle, and a closure holding the cycle and this protocol
+        # would make a reference cycle per request for the collector to find.
+        extensions[ABORT_EXTENSION] = partial(_abort, weakref.ref(self), weakref.ref(cycle))
         has_body = any(
             name in (b"content-length", b"transfer-encoding") and value not in (b"0",) for name, value in self.headers
         )
@@ -201,6 +198,17 @@ class GuardedProtocol(HttpToolsProtocol):
             self.header_bytes = 0
             self.header_tail = b""
             self._arm(self.limits.header_timeout_s, 408, "header_timeout", "request headers not received in time")
+
+
+def _abort(protocol: weakref.ref[GuardedProtocol], cycle: weakref.ref[Any]) -> None:
+    """End a response the app cannot complete (its upstream broke after bytes went out): the
+    connection closes, and the cycle counts as disconnected, so uvicorn does not log the return
+    as an application error (a client could have written ERROR lines at will)."""
+    live_protocol, live_cycle = protocol(), cycle()
+    if live_cycle is not None:
+        live_cycle.disconnected = True
+    if live_protocol is not None:
+        live_protocol.transport.close()
 
 
 def guarded_protocol(limits: Limits) -> type[GuardedProtocol]:

@@ -708,6 +708,8 @@ class CompletionHandler:
         blank lines ahead of it (keep-alives) are no first token, which must still come within
         the first-token timeout (an upstream sending `: keep-alive` every half second and never
         data held a request for the whole total timeout)."""
+        if scan.EVENT in first:
+            return first  # the common case: the first read holds the first event
         buffered = bytearray(first)
         searched = 0
         deadline = perf_counter() + self.settings.first_token_timeout_s

@@ -47,7 +47,9 @@ def content_events(chunk: bytes) -> int:
     events = chunk.count(EVENT)
     if events and DONE in chunk:
         events -= 1
-    if events and b'"delta":{' in chunk:
+    # Every TEXTLESS prefix has "r" or "}" after the brace; a text delta as msgspec writes it
+    # ("delta":{"content":...) has neither, so most chunks pass with two scans, not five.
+    if events and (b'"delta":{"r' in chunk or b'"delta":{}' in chunk):
         events = max(events - sum(chunk.count(prefix) for prefix in TEXTLESS), 0)
     return events
 
