@@ -17,8 +17,9 @@ or two), and never the fleet's last available instance. When its time is up it i
 request at a time until one succeeds (back to full traffic, its first-token average judged
 afresh) or fails (ejected again, for longer); a probe whose first token is as slow as the rule
 above judges slow fails (a slow probe counted as a success put a still slow server back, and its
-slow samples then ejected it again once it had healed). An ejected instance is unhealthy in the fleet snapshot, so
-the policy routes as if it were down.
+slow samples then ejected it again once it had healed). A server restarted (the load polls could
+not reach it, then reached it again) is back at once (`restarted`). An ejected instance is
+unhealthy in the fleet snapshot, so the policy routes as if it were down.
 """
 
 from __future__ import annotations
@@ -152,6 +153,20 @@ class OutlierDetector:
             self._eject(instance.url, record, f"probe-failed:{kind}", probe_failed=True)
         elif self.consecutive_failures and record.consecutive >= self.consecutive_failures:
             self._eject(instance.url, record, f"consecutive-failures:{kind}")
+
+    def restarted(self, url: str) -> None:
+        """The server behind `url` went away and is back (the pollers could not reach it, then
+        learned it again): an ejection ends now and its first-token average starts afresh, as
+        Envoy's active health check unejects a host. The ejection count stays (it falls as
+        usual), so a server that crashes again and again is ejected for longer each time."""
+        record = self.records.get(url)
+        if record is None:
+            return
+        if record.state != OK:
+            self.fleet.set_ejected(url, False)
+        record.state, record.probe_in_flight, record.consecutive = OK, False, 0
+        record.ttft_s, record.ttft_samples = None, 0
+        record.ok_since = self.clock()
 
     def released(self, instance: Instance) -> None:
         """An attempt ended neither way (the client left): a half-open probe may be tried again."""

@@ -10,7 +10,8 @@ only (and checked for life on GET /health).
 Health: an instance the proxy cannot connect to (at start, on UNREACHABLE_AFTER polls in a row,
 or on a request's connect error) is unhealthy, and skipped, until a poll reaches it again; one
 not reached yet is learned again every RELEARN_EVERY polls (GPU servers often start minutes after
-the proxy). A load endpoint that keeps answering with an error status sends the instance back to
+the proxy). One learned again after polls could not reach it (a restart) is reported
+(`on_back`): the proxy's outlier record of the server that went away no longer applies. A load endpoint that keeps answering with an error status sends the instance back to
 be learned (the server behind the URL changed). Each instance is polled on its own loop, so a
 dead or slow host does not delay the readings of the others.
 
@@ -65,7 +66,14 @@ Get = Callable[[str, str], Awaitable[httpx.Response]]
 class InstancePoller:
     """One instance: learn it, poll its load or check it is alive, and tell the fleet model."""
 
-    def __init__(self, instance: Instance, fleet: FleetModel, get: Get, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        instance: Instance,
+        fleet: FleetModel,
+        get: Get,
+        clock: Callable[[], float],
+        on_back: Callable[[str], None] | None = None,
+    ) -> None:
         self.instance = instance
         self.url = instance.url
         self.fleet = fleet
@@ -80,6 +88,11 @@ class InstancePoller:
         self.polls = 0
         self.failures = 0
         """Consecutive failed polls (connection failures, or error answers)."""
+        self.on_back = on_back
+        """Told the URL of an instance learned again after it could not be reached (a restart):
+        what the proxy learned of the server that went away, its outlier record, is void."""
+        self.lost = False
+        """It was reached, then could not be (until it is learned again)."""
 
     @property
     def reached(self) -> bool:
@@ -170,6 +183,10 @@ class InstancePoller:
 
     def _learned(self, backend: Backend, described: bool) -> None:
         self.backend = backend
+        if self.lost:
+            self.lost = False
+            if self.on_back is not None:
+                self.on_back(self.url)
         # Learned again, the server behind the URL may be another (an upgrade): it is asked for
         # its streams' usage again.
         self.instance.refused_stream_options_at = None
@@ -248,6 +265,7 @@ class InstancePoller:
     def _unreachable(self, error: str) -> None:
         """No connection: unhealthy, and learned again (it may come back as anything)."""
         self.error = error
+        self.lost = self.lost or self.backend is not None
         self.backend = None
         self.fleet.set_health(self.url, False)
 
@@ -277,10 +295,11 @@ class Pollers:
         interval_s: float,
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
+        on_back: Callable[[str], None] | None = None,
     ) -> None:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self.by_url = {i.url: InstancePoller(i, fleet, self._get, clock) for i in instances}
+        self.by_url = {i.url: InstancePoller(i, fleet, self._get, clock, on_back) for i in instances}
         self._client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
 

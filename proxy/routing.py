@@ -328,6 +328,7 @@ class Router:
             fleet,
             interval_s=settings.poll_interval_ms / 1000,
             timeout_s=max(settings.stale_ms / 1000, 0.5),
+            on_back=outliers.restarted,
         )
         self.decisions = DecisionLog(settings.state_decisions)
         self.hash_key = secrets.token_bytes(16)

@@ -4,6 +4,7 @@ more than half a pool (or the fleet's last server) with it."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import httpx
@@ -14,7 +15,7 @@ from proxy_harness import TIME_SCALE, RunningProxy, running_proxy, wait_for
 from fleet.model import FleetModel
 from proxy.outliers import OutlierDetector
 from proxy.pools import DEFAULT_MAX_RUNNING, Instance, Pool
-from sim.testing import RunningTwin, TwinSpec, twins
+from sim.testing import RunningTwin, TwinSpec, twin, twins
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 
@@ -177,6 +178,23 @@ def test_the_ejection_count_falls_for_each_max_ejection_served_without_one() -> 
     assert outliers.state_of(flaky.url)["ejections"] == 0  # the next ejection is 30 s again
 
 
+def test_a_restarted_server_is_back_at_once_and_its_ejection_count_stays() -> None:
+    clock = Clock()
+    fleet, pools = fleet_of(2, 1)
+    outliers = detector(pools, fleet, clock)
+    sick = pools[0].instances[0]
+    for _ in range(5):
+        outliers.failed(sick, "status_500")
+    assert not outliers.admits(sick) and not sick.healthy
+    outliers.restarted(sick.url)
+    assert outliers.admits(sick) and sick.healthy and outliers.state_of(sick.url)["state"] == "ok"
+    assert not fleet.snapshot(clock.now).pools["spec"].instances[0].ejected
+    for _ in range(5):  # still broken after the restart: out again, for twice as long
+        outliers.failed(sick, "status_500")
+    assert outliers.state_of(sick.url)["ejections"] == 2
+    assert outliers.state_of(sick.url)["ejected_for_s"] == 60.0
+
+
 # -- over HTTP, with the twin's fault modes ------------------------------------------------------
 
 
@@ -285,6 +303,42 @@ def test_a_healed_server_returns_through_a_half_open_probe(two_spec_twins: list[
         for _ in range(6):
             client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
         assert instance(proxy, "spec", 0).dispatched_total > before  # takes traffic again
+
+
+def test_a_server_restarted_on_its_address_takes_traffic_again_before_its_ejection_ends() -> None:
+    common = ("--output-len", "fixed:4096")
+    with (
+        twins(
+            TwinSpec("spec", time_scale=TIME_SCALE, seed=12, args=common),
+            TwinSpec("base", time_scale=TIME_SCALE, seed=13, args=common),
+        ) as (well, base),
+        contextlib.ExitStack() as first_run,
+    ):
+        sick = first_run.enter_context(twin("spec", time_scale=TIME_SCALE, seed=11, args=common))
+        make_sick(sick, error_rate=1.0)
+        with running_proxy(
+            spec_urls=[sick.url, well.url], base_urls=[base.url], policy="spec", outlier_ejection_s=300.0
+        ) as proxy:
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+
+            def ejected() -> bool:
+                client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)  # 5xx: retried on spec-1
+                return state_of(proxy, "spec-0")["outlier"]["state"] == "ejected"
+
+            wait_for(ejected, what="the sick server ejected", timeout=20)
+            first_run.close()  # it goes away ...
+            wait_for(lambda: not state_of(proxy, "spec-0")["reached"], what="the polls missing it", timeout=20)
+            assert state_of(proxy, "spec-0")["outlier"]["state"] == "ejected"
+            # ... and comes back on its address, healthy: traffic again, not in 300 s.
+            with twin("spec", time_scale=TIME_SCALE, seed=11, args=(*common, "--port", str(sick.port))):
+                wait_for(
+                    lambda: state_of(proxy, "spec-0")["outlier"]["state"] == "ok", what="the ejection ended", timeout=20
+                )
+                assert state_of(proxy, "spec-0")["outlier"]["ejections"] == 1
+                before = instance(proxy, "spec", 0).dispatched_total
+                for _ in range(6):
+                    client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+                assert instance(proxy, "spec", 0).dispatched_total > before
 
 
 def test_a_pool_whose_servers_are_all_ejected_sends_its_requests_to_the_other_pool(
