@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fleet.acceptance import (
     DEFAULT_HALF_LIFE_S,
@@ -235,6 +235,22 @@ class FleetModel:
             self.prefix.forget(url)
             self.sessions.forget_instance(url)
         signals.healthy = healthy
+
+    def lagging(self, now: float) -> frozenset[str]:
+        """The instances that are reachable but whose load reading is older than `stale_after_s`
+        while a pool-mate's is fresh (`InstanceState.lagging`): a stopped or hung server still
+        accepts connections, so only its silence shows it; new requests go to its pool-mates,
+        and back to it once it answers a poll again."""
+        ages: dict[str, list[tuple[str, float]]] = {}
+        for url, signals in self.instances.items():
+            if signals.healthy and not signals.ejected:
+                ages.setdefault(signals.pool, []).append((url, signals.age(now)))
+        bound = self.stale_after_s
+        out: set[str] = set()
+        for members in ages.values():
+            if min(age for _, age in members) <= bound:
+                out.update(url for url, age in members if age > bound)
+        return frozenset(out)
 
     def set_ejected(self, url: str, ejected: bool) -> None:
         self.instances[url].ejected = ejected
@@ -516,11 +532,17 @@ class FleetModel:
                 members = states[signals.pool] = []
             members.append(signals.state(now))
         pools: dict[str, PoolState] = {}
+        bound = self.stale_after_s
         for pool in self.pools.values():
             members = states.get(pool.name)
             if not members:
                 continue
             healthy_ages = [st.age_s for st in members if st.healthy]
+            if healthy_ages and min(healthy_ages) <= bound < max(healthy_ages):
+                members = [
+                    replace(st, healthy=False, lagging=True) if st.healthy and st.age_s > bound else st
+                    for st in members
+                ]
             pools[pool.name] = PoolState(
                 name=pool.name,  # type: ignore[arg-type]
                 instances=tuple(members),

@@ -75,6 +75,10 @@ class InstanceState:
     its prefill work, which stalls the decode of everything running there."""
     dispatches_per_s: float = 0.0
     """Requests this router sent the instance per second lately (same weighting)."""
+    lagging: bool = False
+    """Reachable, but its load reading is stale while a pool-mate's is fresh (then also not
+    healthy): a server that stopped answering (a stopped or hung process still accepts
+    connections) gets no new requests while its pool has another (`FleetModel.lagging`)."""
 
     @property
     def load(self) -> float:

@@ -485,6 +485,11 @@ class Router:
         outliers = self.outliers
         # admits() first: it ends an ejection whose time is up, which makes the instance healthy.
         candidates = [i for i in self.pools[pool].instances if i not in exclude and outliers.admits(i) and i.healthy]
+        if len(candidates) > 1:
+            lagging = self.fleet.lagging(time.monotonic())
+            if lagging:
+                answering = [i for i in candidates if i.url not in lagging]
+                candidates = answering or candidates
         if prefer is not None:
             for instance in candidates:
                 if instance.url == prefer:

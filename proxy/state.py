@@ -108,6 +108,8 @@ def fleet_state(
                     "waiting": i.waiting,
                     "max_running": i.max_running,
                     "healthy": i.healthy,
+                    # Its polls went unanswered while a pool-mate's did not: no new requests.
+                    "lagging": i.lagging,
                     "reached": poller.reached,
                     "age_s": _age(i.age_s),
                     "probe": poller.probe,

@@ -255,3 +255,25 @@ def test_the_tpot_outcomes_keep_the_latest_samples_only() -> None:
     for actual, predicted in ((math.nan, 0.02), (0.02, math.nan), (math.inf, 0.02), (0.02, 0.0)):
         outcomes.observe(3.5, actual, predicted)
     assert outcomes.samples(3.5) == 3 and outcomes.bias(3.5) == pytest.approx(1.2)
+
+
+def test_an_instance_whose_polls_stopped_while_its_pool_mates_answer_gets_no_new_requests() -> None:
+    fleet = FleetModel({"spec": 3, "base": 0}, stale_after_s=1.0)
+    for url, pool in (("http://s1", "spec"), ("http://s2", "spec"), ("http://b", "base")):
+        fleet.add_instance(url, pool, 48)
+        fleet.on_reading(url, Reading(at=0.0, running=0, waiting=0))
+    for t in (0.5, 1.0, 1.5, 2.0):  # s1 went silent after its first poll (a stopped process)
+        fleet.on_reading("http://s2", Reading(at=t, running=5, waiting=0))
+        fleet.on_reading("http://b", Reading(at=t, running=5, waiting=0))
+    spec = fleet.snapshot(2.2).pools["spec"]
+    silent = spec.instances[0]
+    assert silent.lagging and not silent.healthy and not spec.stale
+    assert [i.url for i in spec.healthy_instances] == ["http://s2"]
+    assert spec.least_loaded() is not None and spec.least_loaded().url == "http://s2"  # idle as it looks
+    assert fleet.lagging(2.2) == {"http://s1"}
+    # Every reading of the pool stale: nobody is singled out (the pool is stale; policies act on that).
+    assert not any(i.lagging for i in fleet.snapshot(3.5).pools["spec"].instances)
+    assert fleet.lagging(3.5) == frozenset()
+    # It answers again: back.
+    fleet.on_reading("http://s1", Reading(at=2.3, running=0, waiting=0))
+    assert fleet.snapshot(2.4).pools["spec"].instances[0].healthy and not fleet.lagging(2.4)

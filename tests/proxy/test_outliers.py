@@ -5,6 +5,8 @@ more than half a pool (or the fleet's last server) with it."""
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 from collections.abc import Iterator
 
 import httpx
@@ -339,6 +341,36 @@ def test_a_server_restarted_on_its_address_takes_traffic_again_before_its_ejecti
                 for _ in range(6):
                     client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
                 assert instance(proxy, "spec", 0).dispatched_total > before
+
+
+def test_a_stopped_server_gets_no_new_requests_while_its_pool_mate_answers(two_spec_twins: list[RunningTwin]) -> None:
+    """A stopped process (SIGSTOP, a hung host) still accepts connections: only its silence shows."""
+    stopped, well, base = two_spec_twins
+    with running_proxy(spec_urls=[stopped.url, well.url], base_urls=[base.url], policy="spec") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=10)
+
+        def served_there() -> bool:
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+            return instance(proxy, "spec", 0).dispatched_total > 0
+
+        wait_for(served_there, what="both servers taking traffic", timeout=20)
+        os.kill(stopped.process.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: state_of(proxy, "spec-0")["lagging"], what="the silent server set aside", timeout=10)
+            before = instance(proxy, "spec", 0).dispatched_total
+            for _ in range(6):  # each would wait the 120 s first-token timeout there
+                client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+            assert instance(proxy, "spec", 0).dispatched_total == before
+        finally:
+            os.kill(stopped.process.pid, signal.SIGCONT)
+        wait_for(lambda: not state_of(proxy, "spec-0")["lagging"], what="the server answering again", timeout=10)
+        set_aside = instance(proxy, "spec", 0).dispatched_total
+
+        def back() -> bool:
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+            return instance(proxy, "spec", 0).dispatched_total > set_aside
+
+        wait_for(back, what="the server taking traffic again", timeout=20)
 
 
 def test_a_pool_whose_servers_are_all_ejected_sends_its_requests_to_the_other_pool(
