@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from proxy.telemetry.tracing import Tracing
 
 _NO_PARAMS = (None, None, None, None, None)
+MAX_USER_AGENT_CHARS = 256
+"""The client's User-Agent on spans is cut here (as model names are): it is the client's to write,
+and its spans would carry all of it."""
 _Route = tuple[float | None, str, str, str, str, str | None, int, Mapping[str, Any]]
 """RequestTrace's decision fields, from `decided` to `scores`."""
 
@@ -128,7 +131,7 @@ class RequestRecorder(RequestHooks):
             self._parent, parent_context, endpoint
         )
         if self._sampled:
-            self._user_agent = headers.get("user-agent", "")
+            self._user_agent = headers.get("user-agent", "")[:MAX_USER_AGENT_CHARS]
 
     def decided(
         self,
@@ -262,8 +265,12 @@ class RequestRecorder(RequestHooks):
         owner = self._owner
         ttft_s = None if self._t_first is None else self._t_first - self._t0
         inter_token_s = None
-        if self._stream and self._t_first is not None and completion_tokens and completion_tokens > 1:
-            inter_token_s = (end - self._t_first) / (completion_tokens - 1)
+        if self._stream and self._t_first is not None and completion_tokens:
+            # The time per output token of one choice: with n > 1 the count sums every choice's.
+            choices = self._params[4]
+            per_choice = completion_tokens / choices if type(choices) is int and choices > 1 else completion_tokens
+            if per_choice > 1:
+                inter_token_s = (end - self._t_first) / (per_choice - 1)
         owner.metrics.finished(
             pool,
             owner.policy,

@@ -176,8 +176,10 @@ class SpanWriter:
         for i, attempt in enumerate(t.attempts):
             out.append(self._attempt(t, attempt, i == last and attempt.error is None, trace, under_server))
         status, error_type = t.status, t.error_type
-        # HTTP semconv: a SERVER span is an error for 5xx only (4xx is the client's).
-        failed = status >= 500 or bool(error_type and status >= 400)
+        # HTTP semconv: a SERVER span is an error for 5xx, not 4xx (the client's), and for a
+        # response cut after its 200 went out (an upstream that dropped or stalled mid-stream);
+        # a client that left is not the server's error.
+        failed = status >= 500 or bool(error_type and status < 400 and error_type != "client_disconnected")
         endpoint, user_agent = t.endpoint, t.user_agent
         static = encoder.block(
             ("server", endpoint, user_agent, status, error_type, failed),
@@ -229,7 +231,8 @@ class SpanWriter:
         response_model = None
         start_ns, start = t.start_ns, t.start
         if a.first is not None:
-            attributes += encoder.double(_ATTRIBUTES, n.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, a.first - a.started)
+            if t.stream:  # the conventions' time to first chunk is a stream's
+                attributes += encoder.double(_ATTRIBUTES, n.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK, a.first - a.started)
             events = encoder.event(n.EVENT_FIRST_TOKEN, start_ns + int((a.first - start) * 1e9))
             # The response's first object (JSON body or first SSE event) opens with its id, then
             # its model, as SGLang and vLLM write them; a regex over these bytes, never a parse.
@@ -244,6 +247,8 @@ class SpanWriter:
         if outcome:
             usage = (t.finish_reasons, t.input_tokens, t.output_tokens, t.cached_tokens)
             error = t.error_type
+        if error and error.startswith("status_"):
+            error = error[7:]  # HTTP semconv: an error status is its code ("503"); ours say status_503
         # What the response said, as one block: it repeats from request to request.
         attributes += encoder.block(
             ("outcome", a.status, response_model, *usage, error),

@@ -452,3 +452,66 @@ def test_cached_tokens_credited_and_reported_on_spans_metrics_and_the_log() -> N
     assert ("specroute_prefix_cached_tokens_total", (("pool", "base"),)) not in got
     first = json.loads(stream.getvalue().decode().splitlines()[0])
     assert (first["credited_tokens"], first["cached_tokens"]) == (256, 300)
+
+
+def one_request(t: SpecrouteTelemetry, *, status: int, error_type: str | None, stream: bool = True) -> None:
+    """A request answered by one attempt with `status`, ended with `error_type` (None: well)."""
+    hooks = t.request_hooks("/v1/chat/completions")
+    hooks.received(
+        endpoint="/v1/chat/completions", request_id="req-2", headers={"user-agent": "u" * 9000}, body_bytes=9
+    )
+    hooks.decided(
+        decision=Decision("spec", "static", {}),
+        features=Features(prompt_tokens=10, max_tokens=32, stream=stream),
+        model="m",
+        override=None,
+        body=BODY,
+    )
+    hooks.attempt_started(pool="spec", instance="http://127.0.0.1:1", attempt=1)
+    hooks.upstream_headers(status=status, headers={})
+    hooks.response_headers(upstream_wait_s=0.0)
+    hooks.first_chunk(FIRST)
+    hooks.attempt_finished(status=status)
+    hooks.finished(
+        status=status,
+        error_type=error_type,
+        prompt_tokens=None,
+        completion_tokens=None,
+        finish_reasons=(),
+        client_disconnected=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("status", "error_type", "server_error", "attempt_error"),
+    [
+        (400, "invalid_request_error", None, "invalid_request_error"),  # the client's: no error on the server span
+        (429, "overloaded", None, "overloaded"),
+        (200, "upstream_disconnected", "upstream_disconnected", "upstream_disconnected"),  # cut after its 200
+        (200, "client_disconnected", None, "client_disconnected"),  # the client left: not the server's error
+        (503, "status_503", "status_503", "503"),
+    ],
+)
+def test_the_server_span_is_an_error_for_5xx_and_a_response_cut_after_its_200(
+    status: int, error_type: str, server_error: str | None, attempt_error: str
+) -> None:
+    exporter = Decoded()
+    t = telemetry(exporter, request_log=False)
+    one_request(t, status=status, error_type=error_type)
+    t.tracing.flush()  # type: ignore[union-attr]
+    server = next(s for s in exporter.spans if s["name"] == "POST /v1/chat/completions")
+    attempt = next(s for s in exporter.spans if s["name"] == "chat m")
+    assert server["attrs"].get(n.ERROR_TYPE) == server_error
+    assert (server["status"].get("code") == "STATUS_CODE_ERROR") == (server_error is not None)
+    assert attempt["attrs"][n.ERROR_TYPE] == attempt_error
+    assert len(server["attrs"][n.USER_AGENT_ORIGINAL]) == 256
+
+
+def test_time_to_first_chunk_is_a_streams_only() -> None:
+    exporter = Decoded()
+    t = telemetry(exporter, request_log=False)
+    one_request(t, status=200, error_type=None, stream=False)
+    one_request(t, status=200, error_type=None, stream=True)
+    t.tracing.flush()  # type: ignore[union-attr]
+    attempts = [s["attrs"] for s in exporter.spans if s["name"] == "chat m"]
+    assert [n.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK in a for a in attempts] == [False, True]
