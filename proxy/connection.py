@@ -5,8 +5,12 @@ but a client that connects and sends nothing, sends its headers a byte a second,
 half-way through its body holds a connection (and the body's bytes) for ever, and a header
 of any size is buffered whole. Here:
 
-- headers must be complete SPECROUTE_HEADER_TIMEOUT_S after the connection opened or the last
-  response ended (else 408 and close);
+- headers must be complete SPECROUTE_HEADER_TIMEOUT_S after the connection opened or, between
+  keep-alive requests, after the next request's first byte (else 408 and close); a connection
+  on which no byte of a request came is closed without an answer, as nginx does, and one idle
+  after a response is left to uvicorn's keep-alive timeout: a 408 written on an idle connection
+  is read as the answer to whatever request a keep-alive client sends at that moment (the Node
+  SDK, which alternates two pooled connections, got such 408s);
 - a body must be complete SPECROUTE_BODY_TIMEOUT_S after its headers (else 408 and close; the
   app sees the client gone);
 - request line and headers over SPECROUTE_MAX_HEADER_BYTES get 431 and close;
@@ -91,6 +95,9 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def _expire(self, status: int, code: str, message: str) -> None:
         self.deadline = None
+        if self.in_headers and self.header_bytes == 0:
+            self.transport.close()  # nothing of a request came: no answer (module docstring)
+            return
         self._refuse(status, code, message)
 
     def _refuse(self, status: int, code: str, message: str) -> None:
@@ -126,6 +133,8 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         if self.in_headers:
+            if self.deadline is None:  # a kept-alive connection's next request begins
+                self._arm(self.limits.header_timeout_s, 408, "header_timeout", "request headers not received in time")
             # Counted before the parser sees them, up to the end of the header block: a block
             # that arrives whole in one read is parsed, and its request started, within this call
             # (measured after it, a 70 KB header in one read went upstream).
@@ -194,10 +203,12 @@ class GuardedProtocol(HttpToolsProtocol):
         # or queued, keeps its own (body) deadline, and its body bytes are not header bytes.
         cycle = self.cycle
         if not self.transport.is_closing() and (cycle is None or cycle.response_complete):
+            # Idle: uvicorn's keep-alive timeout closes it; the next request's first byte arms
+            # the header deadline (data_received).
             self.in_headers = True
             self.header_bytes = 0
             self.header_tail = b""
-            self._arm(self.limits.header_timeout_s, 408, "header_timeout", "request headers not received in time")
+            self._disarm()
 
 
 def _abort(protocol: weakref.ref[GuardedProtocol], cycle: weakref.ref[Any]) -> None:

@@ -214,7 +214,7 @@ class Settings(_SettingsWithPolicies):
     header_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="Seconds a client has to send a request's headers (from connecting, or from the last response); 408 and close after.",
+        description="Seconds a client has to send a request's headers (from connecting, or from the first byte of the next request on a kept-alive connection); 408 and close after (a connection on which nothing of a request came is closed without an answer).",
     )
     body_timeout_s: float = Field(
         60.0, gt=0, description="Seconds a client has to send a request's body after its headers; 408 and close after."
