@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.installed
 
 NATIVE := build/native/manifest.json
 
-.PHONY: run check unit test install bench clean jaeger kubeconform native
+.PHONY: run check unit test install bench clean jaeger kubeconform native node-sdk
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ jaeger:
 kubeconform:
 	bash tests/deploy/build_kubeconform.sh >/dev/null
 
+# The openai Node SDK pinned in tests/proxy/node_sdk/package-lock.json (`npm ci`, once per lock),
+# which tests/proxy/test_node_sdk.py drives the proxy with.
+node-sdk:
+	bash tests/support/install_node_sdk.sh
+
 # ruff (lint, then the formatter in check mode) and mypy, configured in pyproject.toml.
 check: $(STAMP)
 	$(BIN)/ruff check .
@@ -50,7 +55,7 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -m "not external"
 
 # Every test twice: from source, then with the decision path compiled (as `make run` serves it).
-test: check jaeger kubeconform
+test: check jaeger kubeconform node-sdk
 	rm -rf build/native
 	$(BIN)/python -m pytest
 	$(BIN)/python deploy/native.py

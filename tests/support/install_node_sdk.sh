@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs the openai Node SDK pinned in tests/proxy/node_sdk/package-lock.json into
+# tests/proxy/node_sdk/node_modules with `npm ci`, once per lock file (a stamp holds the lock's
+# hash). Used by `make node-sdk` (a prerequisite of `make test`) and by tests/proxy/test_node_sdk.py.
+set -euo pipefail
+
+dir="$(cd "$(dirname "$0")/../proxy/node_sdk" && pwd)"
+stamp="$dir/node_modules/.specroute-lock-sha256"
+
+command -v node >/dev/null || { echo "install_node_sdk.sh: node (>= 20) is needed" >&2; exit 1; }
+command -v npm >/dev/null || { echo "install_node_sdk.sh: npm is needed" >&2; exit 1; }
+
+want=$(sha256sum "$dir/package-lock.json" | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f "$dir/node_modules/openai/package.json" ]; then
+    exit 0
+fi
+echo "install_node_sdk.sh: npm ci in $dir" >&2
+(cd "$dir" && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error >&2)
+echo "$want" > "$stamp"
