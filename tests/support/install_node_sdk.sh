@@ -7,8 +7,9 @@ set -euo pipefail
 dir="$(cd "$(dirname "$0")/../proxy/node_sdk" && pwd)"
 stamp="$dir/node_modules/.specroute-lock-sha256"
 
-command -v node >/dev/null || { echo "install_node_sdk.sh: node (>= 20) is needed" >&2; exit 1; }
-command -v npm >/dev/null || { echo "install_node_sdk.sh: npm is needed" >&2; exit 1; }
+# Without node or npm there is nothing to install: tests/proxy/test_node_sdk.py skips, saying why.
+command -v node >/dev/null || { echo "install_node_sdk.sh: no node (>= 20): the Node SDK tests will skip" >&2; exit 0; }
+command -v npm >/dev/null || { echo "install_node_sdk.sh: no npm: the Node SDK tests will skip" >&2; exit 0; }
 
 want=$(sha256sum "$dir/package-lock.json" | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -f "$dir/node_modules/openai/package.json" ]; then
