@@ -106,6 +106,9 @@ def uvicorn_config(app: SpecrouteApp, settings: Settings) -> uvicorn.Config:
         log_config=log_config(settings.log_level),
         access_log=False,  # the telemetry's JSON request log replaces it
         server_header=False,
+        # Clients that read it (Node's fetch, undici) close an idle connection before the proxy
+        # does, instead of sending a request on one it is closing (`Keep-Alive`, RFC 9112 A.1.2).
+        headers=[("keep-alive", f"timeout={int(settings.keep_alive_timeout_s)}")],
         proxy_headers=False,  # no X-Forwarded-* rewriting: the client address is the peer's
         timeout_graceful_shutdown=drain_s,
         backlog=4096,

@@ -220,7 +220,9 @@ class Settings(_SettingsWithPolicies):
         60.0, gt=0, description="Seconds a client has to send a request's body after its headers; 408 and close after."
     )
     keep_alive_timeout_s: float = Field(
-        5.0, gt=0, description="Seconds an idle keep-alive client connection stays open between requests."
+        5.0,
+        gt=0,
+        description="Seconds an idle keep-alive client connection stays open between requests (each response's Keep-Alive header says so, for clients that close theirs first).",
     )
     max_header_bytes: int = Field(
         64 * 1024, ge=1024, description="Largest request line plus headers accepted (431 and close above)."

@@ -63,6 +63,7 @@ def test_a_kept_alive_connection_idle_past_the_header_deadline_gets_no_408(twin_
             sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
             answer = sock.recv(65536)
             assert answer.startswith(b"HTTP/1.1 200 "), answer
+            assert b"\r\nkeep-alive: timeout=2\r\n" in answer  # when the proxy will close it
             sock.settimeout(2 * DEADLINE_S)  # past the header deadline, short of the keep-alive one
             with pytest.raises(TimeoutError):
                 sock.recv(65536)
