@@ -766,6 +766,7 @@ class CompletionHandler:
         content = response.content
         is_stream = exchange.streaming = response.content_type == "text/event-stream"
         per_chunk = is_stream and hooks.wants_chunks
+        hide_usage = is_stream and exchange.hide_usage
         # The tail's usage also feeds the fleet model (output length; acceptance on spec).
         tail: deque[bytes] = deque(maxlen=4)
         await exchange.start(response.status, relayed_headers(response, is_stream))
@@ -794,7 +795,9 @@ class CompletionHandler:
                     await self.end_with_error(exchange, "upstream_event_too_large")
                     return
             if chunk:
-                passed = scan.without_usage_events(chunk) if exchange.hide_usage else chunk
+                # Only a stream's usage event is the proxy's to keep: an upstream that answered a
+                # stream with JSON (or anything else) goes on whole (its content-length says so).
+                passed = scan.without_usage_events(chunk) if hide_usage else chunk
                 if passed:
                     await send({"type": "http.response.body", "body": passed, "more_body": True})
                 if is_stream:
@@ -816,7 +819,7 @@ class CompletionHandler:
         exchange.done = True
         # The upstream ended cleanly after an unterminated event: it goes on as it came.
         partial = splitter.rest() if splitter is not None else b""
-        passed = scan.without_usage_events(partial) if exchange.hide_usage else partial
+        passed = scan.without_usage_events(partial) if hide_usage else partial
         await send({"type": "http.response.body", "body": passed, "more_body": False})
         if partial:
             tail.append(partial)

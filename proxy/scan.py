@@ -54,8 +54,9 @@ def content_events(chunk: bytes) -> int:
     return events
 
 
-# What ends an SSE event (a blank line), by line ending.
-EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r")
+# What ends an SSE event (a blank line), by line ending; a line may end one way and the blank
+# line another (LF then CRLF is an event's end too: a stream ended so lost its [DONE]).
+EVENT_ENDS = (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n", b"\r\n\n")
 
 
 class EventTooLarge(Exception):
@@ -143,7 +144,7 @@ def summarise(tail: bytes) -> Summary:
 
 # Asked of the upstream for a stream whose client did not say (`with_usage_requested`).
 USAGE_REQUESTED = b'"stream_options":{"include_usage":true},'
-_EVENT_SPLIT = re.compile(rb"(?<=\n\n)|(?<=\r\n\r\n)|(?<=\r\r)")
+_EVENT_SPLIT = re.compile(rb"(?<=\n\n)|(?<=\r\n\r\n)|(?<=\r\r)|(?<=\n\r\n)|(?<=\r\n\n)")
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 

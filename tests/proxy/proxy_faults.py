@@ -21,6 +21,7 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
     with FaultServer("lateend:0.5") as bad:      # 200 SSE, 2 events, usage, [DONE]; the body's end 0.5 s later
     with FaultServer("rawstatus:999") as bad:    # a completion's JSON under status 999 (any status: 204, 206...)
     with FaultServer("ctlheader") as bad:        # 200 JSON with a control byte in a header's value
+    with FaultServer("usagejson") as bad:        # 200 JSON, a usage object with no choices (to a stream too)
     with FaultServer("gzipsse") as bad:          # 200 SSE in gzip, unasked for
     with FaultServer("keepalive:2") as bad:      # 200 SSE, 2 events, then only `: keep-alive` comments
 
@@ -252,6 +253,12 @@ class FaultServer:
                 b"HTTP/1.1 %s Whatever\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
                 % (arg.encode(), len(body), body)
             )
+        elif kind == "usagejson":  # a stream asked for, answered as one JSON object with no choices
+            body = json.dumps(STREAM_USAGE).encode()
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
         elif kind == "ctlheader":
             body = json.dumps(COMPLETION).encode()
             writer.write(
@@ -354,7 +361,7 @@ class FaultServer:
                 b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
                 b"connection: keep-alive, x-internal-hop\r\nx-internal-hop: secret\r\n"
                 b"proxy-authenticate: Basic realm=internal\r\nproxy-connection: keep-alive\r\nte: trailers\r\n"
-                b"keep-alive: timeout=5\r\nx-specroute-backend: http://10.20.30.40:30000\r\n"
+                b"keep-alive: timeout=77, max=9\r\nx-specroute-backend: http://10.20.30.40:30000\r\n"
                 b"proxy-authorization: Basic c2VjcmV0\r\nupgrade: h2c\r\ntrailer: x-sum\r\n"
                 b"x-upstream-note: caf\xc3\xa9\r\n\r\n%s" % (len(body), body)
             )

@@ -263,6 +263,20 @@ def test_only_a_stream_that_names_no_stream_options_is_asked_for_its_usage() -> 
             assert sent.body == expected, (settings, body)
 
 
+def test_an_event_may_end_its_line_one_way_and_its_blank_line_another() -> None:
+    # LF then a CRLF blank line ends an event: unseen, the usage event and [DONE] after it were
+    # held as one unterminated piece, and the usage filter dropped both.
+    from proxy.scan import EventSplitter, without_usage_events
+
+    content = b'data: {"choices":[{"index":0,"delta":{"content":"a"}}],"usage":null}\n\r\n'
+    usage = b'data: {"id":"x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":5}}\n\r\n'
+    done = b"data: [DONE]\r\n\n"
+    splitter = EventSplitter(1 << 20)
+    assert splitter.feed(content + usage[:9]) == content and splitter.rest() == usage[:9]
+    assert splitter.feed(usage[9:] + done) == usage + done
+    assert without_usage_events(content + usage + done) == content + done
+
+
 def test_only_the_usage_event_is_kept_from_a_client_that_did_not_ask() -> None:
     from proxy.scan import without_usage_events
 
