@@ -256,8 +256,7 @@ class FaultServer:
         elif kind == "usagejson":  # a stream asked for, answered as one JSON object with no choices
             body = json.dumps(STREAM_USAGE).encode()
             writer.write(
-                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                % (len(body), body)
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
             )
         elif kind == "ctlheader":
             body = json.dumps(COMPLETION).encode()
