@@ -107,8 +107,10 @@ def normalise_upstream_error(status: int, body: bytes, request_id: str) -> bytes
             code = source.get("code")
             param = source.get("param")
             text = message if isinstance(message, str) else orjson.dumps(message).decode()
+            if len(text) > MAX_UPSTREAM_MESSAGE_CHARS:
+                text = text[: MAX_UPSTREAM_MESSAGE_CHARS - 3] + "..."  # cut, and says so
             return error_body(
-                text[:MAX_UPSTREAM_MESSAGE_CHARS],
+                text,
                 kind if isinstance(kind, str) and kind.endswith("_error") else error_type_for(status),
                 code if isinstance(code, str) else str(code if type(code) is int else status),
                 param if isinstance(param, str) else None,

@@ -97,6 +97,9 @@ ERROR_BODY_LIMIT = 64 * 1024
 MAX_MODEL_CHARS = 256
 """The longest model name the log line and the spans carry (the body goes upstream whole)."""
 RETRY_AFTER = frozenset({b"retry-after", b"retry-after-ms"})
+RATE_LIMIT_PREFIX = b"x-ratelimit-"
+"""An upstream error's headers the client gets besides RETRY_AFTER: OpenAI's x-ratelimit-* (an
+OpenAI-compatible upstream's rate limits, which clients back off by)."""
 ERROR_EVENT_SEND_S = 1.0
 """How long the closing error event of a failed stream may wait for the client to read."""
 
@@ -747,7 +750,7 @@ class CompletionHandler:
         relayed = [
             (name.lower(), value)
             for name, value in response.raw_headers
-            if name.lower() in RETRY_AFTER and valid_header_value(value)
+            if (name.lower() in RETRY_AFTER or name.lower().startswith(RATE_LIMIT_PREFIX)) and valid_header_value(value)
         ]
         # A 4xx is the client's to act on: the SDK retries a 429 (after its retry-after), not a 400.
         return ProxyError(

@@ -3,7 +3,7 @@
 The twin (sim/) is a faithful SGLang that does not fail on purpose; this server fails exactly
 as told, over a real socket on 127.0.0.1, and records what it was sent:
 
-    with FaultServer("status:503") as bad:       # every request gets a 503 (SGLang's flat error, retry-after: 1)
+    with FaultServer("status:503") as bad:       # every request gets a 503 (SGLang's flat error, retry-after: 1, an x-ratelimit-*)
     with FaultServer("cut:3") as bad:            # 200 SSE, 3 chunks, then the connection drops
     with FaultServer("cutjson") as bad:          # 200 JSON, a few bytes of it, then the connection drops
     with FaultServer("cutmid:3") as bad:         # 200 SSE, 3 chunks and half of a 4th, then the connection drops
@@ -212,6 +212,7 @@ class FaultServer:
             body = json.dumps(FLAT_ERROR | {"code": int(arg)}).encode()
             writer.write(
                 b"HTTP/1.1 %s Error\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+                b"x-ratelimit-remaining-requests: 0\r\nx-internal: no\r\n"
                 b"content-length: %d\r\n\r\n%s" % (arg.encode(), len(body), body)
             )
         elif kind == "echo":

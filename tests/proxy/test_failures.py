@@ -153,6 +153,9 @@ def test_upstream_429_reaches_the_sdk_with_its_retry_after() -> None:
         with pytest.raises(openai.RateLimitError) as caught:
             client.chat.completions.create(model="m", messages=MESSAGES)
         assert caught.value.response.headers["retry-after"] == "1"
+        # An OpenAI-compatible upstream's rate-limit headers too; its other headers stay behind.
+        assert caught.value.response.headers["x-ratelimit-remaining-requests"] == "0"
+        assert "x-internal" not in caught.value.response.headers
         assert "x-should-retry" not in caught.value.response.headers  # the SDK's own retry applies
         assert error_of(caught.value.response)["type"] == "rate_limit_error"
         assert posts(limited) == 1  # a 4xx is the client's answer, not a reason to fail over

@@ -34,3 +34,9 @@ def test_a_server_error_body_is_replaced() -> None:
     error = orjson.loads(normalise_upstream_error(500, body, "rid-1"))["error"]
     assert "Traceback" not in error["message"] and "rid-1" in error["message"]
     assert error["code"] == "500" and error["type"] == "server_error"
+
+
+def test_a_long_client_error_message_is_cut_and_says_so() -> None:
+    body = orjson.dumps({"error": {"message": "x" * 1970, "code": 400}})
+    message = orjson.loads(normalise_upstream_error(400, body, "rid"))["error"]["message"]
+    assert len(message) == 1000 and message.endswith("x...")
