@@ -287,7 +287,15 @@ class Engine:
         self._seq += 1
         room = max(self.config.context_length - prompt_tokens, 0)
         cap = room if max_new_tokens is None else min(max_new_tokens, room)
-        natural = output_len if output_len is not None else self.config.output_lengths.draw(self.rng)
+        if output_len is not None:
+            natural = output_len
+        elif text_seed is not None:
+            # A request with a seed gets the same answer every time: where it stops too, not
+            # only its text (drawn from the shared state, the same request stopped at 12
+            # tokens once and 20 the next).
+            natural = self.config.output_lengths.draw(random.Random(text_seed))
+        else:
+            natural = self.config.output_lengths.draw(self.rng)
         if ignore_eos or natural >= cap:
             target, by_length = cap, True
         else:

@@ -155,6 +155,19 @@ def test_same_seed_same_text(base):
     assert a == b and words(a) == 12
 
 
+def test_same_seed_same_answer_where_it_stops_too(fleet):
+    # The text was seeded but its length drawn from the twin's shared state: the same request
+    # stopped at 12 tokens once and at 20 the next.
+    spec = fleet[0]  # its lengths drawn from the profile's distribution
+    for seed in range(4):
+        a, b = (chat(spec, max_tokens=300, seed=seed) for _ in range(2))
+        assert a.choices[0].message.content == b.choices[0].message.content
+        assert (a.choices[0].finish_reason, a.usage.completion_tokens) == (
+            b.choices[0].finish_reason,
+            b.usage.completion_tokens,
+        )
+
+
 # ---- errors --------------------------------------------------------------------------------
 
 
