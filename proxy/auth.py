@@ -263,8 +263,22 @@ def is_loopback(host: str) -> bool:
 
 
 def warn_if_open(settings: Settings, access: Access) -> None:
-    if not access.enabled and not is_loopback(settings.host):
+    if access.enabled:
+        return
+    if not is_loopback(settings.host):
         log.warning(
             "no SPECROUTE_API_KEYS set and listening on %s: anyone who reaches this address can use the GPUs behind it",
             settings.host,
         )
+    # Settings that restrict by key do nothing without keys: say so rather than seem to apply.
+    unapplied = [
+        "SPECROUTE_" + field.upper()
+        for field, applies in (
+            ("state_access", settings.state_access != "open"),
+            ("metrics_access", settings.metrics_access != "open"),
+            ("key_max_concurrency", settings.key_max_concurrency > 0),
+        )
+        if applies and field in settings.model_fields_set
+    ]
+    if unapplied:
+        log.warning("%s apply only with keys (SPECROUTE_API_KEYS): without them they do nothing", ", ".join(unapplied))

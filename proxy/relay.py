@@ -363,6 +363,9 @@ class CompletionHandler:
         self.telemetry = telemetry
         self.open_requests = 0
         """Completion requests in this handler now (SPECROUTE_MAX_OPEN_REQUESTS bounds them)."""
+        self.clients_keys_upstream = not (settings.api_keys or settings.api_keys_file or settings.operator_api_keys)
+        """Without proxy keys, a client's Authorization goes upstream (docs/security.md): an
+        upstream 401 on a pool without its own key is then the client's to see."""
         self.bodies = request_body.BodyReader(
             settings.max_json_items, settings.max_json_values, keep_content=settings.trace_content
         )
@@ -661,6 +664,19 @@ class CompletionHandler:
                     attempt.failed(code)
                     hooks.attempt_failed(error=code, retryable=True)
                     return ProxyError(502, f"upstream {instance.pool} server {what}", code=code, retryable=True)
+                if response.status in (401, 403) and not (self.clients_keys_upstream and instance.api_key is None):
+                    # The credentials it refused are the proxy's (the pool's key, or none with the
+                    # client's stopped here), not the client's: a 401 would tell the client its own
+                    # key is wrong, and its SDK would not retry.
+                    attempt.failed("upstream_auth")
+                    hooks.attempt_failed(error="upstream_auth", retryable=True)
+                    return ProxyError(
+                        502,
+                        f"upstream {instance.pool} server refused the proxy's credentials (HTTP {response.status}); "
+                        f"check SPECROUTE_{instance.pool.upper()}_API_KEY",
+                        code="upstream_auth",
+                        retryable=True,
+                    )
                 if response.status >= 400:
                     return await self.upstream_error(exchange, response, attempt)
                 if response.status >= 300:

@@ -314,6 +314,24 @@ class Settings(_SettingsWithPolicies):
                 raise ValueError(f"{url!r} is not a valid URL (no host, or a space in it)")
         return [url.rstrip("/") for url in urls]
 
+    @field_validator("api_keys", "operator_api_keys")
+    @classmethod
+    def _check_keys(cls, value: SecretStr | None) -> SecretStr | None:
+        """Keys as a header can carry them, and at least one: a value that held none (" ", ",",
+        or only '#' entries) turned keys off and left the proxy open. The messages never quote
+        a key."""
+        if value is None:
+            return None
+        keys = [part.strip() for part in value.get_secret_value().split(",") if part.strip()]
+        if not keys:
+            raise ValueError("is set but holds no key; unset it to run without keys")
+        for key in keys:
+            if key.startswith("#"):
+                raise ValueError("a key may not start with '#' ('#' comments are for SPECROUTE_API_KEYS_FILE)")
+            if not (key.isascii() and key.isprintable()) or " " in key:
+                raise ValueError("keys are printable ASCII without spaces (as a Bearer token is sent)")
+        return value
+
     @field_validator("api_keys_file")
     @classmethod
     def _check_keys_file(cls, value: str | None) -> str | None:

@@ -75,6 +75,7 @@ UPSTREAM_FAILURES = {
     "upstream_redirect",
     "no_upstream",
     "upstream_event_too_large",
+    "upstream_auth",
 }
 """Codes of the gateway errors the proxy answers for an upstream that failed (502/503/504)."""
 

@@ -133,6 +133,50 @@ def test_the_clients_key_never_goes_upstream_when_proxy_keys_are_on(twin_pair) -
     assert posts == [None, "Bearer sk-pool", "Bearer sk-theirs"]
 
 
+def test_an_upstream_refusing_the_proxys_credentials_is_a_502_and_fails_over(twin_pair) -> None:
+    # A 401 would tell the client its own (valid) key is wrong, and its SDK would not retry.
+    _, base = twin_pair
+    with FaultServer("status:401") as refusing:
+        with running_proxy(
+            spec_urls=[refusing.url], base_urls=[base.url], api_keys="sk-client", spec_api_key="sk-stale"
+        ) as proxy:
+            pinned = httpx.post(
+                proxy.base_url + "/chat/completions",
+                json=CHAT,
+                headers=bearer("sk-client") | {"x-specroute-pool": "spec"},
+            )
+            assert pinned.status_code == 502 and error_of(pinned)["code"] == "upstream_auth"
+            assert "SPECROUTE_SPEC_API_KEY" in error_of(pinned)["message"] and "sk-" not in pinned.text
+            served = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-client"))
+            assert served.status_code == 200  # spec refused it: base served it
+        with running_proxy(spec_urls=[refusing.url], base_urls=[base.url], policy="spec") as proxy:
+            # No proxy keys and no pool key: the client's key went upstream, the refusal is the client's.
+            theirs = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-wrong"))
+            assert theirs.status_code == 401
+
+
+@pytest.mark.parametrize("value", [" ", ",", "#secret", "#a,#b", "k1,#k2", "k\u00fc", "a b"])
+def test_a_keys_setting_that_holds_no_usable_key_stops_start_up(value: str) -> None:
+    # " ", "," or only '#' entries turned keys off: every endpoint open behind a setting that
+    # looked like keys. The message names the setting, never the value.
+    from proxy.settings import SettingsError, load_settings
+
+    with pytest.raises(SettingsError, match="SPECROUTE_API_KEYS") as refused:
+        load_settings(api_keys=value, base_urls=["http://127.0.0.1:9"])
+    assert "secret" not in str(refused.value)
+
+
+def test_settings_that_need_keys_warn_when_there_are_none(caplog) -> None:
+    from proxy.auth import Access, warn_if_open
+    from proxy.settings import load_settings
+
+    settings = load_settings(state_access="operators", key_max_concurrency=2, base_urls=["http://127.0.0.1:9"])
+    with caplog.at_level("WARNING", logger="specroute"):
+        warn_if_open(settings, Access.from_settings(settings))
+    warned = [r.getMessage() for r in caplog.records if "apply only with keys" in r.getMessage()]
+    assert len(warned) == 1 and "SPECROUTE_STATE_ACCESS" in warned[0] and "SPECROUTE_KEY_MAX_CONCURRENCY" in warned[0]
+
+
 def test_who_may_pin_a_pool_is_a_setting(twin_pair) -> None:
     spec, base = twin_pair
     pin = {"x-specroute-pool": "base"}
