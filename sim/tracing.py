@@ -42,9 +42,9 @@ class TwinTracer:
 
     def __init__(self, endpoint: str, exporter: SpanExporter | None = None) -> None:
         protocol = os.environ.get(PROTOCOL_VARIABLE, "grpc")
-        resource = Resource.create()
-        if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
-            resource = resource.merge(Resource({SERVICE_NAME: "sglang"}))
+        # As SGLang's process_tracing_init: service "sglang" whatever OTEL_SERVICE_NAME says (it
+        # has no flag for it); OTEL_RESOURCE_ATTRIBUTES' other attributes are kept.
+        resource = Resource.create({SERVICE_NAME: "sglang"})
         self.provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         self.provider.add_span_processor(BatchSpanProcessor(exporter or otlp_exporter(endpoint, protocol)))
         self.tracer = self.provider.get_tracer("sglang")

@@ -5,9 +5,12 @@ from __future__ import annotations
 import math
 
 
-def parse_prometheus(text: str, wanted: frozenset[str]) -> dict[str, float]:
-    """Sum of each wanted metric over its label sets (the text format, comments skipped)."""
+def parse_prometheus(text: str, wanted: frozenset[str], means: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Sum of each wanted metric over its label sets (the text format, comments skipped); for
+    those in `means`, a ratio such as an accept length, the mean (one series per data-parallel
+    rank would otherwise add up the ranks' ratios)."""
     totals: dict[str, float] = {}
+    counts: dict[str, int] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
@@ -24,4 +27,8 @@ def parse_prometheus(text: str, wanted: frozenset[str]) -> dict[str, float]:
             continue
         if math.isfinite(value):
             totals[name] = totals.get(name, 0.0) + value
+            counts[name] = counts.get(name, 0) + 1
+    for name in means:
+        if name in totals:
+            totals[name] /= counts[name]
     return totals

@@ -18,13 +18,14 @@ METRIC_NAMES = frozenset(
     {
         "sglang:num_running_reqs",
         "sglang:num_queue_reqs",
-        "sglang:max_running_requests",
         "sglang:generation_tokens_total",
         "sglang:spec_verify_calls_total",
         "sglang:spec_accept_length",
     }
 )
 
+RATIO_NAMES = frozenset({"sglang:spec_accept_length"})
+"""Gauges that are ratios: averaged over their series (one per dp_rank), not summed."""
 
 MAX_DRAFT_TOKENS = 64
 """More draft tokens per verify step than any speculative server runs (SGLang's EAGLE: 1-16)."""
@@ -65,7 +66,7 @@ class SGLang(Backend):
         spec_verify_calls_total only by a request's count above 0, and a labelled counter has no
         sample before its first increment: absent, both read 0 (so the first requests to finish
         count, rather than becoming the baseline)."""
-        m = parse_prometheus(text, METRIC_NAMES)
+        m = parse_prometheus(text, METRIC_NAMES, means=RATIO_NAMES)
         if "sglang:num_running_reqs" not in m and "sglang:generation_tokens_total" not in m:
             return reading  # not SGLang's metrics (or no metrics at all): no counters to read
         return Reading(
@@ -138,16 +139,16 @@ def _total(loads: list[Mapping[str, Any]], field: str) -> float | None:
 
 
 def reading_from_metrics(text: str, at: float) -> Reading:
-    m = parse_prometheus(text, METRIC_NAMES)
+    m = parse_prometheus(text, METRIC_NAMES, means=RATIO_NAMES)
     if "sglang:num_running_reqs" not in m:
         raise ValueError("no SGLang load gauges in /metrics")
     running = m["sglang:num_running_reqs"]
-    cap = m.get("sglang:max_running_requests")
+    # No cap here: SGLang exports none (only max_running_requests_under_SLO, rarely set); it
+    # comes from /server_info.
     return Reading(
         at=at,
         running=running,
         waiting=m.get("sglang:num_queue_reqs", 0.0),
-        max_running=count_or_none(cap) or None,
         accept_length=m.get("sglang:spec_accept_length") or None,
         accept_steps=gauge_steps(running),
         # A labelled counter has no sample before its first increment: absent reads 0 (as

@@ -12,7 +12,9 @@ from proxy.backends.prometheus import parse_prometheus
 METRIC_NAMES = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting"})
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
 """A vLLM server's running cap until it is seen saturated: vLLM exposes no --max-num-seqs, so
-requests kept waiting while the running count holds tell the cap in force (see vllm_cap)."""
+requests kept waiting while the running count holds tell the cap in force (see vllm_cap). 256 is
+vLLM's default on most GPUs; newer versions default to 1024 on large-memory ones (H100, H200),
+which a reading with more running raises it to."""
 VLLM_FULL_FOR_S = 1.0
 """How long a vLLM server must keep requests waiting without running more before its running
 count is taken as its cap. Requests that arrive during a step wait for the next one on any server,

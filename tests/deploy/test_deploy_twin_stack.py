@@ -71,7 +71,12 @@ def test_twin_stack_commands_serve_and_trace_outside_docker(compose: Compose, ja
         # The proxy's spans (OTLP/HTTP) and each twin's (OTLP/gRPC) meet in one trace per request.
         for pool, trace_id in traces.items():
             jaeger.wait_for_spans(
-                trace_id, lambda spans: {"specroute", f"sglang-{pool}"} <= {s["service"] for s in spans}
+                trace_id,
+                lambda spans: (
+                    "specroute" in {s["service"] for s in spans}
+                    and f"sglang-{pool}"
+                    in {s["resource"].get("service.instance.id") for s in spans if s["service"] == "sglang"}
+                ),
             )
     finally:
         codes = {service.name: service.stop() for service in reversed(started)}

@@ -329,13 +329,13 @@ def test_keep_alive_comments_hold_a_stream_no_longer_than_its_timeouts() -> None
         "sglang:num_running_reqs +Inf\nsglang:num_queue_reqs 0\n",
         "sglang:num_running_reqs 1e400\nsglang:num_queue_reqs 0\n",
         "sglang:num_running_reqs -4\nsglang:num_queue_reqs 0\n",
-        "sglang:num_running_reqs 1\nsglang:num_queue_reqs 0\nsglang:max_running_requests -4\n",
+        "sglang:num_running_reqs 1\nsglang:num_queue_reqs -4\n",
     ],
-    ids=["nan", "inf", "overflow", "negative", "negative-cap"],
+    ids=["nan", "inf", "overflow", "negative", "negative-queue"],
 )
 def test_a_load_no_server_means_is_not_taken(twin_pair, gauges: str) -> None:
     # One NaN in a poll answer made every unpinned request a 500 (the policy's arithmetic), and a
-    # negative cap drew all traffic to the server that wrote it.
+    # negative count (a cap, then) drew all traffic to the server that wrote it.
     spec, _ = twin_pair
     with (
         FaultServer("echo", probe="/metrics", load_text=gauges) as odd,

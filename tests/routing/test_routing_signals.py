@@ -198,6 +198,13 @@ def test_parsers_cover_each_probe():
     reading = reading_from_metrics(text, 2.0)
     assert (reading.running, reading.waiting, reading.tokens_total, reading.verify_total) == (7, 2, 120, 50)
     assert (reading.accept_length, reading.accept_steps) == (2.4, 40 * 7)
+    # Two data-parallel ranks: their loads add up, their accept lengths are averaged.
+    ranks = (
+        'sglang:num_running_reqs{dp_rank="0"} 3\nsglang:num_running_reqs{dp_rank="1"} 4\n'
+        'sglang:spec_accept_length{dp_rank="0"} 2.0\nsglang:spec_accept_length{dp_rank="1"} 3.0\n'
+    )
+    reading = reading_from_metrics(ranks, 2.0)
+    assert (reading.running, reading.accept_length) == (7, 2.5)
     vllm = 'vllm:num_requests_running{model_name="m"} 4.0\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
     assert VLLM("/metrics").read(vllm, 0).running == 4
     assert parse_prometheus("garbage line\nsglang:num_running_reqs NaN\n", frozenset({"sglang:num_running_reqs"})) == {}
