@@ -252,6 +252,21 @@ class FleetModel:
                 out.update(url for url, age in members if age > bound)
         return frozenset(out)
 
+    def unresponsive(self, url: str, now: float, after_s: float) -> bool:
+        """The instance is reachable and polled, its load reading is older than `after_s`, and
+        another instance's is fresh (so the silence is the server's, not this process's nor the
+        network's): it accepts connections but has stopped answering (a stopped process, a hung
+        engine behind a live HTTP front)."""
+        signals = self.instances[url]
+        if not (signals.healthy and signals.polled) or signals.age(now) <= after_s:
+            return False
+        bound = self.stale_after_s
+        return any(
+            other.healthy and other.polled and other.age(now) <= bound
+            for key, other in self.instances.items()
+            if key != url
+        )
+
     def set_ejected(self, url: str, ejected: bool) -> None:
         self.instances[url].ejected = ejected
 

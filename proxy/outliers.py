@@ -4,7 +4,8 @@ A load poll only says a server is up. A server whose completions fail (5xx, rese
 token that never comes, a stream that stops) or whose first tokens come far later than its
 pool's others' is found from the requests themselves, as Envoy's outlier detection does:
 
-- `consecutive-failures`: SPECROUTE_OUTLIER_CONSECUTIVE_FAILURES failed attempts in a row;
+- `consecutive-failures`: SPECROUTE_OUTLIER_CONSECUTIVE_FAILURES failed attempts in a row (an
+  attempt abandoned because its server stopped answering, `upstream_unresponsive`, counts);
 - `slow-first-token`: its first-token time (a moving average over its streams) is more than
   SPECROUTE_OUTLIER_SLOW_FACTOR times the median of its pool's other instances (at least
   SLOW_MIN_SAMPLES streams each, and SLOW_FLOOR_S above them).
@@ -33,7 +34,9 @@ from typing import Any
 from fleet.model import FleetModel
 from proxy.pools import Instance, Pool
 
-FAILURES = frozenset({"connect", "upstream_disconnected", "first_token_timeout", "chunk_timeout"})
+FAILURES = frozenset(
+    {"connect", "upstream_disconnected", "first_token_timeout", "chunk_timeout", "upstream_unresponsive"}
+)
 """Attempt failures that count against a server, besides any 5xx (status_5xx). A total timeout
 does not: a long generation can meet it on a healthy server."""
 TTFT_WEIGHT = 0.2

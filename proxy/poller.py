@@ -73,6 +73,8 @@ class InstancePoller:
         get: Get,
         clock: Callable[[], float],
         on_back: Callable[[str], None] | None = None,
+        on_unresponsive: Callable[[str], None] | None = None,
+        unresponsive_after_s: float = 0.0,
     ) -> None:
         self.instance = instance
         self.url = instance.url
@@ -93,6 +95,11 @@ class InstancePoller:
         what the proxy learned of the server that went away, its outlier record, is void."""
         self.lost = False
         """It was reached, then could not be (until it is learned again)."""
+        self.on_unresponsive = on_unresponsive
+        """Told the URL, each poll, while its reading is older than `unresponsive_after_s` and
+        another instance's is fresh (`FleetModel.unresponsive`): it accepts connections but has
+        stopped answering."""
+        self.unresponsive_after_s = unresponsive_after_s
 
     @property
     def reached(self) -> bool:
@@ -119,6 +126,10 @@ class InstancePoller:
                 await self.learn()
         elif self.backend.load_path is not None:
             await self.poll()
+            if self.on_unresponsive is not None and self.fleet.unresponsive(
+                self.url, self.clock(), self.unresponsive_after_s
+            ):
+                self.on_unresponsive(self.url)
         elif self.polls % LIVENESS_EVERY == 0:
             await self.liveness()
 
@@ -296,10 +307,15 @@ class Pollers:
         timeout_s: float,
         clock: Callable[[], float] = time.monotonic,
         on_back: Callable[[str], None] | None = None,
+        on_unresponsive: Callable[[str], None] | None = None,
+        unresponsive_after_s: float = 0.0,
     ) -> None:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
-        self.by_url = {i.url: InstancePoller(i, fleet, self._get, clock, on_back) for i in instances}
+        self.by_url = {
+            i.url: InstancePoller(i, fleet, self._get, clock, on_back, on_unresponsive, unresponsive_after_s)
+            for i in instances
+        }
         self._client: httpx.AsyncClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from fleet.instance import InstanceSignals
 from fleet.model import FleetModel
@@ -31,6 +32,9 @@ class Instance:
     """Requests whose first response byte has arrived (decoding rather than queued/prefilling)."""
     dispatched_total: int = 0
     failed_total: int = 0
+    waiting: set[Any] = field(default_factory=set)
+    """Its attempts waiting for their first byte (proxy.routing.Attempt; a server that stops
+    answering has them fail over)."""
     refused_stream_options_at: float | None = None
     """When (time.monotonic) the server last refused the `stream_options` the proxy adds to learn a
     stream's usage (proxy/relay.py, `refuses_stream_options`); None: never, or it was learned

@@ -96,6 +96,8 @@ RETRYABLE = frozenset({CONNECT, DISCONNECTED})
 ERROR_BODY_LIMIT = 64 * 1024
 MAX_MODEL_CHARS = 256
 """The longest model name the log line and the spans carry (the body goes upstream whole)."""
+UNRESPONSIVE = "upstream_unresponsive"
+"""An attempt abandoned before its first byte: its server stopped answering its load polls."""
 RETRY_AFTER = frozenset({b"retry-after", b"retry-after-ms"})
 RATE_LIMIT_PREFIX = b"x-ratelimit-"
 """An upstream error's headers the client gets besides RETRY_AFTER: OpenAI's x-ratelimit-* (an
@@ -710,6 +712,21 @@ class CompletionHandler:
             if kind in RETRYABLE:
                 return ProxyError(502, f"upstream {instance.pool} server failed ({kind})", code=kind, retryable=True)
             return ProxyError(504, f"upstream {instance.pool} server timed out ({kind})", code=kind, retryable=False)
+        except asyncio.CancelledError:
+            if not attempt.abandoned or exchange.client_gone or exchange.started:
+                raise  # the client left, or the proxy is stopping
+            # Cancelled by Router.abandon_waiting: its server stopped answering before a byte came.
+            current = asyncio.current_task()
+            if current is not None:
+                current.uncancel()
+            attempt.failed(UNRESPONSIVE)
+            hooks.attempt_failed(error=UNRESPONSIVE, retryable=True)
+            return ProxyError(
+                502,
+                f"upstream {instance.pool} server stopped answering ({UNRESPONSIVE})",
+                code=UNRESPONSIVE,
+                retryable=True,
+            )
         finally:
             # Waiting on the upstream until it answered, failed or this task was cancelled (the
             # client left, the drain ended) is not the proxy's overhead.

@@ -14,6 +14,7 @@ import hashlib
 import itertools
 import secrets
 import time
+from asyncio import Task, current_task
 from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -147,6 +148,20 @@ def session_of(body: Mapping[str, Any], named: str | None = None) -> str | None:
     return session_key(named)
 
 
+def running_task() -> Task[Any] | None:
+    """The task running now, None outside an event loop (the router used synchronously)."""
+    try:
+        return current_task()
+    except RuntimeError:
+        return None
+
+
+UNRESPONSIVE_MIN_S = 5.0
+"""The shortest silence of a server's load endpoint (with another server answering) after which
+requests waiting there for their first byte fail over (`Router.abandon_waiting`). SGLang answers
+/v1/loads between scheduler steps, and a prefill chunk takes well under a second."""
+
+
 class Attempt:
     """One upstream attempt's hold on an instance. `finished`/`failed` release it exactly once."""
 
@@ -169,6 +184,8 @@ class Attempt:
         "sent",
         "workload",
         "uncached_tokens",
+        "task",
+        "abandoned",
     )
 
     def __init__(
@@ -221,8 +238,15 @@ class Attempt:
         """The prompt tokens its dispatch counted (less the instance's credited prefix)."""
         if outliers is not None:
             outliers.dispatched(instance)
+        self.task = running_task()
+        """The request's task, which `Router.abandon_waiting` cancels while no byte came."""
+        self.abandoned = False
+        """Its server stopped answering before its first byte: the task was cancelled for that
+        (the relay turns it into a failure that fails over), not because the client left."""
+        instance.waiting.add(self)
 
     def first_byte(self) -> None:
+        self.instance.waiting.discard(self)
         if self.open and not self.started:
             self.started = True
             self.instance.streaming += 1
@@ -297,6 +321,7 @@ class Attempt:
         if not self.open:
             return
         self.open = False
+        self.instance.waiting.discard(self)
         if refused:
             self.fleet.on_refused(self.instance.url, self.dispatched_at, time.monotonic(), self.uncached_tokens)
         else:
@@ -323,12 +348,19 @@ class Router:
         self.policy = policy
         self.outliers = outliers
         self.admission = admission if admission is not None and admission.enabled else None
+        poll_s, poll_timeout_s = settings.poll_interval_ms / 1000, max(settings.stale_ms / 1000, 0.5)
+        self.unresponsive_after_s = max(UNRESPONSIVE_MIN_S, 3 * poll_s + poll_timeout_s)
+        """A server whose load reading is this old while another's is fresh has stopped
+        answering (three polls missed at least, and never under UNRESPONSIVE_MIN_S)."""
+        self.by_url = {instance.url: instance for instance in self.instances()}
         self.pollers = Pollers(
             self.instances(),
             fleet,
-            interval_s=settings.poll_interval_ms / 1000,
-            timeout_s=max(settings.stale_ms / 1000, 0.5),
+            interval_s=poll_s,
+            timeout_s=poll_timeout_s,
             on_back=outliers.restarted,
+            on_unresponsive=self.abandon_waiting,
+            unresponsive_after_s=self.unresponsive_after_s,
         )
         self.decisions = DecisionLog(settings.state_decisions)
         self.hash_key = secrets.token_bytes(16)
@@ -512,6 +544,21 @@ class Router:
         return instance
 
     # -- events -----------------------------------------------------------------------------
+    def abandon_waiting(self, url: str) -> None:
+        """The server at `url` stopped answering (`FleetModel.unresponsive`, told by its poller):
+        its attempts that have waited `unresponsive_after_s` for their first byte are cancelled
+        and fail over (a hung server, an NCCL hang behind a live HTTP front, would hold each for
+        the first-token timeout, or a JSON request for the total one). Streams already under way
+        keep their chunk timeout: bytes reached their clients."""
+        instance = self.by_url.get(url)
+        if instance is None:
+            return
+        since = time.monotonic() - self.unresponsive_after_s
+        for attempt in list(instance.waiting):
+            if attempt.dispatched_at <= since and attempt.task is not None and not attempt.abandoned:
+                attempt.abandoned = True
+                attempt.task.cancel()
+
     def unreachable(self, instance: Instance) -> None:
         """A connection to `instance` failed: skip it until a load poll reaches it again."""
         self.fleet.set_health(instance.url, False)

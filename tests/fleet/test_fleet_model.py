@@ -277,3 +277,18 @@ def test_an_instance_whose_polls_stopped_while_its_pool_mates_answer_gets_no_new
     # It answers again: back.
     fleet.on_reading("http://s1", Reading(at=2.3, running=0, waiting=0))
     assert fleet.snapshot(2.4).pools["spec"].instances[0].healthy and not fleet.lagging(2.4)
+
+
+def test_a_server_is_unresponsive_only_while_another_answers() -> None:
+    fleet = FleetModel({"spec": 3, "base": 0}, stale_after_s=1.0)
+    fleet.add_instance("http://s", "spec", 48)
+    fleet.add_instance("http://b", "base", 48)
+    fleet.on_reading("http://s", Reading(at=0.0, running=1, waiting=0))
+    fleet.on_reading("http://b", Reading(at=0.0, running=1, waiting=0))
+    assert not fleet.unresponsive("http://s", 4.0, after_s=5.0)  # silent 4 s: not yet
+    # Both silent 6 s: this process or its network, not the server.
+    assert not fleet.unresponsive("http://s", 6.0, after_s=5.0)
+    fleet.on_reading("http://b", Reading(at=5.5, running=1, waiting=0))
+    assert fleet.unresponsive("http://s", 6.0, after_s=5.0)  # another answers: the server's silence
+    fleet.set_health("http://s", False)
+    assert not fleet.unresponsive("http://s", 6.0, after_s=5.0)  # unreachable is another matter

@@ -76,6 +76,7 @@ UPSTREAM_FAILURES = {
     "no_upstream",
     "upstream_event_too_large",
     "upstream_auth",
+    "upstream_unresponsive",
 }
 """Codes of the gateway errors the proxy answers for an upstream that failed (502/503/504)."""
 

@@ -4,6 +4,7 @@ more than half a pool (or the fleet's last server) with it."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -371,6 +372,39 @@ def test_a_stopped_server_gets_no_new_requests_while_its_pool_mate_answers(two_s
             return instance(proxy, "spec", 0).dispatched_total > set_aside
 
         wait_for(back, what="the server taking traffic again", timeout=20)
+
+
+def test_requests_waiting_on_a_server_that_stopped_answering_fail_over(two_spec_twins: list[RunningTwin]) -> None:
+    """Sent to a server just before it stopped (SIGSTOP, a hung engine), requests waited for their
+    first byte until the first-token timeout (streams) or the total one (JSON)."""
+    stopped, well, base = two_spec_twins
+    with running_proxy(
+        spec_urls=[stopped.url, well.url], base_urls=[base.url], policy="spec", first_token_timeout_s=60
+    ) as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=40)
+        before = instance(proxy, "spec", 0).dispatched_total
+        os.kill(stopped.process.pid, signal.SIGSTOP)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                calls = [
+                    pool.submit(
+                        lambda stream: client.chat.completions.with_raw_response.create(
+                            model="m", messages=MESSAGES, max_tokens=4, stream=stream
+                        ),
+                        i % 2 == 0,
+                    )
+                    for i in range(6)
+                ]
+                answers = [call.result(timeout=60) for call in calls]
+        finally:
+            os.kill(stopped.process.pid, signal.SIGCONT)
+        assert instance(proxy, "spec", 0).dispatched_total > before  # some went to it before it lagged
+        # All answered by its pool-mate within the client's 40 s, against 60 s of first-token
+        # timeout (and 600 s of total timeout for the JSON ones) had they waited.
+        assert {a.headers["x-specroute-backend"] for a in answers} == {"spec-1"}
+        assert instance(proxy, "spec", 0).failed_total >= 1
+        assert state_of(proxy, "spec-0")["outlier"]["consecutive_failures"] >= 1
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
 def test_a_pool_whose_servers_are_all_ejected_sends_its_requests_to_the_other_pool(
