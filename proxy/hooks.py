@@ -40,9 +40,12 @@ class RequestHooks:
         parsed request: telemetry reads sampling parameters from it, and the prompt only when
         the user opted in (SPECROUTE_TRACE_CONTENT)."""
 
-    def attempt_started(self, *, pool: str, instance: str, attempt: int, cached_tokens: int = 0) -> None:
+    def attempt_started(
+        self, *, pool: str, instance: str, attempt: int, cached_tokens: int = 0, server_kind: str = ""
+    ) -> None:
         """An upstream request is about to be sent (attempt counts from 1); `cached_tokens`: the
-        prompt tokens the router credited `instance` with holding in its prefix cache."""
+        prompt tokens the router credited `instance` with holding in its prefix cache;
+        `server_kind`: what `instance` was learned as (proxy/backends), "" if not yet."""
 
     def outgoing_headers(self, headers: MutableMapping[str, str]) -> None:
         """Headers about to go upstream for the current attempt; add e.g. traceparent here."""

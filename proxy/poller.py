@@ -194,6 +194,7 @@ class InstancePoller:
 
     def _learned(self, backend: Backend, described: bool) -> None:
         self.backend = backend
+        self.instance.kind = backend.kind
         if self.lost:
             self.lost = False
             if self.on_back is not None:

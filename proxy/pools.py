@@ -28,6 +28,8 @@ class Instance:
     name: str = ""
     """What clients see of this server (x-specroute-backend, /ready): an opaque name such as
     spec-0, or the URL when SPECROUTE_EXPOSE_BACKEND_URLS is set."""
+    kind: str = ""
+    """The server kind its poller learned (proxy/backends: sglang, vllm, openai); "" until then."""
     streaming: int = 0
     """Requests whose first response byte has arrived (decoding rather than queued/prefilling)."""
     dispatched_total: int = 0

@@ -40,8 +40,10 @@ GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 # Opt-in content (SPECROUTE_TRACE_CONTENT); JSON strings, the portable encoding on spans.
 GEN_AI_INPUT_MESSAGES = "gen_ai.input.messages"
 
-# SGLang and vLLM have no well-known provider value; the conventions allow a custom one.
-PROVIDER_SGLANG = "sglang"
+# SGLang and vLLM have no well-known provider value; the conventions allow a custom one. A server
+# of no kind the proxy knows is not OpenAI's service, so not "openai" (which implies openai.*).
+PROVIDER_BY_KIND = {"sglang": "sglang", "vllm": "vllm"}
+PROVIDER_UNKNOWN = "openai_compatible"
 OPERATION_BY_PATH = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
 
 EVENT_FIRST_TOKEN = "gen_ai.first_token"

@@ -72,6 +72,7 @@ class RequestRecorder(RequestHooks):
         "_first_data",
         "_failed",
         "_credited",
+        "_server_kind",
     )
 
     def __init__(self, owner: SpecrouteTelemetry, endpoint: str) -> None:
@@ -114,6 +115,7 @@ class RequestRecorder(RequestHooks):
         """Attempts that failed, as they ended."""
         self._credited = 0
         """Prompt tokens credited as cached on the current attempt's instance."""
+        self._server_kind = ""
 
     # -- request ---------------------------------------------------------------------------
     def received(self, *, endpoint: str, request_id: str, headers: Mapping[str, str], body_bytes: int) -> None:
@@ -165,9 +167,12 @@ class RequestRecorder(RequestHooks):
         return self._reason
 
     # -- attempts --------------------------------------------------------------------------
-    def attempt_started(self, *, pool: str, instance: str, attempt: int, cached_tokens: int = 0) -> None:
+    def attempt_started(
+        self, *, pool: str, instance: str, attempt: int, cached_tokens: int = 0, server_kind: str = ""
+    ) -> None:
         metrics = self._owner.metrics
         self._credited = cached_tokens
+        self._server_kind = server_kind
         if attempt > 1:
             if pool == self._pool:
                 metrics.retried(pool)
@@ -239,6 +244,7 @@ class RequestRecorder(RequestHooks):
             self._first_data,
             error,
             self._credited,
+            self._server_kind,
         )
 
     # -- response --------------------------------------------------------------------------

@@ -85,6 +85,8 @@ class AttemptTrace(NamedTuple):
     """Why it failed, if it failed (then retried elsewhere, or given up)."""
     credited: int = 0
     """Prompt tokens the router credited its instance with holding in its prefix cache."""
+    server_kind: str = ""
+    """The kind of server its instance was learned as (proxy/backends: sglang, vllm, openai)."""
 
 
 class RequestTrace(NamedTuple):
@@ -218,9 +220,17 @@ class SpanWriter:
         encoder = self.encoder
         params, items = self._request_attributes(t.params)
         attributes = encoder.block(
-            ("attempt", t.endpoint, t.model, a.pool, a.instance, a.number, t.stream, items),
+            ("attempt", t.endpoint, t.model, a.pool, a.instance, a.server_kind, a.number, t.stream, items),
             lambda: attempt_attributes(
-                t.endpoint, t.model, a.pool, a.instance, a.number, t.stream, params, self.address_of(a.instance)
+                t.endpoint,
+                t.model,
+                a.pool,
+                a.instance,
+                a.number,
+                t.stream,
+                params,
+                self.address_of(a.instance),
+                a.server_kind,
             ),
         )
         if t.content is not None:
@@ -355,11 +365,12 @@ def attempt_attributes(
     stream: bool,
     params: Mapping[str, Any],
     address: tuple[str, int],
+    server_kind: str = "",
 ) -> dict[str, Any]:
     """The attempt span's attributes known when it starts (GenAI conventions, then ours)."""
     attributes: dict[str, Any] = {
         n.GEN_AI_OPERATION_NAME: n.OPERATION_BY_PATH.get(endpoint, "chat"),
-        n.GEN_AI_PROVIDER_NAME: n.PROVIDER_SGLANG,
+        n.GEN_AI_PROVIDER_NAME: n.PROVIDER_BY_KIND.get(server_kind, n.PROVIDER_UNKNOWN),
         n.SERVER_ADDRESS: address[0],
         n.SERVER_PORT: address[1],
         n.GEN_AI_REQUEST_STREAM: stream,

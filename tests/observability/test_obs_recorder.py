@@ -404,9 +404,11 @@ def cached_after_failover(t: SpecrouteTelemetry) -> None:
         override=None,
         body=BODY,
     )
-    hooks.attempt_started(pool="spec", instance="http://127.0.0.1:1", attempt=1, cached_tokens=512)
+    hooks.attempt_started(
+        pool="spec", instance="http://127.0.0.1:1", attempt=1, cached_tokens=512, server_kind="sglang"
+    )
     hooks.attempt_failed(error="connect", retryable=True)
-    hooks.attempt_started(pool="spec", instance="http://127.0.0.1:3", attempt=2, cached_tokens=256)
+    hooks.attempt_started(pool="spec", instance="http://127.0.0.1:3", attempt=2, cached_tokens=256, server_kind="vllm")
     hooks.upstream_headers(status=200, headers={})
     hooks.first_chunk(FIRST)
     hooks.attempt_finished(status=200)
@@ -438,6 +440,10 @@ def test_cached_tokens_credited_and_reported_on_spans_metrics_and_the_log() -> N
     assert cached[("chat m", "1")]["attrs"][n.PREFIX_CREDITED_TOKENS] == "512"  # int64 as a JSON string
     answered = cached[("chat m", "2")]["attrs"]
     assert answered[n.PREFIX_CREDITED_TOKENS] == "256"
+    # Each attempt names the kind of server it went to; one of no known kind is not "openai".
+    assert cached[("chat m", "1")]["attrs"][n.GEN_AI_PROVIDER_NAME] == "sglang"
+    assert answered[n.GEN_AI_PROVIDER_NAME] == "vllm"
+    assert {a["attrs"][n.GEN_AI_PROVIDER_NAME] for k, a in plain.items() if k[1]} == {"openai_compatible"}
     assert answered[n.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] == "300"
     assert n.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS not in cached[("chat m", "1")]["attrs"]
     assert cached[(n.SPAN_DECISION, None)]["attrs"]["specroute.decision.cached_spec_tokens"] == 512.0
