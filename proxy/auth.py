@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from proxy.errors import ProxyError
-from proxy.settings import Settings
+from proxy.settings import Settings, inline_keys
 
 log = logging.getLogger("specroute")
 
@@ -60,10 +60,9 @@ def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
-def split_keys(text: str, separator: str | None) -> list[str]:
-    """Keys from a comma-separated value (separator ",") or a file's lines (None)."""
-    parts = text.split(",") if separator else text.splitlines()
-    return [p.strip() for p in parts if p.strip() and not p.strip().startswith("#")]
+def file_keys(text: str) -> list[str]:
+    """Keys from a keys file's lines, '#' lines being comments."""
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
 class KeyRing:
@@ -106,7 +105,7 @@ class KeyRing:
                 )
             else:
                 self.file_stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-                self.file_keys = {digest(k): Role.CLIENT for k in split_keys(text, None)}
+                self.file_keys = {digest(k): Role.CLIENT for k in file_keys(text)}
                 log.info("read %d keys from SPECROUTE_API_KEYS_FILE", len(self.file_keys))
         merged = dict(self.file_keys)
         merged.update(self.inline)  # an operator key stays one if the file lists it too
@@ -159,10 +158,7 @@ class Access:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Access:
-        def secret(value: object) -> list[str]:
-            return split_keys(value.get_secret_value(), ",") if value is not None else []  # type: ignore[attr-defined]
-
-        keys = KeyRing(secret(settings.api_keys), secret(settings.operator_api_keys), settings.api_keys_file)
+        keys = KeyRing(inline_keys(settings.api_keys), inline_keys(settings.operator_api_keys), settings.api_keys_file)
         return cls(keys, settings.metrics_access, settings.state_access, settings.pool_pin)
 
     @property

@@ -322,7 +322,7 @@ class Settings(_SettingsWithPolicies):
         a key."""
         if value is None:
             return None
-        keys = [part.strip() for part in value.get_secret_value().split(",") if part.strip()]
+        keys = inline_keys(value)
         if not keys:
             raise ValueError("is set but holds no key; unset it to run without keys")
         for key in keys:
@@ -480,6 +480,13 @@ def unknown_variables() -> list[str]:
         hint = f" (did you mean {close[0]}?)" if close else ""
         lines.append(f"{name} is not a setting{hint}; it is ignored (`specroute config` lists them)")
     return lines
+
+
+def inline_keys(value: SecretStr | None) -> list[str]:
+    """The keys of a comma-separated key setting (SPECROUTE_API_KEYS, SPECROUTE_OPERATOR_API_KEYS)."""
+    if value is None:
+        return []
+    return [part.strip() for part in value.get_secret_value().split(",") if part.strip()]
 
 
 def without_password(url: str) -> str:
