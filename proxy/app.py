@@ -170,6 +170,7 @@ def error_response(
 
 
 READ_METHODS = ["GET", "HEAD"]
+SERVED_PATHS = "POST /v1/chat/completions and POST /v1/completions, and answers GET /v1/models"
 """The read-only endpoints answer HEAD too (load balancers' and uptime checks' probes), as SGLang's
 Starlette routes do; uvicorn sends a HEAD answer's headers without its body."""
 
@@ -183,8 +184,13 @@ def management_api(app: SpecrouteApp) -> FastAPI:
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(exc.status_code, message, code=str(exc.status_code), headers=exc.headers)
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:  # OpenAI answers an unknown URL as an invalid request
+            message = f"{where}: specroute does not serve this path; it routes {SERVED_PATHS}"
+            body = error_object(message, "invalid_request_error", "unknown_url")
+            return JSONResponse({"error": body}, 404, headers=exc.headers)
+        code = "method_not_allowed" if exc.status_code == 405 else str(exc.status_code)
+        return error_response(exc.status_code, f"{where}: {exc.detail}", code=code, headers=exc.headers)
 
     @api.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -411,9 +411,17 @@ def test_bad_input_gets_openai_errors_while_others_are_served(twin_pair) -> None
             assert error_of(response)["code"] == code
             assert response.headers["x-request-id"]
         assert httpx.head(url).headers["allow"] == "POST"  # RFC 9110: a 405 says what is allowed
+        # The management API's refusals say the same: an endpoint the proxy does not forward is
+        # named as such (OpenAI's type for an unknown URL), a wrong method by its code.
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        with pytest.raises(openai.NotFoundError) as unknown:
+            client.embeddings.create(model="m", input="hi")
+        error = unknown.value.body
+        assert isinstance(error, dict) and (error["type"], error["code"]) == ("invalid_request_error", "unknown_url")
+        assert "/v1/embeddings" in error["message"] and "/v1/chat/completions" in error["message"]
+        assert error_of(httpx.post(proxy.base_url + "/models"))["code"] == "method_not_allowed"
         other.join(60)
         assert stream_done.is_set()
-        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
         assert client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2).choices
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
