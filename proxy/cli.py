@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="listen port (default: SPECROUTE_PORT)")
     commands.add_parser("sim", help="run one simulated SGLang server (see `specroute sim --help`)", add_help=False)
     demo = commands.add_parser("demo", help="a spec twin, a base twin and the proxy on 127.0.0.1:8000")
-    demo.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
+    demo.add_argument("--port", type=int, help="proxy port (default: SPECROUTE_PORT, 8000)")
     demo.add_argument("--profile", default="h200-llama8b", help="twin step-time profile")
     demo.add_argument("--time-scale", type=float, default=1.0, help="run the twins this many times faster")
     commands.add_parser("config", help="print the effective settings (secrets masked)")
@@ -49,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "demo":
             from proxy.demo import run_demo
 
+            warn_unknown_variables()
             return run_demo(port=args.port, profile=args.profile, time_scale=args.time_scale)
         overrides: dict[str, Any] = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
         settings = load_settings(**overrides)

@@ -42,7 +42,9 @@ def _stop(signum: int, frame: FrameType | None) -> None:
     sys.exit(0)
 
 
-def run_demo(port: int, profile: str, time_scale: float) -> int:
+def run_demo(port: int | None, profile: str, time_scale: float) -> int:
+    """`port`: the proxy's (None: SPECROUTE_PORT's); the other SPECROUTE_* settings apply, but
+    the demo's own: it listens on 127.0.0.1 in front of its twins."""
     # uvicorn re-raises the stop signal once it has drained; unwinding (instead of dying on the
     # default handler) is what lets the `twins` block below stop both twins.
     signal.signal(signal.SIGTERM, _stop)
@@ -52,8 +54,9 @@ def run_demo(port: int, profile: str, time_scale: float) -> int:
         TwinSpec("base", profile=profile, time_scale=time_scale, seed=2, args=("--enable-cache-report",)),
     )
     with twins(*specs) as (spec, base):
-        settings = load_settings(host="127.0.0.1", port=port, spec_urls=[spec.url], base_urls=[base.url])
-        text = banner(port, served_model(spec.url), spec.url, base.url)
+        where = {"host": "127.0.0.1"} | ({} if port is None else {"port": port})
+        settings = load_settings(**where, spec_urls=[spec.url], base_urls=[base.url])
+        text = banner(settings.port, served_model(spec.url), spec.url, base.url)
         from proxy.server import serve
 
         try:

@@ -100,6 +100,8 @@ class InstancePoller:
         another instance's is fresh (`FleetModel.unresponsive`): it accepts connections but has
         stopped answering."""
         self.unresponsive_after_s = unresponsive_after_s
+        self.said_unreachable = False
+        """A warning said it cannot be reached, and no line since that it answers."""
 
     @property
     def reached(self) -> bool:
@@ -276,6 +278,14 @@ class InstancePoller:
 
     def _unreachable(self, error: str) -> None:
         """No connection: unhealthy, and learned again (it may come back as anything)."""
+        if not self.said_unreachable:  # once per outage: the state endpoint has every poll's error
+            self.said_unreachable = True
+            log.warning(
+                "%s server %s cannot be reached (%s): no requests go to it until it answers",
+                self.instance.pool,
+                self.url,
+                error,
+            )
         self.error = error
         self.lost = self.lost or self.backend is not None
         self.backend = None
@@ -283,6 +293,9 @@ class InstancePoller:
 
     def _reached(self) -> None:
         """The instance answered (whatever it said): it is up."""
+        if self.said_unreachable:
+            self.said_unreachable = False
+            log.warning("%s server %s answers again", self.instance.pool, self.url)
         self.fleet.set_health(self.url, True)
 
     def _failed(self, error: str, connect: bool) -> None:

@@ -343,6 +343,16 @@ class Settings(_SettingsWithPolicies):
                 raise ValueError(f"cannot read {value!r} ({type(exc).__name__})") from None
         return value or None
 
+    @field_validator("port", mode="before")
+    @classmethod
+    def _check_port(cls, value: Any) -> Any:
+        if isinstance(value, str) and "://" in value:
+            raise ValueError(
+                f"{value!r} is a Kubernetes service link (a Service named specroute sets SPECROUTE_PORT in "
+                "every pod of its namespace): set SPECROUTE_PORT to a number, or enableServiceLinks: false"
+            )
+        return value
+
     @field_validator("host")
     @classmethod
     def _check_host(cls, value: str) -> str:
@@ -474,9 +484,10 @@ def unknown_variables() -> list[str]:
     names = set(os.environ) | {name for name in dotenv_values(".env") if name}
     lines = []
     for name in sorted(names):
-        if not name.startswith(ENV_PREFIX) or name in known or SERVICE_LINK.fullmatch(name):
+        upper = name.upper()  # pydantic-settings matches names in any case: so does this check
+        if not upper.startswith(ENV_PREFIX) or upper in known or SERVICE_LINK.fullmatch(upper):
             continue
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+        close = difflib.get_close_matches(upper, known, n=1, cutoff=0.8)
         hint = f" (did you mean {close[0]}?)" if close else ""
         lines.append(f"{name} is not a setting{hint}; it is ignored (`specroute config` lists them)")
     return lines

@@ -30,11 +30,14 @@ def refuses(url: str) -> bool:
 
 
 def test_demo_serves_the_sdk_and_stops_its_twins_on_sigterm() -> None:
+    """Settings from the environment apply to the demo, its port included (`make run` takes no
+    arguments), and a misspelt one is reported as `serve` reports it."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")}
+    env |= {"SPECROUTE_PORT": str(port), "SPECROUTE_POLCY": "spec"}
     with tempfile.TemporaryFile() as out:
         demo = subprocess.Popen(
-            [sys.executable, "-m", "proxy.cli", "demo", "--port", str(port), "--time-scale", "20"],
+            [sys.executable, "-m", "proxy.cli", "demo", "--time-scale", "20"],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -53,6 +56,7 @@ def test_demo_serves_the_sdk_and_stops_its_twins_on_sigterm() -> None:
             assert f"curl -N {base_url}/chat/completions" in banner
             twin_urls = re.findall(r"pool \([^)]*\):\s+(http://127\.0\.0\.1:\d+)", banner)
             assert len(twin_urls) == 2
+            assert "SPECROUTE_POLCY is not a setting (did you mean SPECROUTE_POLICY?)" in banner
 
             client = openai.OpenAI(base_url=base_url, api_key="any", max_retries=0)
             completion = client.completions.create(model="specroute/twin", prompt="Hello", max_tokens=4)

@@ -78,6 +78,7 @@ def test_a_misspelt_variable_is_named_with_the_setting_it_meant(tmp_path: Path) 
     env = {
         "SPECROUTE_BASE_URLS": "http://a:1",
         "SPECROUTE_POLCY": "threshold",
+        "SPECROUTE_Max_Attempts": "3",  # names match in any case, as pydantic-settings reads them
         # Kubernetes' service links for a Service named specroute: not settings, not typos.
         "SPECROUTE_SERVICE_HOST": "10.96.0.12",
         "SPECROUTE_SERVICE_PORT_HTTP": "8000",
@@ -91,7 +92,15 @@ def test_a_misspelt_variable_is_named_with_the_setting_it_meant(tmp_path: Path) 
         "specroute: warning: SPECROUTE_POLCY is not a setting (did you mean SPECROUTE_POLICY?);"
         " it is ignored (`specroute config` lists them)",
     ]
-    assert ["SPECROUTE_POLICY", "goodput"] in [line.split() for line in result.stdout.splitlines()]
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert ["SPECROUTE_POLICY", "goodput"] in rows and ["SPECROUTE_MAX_ATTEMPTS", "3"] in rows
+
+
+def test_a_kubernetes_service_link_in_the_port_is_named_as_such(tmp_path: Path) -> None:
+    env = {"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_PORT": "tcp://10.96.0.12:8000"}
+    result = run(["config"], env, tmp_path)
+    assert result.returncode == 2
+    assert "SPECROUTE_PORT: 'tcp://10.96.0.12:8000' is a Kubernetes service link" in result.stderr
 
 
 def test_an_address_the_proxy_cannot_listen_on_stops_serve_with_one_line(tmp_path: Path) -> None:
