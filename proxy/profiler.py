@@ -49,6 +49,7 @@ from proxy.backends import Backend, load_paths, recognise
 from proxy.backends.prometheus import parse_prometheus
 from proxy.backends.sglang import server_info_facts
 from proxy.backends.vllm import VLLM_DEFAULT_MAX_NUM_SEQS
+from proxy.settings import SettingsError
 
 DEFAULT_BUDGET_S = 240.0
 DEFAULT_CONTEXT = 1024
@@ -840,7 +841,11 @@ def add_arguments(parser: Any) -> None:
         default=list(DEFAULT_PREFILL_LENGTHS),
         help="prompt lengths whose time to first token is measured (default 256,1024,2048,4096)",
     )
-    parser.add_argument("--api-key", help="bearer key the servers want (their --api-key)")
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--api-key", help="bearer key the servers want (their --api-key); shows in ps and shell history")
+    key.add_argument(
+        "--api-key-file", type=Path, help="a file whose first line is that key (kept out of ps and shell history)"
+    )
     parser.add_argument("--name", help="the profile's name (default: the file's stem)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument(
@@ -850,7 +855,20 @@ def add_arguments(parser: Any) -> None:
     )
 
 
+def read_key_file(path: Path) -> str:
+    """The first non-empty line of a key file."""
+    try:
+        lines = path.read_text("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"--api-key-file: cannot read {str(path)!r} ({type(exc).__name__})") from None
+    key = next((line.strip() for line in lines if line.strip()), "")
+    if not key:
+        raise SettingsError(f"--api-key-file: {str(path)!r} holds no key")
+    return key
+
+
 def main_from_args(args: Any) -> int:
+    api_key = read_key_file(args.api_key_file) if args.api_key_file is not None else args.api_key
     return run(
         Options(
             urls=list(args.url),
@@ -861,7 +879,7 @@ def main_from_args(args: Any) -> int:
             max_batch=args.max_batch,
             context=args.context,
             prefill_lengths=args.prefill_lengths,
-            api_key=args.api_key,
+            api_key=api_key,
             name=args.name,
             quiet=args.quiet,
             time_scale=args.time_scale,

@@ -219,3 +219,17 @@ def test_an_affine_fleet_gets_the_affine_kind_and_a_nonlinear_one_a_table(tmp_pa
         assert profile.spec_step_ms(b, 3, 1024) == pytest.approx(moe.spec_step_ms(b, 3, 1024), rel=1e-4)
         assert profile.base_step_ms(b, 1024) == pytest.approx(moe.base_step_ms(b, 1024), rel=1e-4)
     assert load_profile(str(tmp_path / "moe.json")).name == "moe"
+
+
+def test_the_key_can_come_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--api-key-file keeps the servers' key out of ps and shell history; a file without one stops
+    the run before any server is asked."""
+    from proxy.profiler import read_key_file
+
+    keys = tmp_path / "key"
+    keys.write_text("\n  sk-live-1  \nsk-other\n")
+    assert read_key_file(keys) == "sk-live-1"
+    keys.write_text("\n \n")
+    out = tmp_path / "p.json"
+    assert main(["profile", "--url", "http://127.0.0.1:1", "--out", str(out), "--api-key-file", str(keys)]) == 2
+    assert "holds no key" in capsys.readouterr().err and not out.exists()
