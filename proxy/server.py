@@ -115,6 +115,20 @@ def uvicorn_config(app: SpecrouteApp, settings: Settings) -> uvicorn.Config:
     )
 
 
+class DrainEnd(logging.Filter):
+    """uvicorn says ERROR when its graceful shutdown times out and it cancels the running
+    requests; that is the drain timeout doing its job (each client was told `shutting_down`),
+    so it is a warning, in the proxy's words."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and "timeout graceful shutdown exceeded" in str(record.msg):
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg = (
+                "drain timeout (SPECROUTE_DRAIN_TIMEOUT_S) reached: %s running request(s) cut, told shutting_down"
+            )
+        return True
+
+
 def log_config(level: str) -> dict[str, Any]:
     """uvicorn's logging configuration, with the proxy's own "specroute" loggers written the
     same way at the same level (without a handler of their own only warnings reached stderr,
@@ -123,6 +137,8 @@ def log_config(level: str) -> dict[str, Any]:
     # Propagating too: the root logger has no handler of its own here (no line is written twice),
     # and whoever adds one (a test's log capture, an embedding application) still gets them.
     config["loggers"]["specroute"] = {"handlers": ["default"], "level": level.upper(), "propagate": True}
+    config.setdefault("filters", {})["drain_end"] = {"()": DrainEnd}
+    config["loggers"]["uvicorn.error"]["filters"] = ["drain_end"]
     return config
 
 

@@ -79,6 +79,11 @@ def test_a_stream_longer_than_the_drain_is_cut_and_freed(slow_twin: RunningTwin,
         assert isinstance(stream.error, openai.APIError) and not isinstance(stream.error, openai.APIConnectionError)
         assert stream.error.code == "shutting_down", stream.error
         assert exited_after < 10, exited_after
+        # The cut is the drain doing its job: a warning (uvicorn's own line said ERROR).
+        assert re.search(
+            r"^WARNING: +drain timeout \(SPECROUTE_DRAIN_TIMEOUT_S\) reached: 1 running", proxy.log(), re.M
+        )
+        assert not re.search(r"^ERROR", proxy.log(), re.M), proxy.log()
         # The cancelled request left the twin: its GPU slot is free again.
         poll(
             lambda: httpx.get(slow_twin.url + "/v1/loads", timeout=2).json()["loads"][0]["num_running_reqs"] == 0,
