@@ -34,9 +34,9 @@ class Instance:
     """Requests whose first response byte has arrived (decoding rather than queued/prefilling)."""
     dispatched_total: int = 0
     failed_total: int = 0
-    waiting: set[Any] = field(default_factory=set)
-    """Its attempts waiting for their first byte (proxy.routing.Attempt; a server that stops
-    answering has them fail over)."""
+    attempts: set[Any] = field(default_factory=set)
+    """Its open attempts (proxy.routing.Attempt): when the server stops answering, those it left
+    silent fail over, or end if bytes reached their clients."""
     refused_stream_options_at: float | None = None
     """When (time.monotonic) the server last refused the `stream_options` the proxy adds to learn a
     stream's usage (proxy/relay.py, `refuses_stream_options`); None: never, or it was learned

@@ -97,7 +97,7 @@ ERROR_BODY_LIMIT = 64 * 1024
 MAX_MODEL_CHARS = 256
 """The longest model name the log line and the spans carry (the body goes upstream whole)."""
 UNRESPONSIVE = "upstream_unresponsive"
-"""An attempt abandoned before its first byte: its server stopped answering its load polls."""
+"""An attempt its server left silent while it stopped answering its load polls."""
 RETRY_AFTER = frozenset({b"retry-after", b"retry-after-ms"})
 RATE_LIMIT_PREFIX = b"x-ratelimit-"
 """An upstream error's headers the client gets besides RETRY_AFTER: OpenAI's x-ratelimit-* (an
@@ -714,14 +714,17 @@ class CompletionHandler:
                 return ProxyError(502, f"upstream {instance.pool} server failed ({kind})", code=kind, retryable=True)
             return ProxyError(504, f"upstream {instance.pool} server timed out ({kind})", code=kind, retryable=False)
         except asyncio.CancelledError:
-            if not attempt.abandoned or exchange.client_gone or exchange.started:
+            if not attempt.abandoned or exchange.client_gone:
                 raise  # the client left, or the proxy is stopping
-            # Cancelled by Router.abandon_waiting: its server stopped answering before a byte came.
+            # Cancelled by Router.abandon_silent: its server stopped answering and left it silent.
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()
             attempt.failed(UNRESPONSIVE)
-            hooks.attempt_failed(error=UNRESPONSIVE, retryable=True)
+            hooks.attempt_failed(error=UNRESPONSIVE, retryable=not exchange.started)
+            if exchange.started:
+                await self.end_with_error(exchange, UNRESPONSIVE)
+                return None
             return ProxyError(
                 502,
                 f"upstream {instance.pool} server stopped answering ({UNRESPONSIVE})",

@@ -158,7 +158,7 @@ def running_task() -> Task[Any] | None:
 
 UNRESPONSIVE_MIN_S = 5.0
 """The shortest silence of a server's load endpoint (with another server answering) after which
-requests waiting there for their first byte fail over (`Router.abandon_waiting`). SGLang answers
+requests left silent there as long fail over or end (`Router.abandon_silent`). SGLang answers
 /v1/loads between scheduler steps, and a prefill chunk takes well under a second."""
 
 
@@ -186,6 +186,7 @@ class Attempt:
         "uncached_tokens",
         "task",
         "abandoned",
+        "heard_at",
     )
 
     def __init__(
@@ -239,14 +240,16 @@ class Attempt:
         if outliers is not None:
             outliers.dispatched(instance)
         self.task = running_task()
-        """The request's task, which `Router.abandon_waiting` cancels while no byte came."""
+        """The request's task, which `Router.abandon_silent` cancels when its server went silent."""
         self.abandoned = False
-        """Its server stopped answering before its first byte: the task was cancelled for that
-        (the relay turns it into a failure that fails over), not because the client left."""
-        instance.waiting.add(self)
+        """Its server stopped answering and left it silent: the task was cancelled for that (the
+        relay fails it over, or ends its stream with an error event), not because the client left."""
+        self.heard_at = self.dispatched_at
+        """When its server last sent it something: dispatch, its first byte, its last data event."""
+        instance.attempts.add(self)
 
     def first_byte(self) -> None:
-        self.instance.waiting.discard(self)
+        self.heard_at = time.monotonic()
         if self.open and not self.started:
             self.started = True
             self.instance.streaming += 1
@@ -261,7 +264,7 @@ class Attempt:
                 self.gaps.append(now - self.last_at)
             if not self.chunks:
                 self.first_at = now
-            self.last_at = now
+            self.last_at = self.heard_at = now
             self.chunks += 1
 
     def finished(self, summary: Summary | None = None, complete: bool = False) -> None:
@@ -321,7 +324,7 @@ class Attempt:
         if not self.open:
             return
         self.open = False
-        self.instance.waiting.discard(self)
+        self.instance.attempts.discard(self)
         if refused:
             self.fleet.on_refused(self.instance.url, self.dispatched_at, time.monotonic(), self.uncached_tokens)
         else:
@@ -359,7 +362,7 @@ class Router:
             interval_s=poll_s,
             timeout_s=poll_timeout_s,
             on_back=outliers.restarted,
-            on_unresponsive=self.abandon_waiting,
+            on_unresponsive=self.abandon_silent,
             unresponsive_after_s=self.unresponsive_after_s,
         )
         self.decisions = DecisionLog(settings.state_decisions)
@@ -545,18 +548,18 @@ class Router:
         return instance
 
     # -- events -----------------------------------------------------------------------------
-    def abandon_waiting(self, url: str) -> None:
+    def abandon_silent(self, url: str) -> None:
         """The server at `url` stopped answering (`FleetModel.unresponsive`, told by its poller):
-        its attempts that have waited `unresponsive_after_s` for their first byte are cancelled
-        and fail over (a hung server, an NCCL hang behind a live HTTP front, would hold each for
-        the first-token timeout, or a JSON request for the total one). Streams already under way
-        keep their chunk timeout: bytes reached their clients."""
+        its attempts it has sent nothing for `unresponsive_after_s` are cancelled. One still
+        waiting for its first byte fails over; a stream under way ends with an error event (bytes
+        reached its client). A hung server, an NCCL hang behind a live HTTP front, would hold
+        each for the first-token timeout, the chunk timeout, or a JSON request's total one."""
         instance = self.by_url.get(url)
         if instance is None:
             return
         since = time.monotonic() - self.unresponsive_after_s
-        for attempt in list(instance.waiting):
-            if attempt.dispatched_at <= since and attempt.task is not None and not attempt.abandoned:
+        for attempt in list(instance.attempts):
+            if attempt.heard_at <= since and attempt.task is not None and not attempt.abandoned:
                 attempt.abandoned = True
                 attempt.task.cancel()
 

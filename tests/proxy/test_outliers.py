@@ -412,6 +412,49 @@ def test_requests_waiting_on_a_server_that_stopped_answering_fail_over(two_spec_
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
+def test_a_stream_under_way_on_a_server_that_stopped_answering_ends_before_its_chunk_timeout() -> None:
+    """Bytes reached the client, so the stream cannot fail over; it waited out the chunk timeout
+    (60 s) for a server that had stopped (SIGSTOP, a hung engine). Now it ends with an error event
+    once the server is known to be silent while its pool-mate answers."""
+    common = ("--output-len", "fixed:4096")  # at real speed a stream lasts about half a minute
+    with twins(
+        TwinSpec("spec", seed=21, args=common), TwinSpec("spec", seed=22, args=common), TwinSpec("base", seed=23)
+    ) as (stopped, well, base):
+        with running_proxy(
+            spec_urls=[stopped.url, well.url], base_urls=[base.url], policy="spec", chunk_timeout_s=60
+        ) as proxy:
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=90)
+            streams = []
+            while not any(s.response.headers["x-specroute-backend"] == "spec-0" for s in streams):
+                assert len(streams) < 8, "no stream went to spec-0"
+                stream = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4000, stream=True)
+                next(iter(stream))  # under way: its first chunk reached the client
+                streams.append(stream)
+            on_stopped = [s for s in streams if s.response.headers["x-specroute-backend"] == "spec-0"]
+            for other in streams:
+                if other not in on_stopped:
+                    other.close()
+            os.kill(stopped.process.pid, signal.SIGSTOP)
+            try:
+
+                def read_to_the_end(stream: openai.Stream) -> BaseException | None:
+                    try:
+                        for _ in stream:
+                            pass
+                    except openai.APIError as error:
+                        return error
+                    return None
+
+                with concurrent.futures.ThreadPoolExecutor(len(on_stopped)) as pool:
+                    # Bounded below the 60 s chunk timeout: the server's silence ends them first.
+                    ended = [f.result(timeout=45) for f in [pool.submit(read_to_the_end, s) for s in on_stopped]]
+            finally:
+                os.kill(stopped.process.pid, signal.SIGCONT)
+            assert all(isinstance(e, openai.APIError) and e.code == "upstream_unresponsive" for e in ended), ended
+            assert state_of(proxy, "spec-0")["outlier"]["consecutive_failures"] >= 1
+            wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
 def test_a_pool_whose_servers_are_all_ejected_sends_its_requests_to_the_other_pool(
     two_spec_twins: list[RunningTwin],
 ) -> None:
