@@ -73,6 +73,7 @@ class RequestRecorder(RequestHooks):
         "_failed",
         "_credited",
         "_server_kind",
+        "_choices",
     )
 
     def __init__(self, owner: SpecrouteTelemetry, endpoint: str) -> None:
@@ -116,6 +117,8 @@ class RequestRecorder(RequestHooks):
         self._credited = 0
         """Prompt tokens credited as cached on the current attempt's instance."""
         self._server_kind = ""
+        self._choices: Any = None
+        """The request's `n` as the client sent it (unchecked: the server judges it)."""
 
     # -- request ---------------------------------------------------------------------------
     def received(self, *, endpoint: str, request_id: str, headers: Mapping[str, str], body_bytes: int) -> None:
@@ -148,6 +151,8 @@ class RequestRecorder(RequestHooks):
         self._decided_pool = decision.pool
         self._stream = features.stream
         self._model = model
+        # The inter-token metric divides a stream's tokens by its choices, traced or not.
+        self._choices = body.get("n") if body is not None else None
         self._owner.metrics.decided(decision.reason, decision.pool)
         if not self._sampled:
             return
@@ -273,7 +278,7 @@ class RequestRecorder(RequestHooks):
         inter_token_s = None
         if self._stream and self._t_first is not None and completion_tokens:
             # The time per output token of one choice: with n > 1 the count sums every choice's.
-            choices = self._params[4]
+            choices = self._choices
             per_choice = completion_tokens / choices if type(choices) is int and choices > 1 else completion_tokens
             if per_choice > 1:
                 inter_token_s = (end - self._t_first) / (per_choice - 1)

@@ -521,3 +521,43 @@ def test_time_to_first_chunk_is_a_streams_only() -> None:
     t.tracing.flush()  # type: ignore[union-attr]
     attempts = [s["attrs"] for s in exporter.spans if s["name"] == "chat m"]
     assert [n.GEN_AI_RESPONSE_TIME_TO_FIRST_CHUNK in a for a in attempts] == [False, True]
+
+
+def test_the_inter_token_gap_is_per_choice_whether_or_not_the_request_is_traced(monkeypatch) -> None:
+    """A stream with n choices reports every choice's tokens in one count: the gap is the time
+    after the first token over one choice's tokens. `n` was read only for traced requests, so
+    untraced ones (the default) reported 1/n of the gap."""
+    import time
+    import types
+
+    from proxy.telemetry import request as request_module
+
+    clock = [100.0]
+    fake = types.SimpleNamespace(perf_counter=lambda: clock[0], time=time.time, time_ns=time.time_ns)
+    monkeypatch.setattr(request_module, "time", fake)
+    for traced in (False, True):
+        t = telemetry(Decoded() if traced else None, request_log=False)
+        hooks = t.request_hooks("/v1/chat/completions")
+        hooks.received(endpoint="/v1/chat/completions", request_id="r", headers={}, body_bytes=9)
+        hooks.decided(
+            decision=Decision("base", "static", {}),
+            features=Features(prompt_tokens=10, stream=True),
+            model="m",
+            override=None,
+            body={**BODY, "n": 2},
+        )
+        hooks.attempt_started(pool="base", instance="http://127.0.0.1:2", attempt=1)
+        hooks.upstream_headers(status=200, headers={})
+        hooks.first_chunk(FIRST)
+        clock[0] += 1.9  # 20 tokens per choice after the first: 0.1 s apart
+        hooks.attempt_finished(status=200)
+        hooks.finished(
+            status=200,
+            error_type=None,
+            prompt_tokens=10,
+            completion_tokens=40,
+            finish_reasons=("length", "length"),
+            client_disconnected=False,
+        )
+        got = samples(t)
+        assert got[("specroute_inter_token_seconds_sum", (("pool", "base"),))] == pytest.approx(0.1), traced
