@@ -169,8 +169,8 @@ def error_response(
     return JSONResponse({"error": error_object(message, error_type_for(status), code)}, status, headers=headers)
 
 
-READ_METHODS = ["GET", "HEAD"]
 SERVED_PATHS = "POST /v1/chat/completions and POST /v1/completions, and answers GET /v1/models"
+READ_METHODS = ["GET", "HEAD"]
 """The read-only endpoints answer HEAD too (load balancers' and uptime checks' probes), as SGLang's
 Starlette routes do; uvicorn sends a HEAD answer's headers without its body."""
 

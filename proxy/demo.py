@@ -21,13 +21,13 @@ def served_model(url: str) -> str:
     return str(answer["data"][0]["id"])
 
 
-def banner(port: int, model: str, spec_url: str, base_url: str) -> str:
+def banner(port: int, model: str, spec_url: str, base_url: str, keys: bool = False) -> str:
     base = f"http://127.0.0.1:{port}/v1"
     body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "stream": true}}'
     return "\n".join(
         [
             "",
-            f"specroute is up: OpenAI base URL {base}  (model {model!r}, any API key)",
+            f"specroute is up: OpenAI base URL {base}  (model {model!r}, {'a key it was given' if keys else 'any API key'})",
             f"  spec pool (EAGLE-3 twin): {spec_url}",
             f"  base pool (plain twin):   {base_url}",
             "Try:",
@@ -56,11 +56,12 @@ def run_demo(port: int | None, profile: str, time_scale: float) -> int:
     with twins(*specs) as (spec, base):
         where = {"host": "127.0.0.1"} | ({} if port is None else {"port": port})
         settings = load_settings(**where, spec_urls=[spec.url], base_urls=[base.url])
-        text = banner(settings.port, served_model(spec.url), spec.url, base.url)
+        model = served_model(spec.url)
+        keys = settings.api_keys is not None or settings.api_keys_file is not None
         from proxy.server import serve
 
         try:
-            serve(settings, on_ready=lambda: print(text, flush=True))
+            serve(settings, on_ready=lambda bound: print(banner(bound, model, spec.url, base.url, keys), flush=True))
         except KeyboardInterrupt:
             print("specroute demo: stopped", file=sys.stderr)  # Ctrl-C is how the demo ends
     return 0

@@ -152,6 +152,7 @@ class InstancePoller:
             except httpx.HTTPError as exc:
                 self.error = f"{path}: {type(exc).__name__}"
                 self.backend = backends.KINDS[0](backends.load_paths()[0])  # answering badly: keep the best
+                self.instance.kind = self.backend.kind
                 return
             if response.status_code == 200:
                 backend = backends.recognise(path, response.text)
@@ -295,7 +296,7 @@ class InstancePoller:
         """The instance answered (whatever it said): it is up."""
         if self.said_unreachable:
             self.said_unreachable = False
-            log.warning("%s server %s answers again", self.instance.pool, self.url)
+            log.info("%s server %s answers again", self.instance.pool, self.url)
         self.fleet.set_health(self.url, True)
 
     def _failed(self, error: str, connect: bool) -> None:

@@ -844,7 +844,9 @@ def add_arguments(parser: Any) -> None:
     key = parser.add_mutually_exclusive_group()
     key.add_argument("--api-key", help="bearer key the servers want (their --api-key); shows in ps and shell history")
     key.add_argument(
-        "--api-key-file", type=Path, help="a file whose first line is that key (kept out of ps and shell history)"
+        "--api-key-file",
+        type=Path,
+        help="a file whose first non-empty line is that key (kept out of ps and shell history)",
     )
     parser.add_argument("--name", help="the profile's name (default: the file's stem)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines")

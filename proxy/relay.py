@@ -852,9 +852,12 @@ class CompletionHandler:
                         exchange.done = True
                 tail.append(chunk)
             began = perf_counter()
+            if is_stream:  # waiting on the server: a silence Router.abandon_silent may end
+                attempt.reading_since = monotonic()
             try:
                 chunk = await content.readany()
             finally:  # cancelled while waiting (client gone, drain over): still upstream time
+                attempt.reading_since = None
                 exchange.upstream_wait_s += perf_counter() - began
         exchange.done = True
         # The upstream ended cleanly after an unterminated event: it goes on as it came.

@@ -186,7 +186,7 @@ class Attempt:
         "uncached_tokens",
         "task",
         "abandoned",
-        "heard_at",
+        "reading_since",
     )
 
     def __init__(
@@ -244,12 +244,14 @@ class Attempt:
         self.abandoned = False
         """Its server stopped answering and left it silent: the task was cancelled for that (the
         relay fails it over, or ends its stream with an error event), not because the client left."""
-        self.heard_at = self.dispatched_at
-        """When its server last sent it something: dispatch, its first byte, its last data event."""
+        self.reading_since: float | None = self.dispatched_at
+        """Since when its task has been waiting on the server (for its first byte, or a stream's
+        next bytes), or None while it is not (relaying to the client, or done). Only a wait on the
+        server is the server's silence: a relay blocked by a slow client is not."""
         instance.attempts.add(self)
 
     def first_byte(self) -> None:
-        self.heard_at = time.monotonic()
+        self.reading_since = None
         if self.open and not self.started:
             self.started = True
             self.instance.streaming += 1
@@ -264,7 +266,7 @@ class Attempt:
                 self.gaps.append(now - self.last_at)
             if not self.chunks:
                 self.first_at = now
-            self.last_at = self.heard_at = now
+            self.last_at = now
             self.chunks += 1
 
     def finished(self, summary: Summary | None = None, complete: bool = False) -> None:
@@ -550,7 +552,7 @@ class Router:
     # -- events -----------------------------------------------------------------------------
     def abandon_silent(self, url: str) -> None:
         """The server at `url` stopped answering (`FleetModel.unresponsive`, told by its poller):
-        its attempts it has sent nothing for `unresponsive_after_s` are cancelled. One still
+        its attempts that have waited on it for `unresponsive_after_s` are cancelled. One still
         waiting for its first byte fails over; a stream under way ends with an error event (bytes
         reached its client). A hung server, an NCCL hang behind a live HTTP front, would hold
         each for the first-token timeout, the chunk timeout, or a JSON request's total one."""
@@ -559,7 +561,8 @@ class Router:
             return
         since = time.monotonic() - self.unresponsive_after_s
         for attempt in list(instance.attempts):
-            if attempt.heard_at <= since and attempt.task is not None and not attempt.abandoned:
+            waiting = attempt.reading_since
+            if waiting is not None and waiting <= since and attempt.task is not None and not attempt.abandoned:
                 attempt.abandoned = True
                 attempt.task.cancel()
 

@@ -56,11 +56,14 @@ def tune_gc() -> None:
 class DrainingServer(uvicorn.Server):
     """uvicorn's server, telling the app it is draining the moment a stop signal arrives."""
 
-    def __init__(self, config: uvicorn.Config, app: SpecrouteApp, on_ready: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, config: uvicorn.Config, app: SpecrouteApp, on_ready: Callable[[int], None] | None = None
+    ) -> None:
         super().__init__(config)
         self.specroute = app
         self.on_ready = on_ready
-        """Called once the app has started and the socket is listening (the demo's banner)."""
+        """Called with the port once the app has started and the socket is listening (the demo's
+        banner; the port is the bound one, which SPECROUTE_PORT=0 leaves to the system)."""
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
@@ -70,8 +73,8 @@ class DrainingServer(uvicorn.Server):
             # on http://host:port"): said here for the one `serve` bound, in its words.
             self._log_started_message(sockets)
         tune_gc()
-        if self.started and self.on_ready is not None:
-            self.on_ready()
+        if self.started and self.on_ready is not None and sockets:
+            self.on_ready(sockets[0].getsockname()[1])
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.specroute.draining:
@@ -163,7 +166,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(settings: Settings, on_ready: Callable[[], None] | None = None) -> None:
+def serve(settings: Settings, on_ready: Callable[[int], None] | None = None) -> None:
     """Run until stopped (blocks). Settings must already be valid (proxy.settings.load_settings)."""
     settings.require_upstreams()
     listener = listening_socket(settings.host, settings.port)

@@ -4,10 +4,12 @@ more than half a pool (or the fleet's last server) with it."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import os
 import signal
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -453,6 +455,47 @@ def test_a_stream_under_way_on_a_server_that_stopped_answering_ends_before_its_c
             assert all(isinstance(e, openai.APIError) and e.code == "upstream_unresponsive" for e in ended), ended
             assert state_of(proxy, "spec-0")["outlier"]["consecutive_failures"] >= 1
             wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_only_attempts_waiting_on_a_silent_server_are_abandoned() -> None:
+    """Router.abandon_silent ends what the server left waiting, never a relay that is busy with
+    its client (a slow reader: bytes may sit unread in the proxy's buffer), nor one that heard
+    from the server within the bound."""
+    from proxy.routing import Router
+    from proxy.settings import load_settings
+
+    url = "http://127.0.0.1:9"
+    router = Router.from_settings(load_settings(spec_urls=url, base_urls="http://127.0.0.1:10"))
+    instance = router.by_url[url]
+
+    async def scenario() -> dict[str, bool]:
+        ready: dict[str, asyncio.Event] = {}
+        attempts = {}
+
+        async def hold(name: str, waited_s: float | None) -> None:
+            attempt = attempts[name] = router.dispatch(instance, 10, True)
+            attempt.first_byte()  # under way; then waiting on the server `waited_s`, or relaying
+            attempt.reading_since = None if waited_s is None else time.monotonic() - waited_s
+            ready[name].set()
+            try:
+                await asyncio.Event().wait()
+            finally:
+                attempt.finished()
+
+        cases = {"silent": router.unresponsive_after_s + 1, "heard-lately": 1.0, "relaying": None}
+        for name in cases:
+            ready[name] = asyncio.Event()
+        tasks = {name: asyncio.create_task(hold(name, waited)) for name, waited in cases.items()}
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in ready.values())), 5)
+        router.abandon_silent(url)
+        abandoned = {name: attempts[name].abandoned for name in cases}
+        for task in tasks.values():
+            task.cancel()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        assert not instance.attempts  # every attempt released
+        return abandoned
+
+    assert asyncio.run(scenario()) == {"silent": True, "heard-lately": False, "relaying": False}
 
 
 def test_a_pool_whose_servers_are_all_ejected_sends_its_requests_to_the_other_pool(

@@ -78,7 +78,7 @@ def test_a_misspelt_variable_is_named_with_the_setting_it_meant(tmp_path: Path) 
     env = {
         "SPECROUTE_BASE_URLS": "http://a:1",
         "SPECROUTE_POLCY": "threshold",
-        "SPECROUTE_Max_Attempts": "3",  # names match in any case, as pydantic-settings reads them
+        "SPECROUTE_Max_Attempts": "4",  # names match in any case, as pydantic-settings reads them
         # Kubernetes' service links for a Service named specroute: not settings, not typos.
         "SPECROUTE_SERVICE_HOST": "10.96.0.12",
         "SPECROUTE_SERVICE_PORT_HTTP": "8000",
@@ -93,7 +93,7 @@ def test_a_misspelt_variable_is_named_with_the_setting_it_meant(tmp_path: Path) 
         " it is ignored (`specroute config` lists them)",
     ]
     rows = [line.split() for line in result.stdout.splitlines()]
-    assert ["SPECROUTE_POLICY", "goodput"] in rows and ["SPECROUTE_MAX_ATTEMPTS", "3"] in rows
+    assert ["SPECROUTE_POLICY", "goodput"] in rows and ["SPECROUTE_MAX_ATTEMPTS", "4"] in rows
 
 
 def test_a_kubernetes_service_link_in_the_port_is_named_as_such(tmp_path: Path) -> None:

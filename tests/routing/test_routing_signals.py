@@ -140,7 +140,11 @@ def test_a_hung_instance_turns_stale_and_a_dead_one_unhealthy():
 def test_an_instance_down_at_start_is_skipped_then_learned_once_it_answers(caplog):
     """...and the log says so once, then says when it answers (a user whose requests get 503
     no_upstream learns why without reading the state endpoint)."""
-    caplog.set_level("WARNING", logger="specroute.poller")
+    caplog.set_level("INFO", logger="specroute.poller")
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "specroute.poller"]
+
     # A port bound but not listening refuses connections: the spec server is not up yet.
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
@@ -157,11 +161,10 @@ def test_an_instance_down_at_start_is_skipped_then_learned_once_it_answers(caplo
                 assert (spec_state["healthy"], spec_state["reached"]) == (False, False)
                 assert (router.choose(Features(prompt_tokens=100), None).reason) == "spec-down"
                 await wait_for(lambda: router.pollers.by_url[spec_url].polls >= 10, 10, "ten polls")
-                said = [r.getMessage() for r in caplog.records]
-                assert said == [
+                assert said() == [
                     f"spec server {spec_url} cannot be reached (server_info: ConnectError): "
                     "no requests go to it until it answers"
-                ], said
+                ], said()
                 holder.close()
                 await asyncio.to_thread(
                     later.enter_context, twin("spec", time_scale=TIME_SCALE, args=("--port", str(port)))
@@ -175,7 +178,7 @@ def test_an_instance_down_at_start_is_skipped_then_learned_once_it_answers(caplo
                 spec_state = router.state()["pools"]["spec"]["instances"][0]
                 assert spec_state["probe"] == "/v1/loads" and spec_state["server_info"]["speculative"]
                 assert router.choose(Features(prompt_tokens=100), None).pool == "spec"
-                assert [r.getMessage() for r in caplog.records][1:] == [f"spec server {spec_url} answers again"]
+                assert said()[1:] == [f"spec server {spec_url} answers again"]
             finally:
                 await router.stop()
 
