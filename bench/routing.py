@@ -153,7 +153,8 @@ def execute(job: Job) -> dict[str, Any]:
         for seed in SEEDS:
             setup, workload = workload_of(job, seed)
             runs.append(run(setup, workload, job.policy))
-        return {"job": job, "summary": summarize(runs)}
+        # Each seed's own summary too: a miss is printed with its seed spread (noise shows as such).
+        return {"job": job, "summary": summarize(runs), "seeds": [summarize([r]) for r in runs]}
     setup, workload = workload_of(job)
     drop = job.kind == "drop"
     result = run(setup, workload, job.policy, keep_snapshots=drop)
@@ -195,15 +196,35 @@ def jobs_for(quick: bool) -> list[Job]:
 # -- analysis ------------------------------------------------------------------------------------
 
 
+def cell_key(job: Job) -> tuple[str, str, float, str]:
+    return (job.setup_name, job.kind, job.level, job.trace if job.kind == "trace" else "")
+
+
 def group(results: list[dict[str, Any]]) -> dict[tuple[str, str, float, str], dict[str, dict[str, float]]]:
     """(setup, kind, level, trace) -> policy -> summary."""
     table: dict[tuple[str, str, float, str], dict[str, dict[str, float]]] = {}
     for r in results:
-        job: Job = r["job"]
-        table.setdefault((job.setup_name, job.kind, job.level, job.trace if job.kind == "trace" else ""), {})[
-            job.policy
-        ] = r["summary"]
+        table.setdefault(cell_key(r["job"]), {})[r["job"].policy] = r["summary"]
     return table
+
+
+def seed_summaries(
+    results: list[dict[str, Any]],
+) -> dict[tuple[str, str, float, str], dict[str, list[dict[str, float]]]]:
+    """(setup, kind, level, trace) -> policy -> each seed's summary (cells run on several seeds)."""
+    table: dict[tuple[str, str, float, str], dict[str, list[dict[str, float]]]] = {}
+    for r in results:
+        if "seeds" in r:
+            table.setdefault(cell_key(r["job"]), {})[r["job"].policy] = r["seeds"]
+    return table
+
+
+def per_seed_note(seeds: dict[str, list[dict[str, float]]], reference: str, field: str) -> str:
+    """' (per seed: a / b / c)': goodput's `field` over the reference policy's, seed by seed."""
+    if "goodput" not in seeds or reference not in seeds:
+        return ""
+    ratios = [g[field] / r[field] if r[field] > 0 else math.inf for g, r in zip(seeds["goodput"], seeds[reference])]
+    return " (per seed: " + " / ".join(f"{x:.2f}" for x in ratios) + ")"
 
 
 def oracle(runs: dict[str, dict[str, float]]) -> tuple[str, dict[str, float]]:
@@ -236,6 +257,7 @@ def settle(
 
 def analyse(results: list[dict[str, Any]]) -> dict[str, Any]:
     table = group(results)
+    by_seed = seed_summaries(results)
     rows, misses = [], []
     for key in sorted(table, key=lambda k: (k[0], k[1], k[3], k[2])):
         setup, kind, level, trace = key
@@ -260,17 +282,26 @@ def analyse(results: list[dict[str, Any]]) -> dict[str, Any]:
         }
         rows.append(row)
         label = f"{setup} {kind} {trace or level}"
+        seeds = by_seed.get(key, {})
+        better = "spec" if s["mean_e2e_s"] <= b["mean_e2e_s"] else "base"
+        better_p99 = "spec" if s["p99_e2e_s"] <= b["p99_e2e_s"] else "base"
+        oracle_policy = {"split-0.0": "base", "split-1.0": "spec"}.get(best_name, best_name)
         if row["mean_ratio"] > 1.02:
             misses.append(
                 f"{label}: goodput mean E2E {row['mean_ratio']:.2f}x the better static policy (target <= 1.02x)"
+                + per_seed_note(seeds, better, "mean_e2e_s")
             )
         if row["p99_ratio"] > 1.10:
             misses.append(
                 f"{label}: goodput p99 E2E {row['p99_ratio']:.2f}x the better static policy (target <= 1.10x)"
+                + per_seed_note(seeds, better_p99, "p99_e2e_s")
             )
         target = 1.15 if trace == "azure-code" else 1.0
         if row["slo_ratio"] < target - 1e-9:
-            misses.append(f"{label}: SLO goodput {row['slo_ratio']:.2f}x the oracle split (target >= {target:.2f}x)")
+            misses.append(
+                f"{label}: SLO goodput {row['slo_ratio']:.2f}x the oracle split (target >= {target:.2f}x)"
+                + per_seed_note(seeds, oracle_policy, "slo_goodput_rps")
+            )
     saturation = []
     for row in rows:
         if (
@@ -285,8 +316,10 @@ def analyse(results: list[dict[str, Any]]) -> dict[str, Any]:
             best_split = max(runs[p]["throughput_tok_s"] for p in (*SPLITS, "spec", "base") if p in runs) / base_tok
             saturation.append((row["setup"], row["kind"], row["level"], ratio, best_split))
             if ratio < 1.3:
+                key = (row["setup"], row["kind"], row["level"], row["trace"])
                 misses.append(
                     f"{row['setup']} {row['kind']} {row['level']}: throughput {ratio:.2f}x always-base (target >= 1.3x)"
+                    + per_seed_note(by_seed.get(key, {}), "base", "throughput_tok_s")
                 )
     drops = []
     for key, runs in table.items():

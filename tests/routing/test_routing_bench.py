@@ -68,3 +68,25 @@ def test_rates_are_scored_over_the_window_the_load_is_named_for():
     opened = RunResult("p", records, [], [], slo, warmup_s=0.0, closed=False).summary()
     assert opened["slo_goodput_rps"] == 3 / 4.0
     assert opened["throughput_tok_s"] == 222 / 20.0
+
+
+def test_a_missed_target_is_printed_with_its_seed_spread():
+    """A miss by noise shows as such: goodput against the oracle split, seed by seed."""
+    from bench.routing import POLICIES, SPLITS, Job, analyse
+
+    def summary(slo: float) -> dict[str, float]:
+        return {"slo_goodput_rps": slo, "mean_e2e_s": 1.0, "p99_e2e_s": 2.0, "throughput_tok_s": 100.0}
+
+    seeds = {"goodput": (9.9, 9.7, 10.0), "split-0.5": (10.0, 10.0, 10.0)}
+    results = []
+    for policy in POLICIES + SPLITS:
+        per_seed = seeds.get(policy, (5.0, 5.0, 5.0))
+        pooled = summary(sum(per_seed) / 3)
+        results.append(
+            {"job": Job("fleet", "poisson", 0.7, policy), "summary": pooled, "seeds": [summary(x) for x in per_seed]}
+        )
+    misses = analyse(results)["misses"]
+    assert (
+        "fleet poisson 0.7: SLO goodput 0.99x the oracle split (target >= 1.00x) (per seed: 0.99 / 0.97 / 1.00)"
+        in misses
+    )
