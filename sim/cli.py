@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fault-drop-after-chunks", type=int, default=None, help="stream connections are cut after N chunks"
     )
+    p.add_argument(
+        "--fault-load-delay-ms", type=float, default=0.0, help="answer /v1/loads this late (completions run on)"
+    )
     return p
 
 
@@ -175,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.fault_first_token_delay_ms,
             args.fault_hang_after_chunks,
             args.fault_drop_after_chunks,
+            args.fault_load_delay_ms,
         )
         faults.check()
         if args.server == "vllm" and args.mode != "base":

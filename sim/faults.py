@@ -9,7 +9,9 @@ object heals the twin.
 - `first_token_delay_ms`: every completion waits this long (wall time) before it starts;
 - `hang_after_chunks`: a stream stops after that many chunks and never ends (until the client
   leaves);
-- `drop_after_chunks`: a stream's connection is cut after that many chunks.
+- `drop_after_chunks`: a stream's connection is cut after that many chunks;
+- `load_delay_ms`: its load endpoint (`/v1/loads`) answers this late while completions run on
+  (a scheduler too busy to answer polls, or a slow tokenizer process in front of a live engine).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Faults:
     first_token_delay_ms: float = 0.0
     hang_after_chunks: int | None = None
     drop_after_chunks: int | None = None
+    load_delay_ms: float = 0.0
 
     @classmethod
     def parse(cls, doc: Any) -> Faults:
@@ -45,8 +48,9 @@ class Faults:
     def check(self) -> None:
         if not 0.0 <= float(self.error_rate) <= 1.0:
             raise ValueError("error_rate must be in [0, 1]")
-        if float(self.first_token_delay_ms) < 0:
-            raise ValueError("first_token_delay_ms must be >= 0")
+        for name in ("first_token_delay_ms", "load_delay_ms"):
+            if float(getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 0")
         for name in ("hang_after_chunks", "drop_after_chunks"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):

@@ -737,6 +737,8 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
         return await twin.health_generate()
 
     async def loads(request: HttpRequest) -> Response:
+        if twin.faults.load_delay_ms:
+            await asyncio.sleep(twin.faults.load_delay_ms / 1000.0)
         answer = twin.loads(request.query_params.get("include", "all"))
         if request.query_params.get("format") == "prometheus":
             return Response(loads_as_prometheus(answer["loads"]), media_type="text/plain; version=0.0.4")

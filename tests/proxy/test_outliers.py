@@ -414,47 +414,79 @@ def test_requests_waiting_on_a_server_that_stopped_answering_fail_over(two_spec_
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
+@contextlib.contextmanager
+def streams_on_spec_0(time_scale: float = 1.0) -> Iterator[tuple[RunningProxy, RunningTwin, list[openai.Stream]]]:
+    """Two spec twins and the proxy; long streams under way on spec-0 (the others closed)."""
+    common = ("--output-len", "fixed:4096")  # at real speed a stream lasts about ten seconds
+    with (
+        twins(
+            TwinSpec("spec", seed=21, time_scale=time_scale, args=common),
+            TwinSpec("spec", seed=22, time_scale=time_scale, args=common),
+            TwinSpec("base", seed=23),
+        ) as (first, second, base),
+        running_proxy(
+            spec_urls=[first.url, second.url], base_urls=[base.url], policy="spec", chunk_timeout_s=60
+        ) as proxy,
+    ):
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=90)
+        streams: list[openai.Stream] = []
+        while not any(s.response.headers["x-specroute-backend"] == "spec-0" for s in streams):
+            assert len(streams) < 8, "no stream went to spec-0"
+            stream = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4000, stream=True)
+            next(iter(stream))  # under way: its first chunk reached the client
+            streams.append(stream)
+        on_first = [s for s in streams if s.response.headers["x-specroute-backend"] == "spec-0"]
+        for other in streams:
+            if other not in on_first:
+                other.close()
+        yield proxy, first, on_first
+
+
+def read_to_the_end(stream: openai.Stream) -> BaseException | None:
+    try:
+        for _ in stream:
+            pass
+    except openai.APIError as error:
+        return error
+    return None
+
+
 def test_a_stream_under_way_on_a_server_that_stopped_answering_ends_before_its_chunk_timeout() -> None:
     """Bytes reached the client, so the stream cannot fail over; it waited out the chunk timeout
     (60 s) for a server that had stopped (SIGSTOP, a hung engine). Now it ends with an error event
     once the server is known to be silent while its pool-mate answers."""
-    common = ("--output-len", "fixed:4096")  # at real speed a stream lasts about half a minute
-    with twins(
-        TwinSpec("spec", seed=21, args=common), TwinSpec("spec", seed=22, args=common), TwinSpec("base", seed=23)
-    ) as (stopped, well, base):
-        with running_proxy(
-            spec_urls=[stopped.url, well.url], base_urls=[base.url], policy="spec", chunk_timeout_s=60
-        ) as proxy:
-            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=90)
-            streams = []
-            while not any(s.response.headers["x-specroute-backend"] == "spec-0" for s in streams):
-                assert len(streams) < 8, "no stream went to spec-0"
-                stream = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4000, stream=True)
-                next(iter(stream))  # under way: its first chunk reached the client
-                streams.append(stream)
-            on_stopped = [s for s in streams if s.response.headers["x-specroute-backend"] == "spec-0"]
-            for other in streams:
-                if other not in on_stopped:
-                    other.close()
-            os.kill(stopped.process.pid, signal.SIGSTOP)
-            try:
+    with streams_on_spec_0() as (proxy, stopped, on_stopped):
+        os.kill(stopped.process.pid, signal.SIGSTOP)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(len(on_stopped)) as pool:
+                # Bounded below the 60 s chunk timeout: the server's silence ends them first.
+                ended = [f.result(timeout=45) for f in [pool.submit(read_to_the_end, s) for s in on_stopped]]
+        finally:
+            os.kill(stopped.process.pid, signal.SIGCONT)
+        assert all(isinstance(e, openai.APIError) and e.code == "upstream_unresponsive" for e in ended), ended
+        assert state_of(proxy, "spec-0")["outlier"]["consecutive_failures"] >= 1
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
-                def read_to_the_end(stream: openai.Stream) -> BaseException | None:
-                    try:
-                        for _ in stream:
-                            pass
-                    except openai.APIError as error:
-                        return error
-                    return None
 
-                with concurrent.futures.ThreadPoolExecutor(len(on_stopped)) as pool:
-                    # Bounded below the 60 s chunk timeout: the server's silence ends them first.
-                    ended = [f.result(timeout=45) for f in [pool.submit(read_to_the_end, s) for s in on_stopped]]
-            finally:
-                os.kill(stopped.process.pid, signal.SIGCONT)
-            assert all(isinstance(e, openai.APIError) and e.code == "upstream_unresponsive" for e in ended), ended
-            assert state_of(proxy, "spec-0")["outlier"]["consecutive_failures"] >= 1
-            wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+def test_a_stream_flowing_from_a_server_whose_polls_go_unanswered_runs_to_its_end() -> None:
+    """The other side of the rule: a server too busy to answer its load polls (its scheduler, or a
+    slow front process) while it still streams is set aside for new requests, but what it is
+    streaming is not cut: the relay keeps hearing from it."""
+    with streams_on_spec_0(time_scale=0.4) as (proxy, busy, on_busy):
+        httpx.post(busy.url + "/specroute/twin/faults", json={"load_delay_ms": 120_000}, timeout=5)
+        bound_s = proxy.app.router.unresponsive_after_s
+        lagging_since: float | None = None
+        stream, finish = on_busy[0], None
+        for number, chunk in enumerate(stream):
+            finish = chunk.choices[0].finish_reason if chunk.choices else finish
+            if lagging_since is None and number % 20 == 0 and state_of(proxy, "spec-0")["lagging"]:
+                lagging_since = time.monotonic()
+        ended_at = time.monotonic()
+        httpx.post(busy.url + "/specroute/twin/faults", json={}, timeout=5)
+        assert finish == "length"  # ran to its end, no error event
+        # The rule had its chance: the server was silent-to-polls longer than the bound.
+        assert lagging_since is not None and ended_at - lagging_since > bound_s, (lagging_since, ended_at)
+        assert state_of(proxy, "spec-0")["outlier"]["consecutive_failures"] == 0
 
 
 def test_only_attempts_waiting_on_a_silent_server_are_abandoned() -> None:

@@ -594,6 +594,7 @@ def test_faults_make_a_twin_sick_on_purpose_and_heal_it(spec):
         "first_token_delay_ms": 0.0,
         "hang_after_chunks": None,
         "drop_after_chunks": None,
+        "load_delay_ms": 0.0,
     }
     ok = httpx.post(
         spec.url + "/v1/chat/completions",
