@@ -299,7 +299,7 @@ class VirtualRouter:
         snapshot = self.fleet.snapshot(arrival.time, features.workload)
         decision = self.policy.decide(features, snapshot)
         if self.admission is not None:
-            refusal = self.admission.admit(features, snapshot, decision)
+            refusal = self.admission.admit(features, snapshot, decision, arrival.time)
             if refusal is not None:
                 self.refusals.append((arrival.time, refusal.rule, arrival.request_class))
                 return None
@@ -320,7 +320,7 @@ class VirtualRouter:
 
     def on_finish(self, record: RequestRecord) -> None:
         if self.admission is not None and record.request_class == "latency":
-            self.admission.observe(self.setup.slo.met(record))
+            self.admission.observe(self.setup.slo.met(record), record.finish_time)
         url = self.urls[record.engine]
         spec = self.pool_of_engine[record.engine] == "spec"
         sent = self._sent.get((record.arrival, record.prompt_tokens, record.engine))

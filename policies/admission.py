@@ -22,7 +22,10 @@ Predictions err, most of all in a burst, so the limits are the targets times a `
 follows what happened to the requests admitted (`observe`, told whether each finished one met
 both targets): each miss shrinks it, each request that met them grows it a little, balanced so
 that it settles where TARGET_ATTAINMENT of the admitted meet their targets. Its floor keeps
-admission from closing on a fleet that cannot meet the targets at any load.
+admission from closing on a fleet that cannot meet the targets at any load. What shrank it fades
+as all learned evidence here does (SCALE_HALF_LIFE_S): after an overload, few requests are
+admitted to tell it the fleet is quiet again (batch ones never do), so the outcomes alone would
+keep an idle fleet refusing for minutes.
 """
 
 from __future__ import annotations
@@ -44,12 +47,18 @@ admitted should not fall under (95 %): at 0.95 itself an HTTP run at twice the c
 GAIN = 0.1
 """How fast the scale moves: a miss multiplies it by about 0.91, a met request by about 1.003."""
 MIN_SCALE = 0.1
+SCALE_HALF_LIFE_S = 30.0
+"""Half-life of the scale's shrink (its logarithm decays toward 0, the targets themselves). Long
+beside the stream of outcomes under load, which holds the scale where it settles; short beside
+the quiet after an overload: from the floor back to 0.8 in about 100 s with nothing admitted."""
 
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
     rule: str
     predicted_ttft_s: float
+    predicted_tpot_s: float
+    """The time per output token of the pool's streams with the request admitted (predicted)."""
     retry_after_s: int
     """Whole seconds (the `retry-after` header): about when the queue ahead will have drained."""
 
@@ -60,13 +69,24 @@ class Admission:
         self.tpot_limit_s = tpot_limit_s
         self.predictor = predictor or Goodput()
         self.scale = 1.0
-        """The limits in force are the targets times this (in [MIN_SCALE, 1])."""
+        """The limits in force are the targets times this (in [MIN_SCALE, 1]), as of `scale_at`."""
+        self.scale_at = 0.0
+        """When `scale` was last moved (the caller's clock: monotonic, or the virtual one)."""
 
-    def observe(self, met: bool) -> None:
-        """An admitted request finished; `met`: it met both targets. In expectation the scale
-        stands still where a share 1 - TARGET_ATTAINMENT of them miss."""
+    def scale_now(self, now: float) -> float:
+        """The scale at `now`: its shrink faded by the time since it was last moved."""
+        elapsed = now - self.scale_at
+        if elapsed <= 0 or self.scale >= 1.0:
+            return self.scale
+        return min(1.0, self.scale ** (0.5 ** (elapsed / SCALE_HALF_LIFE_S)))
+
+    def observe(self, met: bool, now: float = 0.0) -> None:
+        """An admitted request finished at `now`; `met`: it met both targets. In expectation the
+        scale stands still where a share 1 - TARGET_ATTAINMENT of them miss."""
         miss = 0.0 if met else 1.0
-        self.scale = min(1.0, max(MIN_SCALE, self.scale * math.exp(GAIN * ((1 - TARGET_ATTAINMENT) - miss))))
+        scale = self.scale_now(now)
+        self.scale = min(1.0, max(MIN_SCALE, scale * math.exp(GAIN * ((1 - TARGET_ATTAINMENT) - miss))))
+        self.scale_at = max(self.scale_at, now)
 
     @property
     def enabled(self) -> bool:
@@ -91,7 +111,7 @@ class Admission:
             return "predicted-tpot"
         return None
 
-    def admit(self, features: Features, snapshot: Snapshot, decision: Decision) -> Refusal | None:
+    def admit(self, features: Features, snapshot: Snapshot, decision: Decision, now: float = 0.0) -> Refusal | None:
         if not self.enabled:
             return None
         p = self.predict(features, snapshot, decision)
@@ -99,16 +119,13 @@ class Admission:
             return None  # nothing known to judge by (no reading yet): the pool decides
         ttft = p.ttft_s + p.wait_spread_s
         tpot = max(p.tpot_s, p.others_tpot_s)
-        rule = self.past_limits(ttft, tpot, self.scale)
-        if (
-            rule is None
-            and features.request_class == "batch"
-            and self.past_limits(ttft, tpot, self.scale * BATCH_SHARE)
-        ):
+        scale = self.scale_now(now)
+        rule = self.past_limits(ttft, tpot, scale)
+        if rule is None and features.request_class == "batch" and self.past_limits(ttft, tpot, scale * BATCH_SHARE):
             rule = "shed-batch"
         if rule is None:
             return None
         # About when the queue ahead will have drained: its prefill, or (for TPOT) the time the
         # running requests need to get through what stalls them.
         retry = max(MIN_RETRY_AFTER_S, math.ceil(p.prefill_s + p.wait_s))
-        return Refusal(rule=rule, predicted_ttft_s=ttft, retry_after_s=retry)
+        return Refusal(rule=rule, predicted_ttft_s=ttft, predicted_tpot_s=tpot, retry_after_s=retry)

@@ -446,7 +446,8 @@ class CompletionHandler:
                 raise ProxyError(
                     429,
                     f"the fleet cannot serve this request in time now ({refusal.rule}: first token predicted "
-                    f"in {refusal.predicted_ttft_s:.2f} s); retry after {refusal.retry_after_s} s",
+                    f"in {refusal.predicted_ttft_s:.2f} s, {refusal.predicted_tpot_s * 1000:.0f} ms per output "
+                    f"token); retry after {refusal.retry_after_s} s",
                     code="fleet_overloaded",
                     headers=[(b"retry-after", str(refusal.retry_after_s).encode())],
                 )

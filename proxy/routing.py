@@ -290,7 +290,7 @@ class Attempt:
             self.fleet.on_response(self.instance.url, time.monotonic(), evidence)
         if self.open and complete and self.admission is not None and self.ttft_s is not None:
             tokens = summary.completion_tokens if summary and summary.completion_tokens else self.tokens
-            self.admission.observe(self.met_targets(self.admission, tokens))
+            self.admission.observe(self.met_targets(self.admission, tokens), time.monotonic())
         if self.open and self.outliers is not None:
             if complete and self.started:
                 self.outliers.succeeded(self.instance, self.ttft_s)
@@ -420,7 +420,7 @@ class Router:
             state["admission"] = {
                 "ttft_limit_s": self.admission.ttft_limit_s,
                 "tpot_limit_ms": self.admission.tpot_limit_s * 1000,
-                "scale": round(self.admission.scale, 4),
+                "scale": round(self.admission.scale_now(time.monotonic()), 4),
             }
         return state
 
@@ -505,7 +505,7 @@ class Router:
         pool it pinned (its decision)."""
         if self.admission is None:
             return None
-        return self.admission.admit(features, snapshot, decision)
+        return self.admission.admit(features, snapshot, decision, time.monotonic())
 
     def all_ejected(self, pool: PoolName) -> bool:
         """Whether outlier detection, not unreachability, left `pool` without an instance."""

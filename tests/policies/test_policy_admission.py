@@ -9,7 +9,7 @@ from policy_snapshots import snapshot
 
 from fleet.costmodel import StepCostModel, seed_from_profile
 from fleet.types import Decision, Features
-from policies.admission import MIN_SCALE, TARGET_ATTAINMENT, Admission
+from policies.admission import MIN_SCALE, SCALE_HALF_LIFE_S, TARGET_ATTAINMENT, Admission
 
 COST = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
 LATENCY = Features(prompt_tokens=1000, max_tokens=256)
@@ -77,6 +77,32 @@ def test_the_scale_settles_where_the_target_share_of_admitted_requests_meets_the
     for i in range(100):
         admission.observe(i >= 4 * misses_per_100)
     assert admission.scale < 0.3
+
+
+def test_an_idle_fleet_is_not_refused_long_after_an_overload() -> None:
+    """An overload drives the scale to its floor; afterwards few requests are admitted to say the
+    fleet is quiet (batch ones never do), so what shrank it fades with time: an idle fleet was
+    refused every request for minutes (a helper's probe: 388 of 390 on idle twins)."""
+    quiet = snapshot(2, 10, COST)
+    admission = Admission(1.0, 0.05)
+    tpot = admission.admit(LATENCY, quiet, TO_BASE, now=0.0)
+    assert tpot is None
+    for i in range(200):  # the overload: every admitted request missed
+        admission.observe(False, now=i * 0.1)
+    assert admission.scale_now(19.9) == MIN_SCALE
+    assert admission.admit(BATCH, quiet, TO_BASE, now=20.0) is not None  # shut at the floor
+    # Quiet since: the shrink halves its logarithm every half-life, with nothing admitted.
+    assert admission.scale_now(19.9 + SCALE_HALF_LIFE_S) == pytest.approx(MIN_SCALE**0.5)
+    later = 20.0 + 4 * SCALE_HALF_LIFE_S
+    assert admission.scale_now(later) > 0.85
+    assert admission.admit(LATENCY, quiet, TO_BASE, now=later) is None
+    assert admission.admit(BATCH, quiet, TO_BASE, now=later) is None
+    # Evidence arriving as fast as under load is what holds the scale: a second's worth of
+    # misses at 100 admitted a second moves it far more than a second of fading does.
+    admission = Admission(1.0, 0.05)
+    for i in range(100):
+        admission.observe(i % 10 != 0, now=i * 0.01)
+    assert admission.scale_now(1.0) < 0.75
 
 
 def test_a_burst_below_the_cap_counts_at_its_rate() -> None:

@@ -48,6 +48,34 @@ def test_a_request_the_fleet_cannot_serve_in_time_gets_a_429_with_retry_after(tw
         assert reply.usage is not None and reply.usage.completion_tokens == 4
 
 
+def test_an_idle_fleet_admits_again_once_an_overloads_shrink_has_faded(twin_pair) -> None:
+    """The scale an overload left at its floor refuses even an idle fleet's requests; the proxy
+    judges it on its own clock, so the shrink fades and the same request is served."""
+    import time
+
+    from policies.admission import MIN_SCALE, SCALE_HALF_LIFE_S
+
+    spec, base = twin_pair
+    with running_proxy(
+        spec_urls=[spec.url], base_urls=[base.url], profile="h200-llama8b", admission_ttft_s=1.0, admission_tpot_ms=20
+    ) as proxy:
+        wait_for(lambda: proxy.app.router.snapshot().pools["spec"].age_s < 1, what="a load reading")
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        admission = proxy.app.router.admission
+        assert admission is not None
+        admission.scale, admission.scale_at = MIN_SCALE, time.monotonic()  # just after an overload
+        try:
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, stream=True)
+            raise AssertionError("admitted at the floor: 2 ms per token is beyond any decode step")
+        except openai.RateLimitError as refused:
+            assert "ms per output token" in refused.message
+        admission.scale_at = time.monotonic() - 6 * SCALE_HALF_LIFE_S  # quiet since
+        stream = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=4, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        state = httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()
+        assert state["admission"]["scale"] > 0.9
+
+
 def test_past_max_open_requests_new_requests_are_refused_at_once_and_the_open_ones_finish(twin_pair) -> None:
     spec, base = twin_pair
     with running_proxy(spec_urls=[spec.url], base_urls=[base.url], max_open_requests=2) as proxy:
