@@ -30,6 +30,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import NoOpTracer, SpanContext, SpanKind, TraceState
 
+from proxy.settings import SettingsError
 from proxy.telemetry.otlp import EncodedSpans, GrpcExporter, HttpExporter
 from proxy.telemetry.spans import SAMPLED_CONTEXT, RequestTrace, SpanWriter
 
@@ -116,6 +117,17 @@ class LocalExport:
         self.processor.shutdown()
 
 
+def check_batch_settings() -> None:
+    """The SDK reads OTEL_BSP_* when a batch processor is made and refuses some combinations (a
+    queue smaller than a batch). Made here, in the proxy's process, a bad value stops start-up in
+    one line whichever way spans are exported: in the export child it killed each child as it
+    started, and tracing stayed off with the proxy looking healthy."""
+    try:
+        BatchSpanProcessor(SpanExporter()).shutdown()
+    except ValueError as exc:
+        raise SettingsError(f"OTEL_BSP_* (the span batch processor's settings): {exc}") from None
+
+
 class Tracing:
     """Owns one TracerProvider (never the global one, so several apps can live in one process)
     for its sampler and resource, the batching of finished requests, and the span export: a
@@ -132,6 +144,8 @@ class Tracing:
         self.resource = self.provider.resource
         self.scope = InstrumentationScope("specroute", version)
         self.export: SpanExport
+        if self.enabled:
+            check_batch_settings()
         if export_process and exporter is None and self.enabled:
             from proxy.telemetry.export_process import ProcessExport  # imports tracing: not at the top
 

@@ -240,3 +240,21 @@ def test_ctrl_c_stops_serve_and_its_span_export_without_a_traceback(tmp_path: Pa
     assert "Traceback" not in err, err
     for child in children:
         assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+
+@pytest.mark.parametrize("export", ["process", "inline"])
+def test_a_batch_processor_setting_the_otel_sdk_refuses_stops_start_up(tmp_path: Path, export: str) -> None:
+    """A queue smaller than a batch: the SDK refuses it when a batch processor is made. In the
+    export child that killed every child as it started and tracing stayed off while the proxy
+    looked healthy; now both ways of exporting stop start-up with one line."""
+    env = {
+        "SPECROUTE_BASE_URLS": "http://127.0.0.1:1",
+        "SPECROUTE_PORT": "0",
+        "SPECROUTE_TRACE_EXPORT": export,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1",
+        "OTEL_BSP_MAX_QUEUE_SIZE": "100",
+    }
+    result = run(["serve"], env, tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("specroute: OTEL_BSP_* (the span batch processor")
+    assert "startup complete" not in result.stderr
