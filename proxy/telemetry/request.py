@@ -388,10 +388,17 @@ class RequestRecorder(RequestHooks):
         )
 
 
+SHED = frozenset({"fleet_overloaded", "too_many_open_requests"})
+"""The proxy's own 429s for load (admission control, its open-request bound): `refused`, so an
+alert can watch them apart from clients' mistakes."""
+
+
 def outcome_of(status: int, error_type: str | None) -> str:
-    """A low-cardinality label: ok, client_error, error or client_disconnected."""
+    """A low-cardinality label: ok, client_error, refused, error or client_disconnected."""
     if error_type == "client_disconnected":
         return "client_disconnected"
+    if status == 429 and error_type in SHED:
+        return "refused"
     if status >= 500 or (error_type and status < 400):
         return "error"
     if status >= 400:

@@ -40,6 +40,9 @@ def test_a_request_the_fleet_cannot_serve_in_time_gets_a_429_with_retry_after(tw
         )
         assert raw.status_code == 429 and raw.json()["error"]["type"] == "rate_limit_error"
         assert dispatched(proxy) == 0 and proxy.in_flight() == 0
+        # Counted apart from clients' mistakes, so that an alert can watch admission.
+        metrics = httpx.get(proxy.url + "/metrics", timeout=5).text
+        assert 'specroute_requests_total{outcome="refused",policy="goodput",pool="none"} 2.0' in metrics
     # Off (the default without an SLO): the same request is served.
     with running_proxy(spec_urls=[spec.url], base_urls=[base.url], profile="h200-llama8b") as proxy:
         reply = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0).chat.completions.create(
