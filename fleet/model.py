@@ -236,22 +236,6 @@ class FleetModel:
             self.sessions.forget_instance(url)
         signals.healthy = healthy
 
-    def lagging(self, now: float) -> frozenset[str]:
-        """The instances that are reachable but whose load reading is older than `stale_after_s`
-        while a pool-mate's is fresh (`InstanceState.lagging`): a stopped or hung server still
-        accepts connections, so only its silence shows it; new requests go to its pool-mates,
-        and back to it once it answers a poll again."""
-        ages: dict[str, list[tuple[str, float]]] = {}
-        for url, signals in self.instances.items():
-            if signals.healthy and not signals.ejected:
-                ages.setdefault(signals.pool, []).append((url, signals.age(now)))
-        bound = self.stale_after_s
-        out: set[str] = set()
-        for members in ages.values():
-            if min(age for _, age in members) <= bound:
-                out.update(url for url, age in members if age > bound)
-        return frozenset(out)
-
     def unresponsive(self, url: str, now: float, after_s: float) -> bool:
         """The instance is reachable and polled, its load reading is older than `after_s`, and
         another instance's is fresh (so the silence is the server's, not this process's nor the

@@ -78,7 +78,8 @@ class InstanceState:
     lagging: bool = False
     """Reachable, but its load reading is stale while a pool-mate's is fresh (then also not
     healthy): a server that stopped answering (a stopped or hung process still accepts
-    connections) gets no new requests while its pool has another (`FleetModel.lagging`)."""
+    connections) gets no new requests while its pool has another (`FleetModel.snapshot`;
+    `Router.pick` applies the same rule to its candidates)."""
 
     @property
     def load(self) -> float:

@@ -518,10 +518,11 @@ class Router:
         # admits() first: it ends an ejection whose time is up, which makes the instance healthy.
         candidates = [i for i in self.pools[pool].instances if i not in exclude and outliers.admits(i) and i.healthy]
         if len(candidates) > 1:
-            lagging = self.fleet.lagging(time.monotonic())
-            if lagging:
-                answering = [i for i in candidates if i.url not in lagging]
-                candidates = answering or candidates
+            # Lagging ones (InstanceState.lagging) wait while another candidate answers its polls.
+            now, bound = time.monotonic(), self.fleet.stale_after_s
+            answering = [i for i in candidates if i.signals.age(now) <= bound]
+            if answering:
+                candidates = answering
         if prefer is not None:
             for instance in candidates:
                 if instance.url == prefer:

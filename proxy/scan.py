@@ -144,7 +144,7 @@ def summarise(tail: bytes) -> Summary:
 
 # Asked of the upstream for a stream whose client did not say (`with_usage_requested`).
 USAGE_REQUESTED = b'"stream_options":{"include_usage":true},'
-_EVENT_SPLIT = re.compile(rb"(?<=\n\n)|(?<=\r\n\r\n)|(?<=\r\r)|(?<=\n\r\n)|(?<=\r\n\n)")
+_EVENT_SPLIT = re.compile(b"|".join(b"(?<=" + re.escape(end) + b")" for end in EVENT_ENDS))
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 

@@ -339,9 +339,14 @@ def test_a_server_restarted_on_its_address_takes_traffic_again_before_its_ejecti
                 )
                 assert state_of(proxy, "spec-0")["outlier"]["ejections"] == 1
                 before = instance(proxy, "spec", 0).dispatched_total
-                for _ in range(6):
+
+                def served_again() -> bool:
+                    # Bounded by wait_for: its first poll after the restart (a fresh reading) may
+                    # come a few requests after the ejection ended.
                     client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
-                assert instance(proxy, "spec", 0).dispatched_total > before
+                    return instance(proxy, "spec", 0).dispatched_total > before
+
+                wait_for(served_again, what="the restarted server taking traffic", timeout=20)
 
 
 def test_a_stopped_server_gets_no_new_requests_while_its_pool_mate_answers(two_spec_twins: list[RunningTwin]) -> None:
