@@ -495,19 +495,33 @@ def _corrected(curve: _Curve, weights: list[float], size: float, prior: float, a
     than spec's correction says, never tried again (0.95x the SLO goodput)."""
     if not curve.xs:
         return 1.0 if anchor is None or anchor > 1.0 else anchor
-    learned = curve.learned
     i, t = curve.point(size)
-    upper = _shrunk(learned[i].ratio, weights[i], prior, anchor)
-    if t < 0:
-        return upper
-    return _shrunk(learned[i - 1].ratio, weights[i - 1], prior, anchor) * (1 - t) + upper * t
+    if t < 0:  # past either end: the nearest bucket, its inner neighbour informing its target
+        return _shrunk(curve, weights, i, i - 1 if i > 0 else i + 1, prior, anchor)
+    return (
+        _shrunk(curve, weights, i - 1, i, prior, anchor) * (1 - t)
+        + _shrunk(curve, weights, i, i - 1, prior, anchor) * t
+    )
 
 
-def _shrunk(ratio: float, weight: float, prior: float, anchor: float | None) -> float:
-    """One bucket's correction: its ratio, `weight` observations' worth, against `prior` of its
-    target (`_corrected`)."""
+def _shrunk(curve: _Curve, weights: list[float], j: int, k: int, prior: float, anchor: float | None) -> float:
+    """Bucket j's correction: its ratio, `weights[j]` observations' worth, against `prior` of its
+    target (`_corrected`), which its neighbour k (if learned) moves toward its own ratio by k's
+    trust, discounted by the doublings between them. A bucket whose trust has faded then returns
+    toward a fresh neighbour before the seed: each shrunk toward the target alone, spec's prefill
+    at 4,096 tokens (its bucket aged) fell to 147 ms against a true 280 while its neighbour at
+    2,048 tokens was fresh at 2.4x the seed (a helper's probe, no profile)."""
+    learned = curve.learned
+    ratio = learned[j].ratio
     target = 1.0 if anchor is None else ratio if ratio < anchor else anchor
+    if 0 <= k < len(learned):
+        near = weights[k] / (1.0 + abs(curve.xs[j] - curve.xs[k]) / LOG_2)
+        target = (prior * target + near * learned[k].ratio) / (prior + near)
+    weight = weights[j]
     return (prior * target + ratio * weight) / (prior + weight)
+
+
+LOG_2 = math.log(2.0)
 
 
 def _evidence(curve: _Curve, weights: list[float], size: float) -> float:

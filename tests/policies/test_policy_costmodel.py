@@ -161,3 +161,18 @@ def test_seed_steps_are_remembered_until_the_seed_changes():
     assert model.seed_step_ms(32.2, 4) == first  # the same batch once rounded: remembered
     model.seed = AffineSeed(c0=AffineSeed().c0 + 5.0)
     assert model.seed_step_ms(32, 4) == pytest.approx(first + 5.0)
+
+
+def test_an_aged_bucket_returns_toward_a_fresh_neighbour_before_the_seed():
+    """Prefill 2.4x the seed everywhere (the generic prior on a Kimi fleet). One long prompt was
+    seen 30 s ago; short ones keep coming. The long prompt's size, its own bucket aged, predicted
+    at the seed (0.54x the truth) while its neighbour was fresh at 2.4x (a helper's probe)."""
+    model = StepCostModel(AffineSeed(), num_draft_tokens=3, half_life_s=HALF_LIFE_S)
+    truth = 2.4
+    model.observe_prefill("spec", 3500, truth * model.seed.prefill_ms(3500, True), now=0.0)
+    for i in range(40):
+        model.observe_prefill("spec", 1600, truth * model.seed.prefill_ms(1600, True), now=20.0 + i * 0.25)
+    assert model.prefill_correction("spec", 1600, 30.0) == pytest.approx(truth, rel=0.05)
+    assert model.prefill_correction("spec", 4096, 30.0) == pytest.approx(truth, rel=0.15)
+    # Nothing fresh anywhere: the seed again (the other pool knows nothing either).
+    assert model.prefill_correction("spec", 4096, 600.0) == pytest.approx(1.0, abs=0.05)
