@@ -80,7 +80,7 @@ class Admission:
             return self.scale
         return min(1.0, self.scale ** (0.5 ** (elapsed / SCALE_HALF_LIFE_S)))
 
-    def observe(self, met: bool, now: float = 0.0) -> None:
+    def observe(self, met: bool, now: float) -> None:
         """An admitted request finished at `now`; `met`: it met both targets. In expectation the
         scale stands still where a share 1 - TARGET_ATTAINMENT of them miss."""
         miss = 0.0 if met else 1.0
@@ -111,7 +111,7 @@ class Admission:
             return "predicted-tpot"
         return None
 
-    def admit(self, features: Features, snapshot: Snapshot, decision: Decision, now: float = 0.0) -> Refusal | None:
+    def admit(self, features: Features, snapshot: Snapshot, decision: Decision, now: float) -> Refusal | None:
         if not self.enabled:
             return None
         p = self.predict(features, snapshot, decision)

@@ -19,18 +19,18 @@ TO_BASE = Decision(pool="base", reason="test")
 
 def test_a_quiet_fleet_admits_everything_and_no_limit_means_no_admission() -> None:
     quiet = snapshot(2, 10, COST)
-    assert Admission(1.0, 0.05).admit(LATENCY, quiet, TO_BASE) is None
-    assert Admission(1.0, 0.05).admit(BATCH, quiet, TO_BASE) is None
+    assert Admission(1.0, 0.05).admit(LATENCY, quiet, TO_BASE, now=0.0) is None
+    assert Admission(1.0, 0.05).admit(BATCH, quiet, TO_BASE, now=0.0) is None
     assert not Admission(0.0, 0.0).enabled
-    assert Admission(0.0, 0.0).admit(LATENCY, snapshot(48, 2000, COST), TO_BASE) is None
+    assert Admission(0.0, 0.0).admit(LATENCY, snapshot(48, 2000, COST), TO_BASE, now=0.0) is None
 
 
 def test_a_deep_queue_refuses_with_a_retry_after_from_its_drain() -> None:
     flooded = snapshot(48, 256 + 600, COST)  # 600 waiting past base's cap
-    refusal = Admission(1.0, 0.0).admit(LATENCY, flooded, TO_BASE)
+    refusal = Admission(1.0, 0.0).admit(LATENCY, flooded, TO_BASE, now=0.0)
     assert refusal is not None and refusal.rule == "predicted-ttft"
     assert refusal.predicted_ttft_s > 1.0 and refusal.retry_after_s >= 1
-    deeper = Admission(1.0, 0.0).admit(LATENCY, snapshot(48, 256 + 2000, COST), TO_BASE)
+    deeper = Admission(1.0, 0.0).admit(LATENCY, snapshot(48, 256 + 2000, COST), TO_BASE, now=0.0)
     assert deeper is not None and deeper.retry_after_s > refusal.retry_after_s
 
 
@@ -39,7 +39,10 @@ def test_batch_requests_are_shed_before_latency_ones() -> None:
     # Find a queue where a latency request still gets in and a batch one does not.
     for waiting in range(0, 2000, 10):
         snap = snapshot(48, 256 + waiting, COST)
-        latency, batch = admission.admit(LATENCY, snap, TO_BASE), admission.admit(BATCH, snap, TO_BASE)
+        latency, batch = (
+            admission.admit(LATENCY, snap, TO_BASE, now=0.0),
+            admission.admit(BATCH, snap, TO_BASE, now=0.0),
+        )
         assert not (batch is None and latency is not None)  # never a batch in where a latency is out
         if latency is None and batch is not None:
             assert batch.rule == "shed-batch"
@@ -53,29 +56,29 @@ def test_a_request_that_would_stretch_the_running_streams_past_the_tpot_target_i
     p = Admission(100.0, 0.0).predict(LATENCY, busy, TO_BASE)
     assert p is not None and p.over_cap <= 0
     tight = max(p.tpot_s, p.others_tpot_s) * 0.9
-    refusal = Admission(0.0, tight).admit(LATENCY, busy, TO_BASE)
+    refusal = Admission(0.0, tight).admit(LATENCY, busy, TO_BASE, now=0.0)
     assert refusal is not None and refusal.rule == "predicted-tpot"
-    assert Admission(0.0, tight * 1.5).admit(LATENCY, busy, TO_BASE) is None
+    assert Admission(0.0, tight * 1.5).admit(LATENCY, busy, TO_BASE, now=0.0) is None
 
 
 def test_the_scale_settles_where_the_target_share_of_admitted_requests_meets_the_slo() -> None:
     admission = Admission(1.0, 0.05)
     for _ in range(200):
-        admission.observe(False)
+        admission.observe(False, now=0.0)
     assert admission.scale == MIN_SCALE  # never shut entirely
     admission = Admission(1.0, 0.05)
     for _ in range(100):
-        admission.observe(True)
+        admission.observe(True, now=0.0)
     assert admission.scale == 1.0  # never past the targets themselves
     # At exactly the target's miss rate the scale stands still; more misses shrink it.
     misses_per_100 = round(100 * (1 - TARGET_ATTAINMENT))
     admission.scale = 0.5
     for _ in range(10):
         for i in range(100):
-            admission.observe(i >= misses_per_100)
+            admission.observe(i >= misses_per_100, now=0.0)
     assert abs(admission.scale - 0.5) < 0.01
     for i in range(100):
-        admission.observe(i >= 4 * misses_per_100)
+        admission.observe(i >= 4 * misses_per_100, now=0.0)
     assert admission.scale < 0.3
 
 
@@ -119,5 +122,5 @@ def test_a_burst_below_the_cap_counts_at_its_rate() -> None:
     step = COST.decode_step_ms("base", 101, 1)
     assert p.tpot_s * 1000 == pytest.approx(step / (1 - 0.9), rel=1e-3)  # the rate, capped at 90 %
     assert over_a_decode.tpot_s < p.tpot_s / 2
-    refusal = Admission(0.0, 0.05).admit(LATENCY, snap, TO_BASE)
+    refusal = Admission(0.0, 0.05).admit(LATENCY, snap, TO_BASE, now=0.0)
     assert refusal is not None and refusal.rule == "predicted-tpot"
