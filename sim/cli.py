@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the same with --server vllm (vLLM's spelling)",
     )
+    p.add_argument(
+        "--enable-response-store",
+        action="store_true",
+        help="keep /v1/responses answers for retrieval, previous_response_id and background "
+        "(SGLang spelling; the twin keeps the last 10,000)",
+    )
     p.add_argument("--decode-log-interval", type=int, default=40)
     p.add_argument("--load-snapshot-publish-interval", type=int, default=15)
     p.add_argument("--enable-metrics", action="store_true", help="serve /metrics (as SGLang)")
@@ -219,6 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         faults=faults,
         server=args.server,
         enable_cache_report=args.enable_cache_report or args.enable_prompt_tokens_details,
+        enable_response_store=args.enable_response_store,
     )
     app = create_app(options, config)
     server = uvicorn.Server(

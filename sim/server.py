@@ -14,7 +14,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,11 +41,15 @@ from sim.protocol import (
     stop_strings,
     usage,
 )
+from sim.responses import Responses, ResponsesError
 from sim.shape import ChoiceShape
 from sim.tokens import prompt_token_ids
 from sim.tracing import TwinSpan, TwinTracer
 
 log = logging.getLogger("sim.server")
+
+Headers = Sequence[tuple[bytes, bytes]]
+"""Extra response headers, as ASGI sends them."""
 
 SGLANG_VERSION = "0.5.23"
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
@@ -78,6 +82,9 @@ class TwinOptions:
     enable_cache_report: bool = False
     """usage.prompt_tokens_details.cached_tokens (SGLang --enable-cache-report; vLLM
     --enable-prompt-tokens-details)."""
+    enable_response_store: bool = False
+    """Keep /v1/responses answers for GET by id, previous_response_id and background (SGLang
+    --enable-response-store; off by default, as in SGLang)."""
 
     @property
     def vllm(self) -> bool:
@@ -139,6 +146,21 @@ class Call:
         self.queue.put_nowait((self.index, text, n, req.finished))
 
 
+class Generation:
+    """One HTTP request's engine requests, submitted: its choices' calls, and how to abort them."""
+
+    __slots__ = ("rid", "calls", "loop")
+
+    def __init__(self, rid: str, calls: list[Call], loop: EngineLoop):
+        self.rid = rid
+        self.calls = calls
+        self.loop = loop
+
+    def abort(self) -> None:
+        for call in self.calls:
+            self.loop.abort(call.req.rid)
+
+
 class Twin:
     """Everything one twin server holds: options, engine, loop and metrics (no globals)."""
 
@@ -184,6 +206,23 @@ class Twin:
             elif request.model != self.options.model_name:
                 # vLLM serves only its --served-model-name (SGLang answers whatever model is named).
                 raise TwinError(f"The model `{request.model}` does not exist.", status=404, err_type="NotFoundError")
+        await self.show_faults()
+        if kind == "chat":
+            check_output_length(request.max_new_tokens, self.config.context_length)
+        run = self.start(request, body, http.headers, request.rid or uuid.uuid4().hex)
+        # vLLM's response id: its kind's prefix and the client's X-Request-Id, else a fresh one
+        # (_base_request_id); SGLang's is the request's rid
+        response_id = run.rid
+        if self.options.vllm:
+            prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+            response_id = prefix + (http.headers.get("x-request-id") or uuid.uuid4().hex)
+        if request.stream:
+            return self.sse(self._stream(kind, request, run.calls, response_id), run.abort)
+        return await self._complete(kind, request, run, response_id, http.receive)
+
+    async def show_faults(self) -> None:
+        """The sickness every generation shows before it starts (--fault-first-token-delay-ms,
+        --fault-error-rate)."""
         faults = self.faults
         if faults.first_token_delay_ms:
             await asyncio.sleep(faults.first_token_delay_ms / 1000.0)
@@ -191,18 +230,25 @@ class Twin:
             raise TwinError(
                 "Internal server error (a fault the twin was told to show)", status=500, err_type="InternalServerError"
             )
-        parent = self.trace_context(http.headers)
+
+    def start(
+        self,
+        request: ChatCompletionRequest | CompletionRequest,
+        prompt_body: Mapping[str, Any],
+        headers: Mapping[str, str],
+        rid: str,
+    ) -> Generation:
+        """Count the prompt of `prompt_body` (chat `messages` or a completion `prompt`), check
+        it against the context, and submit one engine request per choice of `request`."""
+        parent = self.trace_context(headers)
         # The twin's own hook (a real server ignores it): the workload picks the request's mean
         # acceptance (--workload-alpha).
-        workload = http.headers.get(WORKLOAD_HEADER, "").strip() or None
-        prompt_tokens = max(count_prompt_tokens(body), 1)
-        if kind == "chat":
-            check_output_length(request.max_new_tokens, self.config.context_length)
+        workload = headers.get(WORKLOAD_HEADER, "").strip() or None
+        prompt_tokens = max(count_prompt_tokens(prompt_body), 1)
         check_context(prompt_tokens, request.max_new_tokens, self.config.context_length)
-        ids = prompt_token_ids(body) if self.engine.cache is not None else None
+        ids = prompt_token_ids(prompt_body) if self.engine.cache is not None else None
         cache_key = self.engine.page_key(ids) if ids is not None and len(ids) == prompt_tokens else None
         loop = self.running_loop
-        rid = request.rid or uuid.uuid4().hex
         # n > 1: one engine request per choice, as SGLang runs n sequences.
         rids = [rid] if request.n == 1 else [f"{rid}-{i}" for i in range(request.n)]
         for r in rids:
@@ -231,46 +277,43 @@ class Twin:
             calls.append(call)
         for call in calls:
             loop.submit(call.req)
+        return Generation(rid, calls, loop)
 
-        def abort_all() -> None:
-            for r in rids:
-                loop.abort(r)
+    def sse(self, chunks: AsyncIterator[bytes], abort: Callable[[], None], headers: Headers = ()) -> SseResponse:
+        """A stream of `chunks`, sick as the faults say; a client that leaves calls `abort`."""
+        faults = self.faults
+        if faults.hang_after_chunks is not None or faults.drop_after_chunks is not None:
+            chunks = sick_stream(chunks, faults)
+        return SseResponse(chunks, on_disconnect=abort, headers=headers)
 
-        # vLLM's response id: its kind's prefix and the client's X-Request-Id, else a fresh one
-        # (_base_request_id); SGLang's is the request's rid
-        response_id = rid
-        if self.options.vllm:
-            prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-            response_id = prefix + (http.headers.get("x-request-id") or uuid.uuid4().hex)
-        if request.stream:
-            chunks = self._stream(kind, request, calls, response_id)
-            if faults.hang_after_chunks is not None or faults.drop_after_chunks is not None:
-                chunks = sick_stream(chunks, faults)
-            return SseResponse(chunks, on_disconnect=abort_all)
-        return await self._complete(kind, request, calls, response_id, http.receive, abort_all)
-
-    async def _complete(
-        self,
-        kind: str,
-        request: ChatCompletionRequest | CompletionRequest,
-        calls: list[Call],
-        rid: str,
-        receive: Receive,
-        abort_all: Callable[[], None],
-    ) -> Response:
-        pieces: list[list[str]] = [[] for _ in calls]
-        finished = asyncio.ensure_future(self._drain(calls, pieces))
+    async def collect(self, run: Generation, receive: Receive) -> list[list[str]] | None:
+        """Every choice's pieces once all are finished; None (and the engine requests aborted)
+        when the client left first."""
+        pieces: list[list[str]] = [[] for _ in run.calls]
+        finished = asyncio.ensure_future(self._drain(run.calls, pieces))
         gone = asyncio.ensure_future(wait_disconnect(receive))
         try:
             await asyncio.wait({finished, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
             if not finished.done():
-                abort_all()
+                run.abort()
                 finished.cancel()
+        return pieces if finished.done() and not finished.cancelled() else None
+
+    async def _complete(
+        self,
+        kind: str,
+        request: ChatCompletionRequest | CompletionRequest,
+        run: Generation,
+        rid: str,
+        receive: Receive,
+    ) -> Response:
+        calls = run.calls
+        pieces = await self.collect(run, receive)
         reqs = [call.req for call in calls]
-        if any(req.finish_reason == "abort" for req in reqs):
-            abort_all()
+        if pieces is None or any(req.finish_reason == "abort" for req in reqs):
+            run.abort()
             raise TwinError("The request was aborted.", status=400)
         choices = [
             call.shape.render(kind, got, call.req.finish_reason, call.req.matched_stop, stream=False)
@@ -617,9 +660,10 @@ async def wait_disconnect(receive: Receive) -> None:
 class SseResponse:
     """An SSE stream that notices the client leaving even while no chunk is due (e.g. queued)."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], on_disconnect: Callable[[], object]):
+    def __init__(self, chunks: AsyncIterator[bytes], on_disconnect: Callable[[], object], headers: Headers = ()):
         self.chunks = chunks
         self.on_disconnect = on_disconnect
+        self.headers = list(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send(
@@ -627,7 +671,7 @@ class SseResponse:
                 "type": "http.response.start",
                 "status": 200,
                 # Starlette's StreamingResponse(media_type="text/event-stream"), as SGLang's and vLLM's
-                "headers": [(b"content-type", b"text/event-stream; charset=utf-8")],
+                "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), *self.headers],
             }
         )
         gone = asyncio.ensure_future(wait_disconnect(receive))
@@ -705,6 +749,30 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
 
     async def chat(request: HttpRequest) -> Reply:
         return await twin.generate("chat", request)
+
+    responses = Responses(twin)
+
+    def nested(handler: Callable[[HttpRequest], Awaitable[Reply]]) -> Callable[[HttpRequest], Awaitable[Reply]]:
+        """/v1/responses answers errors with OpenAI's nested body (in both servers' shapes)."""
+
+        async def endpoint(request: HttpRequest) -> Reply:
+            try:
+                return await handler(request)
+            except ResponsesError as exc:
+                return exc.response()
+            except TwinError as exc:
+                return ResponsesError(exc.message, exc.status, err_type=exc.err_type).response()
+
+        return endpoint
+
+    async def create_response(request: HttpRequest) -> Reply:
+        return await responses.create(request)
+
+    async def retrieve_response(request: HttpRequest) -> Reply:
+        return responses.retrieve(request.path_params["response_id"])
+
+    async def cancel_response(request: HttpRequest) -> Reply:
+        return await responses.cancel(request.path_params["response_id"])
 
     async def completions(request: HttpRequest) -> Reply:
         return await twin.generate("completion", request)
@@ -824,6 +892,9 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
         Route("/v1/completions", guarded(completions), methods=["POST"]),
         Route("/v1/models", guarded(models), methods=["GET"]),
+        Route("/v1/responses", nested(create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", nested(retrieve_response), methods=["GET"]),
+        Route("/v1/responses/{response_id}/cancel", nested(cancel_response), methods=["POST"]),
         Route("/health", guarded(health), methods=["GET"]),
         Route("/specroute/twin/faults", guarded(set_faults), methods=["POST"]),
     ]
