@@ -53,6 +53,60 @@ def count_prompt_tokens(body: Mapping[str, Any]) -> int:
     return 0
 
 
+RESPONSES_ROLES = frozenset({"system", "developer", "user", "assistant"})
+
+
+def _item_message(item: Mapping[str, Any]) -> dict[str, Any] | None:
+    """One Responses API input item as the chat message a server's template makes of it."""
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        return {"role": role if role in RESPONSES_ROLES else "user", "content": item.get("content")}
+    if kind == "function_call":
+        name, arguments = item.get("name"), item.get("arguments")
+        text = (name if isinstance(name, str) else "") + (arguments if isinstance(arguments, str) else "")
+        return {"role": "assistant", "content": text}
+    if kind == "function_call_output":
+        output = item.get("output")
+        return {"role": "tool", "content": output}
+    if kind == "reasoning":
+        summary = item.get("summary")
+        return {"role": "assistant", "content": summary if isinstance(summary, list) else None}
+    return None  # item references and other kinds: nothing of their text is in the body
+
+
+def responses_as_chat(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A Responses API body (`POST /v1/responses`) as the chat body it amounts to: `instructions`
+    as the system message, `input` (a string, or a list of items) as the messages after it,
+    `max_output_tokens` as `max_tokens`, `text.format` as `response_format`. Prompt sizes, block
+    hashes and workload keys are then read as a chat's are (SGLang renders it with the same chat
+    template). What a `previous_response_id` adds is on the server, not in the body."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    given = body.get("input")
+    if isinstance(given, str):
+        messages.append({"role": "user", "content": given})
+    elif isinstance(given, list):
+        for item in given:
+            if isinstance(item, Mapping):
+                message = _item_message(item)
+                if message is not None:
+                    messages.append(message)
+    view: dict[str, Any] = {"messages": messages}
+    for name in ("model", "stream", "service_tier", "prompt_cache_key", "user", "tools"):
+        if name in body:
+            view[name] = body[name]
+    if "max_output_tokens" in body:
+        view["max_tokens"] = body["max_output_tokens"]
+    text = body.get("text")
+    form = text.get("format") if isinstance(text, Mapping) else None
+    if isinstance(form, Mapping) and isinstance(form.get("type"), str):
+        view["response_format"] = {"type": form["type"]}
+    return view
+
+
 def default_request_class(body: Mapping[str, Any]) -> str:
     """`batch` when the client asked for OpenAI's flex (cheaper, slower) service tier, else
     `latency`; the x-specroute-class header overrides this."""

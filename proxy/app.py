@@ -18,14 +18,24 @@ from typing import Any
 import cachetools
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proxy import openapi
 from proxy.auth import Access, AuthRefused, KeyLimits, without_authorization
 from proxy.errors import ProxyError, error_object, error_type_for
 from proxy.hooks import Telemetry
-from proxy.relay import COMPLETION_PATHS, CompletionHandler, Receive, Scope, Send
+from proxy.relay import (
+    COMPLETION_PATHS,
+    CompletionHandler,
+    Receive,
+    Scope,
+    Send,
+    outgoing_headers,
+    request_headers,
+    request_id_of,
+)
+from proxy.responses import Answer, HeadersFor
 from proxy.routing import Router
 from proxy.settings import Settings
 from proxy.upstream import UPSTREAM_ERRORS, Upstream
@@ -169,7 +179,10 @@ def error_response(
     return JSONResponse({"error": error_object(message, error_type_for(status), code)}, status, headers=headers)
 
 
-SERVED_PATHS = "POST /v1/chat/completions and POST /v1/completions, and answers GET /v1/models"
+SERVED_PATHS = (
+    "POST /v1/chat/completions, /v1/completions and /v1/responses (with GET /v1/responses/{id} and "
+    "POST /v1/responses/{id}/cancel), and answers GET /v1/models"
+)
 READ_METHODS = ["GET", "HEAD"]
 """The read-only endpoints answer HEAD too (load balancers' and uptime checks' probes), as SGLang's
 Starlette routes do; uvicorn sends a HEAD answer's headers without its body."""
@@ -220,6 +233,25 @@ def management_api(app: SpecrouteApp) -> FastAPI:
         the process's own resources (what a leak would show)."""
         return {**app.router.state(), "process": process_state()}
 
+    @api.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str, request: Request) -> Response:
+        """A stored response, from the server that holds it (proxy/responses.py)."""
+        headers, request_id = client_headers(request)
+        answer = await app.completions.responses.get(
+            response_id, headers_to(app, headers, request_id, request), request_id
+        )
+        return answered(answer, request_id)
+
+    @api.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> Response:
+        """Cancel a background response, on the server running it."""
+        headers, request_id = client_headers(request)
+        body = await request.body()
+        answer = await app.completions.responses.cancel(
+            response_id, headers_to(app, headers, request_id, request), request_id, body
+        )
+        return answered(answer, request_id)
+
     @api.api_route("/v1/models", methods=READ_METHODS)
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": await app.models()}
@@ -238,6 +270,28 @@ def management_api(app: SpecrouteApp) -> FastAPI:
         )
 
     return api
+
+
+def client_headers(request: Request) -> tuple[dict[str, str], str]:
+    """The client's headers by lower-case name (as the completion path reads them) and the
+    request id they give, else a new one."""
+    headers, _ = request_headers(request.scope)
+    return headers, request_id_of(headers)
+
+
+def headers_to(app: SpecrouteApp, headers: dict[str, str], request_id: str, request: Request) -> HeadersFor:
+    """What a request to an instance about a stored response carries: as a completion's would."""
+    client = request.client.host if request.client else None
+    append = app.settings.forwarded_headers == "append"
+    return lambda instance: outgoing_headers(headers, instance, request_id, client, append)
+
+
+def answered(answer: Answer, request_id: str) -> Response:
+    headers = {"x-request-id": request_id}
+    if answer.instance is not None:
+        headers["x-specroute-backend"] = answer.instance.name
+        headers["x-specroute-pool"] = answer.instance.pool
+    return Response(answer.body, answer.status, headers=headers, media_type=answer.content_type)
 
 
 def create_app(settings: Settings, telemetry: Telemetry | None = None) -> SpecrouteApp:

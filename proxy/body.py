@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 
 from fleet.blocks import BLOCK_TOKENS, PromptBlocks
+from fleet.features import responses_as_chat
 from fleet.types import Features
 from proxy.errors import ProxyError
 from proxy.routing import features_of, session_of
@@ -52,6 +53,9 @@ TYPED_FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "max_completion_tokens": (int, "an integer"),
     "n": (int, "an integer"),
     "ignore_eos": (bool, "a boolean"),
+    "max_output_tokens": (int, "an integer"),
+    "previous_response_id": (str, "a string"),
+    "store": (bool, "a boolean"),
 }
 
 
@@ -123,6 +127,8 @@ class Given:
     """The most blocks worth hashing (what the index can hold for one instance)."""
     hash_key: bytes = b""
     """The key of a derived workload key's system-prompt hash (`Router.hash_key`)."""
+    responses: bool = False
+    """A Responses API body (`input`, `instructions`): read as the chat body it amounts to."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,11 +161,12 @@ def read(body: bytes, max_items: int, max_values: int, given: Given = Given()) -
         )
     payload = parse_object(body)
     check_fields(payload)
+    view = responses_as_chat(payload) if given.responses else payload
     return Parsed(
         payload,
-        features_of(payload, given.request_class, given.workload, given.hash_key),
-        PromptBlocks.of(payload, given.block_tokens, given.max_blocks),
-        session_of(payload, given.session),
+        features_of(view, given.request_class, given.workload, given.hash_key),
+        PromptBlocks.of(view, given.block_tokens, given.max_blocks),
+        session_of(view, given.session),
     )
 
 
@@ -173,7 +180,7 @@ PROCESS_BYTES = OFF_LOOP_BYTES
 """Bodies larger than this are parsed in a worker process: orjson holds the GIL while it parses,
 so even from a worker thread one 15 MiB prompt held the event loop about 18 ms, and 250,000
 numbers (0.5 MiB) about 10 ms."""
-BULK_FIELDS = ("messages", "prompt", "tools", "functions")
+BULK_FIELDS = ("messages", "prompt", "tools", "functions", "input", "instructions")
 """What a body parsed in the worker process leaves behind: only its routing features and its
 small fields (model, sampling parameters) cross back."""
 

@@ -69,6 +69,15 @@ def stream_error_event(message: str, type: str = "server_error", code: str | Non
     return b"data: " + payload + b"\n\ndata: [DONE]\n\n"
 
 
+def response_error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:
+    """`stream_error_event` for a Responses API stream: its `error` event (type, code, message),
+    which also carries the error object the SDKs raise on; no [DONE] (the API sends none)."""
+    payload = orjson.dumps(
+        {"type": "error", "code": code, "message": message, "param": None, "error": error_object(message, type, code)}
+    )
+    return b"event: error\ndata: " + payload + b"\n\n"
+
+
 MAX_UPSTREAM_MESSAGE_CHARS = 1000
 
 

@@ -56,8 +56,22 @@ ROUTING_HEADERS = [
 ]
 
 
-def completion_path(summary: str, prompt: dict[str, Any], required: str) -> dict[str, Any]:
-    body = {"type": "object", "required": ["model", required], "properties": {**COMMON, required: prompt}}
+RESPONSES_FIELDS = {
+    "model": {"type": "string"},
+    "stream": {"type": ["boolean", "null"]},
+    "instructions": {"type": ["string", "null"]},
+    "max_output_tokens": {"type": ["integer", "null"], "minimum": 1},
+    "previous_response_id": {"type": ["string", "null"]},
+    "store": {"type": ["boolean", "null"]},
+    "temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+    "service_tier": {"type": ["string", "null"]},
+}
+
+
+def completion_path(
+    summary: str, prompt: dict[str, Any], required: str, fields: dict[str, Any] = COMMON
+) -> dict[str, Any]:
+    body = {"type": "object", "required": ["model", required], "properties": {**fields, required: prompt}}
     responses: dict[str, Any] = {
         "200": {
             "description": "The completion (JSON), or with `stream: true` its server-sent events",
@@ -76,6 +90,18 @@ def completion_path(summary: str, prompt: dict[str, Any], required: str) -> dict
             "parameters": ROUTING_HEADERS,
             "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
             "responses": responses,
+        }
+    }
+
+
+def stored(method: str, summary: str, ok: dict[str, Any]) -> dict[str, Any]:
+    error = {"description": "An OpenAI-shaped error", "content": {"application/json": {"schema": ERROR}}}
+    parameter = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        method: {
+            "summary": summary,
+            "parameters": [parameter],
+            "responses": {"200": ok, **{status: error for status in ("400", "401", "404", "502")}},
         }
     }
 
@@ -104,6 +130,16 @@ def describe() -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": completion_path("Chat completion, routed", messages, "messages"),
             "/v1/completions": completion_path("Text completion, routed", prompt, "prompt"),
+            "/v1/responses": completion_path(
+                "Response (the Responses API), routed; a follow-up goes to the server holding its previous_response_id",
+                prompt,
+                "input",
+                RESPONSES_FIELDS,
+            ),
+            "/v1/responses/{response_id}": stored("get", "A stored response, from the server holding it", simple),
+            "/v1/responses/{response_id}/cancel": stored(
+                "post", "Cancel a background response on the server running it", simple
+            ),
             "/v1/models": {"get": {"summary": "The pools' models", "responses": {"200": simple}}},
             "/health": {"get": {"summary": "Liveness", "responses": {"200": simple}}},
             "/ready": {"get": {"summary": "Readiness", "responses": {"200": simple, "503": simple}}},

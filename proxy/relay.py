@@ -24,9 +24,10 @@ from fleet.types import Decision, PoolName
 from proxy import body as request_body
 from proxy import scan
 from proxy.connection import ABORT_EXTENSION
-from proxy.errors import ProxyError, normalise_upstream_error, stream_error_event
+from proxy.errors import ProxyError, normalise_upstream_error
 from proxy.hooks import RequestHooks, Telemetry
 from proxy.pools import STREAM_OPTIONS_RECHECK_S, Instance
+from proxy.responses import HeadersFor, ResponseOwners
 from proxy.routing import Attempt, Router, RoutingInputError, read_overrides, read_session, read_workload
 from proxy.settings import Settings
 from proxy.state import dispatched
@@ -43,7 +44,8 @@ Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-COMPLETION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+COMPLETION_PATHS = frozenset(scan.DIALECTS)
+"""The paths generating text: routed, relayed and learned from here."""
 REQUEST_ID = "x-request-id"
 
 # Request headers that describe the client's connection, not the request: never forwarded.
@@ -104,6 +106,8 @@ RATE_LIMIT_PREFIX = b"x-ratelimit-"
 OpenAI-compatible upstream's rate limits, which clients back off by)."""
 ERROR_EVENT_SEND_S = 1.0
 """How long the closing error event of a failed stream may wait for the client to read."""
+MARKER_BYTES = 64
+"""Longer than any marker of a first token (`scan.Dialect.started`)."""
 
 log = logging.getLogger("specroute")
 
@@ -147,6 +151,9 @@ class Exchange:
         "hide_usage",
         "with_usage",
         "choices",
+        "dialect",
+        "owner",
+        "keeps_id",
     )
 
     def __init__(self, request_id: str, send: Send, hooks: RequestHooks) -> None:
@@ -192,6 +199,13 @@ class Exchange:
         self.hide_usage = False
         """The current attempt sent `with_usage`: the usage chunk is read (the fleet model learns
         from it) and not passed on."""
+        self.dialect = scan.CHAT
+        """How its API's answers are looked into (chat and completions, or the Responses API)."""
+        self.owner: Instance | None = None
+        """The server holding the stored response it continues (`previous_response_id`): the
+        only one it can go to."""
+        self.keeps_id = False
+        """A Responses request its server stores (`store` not false): its id's server is noted."""
 
     def routing_headers(self) -> list[tuple[bytes, bytes]]:
         """Where the request went: the pool and server of the last attempt, and why."""
@@ -371,10 +385,12 @@ class CompletionHandler:
         self.bodies = request_body.BodyReader(
             settings.max_json_items, settings.max_json_values, keep_content=settings.trace_content
         )
+        self.responses = ResponseOwners(router, upstream)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers, undecodable = request_headers(scope)
         exchange = Exchange(request_id_of(headers), send, self.telemetry.request_hooks(scope["path"]))
+        exchange.dialect = scan.DIALECTS[scope["path"]]
         client = scope.get("client")
         exchange.client = client[0] if client else None
         task = asyncio.current_task()
@@ -422,6 +438,7 @@ class CompletionHandler:
                 router.fleet.prefix.block_tokens,
                 router.prefix_blocks(),
                 router.hash_key,
+                responses=exchange.dialect is scan.RESPONSES,
             )
             parsed = await self.bodies.parse(body, given)
             payload, features = parsed.payload, parsed.features
@@ -432,7 +449,12 @@ class CompletionHandler:
             exchange.blocks, exchange.session = parsed.blocks, parsed.session
             choices = payload.get("n")
             exchange.choices = choices if isinstance(choices, int) and choices > 1 else 1
-            if self.settings.stream_usage and features.stream and "stream_options" not in payload:
+            if (
+                self.settings.stream_usage
+                and exchange.dialect.stream_usage
+                and features.stream
+                and "stream_options" not in payload
+            ):
                 # Its token count is what its time per token, acceptance and output length are
                 # learned from (routing.md, "What is learned"); sent to servers that take it.
                 exchange.with_usage = scan.with_usage_requested(body)
@@ -440,7 +462,9 @@ class CompletionHandler:
             # What each instance likely holds of the prompt, for the policy (and a pinned pool).
             exchange.match = router.cached(parsed.blocks, features, parsed.session)
             features = router.with_credit(features, exchange.match)
-            exchange.decision, exchange.logged = router.decide(features, override, snapshot)
+            if exchange.dialect is scan.RESPONSES:
+                await self.find_owner(exchange, payload, headers)
+            exchange.decision, exchange.logged = router.decide(features, override, snapshot, exchange.owner)
             refusal = router.admit(features, exchange.decision, snapshot)
             if refusal is not None:
                 raise ProxyError(
@@ -464,7 +488,9 @@ class CompletionHandler:
             target = scope["path"]
             if scope.get("query_string"):  # e.g. an SDK's extra_query: passed on as the client sent it
                 target += "?" + scope["query_string"].decode("latin-1")
-            await self.forward(exchange, target, headers, body, pinned=override is not None)
+            await self.forward(
+                exchange, target, headers, body, pinned=override is not None or exchange.owner is not None
+            )
         except ProxyError as error:
             await exchange.fail(error)
         except ClientGone:
@@ -499,6 +525,21 @@ class CompletionHandler:
                 cached_tokens=summary.cached_tokens,
             )
 
+    async def find_owner(self, exchange: Exchange, payload: dict[str, Any], headers: dict[str, str]) -> None:
+        """A Responses request: whether its server stores it (`store`, true unless said), and the
+        server holding the response it continues, if any is found (else it goes where routing
+        sends it, whose server answers for the id it does not know)."""
+        exchange.keeps_id = payload.get("store") is not False
+        previous = payload.get("previous_response_id")
+        if isinstance(previous, str) and previous:
+            headers_for = self.headers_for(headers, exchange)
+            exchange.owner = await self.responses.owner(previous, headers_for, exchange.request_id)
+
+    def headers_for(self, headers: dict[str, str], exchange: Exchange) -> HeadersFor:
+        """What a request to an instance on this client's behalf carries (`outgoing_headers`)."""
+        append = self.settings.forwarded_headers == "append"
+        return lambda instance: outgoing_headers(headers, instance, exchange.request_id, exchange.client, append)
+
     async def interrupted(self, exchange: Exchange) -> None:
         """The server cancelled this request at the end of its drain: tell the client so (a 503 the
         SDK may retry elsewhere, or an in-band error event) instead of dropping the connection."""
@@ -507,7 +548,9 @@ class CompletionHandler:
         elif exchange.streaming and not exchange.done:
             exchange.done = True
             exchange.error_type = "shutting_down"
-            message = stream_error_event("the proxy is shutting down; the response is incomplete", code="shutting_down")
+            message = exchange.dialect.error_event(
+                "the proxy is shutting down; the response is incomplete", "server_error", "shutting_down"
+            )
             await exchange.send({"type": "http.response.body", "body": message, "more_body": False})
 
     async def read_body(self, headers: dict[str, str], receive: Receive) -> bytes:
@@ -547,7 +590,10 @@ class CompletionHandler:
         failure: ProxyError | None = None
         number = 0
         for _ in range(self.settings.max_attempts):
-            instance = self.router.next_instance(pool, tried, pinned, prefer)
+            if exchange.owner is not None:  # only the server holding the response can continue it
+                instance = exchange.owner if not tried else None
+            else:
+                instance = self.router.next_instance(pool, tried, pinned, prefer)
             if instance is None:
                 break
             tried.append(instance)
@@ -696,7 +742,11 @@ class CompletionHandler:
                     )
                 first = await response.content.readany()
                 if response.content_type == "text/event-stream":
-                    first = await self.first_event(response, first)
+                    first = await self.first_event(response, first, exchange.dialect.started)
+                if exchange.keeps_id and response.status == 200:
+                    created = scan.response_id(first)
+                    if created is not None:
+                        self.responses.record(created, instance)
                 exchange.upstream_wait_s += perf_counter() - began
                 began = 0.0
                 attempt.first_byte()
@@ -744,17 +794,22 @@ class CompletionHandler:
                 else:
                     response.close()  # unread bytes: drop the connection, which ends the upstream request
 
-    async def first_event(self, response: aiohttp.ClientResponse, first: bytes) -> bytes:
-        """A stream's first bytes, read on until they hold its first data event: comments and
-        blank lines ahead of it (keep-alives) are no first token, which must still come within
-        the first-token timeout (an upstream sending `: keep-alive` every half second and never
-        data held a request for the whole total timeout)."""
-        if scan.EVENT in first:
-            return first  # the common case: the first read holds the first event
+    async def first_event(
+        self, response: aiohttp.ClientResponse, first: bytes, started: Callable[[bytes], bool]
+    ) -> bytes:
+        """A stream's first bytes, read on until they hold its first token (`started`: a chat's
+        first data event; a Responses stream's first delta, past the events its server sends
+        before generating): comments and blank lines ahead of it (keep-alives) are no first
+        token, which must still come within the first-token timeout (an upstream sending
+        `: keep-alive` every half second and never data held a request for the whole total
+        timeout)."""
+        if started(first):
+            return first  # the common case: the first read holds the first token
         buffered = bytearray(first)
         searched = 0
         deadline = perf_counter() + self.settings.first_token_timeout_s
-        while first and buffered.find(scan.EVENT, max(searched - len(scan.EVENT), 0)) < 0:
+        # Only the bytes new since the last look, and a marker's length before them, are looked at.
+        while first and not started(bytes(buffered[max(searched - MARKER_BYTES, 0) :])):
             searched = len(buffered)
             left = deadline - perf_counter()
             if left <= 0 or searched > MAX_EVENT_BYTES:
@@ -808,6 +863,7 @@ class CompletionHandler:
         is_stream = exchange.streaming = response.content_type == "text/event-stream"
         per_chunk = is_stream and hooks.wants_chunks
         hide_usage = is_stream and exchange.hide_usage
+        dialect = exchange.dialect
         # The tail's usage also feeds the fleet model (output length; acceptance on spec).
         tail: deque[bytes] = deque(maxlen=4)
         await exchange.start(response.status, relayed_headers(response, is_stream))
@@ -842,11 +898,11 @@ class CompletionHandler:
                 if passed:
                     await send({"type": "http.response.body", "body": passed, "more_body": True})
                 if is_stream:
-                    events = scan.content_events(chunk)
+                    events = dialect.count(chunk)
                     attempt.chunk(events)
                     if per_chunk:
                         hooks.chunk(size=len(chunk), events=events, tokens=events)
-                    if scan.DONE in chunk:
+                    if dialect.ended(chunk):
                         # The client has the whole stream: the openai SDK closes its connection
                         # at [DONE] without waiting for the body's end, which must not cancel
                         # the request before the upstream's end and the usage tail are read.
@@ -867,10 +923,10 @@ class CompletionHandler:
         await send({"type": "http.response.body", "body": passed, "more_body": False})
         if partial:
             tail.append(partial)
-        # Usage, spec details and the last finish reason sit in the last few hundred bytes; 4 KB
-        # keeps the scan ~12 us (16 KB: ~54 us). Earlier choices' reasons of a long n>1 JSON
-        # answer can fall outside it.
-        exchange.summary = scan.summarise(b"".join(tail)[-4096:])
+        # A chat's usage, spec details and last finish reason sit in the last few hundred bytes;
+        # 4 KB keeps the scan ~12 us (16 KB: ~54 us). Earlier choices' reasons of a long n>1 JSON
+        # answer can fall outside it. A Responses answer ends with the whole response object.
+        exchange.summary = dialect.summarise(b"".join(tail)[-dialect.tail_bytes :])
         attempt.finished(exchange.summary, complete=True)
         hooks.attempt_finished(status=response.status)
 
@@ -886,7 +942,7 @@ class CompletionHandler:
                     await exchange.send(
                         {
                             "type": "http.response.body",
-                            "body": stream_error_event(message, code=kind),
+                            "body": exchange.dialect.error_event(message, "server_error", kind),
                             "more_body": False,
                         }
                     )

@@ -156,6 +156,8 @@ def running_task() -> Task[Any] | None:
         return None
 
 
+OWNER_REASON = "response-owner"
+"""Why a request continuing a stored response went where it did: the server holding it."""
 UNRESPONSIVE_MIN_S = 5.0
 """The shortest silence of a server's load endpoint (with another server answering) after which
 requests left silent there as long fail over or end (`Router.abandon_silent`). SGLang answers
@@ -445,13 +447,20 @@ class Router:
         return self.decide(features, override, snapshot)[0]
 
     def decide(
-        self, features: Features, override: PoolName | None, snapshot: Snapshot | None = None
+        self,
+        features: Features,
+        override: PoolName | None,
+        snapshot: Snapshot | None = None,
+        owner: Instance | None = None,
     ) -> tuple[Decision, dict[str, Any]]:
         """`choose`, and the decision's entry in the state endpoint's ring (the request path
-        notes there where the request went: `proxy.state.dispatched`)."""
+        notes there where the request went: `proxy.state.dispatched`). `owner`: the server that
+        holds what the request continues (a stored response): it goes there, whatever the pool."""
         if snapshot is None:
             snapshot = self.snapshot(features.workload)
-        if override is not None:
+        if owner is not None:
+            decision = Decision(pool=owner.pool, reason=OWNER_REASON, instance=owner.url)
+        elif override is not None:
             decision = Decision(pool=override, reason="override", instance=self.cache_best(override, features.cached))
         else:
             decision = self.policy.decide(features, snapshot)

@@ -7,7 +7,10 @@ expressions over small slices, run once per chunk (count) or once per response (
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from proxy.errors import response_error_event, stream_error_event
 
 EVENT = b"data:"
 DONE = b"data: [DONE]"
@@ -166,3 +169,106 @@ def without_usage_events(chunk: bytes) -> bytes:
         return chunk
     events = _EVENT_SPLIT.split(chunk)
     return b"".join(e for e in events if _EMPTY_CHOICES.search(e) is None or _USAGE_OBJECT.search(e) is None)
+
+
+# The Responses API (POST /v1/responses): named events, each with its "type" in its data. Text,
+# reasoning and tool-call arguments arrive as `response.*.delta` events; the events before the
+# first of them (response.created, response.in_progress, an output item and content part added)
+# carry no token, and SGLang sends them before generation starts. No [DONE] closes the stream:
+# response.completed (or .incomplete, .failed, or an error event) is its last event, with usage.
+RESPONSE_DELTA = b'.delta"'
+"""Ends the "type" of every delta event (`"type":"response.output_text.delta"`); in text, a quote
+is escaped, so a delta's own text cannot end so."""
+RESPONSE_ENDS = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"', b"event: error")
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp[A-Za-z0-9_\-]{1,200})"')
+_INPUT_TOKENS = re.compile(rb'"input_tokens"\s*:\s*' + _COUNT)
+_OUTPUT_TOKENS = re.compile(rb'"output_tokens"\s*:\s*' + _COUNT)
+_INPUT_CACHED = re.compile(rb'"input_tokens_details"\s*:\s*\{[^{}]*?"cached_tokens"\s*:\s*' + _COUNT)
+_INCOMPLETE_REASON = re.compile(rb'"incomplete_details"\s*:\s*\{[^{}]*?"reason"\s*:\s*"([A-Za-z_]+)"')
+_COMPLETED = re.compile(rb'"status"\s*:\s*"completed"')
+FINISH_OF_INCOMPLETE = {b"max_output_tokens": "length", b"content_filter": "content_filter"}
+
+
+def response_events(chunk: bytes) -> int:
+    """Delta events (each a token or a few, as a chat chunk) in whole Responses API events."""
+    return chunk.count(RESPONSE_DELTA)
+
+
+def response_started(buffered: bytes) -> bool:
+    """Whether a Responses stream's first bytes hold its first token (or its end): what comes
+    before is held, as a chat stream is until its first chunk, so that a server failing before
+    its first token is still failed over and the first-token timeout still holds."""
+    return RESPONSE_DELTA in buffered or any(end in buffered for end in RESPONSE_ENDS)
+
+
+def response_id(first: bytes) -> str | None:
+    """A Responses answer's id (`resp_...`): the first `id` of a JSON answer or of a stream's
+    response.created event, both of which open with the response object."""
+    found = _RESPONSE_ID.search(first)
+    return found.group(1).decode() if found else None
+
+
+def summarise_response(tail: bytes) -> Summary:
+    """`summarise` for the Responses API: usage as input and output tokens, a finish reason from
+    the response's status (completed: "stop"; incomplete for its max_output_tokens: "length")."""
+    prompt = _INPUT_TOKENS.findall(tail)
+    completion = _OUTPUT_TOKENS.findall(tail)
+    cached = _INPUT_CACHED.findall(tail)
+    reasons = _INCOMPLETE_REASON.findall(tail)
+    if reasons:
+        finish: tuple[str, ...] = (FINISH_OF_INCOMPLETE.get(reasons[-1], reasons[-1].decode()),)
+    else:
+        finish = ("stop",) if _COMPLETED.search(tail) else ()
+    return Summary(
+        prompt_tokens=int(prompt[-1]) if prompt else None,
+        completion_tokens=int(completion[-1]) if completion else None,
+        finish_reasons=finish,
+        cached_tokens=int(cached[-1]) if cached else None,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """How one API's answers are looked into: its token events, its first token, its usage."""
+
+    name: str
+    count: Callable[[bytes], int]
+    """Token-carrying events in a chunk of whole events."""
+    started: Callable[[bytes], bool]
+    """Whether a stream's first bytes hold its first token."""
+    summarise: Callable[[bytes], Summary]
+    tail_bytes: int
+    """How much of the answer's end `summarise` reads (a Responses answer ends with the whole
+    response object, its text included, and its usage may come before its output)."""
+    stream_usage: bool
+    """Whether its streams send usage only when asked (`stream_options`, chat and completions)."""
+    ended: Callable[[bytes], bool]
+    """Whether a chunk holds the stream's last event (the client may close on it)."""
+    error_event: Callable[[str, str, str | None], bytes]
+    """What ends a stream the proxy cannot finish: (message, type, code) -> its last event."""
+
+
+def chat_started(buffered: bytes) -> bool:
+    return EVENT in buffered
+
+
+def chat_ended(chunk: bytes) -> bool:
+    return DONE in chunk
+
+
+def response_ended(chunk: bytes) -> bool:
+    return any(end in chunk for end in RESPONSE_ENDS)
+
+
+CHAT = Dialect("chat", content_events, chat_started, summarise, 4096, True, chat_ended, stream_error_event)
+RESPONSES = Dialect(
+    "responses",
+    response_events,
+    response_started,
+    summarise_response,
+    256 * 1024,
+    False,
+    response_ended,
+    response_error_event,
+)
+DIALECTS = {"/v1/chat/completions": CHAT, "/v1/completions": CHAT, "/v1/responses": RESPONSES}

@@ -27,14 +27,14 @@ def proxy(twin_pair) -> Iterator[RunningProxy]:
 def test_every_operation_answers_as_described(proxy: RunningProxy) -> None:
     schema = schemathesis.openapi.from_url(proxy.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/models"}
+    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models"}
     for operation in operations:
 
         @given(case=operation.as_strategy())
         @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
         def answers_as_described(case) -> None:
-            if isinstance(case.body, dict):
-                case.body["max_tokens"] = 4  # generated answers short: the twins run for real
+            if isinstance(case.body, dict):  # generated answers short: the twins run for real
+                case.body["max_output_tokens" if operation.path == "/v1/responses" else "max_tokens"] = 4
             response = case.call(timeout=30)
             # Semantics are the upstream's (the twin, like SGLang, validates far more than the
             # proxy's description says): whether a request should be accepted is not checked here.

@@ -1,0 +1,184 @@
+"""The Responses API through the proxy, with the real openai SDK, on twins that store responses
+as SGLang does with --enable-response-store: answers and streams relayed, follow-ups and
+lookups sent to the server holding the response (also by a proxy that never saw it made),
+failover before the first token, an in-band error after it."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+from proxy_harness import TIME_SCALE, RunningProxy, running_proxy, wait_for
+
+from sim.testing import RunningTwin, TwinSpec, twins
+
+MODEL = "specroute/twin"
+STORE = ("--enable-response-store", "--output-len", "fixed:4096")
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[list[RunningTwin]]:
+    """Two spec servers and one base server, each keeping the responses it makes."""
+    with twins(
+        TwinSpec("spec", time_scale=TIME_SCALE, seed=11, args=STORE),
+        TwinSpec("spec", time_scale=TIME_SCALE, seed=12, args=STORE),
+        TwinSpec("base", time_scale=TIME_SCALE, seed=13, args=STORE),
+    ) as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def proxy(fleet: list[RunningTwin]) -> Iterator[RunningProxy]:
+    with running_proxy(spec_urls=[fleet[0].url, fleet[1].url], base_urls=[fleet[2].url]) as running:
+        yield running
+
+
+@pytest.fixture
+def healed(fleet: list[RunningTwin]) -> Iterator[list[RunningTwin]]:
+    yield fleet
+    for twin in fleet:
+        httpx.post(twin.url + "/specroute/twin/faults", json={}, timeout=5).raise_for_status()
+
+
+def client(proxy: RunningProxy) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+
+
+def output_tokens(proxy: RunningProxy) -> float:
+    """The proxy's count of output tokens, from its Prometheus text."""
+    text = httpx.get(proxy.url + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("specroute_tokens_total") and 'type="output"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_answers_and_streams_are_relayed_and_counted(proxy: RunningProxy) -> None:
+    sdk = client(proxy)
+    before = output_tokens(proxy)
+    raw = sdk.responses.with_raw_response.create(model=MODEL, input="Name a river.", max_output_tokens=14)
+    answer = raw.parse()
+    assert answer.id.startswith("resp_") and answer.output_text
+    assert answer.status == "incomplete" and answer.usage is not None
+    assert raw.headers["x-specroute-pool"] in ("spec", "base") and raw.headers["x-specroute-reason"]
+    events = list(sdk.responses.create(model=MODEL, input="Name a sea.", max_output_tokens=22, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.incomplete"
+    assert "error" not in kinds
+    last = events[-1].response  # type: ignore[union-attr]
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")  # type: ignore[union-attr]
+    assert text == last.output_text and last.usage is not None
+    # What the proxy counted is what the servers reported (the last event's usage, a JSON body's).
+    expected = answer.usage.output_tokens + last.usage.output_tokens
+    wait_for(lambda: output_tokens(proxy) - before == expected, what=f"{expected} output tokens counted")
+
+
+def test_a_stream_is_held_until_its_first_token(proxy: RunningProxy, healed: list[RunningTwin]) -> None:
+    """SGLang sends response.created before it generates: a server that fails after it, before
+    any text, is still failed over (the client never saw its events)."""
+    first, second = healed[0], healed[1]
+    httpx.post(first.url + "/specroute/twin/faults", json={"drop_after_chunks": 2}, timeout=5).raise_for_status()
+    sdk = client(proxy)
+    backends = set()
+    for n in range(4):  # the least-loaded pick rotates: some go to the failing server first
+        raw = sdk.responses.with_raw_response.create(
+            model=MODEL,
+            input=f"Question {n}",
+            max_output_tokens=10,
+            stream=True,
+            extra_headers={"x-specroute-pool": "spec"},
+        )
+        events = list(raw.parse())
+        assert [e.type for e in events][-1] == "response.incomplete"
+        assert [e.type for e in events].count("response.created") == 1  # one server's events only
+        backends.add(raw.headers["x-specroute-backend"])
+    assert backends == {"spec-1"}
+    metrics = httpx.get(proxy.url + "/metrics", timeout=5).text
+    assert re.search(r"^specroute_retries_total\{[^}]*\} [1-9]", metrics, re.M), "no attempt was failed over"
+    assert second.url  # the one that served them
+
+
+def test_a_failure_after_the_first_token_ends_the_stream_with_an_error_the_sdk_raises(
+    proxy: RunningProxy, healed: list[RunningTwin]
+) -> None:
+    for twin in healed[:2]:
+        httpx.post(twin.url + "/specroute/twin/faults", json={"drop_after_chunks": 6}, timeout=5).raise_for_status()
+    stream = client(proxy).responses.create(
+        model=MODEL,
+        input="Tell a story.",
+        max_output_tokens=200,
+        stream=True,
+        extra_headers={"x-specroute-pool": "spec"},
+    )
+    seen = []
+    with pytest.raises(openai.APIError, match="upstream failed mid-stream"):
+        for event in stream:
+            seen.append(event.type)
+    assert "response.output_text.delta" in seen
+
+
+def test_follow_ups_go_to_the_server_holding_their_previous_response(proxy: RunningProxy) -> None:
+    sdk = client(proxy)
+    for pool in ("spec", "spec", "spec", "base"):
+        raw = sdk.responses.with_raw_response.create(
+            model=MODEL, input="Start.", max_output_tokens=8, extra_headers={"x-specroute-pool": pool}
+        )
+        made, where = raw.parse(), raw.headers["x-specroute-backend"]
+        previous = made.id
+        for turn in range(3):
+            # Even pinned to the other pool: only the server holding it can continue it.
+            other = "base" if pool == "spec" else "spec"
+            follow = sdk.responses.with_raw_response.create(
+                model=MODEL,
+                input=f"Go on ({turn}).",
+                previous_response_id=previous,
+                max_output_tokens=8,
+                extra_headers={"x-specroute-pool": other},
+            )
+            assert follow.headers["x-specroute-backend"] == where
+            assert follow.headers["x-specroute-reason"] == "response-owner"
+            answer = follow.parse()
+            assert answer.previous_response_id == previous
+            assert answer.usage is not None and answer.usage.input_tokens > made.usage.input_tokens  # type: ignore[union-attr]
+            previous = answer.id
+        fetched = sdk.responses.with_raw_response.retrieve(previous)
+        assert fetched.headers["x-specroute-backend"] == where and fetched.parse().id == previous
+
+
+def test_a_proxy_that_never_saw_a_response_finds_its_server(proxy: RunningProxy, fleet: list[RunningTwin]) -> None:
+    """Another replica (or this one restarted) asks every server which holds the id."""
+    made = client(proxy).responses.with_raw_response.create(
+        model=MODEL, input="Remember this.", max_output_tokens=8, extra_headers={"x-specroute-pool": "base"}
+    )
+    first = made.parse()
+    with running_proxy(spec_urls=[fleet[0].url, fleet[1].url], base_urls=[fleet[2].url]) as other:
+        sdk = client(other)
+        fetched = sdk.responses.with_raw_response.retrieve(first.id)
+        assert fetched.headers["x-specroute-backend"] == "base-0" and fetched.parse().output_text == first.output_text
+        follow = sdk.responses.with_raw_response.create(
+            model=MODEL, input="And now?", previous_response_id=first.id, max_output_tokens=8
+        )
+        assert follow.headers["x-specroute-backend"] == "base-0"
+        cancelled = httpx.post(f"{other.url}/v1/responses/{first.id}/cancel", timeout=10)
+        direct = httpx.post(f"{fleet[2].url}/v1/responses/{first.id}/cancel", timeout=10)
+        assert (cancelled.status_code, cancelled.json()["id"]) == (direct.status_code, direct.json()["id"])
+        assert cancelled.headers["x-specroute-backend"] == "base-0"
+
+
+def test_unknown_and_unstored_ids(proxy: RunningProxy) -> None:
+    sdk = client(proxy)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve("resp_" + "0" * 32)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve("..%2F..%2Fmetrics")  # never put into a server's URL
+    with pytest.raises(openai.NotFoundError, match="not found"):  # the server's own answer, relayed
+        sdk.responses.create(model=MODEL, input="Hi", previous_response_id="resp_" + "1" * 32, max_output_tokens=8)
+    unstored = sdk.responses.create(model=MODEL, input="Forget this.", store=False, max_output_tokens=8)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(unstored.id)
+    assert unstored.id not in proxy.app.completions.responses.by_id
+    wait_for(lambda: proxy.in_flight() == 0, what="in-flight counts back to zero")

@@ -1,0 +1,123 @@
+"""The Responses API as the proxy reads it, without servers: a body as the chat it amounts to,
+and a stream's token events, first token, usage and id."""
+
+from __future__ import annotations
+
+import json
+
+from fleet.blocks import PromptBlocks
+from fleet.features import count_prompt_tokens, responses_as_chat, workload_key
+from proxy import scan
+from proxy.body import Given, read
+
+
+def event(kind: str, **data: object) -> bytes:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'))}\n\n".encode()
+
+
+PREAMBLE = (
+    event("response.created", sequence_number=0, response={"id": "resp_abc123", "status": "in_progress", "error": None})
+    + event("response.in_progress", sequence_number=1, response={"id": "resp_abc123"})
+    + event("response.output_item.added", sequence_number=2, item={"id": "msg_1", "type": "message"})
+    + event("response.content_part.added", sequence_number=3, part={"type": "output_text", "text": ""})
+)
+
+
+def delta(text: str, n: int) -> bytes:
+    return event("response.output_text.delta", sequence_number=n, delta=text, item_id="msg_1")
+
+
+def test_a_responses_body_reads_as_the_chat_it_amounts_to() -> None:
+    body = {
+        "model": "m",
+        "instructions": "You answer in JSON.",
+        "input": [
+            {"role": "user", "content": "What is 2+2?"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "4"}]},
+            {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a":2}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "4"},
+            {"type": "item_reference", "id": "msg_0"},
+            {"role": "user", "content": [{"type": "input_text", "text": "And 3+3?"}]},
+        ],
+        "max_output_tokens": 64,
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}},
+        "stream": True,
+    }
+    view = responses_as_chat(body)
+    assert [m["role"] for m in view["messages"]] == ["system", "user", "assistant", "assistant", "tool", "user"]
+    assert view["max_tokens"] == 64 and view["stream"] is True
+    chat = {
+        "messages": [
+            {"role": "system", "content": "You answer in JSON."},
+            {"role": "user", "content": "What is 2+2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "assistant", "content": 'add{"a":2}'},
+            {"role": "tool", "content": "4"},
+            {"role": "user", "content": "And 3+3?"},
+        ],
+        "response_format": {"type": "json_schema"},
+    }
+    assert count_prompt_tokens(view) == count_prompt_tokens(chat) > 0
+    assert workload_key(view) == workload_key(chat) and workload_key(view, b"").startswith("json:")
+    # The same conversation hashes to the same blocks either way: a prefix cached by one is found by the other.
+    text = "a long shared system prompt " * 200
+    as_chat = {"messages": [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]}
+    as_responses = responses_as_chat({"instructions": text, "input": "hi"})
+    assert PromptBlocks.of(as_chat, 16).all() == PromptBlocks.of(as_responses, 16).all() != ()
+
+
+def test_the_body_reader_takes_its_features_from_input_and_max_output_tokens() -> None:
+    body = json.dumps({"model": "m", "input": "x" * 400, "max_output_tokens": 33, "stream": True}).encode()
+    parsed = read(body, 1000, 1000, Given(responses=True))
+    assert parsed.features.prompt_tokens == 4 + 100  # one user message: its framing and 400 chars
+    assert parsed.features.max_tokens == 33 and parsed.features.stream
+    as_chat = read(body, 1000, 1000, Given())  # the same body read as a chat has no prompt
+    assert as_chat.features.prompt_tokens == 0 and as_chat.features.max_tokens is None
+
+
+def test_a_stream_starts_at_its_first_delta_not_at_response_created() -> None:
+    assert scan.chat_started(PREAMBLE)  # a chat's rule would take the preamble for the first token
+    assert not scan.response_started(PREAMBLE)
+    assert scan.response_started(PREAMBLE + delta("Hel", 4))
+    completed = event("response.completed", sequence_number=4, response={"id": "resp_abc123", "status": "completed"})
+    assert scan.response_started(PREAMBLE + completed)  # no text at all: its end is its first token
+    assert scan.response_started(b'event: error\ndata: {"type":"error","code":"x"}\n\n')
+
+
+def test_token_events_are_the_deltas_whatever_their_text() -> None:
+    assert scan.response_events(PREAMBLE) == 0
+    tricky = delta('say ".delta" and \\"', 4) + delta("lo", 5)
+    assert scan.response_events(tricky) == 2
+    reasoning = event("response.reasoning_text.delta", sequence_number=6, delta="hmm")
+    arguments = event("response.function_call_arguments.delta", sequence_number=7, delta='{"a"')
+    assert scan.response_events(reasoning + arguments) == 2
+    done = event("response.output_text.done", sequence_number=8, text="Hello")
+    assert scan.response_events(done) == 0
+
+
+def test_usage_finish_reason_and_id_of_a_responses_answer() -> None:
+    usage = {
+        "input_tokens": 17,
+        "input_tokens_details": {"cached_tokens": 8},
+        "output_tokens": 5,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 22,
+    }
+    long_text = "word " * 20_000  # the output comes whole in the last event, before or after its usage
+    done = {"id": "resp_abc123", "status": "completed", "usage": usage, "output_text": long_text}
+    summary = scan.summarise_response(event("response.completed", sequence_number=9, response=done))
+    assert (summary.prompt_tokens, summary.completion_tokens, summary.cached_tokens) == (17, 5, 8)
+    assert summary.finish_reasons == ("stop",)
+    cut = {"id": "r", "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}, "usage": usage}
+    assert scan.summarise_response(json.dumps(cut).encode()).finish_reasons == ("length",)
+    assert scan.response_id(PREAMBLE) == "resp_abc123"
+    assert scan.response_id(b'{"id":"msg_1","x":1}') is None
+    assert scan.response_ended(event("response.incomplete", response=cut)) and not scan.response_ended(PREAMBLE)
+
+
+def test_the_proxy_ends_a_broken_responses_stream_with_an_error_event_the_sdk_raises_on() -> None:
+    ending = scan.RESPONSES.error_event("upstream failed", "server_error", "upstream_disconnected")
+    assert ending.startswith(b"event: error\ndata: ") and b"[DONE]" not in ending
+    data = json.loads(ending.split(b"data: ", 1)[1])
+    assert data["type"] == "error" and data["code"] == "upstream_disconnected"
+    assert data["error"]["message"] == "upstream failed"  # what openai-python raises APIError from
