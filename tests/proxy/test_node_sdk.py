@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 from proxy_faults import FaultServer
-from proxy_harness import RunningProxy, running_proxy, twin_running, wait_for
+from proxy_harness import TIME_SCALE, RunningProxy, running_proxy, twin_running, wait_for
 
 from proxy.connection import GuardedProtocol
-from sim.testing import RunningTwin, twin
+from sim.testing import RunningTwin, TwinSpec, twin, twins
 
 pytestmark = pytest.mark.external  # node, and an npm install: `make unit` leaves these out
 
@@ -176,6 +176,36 @@ def test_an_upstream_cut_mid_stream_is_an_sdk_error(node: str) -> None:
     caught = seen["caught"]  # the proxy's closing error event, thrown by the SDK's stream
     assert caught is not None and caught["isAPIError"] is True, seen
     assert caught["error"]["code"] == "upstream_disconnected" and caught["error"]["type"] == "server_error", seen
+
+
+@pytest.fixture(scope="module")
+def stored_proxy() -> Iterator[RunningProxy]:
+    """Twins keeping their responses (SGLang's --enable-response-store)."""
+    store = ("--enable-response-store", "--output-len", "fixed:4096")
+    with twins(
+        TwinSpec("spec", time_scale=TIME_SCALE, seed=1, args=store),
+        TwinSpec("base", time_scale=TIME_SCALE, seed=2, args=store),
+    ) as (spec, base):
+        with running_proxy(spec_urls=[spec.url], base_urls=[base.url]) as running:
+            yield running
+
+
+def test_the_responses_api(node: str, stored_proxy: RunningProxy) -> None:
+    seen = run_scenario(node, stored_proxy, "responses")
+    first, stream, follow = seen["first"], seen["stream"], seen["follow"]
+    assert first["id"].startswith("resp_") and first["text"].strip() and first["usage"]["output_tokens"] > 0
+    assert stream["events"][0] == "response.created" and stream["events"][-1] == "response.incomplete"
+    assert stream["text"] and stream["text"] == stream["lastText"] and stream["usage"]["output_tokens"] > 0
+    # The follow-up went to the server holding the first answer, and carried its conversation.
+    assert (follow["previous"], follow["backend"], follow["reason"]) == (
+        first["id"],
+        first["backend"],
+        "response-owner",
+    )
+    assert follow["usage"]["input_tokens"] > first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    assert seen["fetched"]["text"].strip()
+    assert_openai_error(seen["unknown"], 404, "isNotFound")
+    wait_for(lambda: stored_proxy.in_flight() == 0, what="in-flight counts back to zero", timeout=10)
 
 
 @pytest.fixture(scope="module")

@@ -250,6 +250,45 @@ const scenarios = {
     );
     return { results };
   },
+
+  // i. The Responses API: an answer, a stream, a follow-up naming the first answer, a retrieve.
+  async responses() {
+    const client = newClient();
+    const { data: first, response } = await client.responses
+      .create({ model: MODEL, input: "Name a river.", instructions: "Be brief.", max_output_tokens: 14 })
+      .withResponse();
+    const stream = await client.responses.create({ model: MODEL, input: "Name a sea.", max_output_tokens: 22, stream: true });
+    const events = [];
+    let text = "";
+    let last = null;
+    for await (const event of stream) {
+      events.push(event.type);
+      if (event.type === "response.output_text.delta") text += event.delta;
+      if (event.response) last = event.response;
+    }
+    const { data: follow, response: followResponse } = await client.responses
+      .create({ model: MODEL, input: "Another.", previous_response_id: first.id, max_output_tokens: 8 })
+      .withResponse();
+    const fetched = await client.responses.retrieve(follow.id);
+    let unknown = null;
+    try {
+      await client.responses.retrieve("resp_" + "0".repeat(32));
+    } catch (err) {
+      unknown = errorShape(err);
+    }
+    return {
+      first: { id: first.id, text: first.output_text, usage: first.usage, backend: response.headers.get("x-specroute-backend") },
+      stream: { events, text, lastText: last?.output?.[0]?.content?.[0]?.text ?? null, usage: last?.usage ?? null },
+      follow: {
+        previous: follow.previous_response_id,
+        usage: follow.usage,
+        backend: followResponse.headers.get("x-specroute-backend"),
+        reason: followResponse.headers.get("x-specroute-reason"),
+      },
+      fetched: { id: fetched.id, text: fetched.output_text },
+      unknown,
+    };
+  },
 };
 
 const run = scenarios[scenario];
