@@ -19,6 +19,7 @@ from typing import Any
 
 import aiohttp
 
+from fleet.features import responses_as_chat
 from fleet.model import NO_MATCH, PrefixMatch
 from fleet.types import Decision, PoolName
 from proxy import body as request_body
@@ -482,7 +483,8 @@ class CompletionHandler:
                 # Bounded: the name goes into the log line and the spans, and a client chooses it.
                 model=model[:MAX_MODEL_CHARS] if isinstance(model, str) else None,
                 override=override,
-                body=payload,
+                # A Responses body as the chat it amounts to: its parameters, its content if traced.
+                body=payload if exchange.dialect is scan.CHAT else {**payload, **responses_as_chat(payload)},
             )
             watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, task, exchange))
             target = scope["path"]

@@ -44,8 +44,11 @@ FIRST_BYTES = 2048
 """How much of an attempt's first chunk is kept for its response id and model (they open it)."""
 
 # Only the first object's first key: an "id" further in may be a tool call's or one an upstream
-# echoed from the request, which would put request or completion data on the span.
-_RESPONSE_ID = re.compile(rb'\s*(?:data:\s*)?\{\s*"id"\s*:\s*"([^"\\]{1,200})"')
+# echoed from the request, which would put request or completion data on the span. A Responses
+# stream's first event (`event: response.created`) holds the response object first.
+_RESPONSE_ID = re.compile(
+    rb'\s*(?:event:[^\n]{0,100}\n)?(?:data:\s*)?\{\s*(?:"response"\s*:\s*\{\s*)?"id"\s*:\s*"([^"\\]{1,200})"'
+)
 _RESPONSE_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,300})"')
 _REQUEST_PARAMS = (
     (n.GEN_AI_REQUEST_MAX_TOKENS, int),

@@ -255,6 +255,38 @@ def check_trace(spans: list[dict[str, Any]], spec: RunningTwin, *, stream: bool,
         assert PROMPT not in json.dumps(span["attrs"]), "prompt text on a span without the opt-in"
 
 
+def test_a_responses_api_stream_is_traced_as_the_chat_it_amounts_to(
+    jaeger: Jaeger, fleet: tuple[RunningTwin, RunningTwin], tmp_path: Path
+) -> None:
+    spec, base = fleet
+    service = "specroute-responses"
+    with proxy(tmp_path, service, proxy_env(jaeger, "http/protobuf", service, spec.url, base.url)) as p:
+        trace_id = new_trace_id()
+        events = list(
+            p.client.responses.create(
+                model=MODEL,
+                input=PROMPT,
+                max_output_tokens=14,
+                temperature=0.7,
+                stream=True,
+                extra_headers={"traceparent": client_traceparent(trace_id)},
+            )
+        )
+        final = events[-1].response  # type: ignore[union-attr]
+        assert final.usage is not None
+        spans = jaeger.wait_for_spans(trace_id, lambda found: len(found) >= 4)
+        assert one(spans, name="POST /v1/responses")["attrs"]["http.route"] == "/v1/responses"
+        a = one(spans, kind=CLIENT_KIND)["attrs"]
+        assert a["gen_ai.response.id"] == final.id and a["gen_ai.request.max_tokens"] == 14
+        assert a["gen_ai.request.temperature"] == 0.7 and a["gen_ai.request.stream"] is True
+        assert a["gen_ai.usage.output_tokens"] == final.usage.output_tokens
+        assert a["gen_ai.usage.input_tokens"] == final.usage.input_tokens
+        assert a["gen_ai.response.finish_reasons"] == ["length"]  # cut by max_output_tokens
+        assert 0 < a["gen_ai.response.time_to_first_chunk"]
+        for span in spans:
+            assert PROMPT not in json.dumps(span["attrs"]), "prompt text on a span without the opt-in"
+
+
 def test_otel_variables_in_a_dotenv_file_are_honoured(
     jaeger: Jaeger, fleet: tuple[RunningTwin, RunningTwin], tmp_path: Path
 ) -> None:
