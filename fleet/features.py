@@ -61,7 +61,10 @@ def _item_message(item: Mapping[str, Any]) -> dict[str, Any] | None:
     kind = item.get("type", "message")
     if kind == "message":
         role = item.get("role")
-        return {"role": role if role in RESPONSES_ROLES else "user", "content": item.get("content")}
+        return {
+            "role": role if isinstance(role, str) and role in RESPONSES_ROLES else "user",
+            "content": item.get("content"),
+        }
     if kind == "function_call":
         name, arguments = item.get("name"), item.get("arguments")
         text = (name if isinstance(name, str) else "") + (arguments if isinstance(arguments, str) else "")

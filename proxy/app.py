@@ -73,15 +73,17 @@ class SpecrouteApp:
             if self.access.enabled:
                 # The client's key stops here: never forwarded, logged or traced.
                 scope["headers"] = without_authorization(scope["headers"])
-            if scope["path"] in COMPLETION_PATHS:
+            if scope["path"] in COMPLETION_PATHS or scope["path"].startswith(STORED_PREFIX):
+                # Stored responses' GET and cancel count against a key's limit as completions do.
+                handler = self.completions if scope["path"] in COMPLETION_PATHS else self.api
                 if checked is None or not self.key_limits.limit:
-                    await self.completions(scope, receive, send)
+                    await handler(scope, receive, send)
                     return
                 if not self.key_limits.acquire(checked):
                     await self.refuse(scope, send, self.key_limits.refusal())
                     return
                 try:
-                    await self.completions(scope, receive, send)
+                    await handler(scope, receive, send)
                 finally:
                     self.key_limits.release(checked)
                 return
@@ -179,6 +181,8 @@ def error_response(
     return JSONResponse({"error": error_object(message, error_type_for(status), code)}, status, headers=headers)
 
 
+STORED_PREFIX = "/v1/responses/"
+"""Stored responses' GET and cancel (proxy.responses)."""
 SERVED_PATHS = (
     "POST /v1/chat/completions, /v1/completions and /v1/responses (with GET /v1/responses/{id} and "
     "POST /v1/responses/{id}/cancel), and answers GET /v1/models"
@@ -238,7 +242,7 @@ def management_api(app: SpecrouteApp) -> FastAPI:
         """A stored response, from the server that holds it (proxy/responses.py)."""
         headers, request_id = client_headers(request)
         answer = await app.completions.responses.get(
-            response_id, headers_to(app, headers, request_id, request), request_id
+            response_id, headers_to(app, headers, request_id, request), request_id, request.url.query
         )
         return answered(answer, request_id)
 
@@ -246,9 +250,10 @@ def management_api(app: SpecrouteApp) -> FastAPI:
     async def cancel_response(response_id: str, request: Request) -> Response:
         """Cancel a background response, on the server running it."""
         headers, request_id = client_headers(request)
-        body = await request.body()
+        # It takes no body (OpenAI's and SGLang's): none is read or sent on.
+        headers.pop("content-type", None)
         answer = await app.completions.responses.cancel(
-            response_id, headers_to(app, headers, request_id, request), request_id, body
+            response_id, headers_to(app, headers, request_id, request), request_id, b"", request.url.query
         )
         return answered(answer, request_id)
 

@@ -39,6 +39,7 @@ from proxy.upstream import (
     Upstream,
     classify,
     expect_chunk_gaps,
+    read_up_to,
 )
 
 Scope = MutableMapping[str, Any]
@@ -386,7 +387,7 @@ class CompletionHandler:
         self.bodies = request_body.BodyReader(
             settings.max_json_items, settings.max_json_values, keep_content=settings.trace_content
         )
-        self.responses = ResponseOwners(router, upstream)
+        self.responses = ResponseOwners(router, upstream, self.clients_keys_upstream)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers, undecodable = request_headers(scope)
@@ -531,7 +532,9 @@ class CompletionHandler:
         """A Responses request: whether its server stores it (`store`, true unless said), and the
         server holding the response it continues, if any is found (else it goes where routing
         sends it, whose server answers for the id it does not know)."""
-        exchange.keeps_id = payload.get("store") is not False
+        # An id the client chose (SGLang's `request_id`) is not noted: it could name another
+        # client's response, and the follow-ups naming it would then go to this server.
+        exchange.keeps_id = payload.get("store") is not False and "request_id" not in payload
         previous = payload.get("previous_response_id")
         if isinstance(previous, str) and previous:
             headers_for = self.headers_for(headers, exchange)
@@ -809,9 +812,15 @@ class CompletionHandler:
             return first  # the common case: the first read holds the first token
         buffered = bytearray(first)
         searched = 0
+        events = first.count(b"\ndata:")
         deadline = perf_counter() + self.settings.first_token_timeout_s
-        # Only the bytes new since the last look, and a marker's length before them, are looked at.
-        while first and not started(bytes(buffered[max(searched - MARKER_BYTES, 0) :])):
+        # Only the bytes new since the last look, and a marker's length before them, are looked at
+        # (from a line break: the stream's start is one). Past PREAMBLE_EVENTS data events the
+        # stream has started whatever they are.
+        while first and events <= scan.PREAMBLE_EVENTS:
+            look = buffered[searched - MARKER_BYTES :] if searched > MARKER_BYTES else b"\n" + buffered
+            if started(bytes(look)):
+                break
             searched = len(buffered)
             left = deadline - perf_counter()
             if left <= 0 or searched > MAX_EVENT_BYTES:
@@ -822,6 +831,7 @@ class CompletionHandler:
             except TimeoutError:
                 raise aiohttp.SocketTimeoutError("no data event within the first-token timeout") from None
             buffered += first
+            events += first.count(b"\ndata:")
         return bytes(buffered)
 
     async def upstream_error(
@@ -952,15 +962,3 @@ class CompletionHandler:
             except TimeoutError:
                 pass
         raise ResponseAborted(kind)
-
-
-async def read_up_to(content: aiohttp.StreamReader, limit: int) -> bytes:
-    parts: list[bytes] = []
-    size = 0
-    while size < limit:
-        part = await content.read(limit - size)
-        if not part:
-            break
-        parts.append(part)
-        size += len(part)
-    return b"".join(parts)

@@ -6,12 +6,18 @@ that made it: a follow-up naming it (`previous_response_id`), `GET /v1/responses
 it sees created (a bounded map, the oldest forgotten first) and, for an id it does not know (the
 proxy restarted, another replica relayed the creation, the map forgot it), asks every server
 with `GET /v1/responses/{id}`: the one answering 200 holds it.
+
+What a client can make the proxy do here is bounded: at most LOOKUPS requests about stored
+responses run at once (the rest wait their turn), an id found nowhere is not asked about again
+for MISS_S, and a server that refused a lookup (SGLang without its store answers 400) is not
+asked again for REFUSED_S: its refusal is answered for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -20,19 +26,25 @@ import cachetools
 from proxy.errors import error_body, normalise_upstream_error
 from proxy.pools import Instance
 from proxy.routing import Router
-from proxy.upstream import UPSTREAM_ERRORS, Upstream
+from proxy.upstream import UPSTREAM_ERRORS, Upstream, read_up_to
 
 KNOWN_RESPONSES = 100_000
 """Response ids whose server the proxy remembers (about 200 bytes each: 20 MB at most)."""
 LOOKUP_TIMEOUT_S = 5.0
-"""How long a server may take to answer whether it holds a response."""
+"""How long a server may take to answer about a stored response."""
+LOOKUPS = 8
+"""Requests about stored responses (lookups, GETs, cancels) running at once."""
 MAX_STORED_BYTES = 16 * 1024 * 1024
-"""The largest stored response relayed (a response holds its whole output)."""
+"""The largest stored response relayed (it holds its whole output): LOOKUPS of them at once."""
+MISS_S = 2.0
+"""How long an id no server holds is answered as such without asking again."""
+REFUSED_S = 60.0
+"""How long a server that refused a lookup (no store) is answered for without being asked."""
 RESPONSE_ID = re.compile(r"[A-Za-z0-9_\-]{1,200}")
 """What a response id may be to be asked for: it goes into the servers' URL paths."""
-
 LOOKUP_ERRORS: tuple[type[BaseException], ...] = (*UPSTREAM_ERRORS, ValueError)
 """A server that could not be asked: unreachable, too slow, or its answer past the bound."""
+JSON = "application/json"
 
 HeadersFor = Callable[[Instance], dict[str, str]]
 """The headers a request to `instance` carries (the client's, the pool's key, the request id)."""
@@ -46,27 +58,37 @@ class Answer:
     body: bytes
     content_type: str
     instance: Instance | None
-    """Who answered (None: the proxy itself, when no server could be asked)."""
+    """Who answered (None: the proxy itself, for no server or several)."""
 
 
 def not_found(response_id: str) -> Answer:
     message = f"No response found with id '{response_id}' on any server of the fleet"
-    return Answer(
-        404, error_body(message, "invalid_request_error", "response_not_found", "response_id"), "application/json", None
-    )
+    return Answer(404, error_body(message, "invalid_request_error", "response_not_found", "response_id"), JSON, None)
+
+
+def proxy_error(status: int, message: str, code: str) -> Answer:
+    return Answer(status, error_body(message, "server_error", code), JSON, None)
 
 
 class ResponseOwners:
     """Which server holds each stored response, learned as they are created, asked on a miss."""
 
-    def __init__(self, router: Router, upstream: Upstream, size: int = KNOWN_RESPONSES) -> None:
+    def __init__(self, router: Router, upstream: Upstream, clients_keys_upstream: bool) -> None:
         self.router = router
         self.upstream = upstream
-        self.by_id: cachetools.LRUCache[str, str] = cachetools.LRUCache(maxsize=size)
+        self.clients_keys_upstream = clients_keys_upstream
+        """Whether a client's own Authorization goes upstream (no proxy keys): an upstream 401 is
+        then the client's to see; otherwise the proxy's credentials were refused (a 502)."""
+        self.by_id: cachetools.LRUCache[str, str] = cachetools.LRUCache(maxsize=KNOWN_RESPONSES)
         """Response id -> the URL of the server that made it."""
+        self.missed: cachetools.TTLCache[str, bool] = cachetools.TTLCache(maxsize=10_000, ttl=MISS_S)
+        self.refused: dict[str, tuple[float, Answer]] = {}
+        """Server URL -> (until when, its refusal of a lookup)."""
+        self.turns = asyncio.Semaphore(LOOKUPS)
 
     def record(self, response_id: str, instance: Instance) -> None:
         self.by_id[response_id] = instance.url
+        self.missed.pop(response_id, None)
 
     def known(self, response_id: str) -> Instance | None:
         url = self.by_id.get(response_id)
@@ -77,79 +99,133 @@ class ResponseOwners:
         known = self.known(response_id)
         if known is not None:
             return known
-        answer = await self.ask_all(response_id, headers_for, request_id)
+        answer = await self.ask_all(response_id, headers_for, request_id, with_body=False)
         return answer.instance if answer.status == 200 else None
 
-    async def get(self, response_id: str, headers_for: HeadersFor, request_id: str) -> Answer:
+    async def get(self, response_id: str, headers_for: HeadersFor, request_id: str, query: str = "") -> Answer:
         """`GET /v1/responses/{id}` of the server holding it (every server asked on a miss)."""
         if RESPONSE_ID.fullmatch(response_id) is None:
             return not_found(response_id)
+        path = f"/v1/responses/{response_id}" + (f"?{query}" if query else "")
         known = self.known(response_id)
         if known is not None:
-            answer = await self.send(known, "GET", f"/v1/responses/{response_id}", headers_for(known), request_id)
+            answer = await self.send(known, "GET", path, headers_for(known), request_id)
             if answer.status != 404:
                 return answer
             self.by_id.pop(response_id, None)  # the server forgot it (restarted, evicted)
-        return await self.ask_all(response_id, headers_for, request_id)
+        return await self.ask_all(response_id, headers_for, request_id, path=path)
 
-    async def cancel(self, response_id: str, headers_for: HeadersFor, request_id: str, body: bytes) -> Answer:
+    async def cancel(
+        self, response_id: str, headers_for: HeadersFor, request_id: str, body: bytes, query: str = ""
+    ) -> Answer:
         """`POST /v1/responses/{id}/cancel` on the server holding it."""
         if RESPONSE_ID.fullmatch(response_id) is None:
             return not_found(response_id)
-        owner = await self.owner(response_id, headers_for, request_id)
-        if owner is None:
-            return not_found(response_id)
-        path = f"/v1/responses/{response_id}/cancel"
-        return await self.send(owner, "POST", path, headers_for(owner), request_id, body)
+        known = self.known(response_id)
+        if known is None:
+            found = await self.ask_all(response_id, headers_for, request_id, with_body=False)
+            if found.status != 200 or found.instance is None:
+                return found
+            known = found.instance
+        path = f"/v1/responses/{response_id}/cancel" + (f"?{query}" if query else "")
+        return await self.send(known, "POST", path, headers_for(known), request_id, body)
 
-    async def ask_all(self, response_id: str, headers_for: HeadersFor, request_id: str) -> Answer:
-        """Every server asked at once; the holder's answer (and it is noted), else the first
-        refusal a server gave (a server without a store says why), else the proxy's 404."""
-        if RESPONSE_ID.fullmatch(response_id) is None:
+    async def ask_all(
+        self,
+        response_id: str,
+        headers_for: HeadersFor,
+        request_id: str,
+        path: str | None = None,
+        with_body: bool = True,
+    ) -> Answer:
+        """Every server asked at once (those out of rotation too: they still hold what they
+        made); the holder's answer, and it is noted. Else a refusal a server gave (a server
+        without a store says why), else a 502 when some server could not be asked, else 404."""
+        if RESPONSE_ID.fullmatch(response_id) is None or response_id in self.missed:
             return not_found(response_id)
-        instances = [i for i in self.router.instances() if i.healthy]
-        path = f"/v1/responses/{response_id}"
-        answers = await asyncio.gather(*(self.send(i, "GET", path, headers_for(i), request_id) for i in instances))
+        path = path or f"/v1/responses/{response_id}"
+        now = time.monotonic()
+        asked: list[Instance] = []
+        refusals: list[Answer] = []
+        for instance in self.router.instances():
+            memo = self.refused.get(instance.url)
+            if memo is not None and memo[0] > now:
+                refusals.append(memo[1])
+            else:
+                asked.append(instance)
+        answers = await asyncio.gather(
+            *(self.send(i, "GET", path, headers_for(i), request_id, with_body=with_body) for i in asked)
+        )
+        holders = [a for a in answers if a.status == 200 and a.instance is not None]
+        if len(holders) > 1:  # ids are random: only a client choosing one (SGLang's request_id) makes this
+            names = ", ".join(a.instance.name for a in holders if a.instance is not None)
+            message = f"response '{response_id}' is held by several servers ({names}); it cannot be told which is meant"
+            return Answer(
+                409, error_body(message, "invalid_request_error", "response_id_ambiguous", "response_id"), JSON, None
+            )
+        if holders:
+            assert holders[0].instance is not None
+            self.record(response_id, holders[0].instance)
+            return holders[0]
         for answer in answers:
-            if answer.status == 200 and answer.instance is not None:
-                self.record(response_id, answer.instance)
-                return answer
-        refusals = [a for a in answers if a.status != 404 and a.status < 500]
+            if answer.instance is not None and answer.status in (
+                400,
+                405,
+                501,
+            ):  # no store: not asked again for a while
+                self.refused[answer.instance.url] = (now + REFUSED_S, answer)
+        refusals += [a for a in answers if a.status not in (404, 502) and a.status < 500]
         if refusals:
             return refusals[0]
         unasked = sum(a.status >= 500 for a in answers)
         if unasked:  # it may be on a server that could not answer: not "not found"
             message = f"response '{response_id}' is on none of the servers that answered; {unasked} could not be asked"
-            return Answer(
-                502, error_body(message, "server_error", "response_owner_unreachable"), "application/json", None
-            )
+            return proxy_error(502, message, "response_owner_unreachable")
+        self.missed[response_id] = True
         return not_found(response_id)
 
     async def send(
-        self, instance: Instance, method: str, path: str, headers: dict[str, str], request_id: str, body: bytes = b""
+        self,
+        instance: Instance,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        request_id: str,
+        body: bytes = b"",
+        with_body: bool = True,
     ) -> Answer:
-        """One request to one server, its answer read whole (bounded); a failure to reach it or
-        an answer past the bound is a 502 of the proxy's."""
-        try:
-            async with asyncio.timeout(LOOKUP_TIMEOUT_S):
-                async with self.upstream.session.request(
-                    method,
-                    instance.url + path,
-                    headers=list(headers.items()),
-                    data=body if method == "POST" else None,
-                    allow_redirects=False,
-                ) as response:
-                    raw = await response.content.read(MAX_STORED_BYTES + 1)
-                    if len(raw) > MAX_STORED_BYTES:
-                        raise ValueError("stored response too large")
-                    status = response.status
-                    content_type = response.headers.get("content-type", "application/json")
-        except LOOKUP_ERRORS as exc:
-            message = f"upstream {instance.pool} server could not be asked for the response ({type(exc).__name__})"
-            return Answer(
-                502, error_body(message, "server_error", "upstream_unreachable"), "application/json", instance
+        """One request to one server, its answer read whole (bounded; only its status when not
+        `with_body` and it succeeded); a failure to reach it, or an answer past the bound, is a
+        502 of the proxy's."""
+        async with self.turns:
+            try:
+                async with asyncio.timeout(LOOKUP_TIMEOUT_S):
+                    async with self.upstream.session.request(
+                        method,
+                        instance.url + path,
+                        headers=list(headers.items()),
+                        data=body if method == "POST" else None,
+                        allow_redirects=False,
+                    ) as response:
+                        status = response.status
+                        content_type = response.headers.get("content-type", JSON)
+                        if status == 200 and not with_body:
+                            return Answer(status, b"", content_type, instance)  # the connection is closed unread
+                        raw = await read_up_to(response.content, MAX_STORED_BYTES + 1)
+                        if len(raw) > MAX_STORED_BYTES:
+                            raise ValueError(f"stored response over {MAX_STORED_BYTES} bytes")
+            except LOOKUP_ERRORS as exc:
+                message = (
+                    f"upstream {instance.pool} server could not be asked about the response ({type(exc).__name__})"
+                )
+                return Answer(502, error_body(message, "server_error", "upstream_unreachable"), JSON, instance)
+        if status in (401, 403) and not (self.clients_keys_upstream and instance.api_key is None):
+            message = (
+                f"upstream {instance.pool} server refused the proxy's credentials (HTTP {status}); "
+                f"check SPECROUTE_{instance.pool.upper()}_API_KEY"
             )
+            return Answer(502, error_body(message, "server_error", "upstream_auth"), JSON, instance)
         if status >= 400:
             raw = normalise_upstream_error(status, raw, request_id)
-            content_type = "application/json"
+            content_type = JSON
         return Answer(status, raw, content_type, instance)

@@ -171,34 +171,55 @@ def without_usage_events(chunk: bytes) -> bytes:
     return b"".join(e for e in events if _EMPTY_CHOICES.search(e) is None or _USAGE_OBJECT.search(e) is None)
 
 
-# The Responses API (POST /v1/responses): named events, each with its "type" in its data. Text,
+# The Responses API (POST /v1/responses): named events, `event: <type>` then `data: {...}`. Text,
 # reasoning and tool-call arguments arrive as `response.*.delta` events; the events before the
 # first of them (response.created, response.in_progress, an output item and content part added)
 # carry no token, and SGLang sends them before generation starts. No [DONE] closes the stream:
 # response.completed (or .incomplete, .failed, or an error event) is its last event, with usage.
-RESPONSE_DELTA = b'.delta"'
-"""Ends the "type" of every delta event (`"type":"response.output_text.delta"`); in text, a quote
-is escaped, so a delta's own text cannot end so."""
-RESPONSE_ENDS = (b'"response.completed"', b'"response.incomplete"', b'"response.failed"', b"event: error")
+# Events are told by their `event:` line, never by bytes inside their data: the data echoes what
+# the client sent (instructions, metadata) and holds the model's text, any of which may read
+# "response.completed" or "event: error"; a raw line break cannot be inside JSON.
+DELTA_LINES = (b".delta\ndata:", b".delta\r\ndata:")
+"""The end of a delta event's `event:` line and the start of its data line."""
+END_TYPES = (b"response.completed", b"response.incomplete", b"response.failed", b"error")
+END_LINES = tuple(b"\nevent: " + kind + ending for kind in END_TYPES for ending in (b"\n", b"\r\n"))
+"""A stream's last event's `event:` line, after the line break before it."""
+PREAMBLE_EVENTS = 8
+"""Data events held at most while waiting for a stream's first token: past them it is taken as
+started (a server whose events carry no `event:` line is relayed, not held to its end)."""
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp[A-Za-z0-9_\-]{1,200})"')
+_EVENT_TYPE = re.compile(rb"event: response\.([a-z_]+)\r?\n")
+_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_STATUS = re.compile(rb'"status"\s*:\s*"([a-z_]+)"')
 _INPUT_TOKENS = re.compile(rb'"input_tokens"\s*:\s*' + _COUNT)
 _OUTPUT_TOKENS = re.compile(rb'"output_tokens"\s*:\s*' + _COUNT)
 _INPUT_CACHED = re.compile(rb'"input_tokens_details"\s*:\s*\{[^{}]*?"cached_tokens"\s*:\s*' + _COUNT)
 _INCOMPLETE_REASON = re.compile(rb'"incomplete_details"\s*:\s*\{[^{}]*?"reason"\s*:\s*"([A-Za-z_]+)"')
-_COMPLETED = re.compile(rb'"status"\s*:\s*"completed"')
+USAGE_BYTES = 1024
+"""The longest usage object read (SGLang's is about 200 bytes)."""
+FINISH_OF_STATUS = {b"completed": "stop", b"failed": "error", b"cancelled": "abort"}
 FINISH_OF_INCOMPLETE = {b"max_output_tokens": "length", b"content_filter": "content_filter"}
 
 
 def response_events(chunk: bytes) -> int:
     """Delta events (each a token or a few, as a chat chunk) in whole Responses API events."""
-    return chunk.count(RESPONSE_DELTA)
+    return chunk.count(DELTA_LINES[0]) + chunk.count(DELTA_LINES[1])
 
 
 def response_started(buffered: bytes) -> bool:
-    """Whether a Responses stream's first bytes hold its first token (or its end): what comes
-    before is held, as a chat stream is until its first chunk, so that a server failing before
-    its first token is still failed over and the first-token timeout still holds."""
-    return RESPONSE_DELTA in buffered or any(end in buffered for end in RESPONSE_ENDS)
+    """Whether a Responses stream's first bytes (from the stream's start, or from a line break on)
+    hold its first token or its end: what comes before is held, as a chat stream is until its
+    first chunk, so that a server failing before its first token is still failed over and the
+    first-token timeout still holds."""
+    return any(line in buffered for line in DELTA_LINES) or any(line in buffered for line in END_LINES)
+
+
+def response_ended(chunk: bytes) -> bool:
+    """Whether whole events (a chunk starts at an event) hold the stream's last event."""
+    return any(line in chunk for line in END_LINES) or any(
+        chunk.startswith(b"event: " + kind) and chunk[len(kind) + 7 : len(kind) + 8] in (b"\n", b"\r")
+        for kind in END_TYPES
+    )
 
 
 def response_id(first: bytes) -> str | None:
@@ -208,22 +229,60 @@ def response_id(first: bytes) -> str | None:
     return found.group(1).decode() if found else None
 
 
+def usage_object(region: bytes) -> bytes | None:
+    """The response's usage object: the first one in `region` (the response object, or a
+    stream's last event). It comes before the fields that echo the client's own objects
+    (tools, metadata), whose keys a client chooses; text is in strings, where a quote is escaped."""
+    found = region.find(b'"usage":{')
+    if found < 0:
+        match = _USAGE.search(region)
+        if match is None:
+            return None
+        found = match.start()
+    opening = region.index(b"{", found)
+    depth = 0
+    for at in range(opening, min(len(region), opening + USAGE_BYTES)):
+        byte = region[at]
+        if byte == 0x7B:  # {
+            depth += 1
+        elif byte == 0x7D:  # }
+            depth -= 1
+            if depth == 0:
+                return region[opening : at + 1]
+    return None
+
+
 def summarise_response(tail: bytes) -> Summary:
-    """`summarise` for the Responses API: usage as input and output tokens, a finish reason from
-    the response's status (completed: "stop"; incomplete for its max_output_tokens: "length")."""
-    prompt = _INPUT_TOKENS.findall(tail)
-    completion = _OUTPUT_TOKENS.findall(tail)
-    cached = _INPUT_CACHED.findall(tail)
-    reasons = _INCOMPLETE_REASON.findall(tail)
-    if reasons:
-        finish: tuple[str, ...] = (FINISH_OF_INCOMPLETE.get(reasons[-1], reasons[-1].decode()),)
-    else:
-        finish = ("stop",) if _COMPLETED.search(tail) else ()
+    """`summarise` for the Responses API, from the answer's end: a stream's last event, or a JSON
+    answer's response object. Usage as input and output tokens; a finish reason from how the
+    response ended (completed: "stop"; incomplete for its max_output_tokens: "length"; failed:
+    "error"), the event's type for a stream, the response's status for a JSON answer."""
+    at = tail.rfind(b"\nevent: response.") + 1  # 0: none after a line break
+    last = _EVENT_TYPE.match(tail, at)
+    region = tail[at:] if last is not None else tail
+    usage = usage_object(region)
+    if last is not None:
+        status: bytes | None = last.group(1)
+    else:  # the response's own status comes just before its usage (its items' come earlier)
+        before = region[: region.find(usage)] if usage is not None else region
+        statuses = _STATUS.findall(before)
+        status = statuses[-1] if statuses else None
+    finish: tuple[str, ...] = ()
+    if status == b"incomplete":
+        reason = _INCOMPLETE_REASON.search(region)
+        finish = (FINISH_OF_INCOMPLETE.get(reason.group(1), reason.group(1).decode()) if reason else "length",)
+    elif status in FINISH_OF_STATUS:
+        finish = (FINISH_OF_STATUS[status],)
+    if usage is None:
+        return Summary(finish_reasons=finish)
+    prompt = _INPUT_TOKENS.search(usage)
+    completion = _OUTPUT_TOKENS.search(usage)
+    cached = _INPUT_CACHED.search(usage)
     return Summary(
-        prompt_tokens=int(prompt[-1]) if prompt else None,
-        completion_tokens=int(completion[-1]) if completion else None,
+        prompt_tokens=int(prompt.group(1)) if prompt else None,
+        completion_tokens=int(completion.group(1)) if completion else None,
         finish_reasons=finish,
-        cached_tokens=int(cached[-1]) if cached else None,
+        cached_tokens=int(cached.group(1)) if cached else None,
     )
 
 
@@ -254,10 +313,6 @@ def chat_started(buffered: bytes) -> bool:
 
 def chat_ended(chunk: bytes) -> bool:
     return DONE in chunk
-
-
-def response_ended(chunk: bytes) -> bool:
-    return any(end in chunk for end in RESPONSE_ENDS)
 
 
 CHAT = Dialect("chat", content_events, chat_started, summarise, 4096, True, chat_ended, stream_error_event)

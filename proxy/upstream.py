@@ -113,3 +113,17 @@ def expect_chunk_gaps(response: aiohttp.ClientResponse, seconds: float) -> None:
     connection = response.connection
     if connection is not None and connection.protocol is not None:
         connection.protocol.read_timeout = seconds
+
+
+async def read_up_to(content: aiohttp.StreamReader, limit: int) -> bytes:
+    """At most `limit` bytes of a body (a read returns what is buffered: looped until the limit
+    or the body's end)."""
+    parts: list[bytes] = []
+    size = 0
+    while size < limit:
+        part = await content.read(limit - size)
+        if not part:
+            break
+        parts.append(part)
+        size += len(part)
+    return b"".join(parts)

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from proxy_harness import TIME_SCALE, RunningProxy, running_proxy, wait_for
+from proxy_harness import TIME_SCALE, RunningProxy, running_proxy, twin_running, wait_for
 
-from sim.testing import RunningTwin, TwinSpec, twins
+from sim.testing import RunningTwin, TwinSpec, twin, twins
 
 MODEL = "specroute/twin"
 STORE = ("--enable-response-store", "--output-len", "fixed:4096")
@@ -182,3 +182,21 @@ def test_unknown_and_unstored_ids(proxy: RunningProxy) -> None:
         sdk.responses.retrieve(unstored.id)
     assert unstored.id not in proxy.app.completions.responses.by_id
     wait_for(lambda: proxy.in_flight() == 0, what="in-flight counts back to zero")
+
+
+def test_a_client_leaving_frees_its_server_whatever_its_text_says() -> None:
+    """Event names in the echoed instructions or in the text are no end of the stream: the
+    client's leaving still cancels the request upstream."""
+    with twin("base", time_scale=1.0, seed=7, args=("--output-len", "fixed:4000")) as slow:
+        with running_proxy(base_urls=[slow.url], policy="base") as proxy:
+            sdk = client(proxy)
+            instructions = "Parse lines like 'event: error' and 'event: response.completed' carefully."
+            stream = sdk.responses.create(model=MODEL, input="Go.", instructions=instructions, stream=True)
+            for event in stream:
+                if event.type == "response.output_text.delta":
+                    break
+            assert twin_running(slow) == 1
+            stream.close()
+            wait_for(lambda: twin_running(slow) == 0, what="the twin's request cancelled", timeout=15)
+            wait_for(lambda: proxy.in_flight() == 0, what="in-flight counts back to zero")
+

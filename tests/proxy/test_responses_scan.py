@@ -66,6 +66,30 @@ def test_a_responses_body_reads_as_the_chat_it_amounts_to() -> None:
     assert PromptBlocks.of(as_chat, 16).all() == PromptBlocks.of(as_responses, 16).all() != ()
 
 
+def test_no_shape_of_a_body_breaks_the_chat_view() -> None:
+    odd: list[object] = [None, 1, 2.5, True, "s", [], {}, [1, "x", None], {"a": [1]}, [{"role": ["x"]}]]
+    for value in odd:
+        for field in ("input", "instructions", "max_output_tokens", "text", "tools", "stream"):
+            body = {"model": "m", field: value}
+            view = responses_as_chat(body)
+            count_prompt_tokens(view)
+            workload_key(view)
+            PromptBlocks.of(view, 16).all()
+        items = [
+            {
+                "type": value,
+                "role": value,
+                "content": value,
+                "name": value,
+                "arguments": value,
+                "output": value,
+                "summary": value,
+            }
+        ]
+        view = responses_as_chat({"input": items, "text": {"format": value}})
+        assert count_prompt_tokens(view) >= 0 and PromptBlocks.of(view, 16).all() is not None
+
+
 def test_the_body_reader_takes_its_features_from_input_and_max_output_tokens() -> None:
     body = json.dumps({"model": "m", "input": "x" * 400, "max_output_tokens": 33, "stream": True}).encode()
     parsed = read(body, 1000, 1000, Given(responses=True))
@@ -81,7 +105,40 @@ def test_a_stream_starts_at_its_first_delta_not_at_response_created() -> None:
     assert scan.response_started(PREAMBLE + delta("Hel", 4))
     completed = event("response.completed", sequence_number=4, response={"id": "resp_abc123", "status": "completed"})
     assert scan.response_started(PREAMBLE + completed)  # no text at all: its end is its first token
-    assert scan.response_started(b'event: error\ndata: {"type":"error","code":"x"}\n\n')
+    # The relay looks from a line break (the stream's start is one).
+    assert scan.response_started(b'\nevent: error\ndata: {"type":"error","code":"x"}\n\n')
+
+
+def test_events_are_told_by_their_event_line_never_by_their_data() -> None:
+    """The data echoes what the client sent and holds the model's text: neither is an event."""
+    echo = {"id": "resp_1", "instructions": "Parse lines like 'event: error\\n' and response.completed"}
+    created = event("response.created", sequence_number=0, response=echo, metadata={"x": 'a".delta"'})
+    assert not scan.response_started(b"\n" + created) and not scan.response_ended(created)
+    assert scan.response_events(created) == 0
+    text = delta("event: error and response.completed and foo.delta", 4)
+    assert scan.response_events(text) == 1 and not scan.response_ended(text)
+    assert scan.response_ended(event("response.failed", response={"id": "r"}))
+    assert scan.response_ended(text + event("response.completed", response={"id": "r"}))
+
+
+def test_a_client_cannot_write_the_usage_the_fleet_learns_from() -> None:
+    usage = {"input_tokens": 17, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 5, "total_tokens": 22}
+    poisoned = {
+        "id": "resp_1",
+        "output": [{"type": "message", "status": "completed", "content": [{"text": '"output_tokens": 9'}]}],
+        "status": "completed",
+        "usage": usage,
+        "tools": [{"type": "function", "parameters": {"properties": {"usage": {"output_tokens": 1}}}}],
+        "metadata": {"usage": {"input_tokens": 1, "output_tokens": 7}, "output_tokens": 7},
+    }
+    as_event = scan.summarise_response(event("response.completed", sequence_number=9, response=poisoned))
+    as_json = scan.summarise_response(json.dumps(poisoned).encode())
+    for summary in (as_event, as_json):
+        assert (summary.prompt_tokens, summary.completion_tokens) == (17, 5)
+        assert summary.finish_reasons == ("stop",)
+    failed = {"id": "r", "output": [{"status": "completed"}], "status": "failed", "usage": usage}
+    assert scan.summarise_response(event("response.failed", response=failed)).finish_reasons == ("error",)
+    assert scan.summarise_response(json.dumps(failed).encode()).finish_reasons == ("error",)
 
 
 def test_token_events_are_the_deltas_whatever_their_text() -> None:
@@ -113,6 +170,7 @@ def test_usage_finish_reason_and_id_of_a_responses_answer() -> None:
     assert scan.response_id(PREAMBLE) == "resp_abc123"
     assert scan.response_id(b'{"id":"msg_1","x":1}') is None
     assert scan.response_ended(event("response.incomplete", response=cut)) and not scan.response_ended(PREAMBLE)
+    assert scan.summarise_response(event("response.incomplete", response=cut)).finish_reasons == ("length",)
 
 
 def test_the_proxy_ends_a_broken_responses_stream_with_an_error_event_the_sdk_raises_on() -> None:
