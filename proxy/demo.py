@@ -15,6 +15,9 @@ import httpx
 from proxy.settings import load_settings
 from sim.testing import TwinSpec, twins
 
+DEMO_TWIN_ARGS = ("--enable-cache-report", "--enable-response-store")
+"""As a deployment would start SGLang: prefix-cache hits reported, Responses API responses kept."""
+
 
 def served_model(url: str) -> str:
     answer = httpx.get(url + "/v1/models", timeout=10).json()
@@ -50,8 +53,8 @@ def run_demo(port: int | None, profile: str, time_scale: float) -> int:
     signal.signal(signal.SIGTERM, _stop)
     specs = (
         # Usage reports cached prompt tokens, as SGLang does with the flag README recommends.
-        TwinSpec("spec", profile=profile, time_scale=time_scale, seed=1, args=("--enable-cache-report",)),
-        TwinSpec("base", profile=profile, time_scale=time_scale, seed=2, args=("--enable-cache-report",)),
+        TwinSpec("spec", profile=profile, time_scale=time_scale, seed=1, args=DEMO_TWIN_ARGS),
+        TwinSpec("base", profile=profile, time_scale=time_scale, seed=2, args=DEMO_TWIN_ARGS),
     )
     with twins(*specs) as (spec, base):
         where = {"host": "127.0.0.1"} | ({} if port is None else {"port": port})

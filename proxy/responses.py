@@ -62,7 +62,8 @@ class Answer:
 
 
 def not_found(response_id: str) -> Answer:
-    message = f"No response found with id '{response_id}' on any server of the fleet"
+    shown = response_id if len(response_id) <= 64 else response_id[:64] + "..."
+    message = f"No response found with id '{shown}' on any server of the fleet"
     return Answer(404, error_body(message, "invalid_request_error", "response_not_found", "response_id"), JSON, None)
 
 

@@ -138,6 +138,9 @@ def chat_message(item: dict[str, Any]) -> dict[str, Any]:
     """One Responses input (or replayed output) message item as a chat message."""
     if item.get("type") not in (None, "message"):
         raise ResponsesError(f"Unsupported Responses API input item type: {item.get('type')!r}")
+    if item.get("role") not in ("user", "assistant", "system", "developer"):
+        # SGLang's request model validates each item (an EasyInputMessage needs its role): a 400.
+        raise ResponsesError(f"Input item has no valid role: {str(item.get('role'))[:40]!r}", param="input")
     message = {k: v for k, v in item.items() if v is not None and k not in ("id", "status", "type")}
     if message.get("role") == "developer":
         message["role"] = "system"

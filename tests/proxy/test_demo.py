@@ -61,6 +61,12 @@ def test_demo_serves_the_sdk_and_stops_its_twins_on_sigterm() -> None:
             client = openai.OpenAI(base_url=base_url, api_key="any", max_retries=0)
             completion = client.completions.create(model="specroute/twin", prompt="Hello", max_tokens=4)
             assert completion.usage.completion_tokens == 4  # the banner comes once the proxy listens
+            # Its twins keep responses as a deployment's SGLang would: a conversation continues.
+            first = client.responses.create(model="specroute/twin", input="Hello", max_output_tokens=8)
+            follow = client.responses.create(
+                model="specroute/twin", input="More.", previous_response_id=first.id, max_output_tokens=8
+            )
+            assert follow.previous_response_id == first.id
         finally:
             demo.send_signal(signal.SIGTERM)
             demo.wait(30)

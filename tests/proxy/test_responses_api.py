@@ -39,8 +39,8 @@ def proxy(fleet: list[RunningTwin]) -> Iterator[RunningProxy]:
 @pytest.fixture
 def healed(fleet: list[RunningTwin]) -> Iterator[list[RunningTwin]]:
     yield fleet
-    for twin in fleet:
-        httpx.post(twin.url + "/specroute/twin/faults", json={}, timeout=5).raise_for_status()
+    for server in fleet:
+        httpx.post(server.url + "/specroute/twin/faults", json={}, timeout=5).raise_for_status()
 
 
 def client(proxy: RunningProxy) -> openai.OpenAI:
@@ -105,8 +105,8 @@ def test_a_stream_is_held_until_its_first_token(proxy: RunningProxy, healed: lis
 def test_a_failure_after_the_first_token_ends_the_stream_with_an_error_the_sdk_raises(
     proxy: RunningProxy, healed: list[RunningTwin]
 ) -> None:
-    for twin in healed[:2]:
-        httpx.post(twin.url + "/specroute/twin/faults", json={"drop_after_chunks": 6}, timeout=5).raise_for_status()
+    for server in healed[:2]:
+        httpx.post(server.url + "/specroute/twin/faults", json={"drop_after_chunks": 6}, timeout=5).raise_for_status()
     stream = client(proxy).responses.create(
         model=MODEL,
         input="Tell a story.",
@@ -199,4 +199,3 @@ def test_a_client_leaving_frees_its_server_whatever_its_text_says() -> None:
             stream.close()
             wait_for(lambda: twin_running(slow) == 0, what="the twin's request cancelled", timeout=15)
             wait_for(lambda: proxy.in_flight() == 0, what="in-flight counts back to zero")
-
