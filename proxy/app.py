@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -241,10 +242,11 @@ def management_api(app: SpecrouteApp) -> FastAPI:
     async def stored_response(response_id: str, request: Request) -> Response:
         """A stored response, from the server that holds it (proxy/responses.py)."""
         headers, request_id = client_headers(request)
+        began = time.perf_counter()
         answer = await app.completions.responses.get(
             response_id, headers_to(app, headers, request_id, request), request_id, request.url.query
         )
-        return answered(answer, request_id)
+        return answered(app, "get", answer, request_id, began)
 
     @api.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str, request: Request) -> Response:
@@ -252,10 +254,11 @@ def management_api(app: SpecrouteApp) -> FastAPI:
         headers, request_id = client_headers(request)
         # It takes no body (OpenAI's and SGLang's): none is read or sent on.
         headers.pop("content-type", None)
+        began = time.perf_counter()
         answer = await app.completions.responses.cancel(
             response_id, headers_to(app, headers, request_id, request), request_id, b"", request.url.query
         )
-        return answered(answer, request_id)
+        return answered(app, "cancel", answer, request_id, began)
 
     @api.api_route("/v1/models", methods=READ_METHODS)
     async def models() -> dict[str, Any]:
@@ -291,7 +294,10 @@ def headers_to(app: SpecrouteApp, headers: dict[str, str], request_id: str, requ
     return lambda instance: outgoing_headers(headers, instance, request_id, client, append)
 
 
-def answered(answer: Answer, request_id: str) -> Response:
+def answered(app: SpecrouteApp, operation: str, answer: Answer, request_id: str, began: float) -> Response:
+    """The answer about a stored response, counted and logged as such."""
+    name = answer.instance.name if answer.instance is not None else None
+    app.telemetry.stored_response(operation, request_id, answer.status, name, time.perf_counter() - began)
     headers = {"x-request-id": request_id}
     if answer.instance is not None:
         headers["x-specroute-backend"] = answer.instance.name

@@ -104,6 +104,15 @@ class Telemetry:
         """A request was refused by client authentication (401/403) before anything else ran;
         `reason` is a short token (missing, malformed, invalid, not_operator, pin_not_allowed)."""
 
+    def stored_response(
+        self, operation: str, request_id: str, status: int, instance: str | None, duration_s: float
+    ) -> None:
+        """A request about a stored response was answered: `operation` is get, cancel, or lookup
+        (a follow-up's previous response); `instance` the name of the server that answered."""
+
+    def stored_response_asked(self) -> None:
+        """The proxy sent a server one request about a stored response."""
+
     async def start(self) -> None:
         """Called once at server start-up."""
 

@@ -387,7 +387,7 @@ class CompletionHandler:
         self.bodies = request_body.BodyReader(
             settings.max_json_items, settings.max_json_values, keep_content=settings.trace_content
         )
-        self.responses = ResponseOwners(router, upstream, self.clients_keys_upstream)
+        self.responses = ResponseOwners(router, upstream, self.clients_keys_upstream, telemetry)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers, undecodable = request_headers(scope)
@@ -538,7 +538,16 @@ class CompletionHandler:
         previous = payload.get("previous_response_id")
         if isinstance(previous, str) and previous:
             headers_for = self.headers_for(headers, exchange)
+            began = perf_counter()
             exchange.owner = await self.responses.owner(previous, headers_for, exchange.request_id)
+            owner = exchange.owner
+            self.telemetry.stored_response(
+                "lookup",
+                exchange.request_id,
+                200 if owner else 404,
+                owner.name if owner else None,
+                perf_counter() - began,
+            )
 
     def headers_for(self, headers: dict[str, str], exchange: Exchange) -> HeadersFor:
         """What a request to an instance on this client's behalf carries (`outgoing_headers`)."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import cachetools
 
 from proxy.errors import error_body, normalise_upstream_error
+from proxy.hooks import Telemetry
 from proxy.pools import Instance
 from proxy.routing import Router
 from proxy.upstream import UPSTREAM_ERRORS, Upstream, read_up_to
@@ -74,9 +75,12 @@ def proxy_error(status: int, message: str, code: str) -> Answer:
 class ResponseOwners:
     """Which server holds each stored response, learned as they are created, asked on a miss."""
 
-    def __init__(self, router: Router, upstream: Upstream, clients_keys_upstream: bool) -> None:
+    def __init__(
+        self, router: Router, upstream: Upstream, clients_keys_upstream: bool, telemetry: Telemetry | None = None
+    ) -> None:
         self.router = router
         self.upstream = upstream
+        self.telemetry = telemetry or Telemetry()
         self.clients_keys_upstream = clients_keys_upstream
         """Whether a client's own Authorization goes upstream (no proxy keys): an upstream 401 is
         then the client's to see; otherwise the proxy's credentials were refused (a 502)."""
@@ -199,6 +203,7 @@ class ResponseOwners:
         `with_body` and it succeeded); a failure to reach it, or an answer past the bound, is a
         502 of the proxy's."""
         async with self.turns:
+            self.telemetry.stored_response_asked()
             try:
                 async with asyncio.timeout(LOOKUP_TIMEOUT_S):
                     async with self.upstream.session.request(

@@ -84,6 +84,18 @@ class Metrics:
         self.failovers = Counter(
             n.M_FAILOVERS, "Upstream attempts moved to the other pool.", ["from_pool", "to_pool"], registry=r
         )
+        self.stored = Counter(
+            n.M_STORED,
+            "Requests about stored responses (the Responses API's get and cancel, and lookups of a "
+            "follow-up's previous response), by operation and outcome.",
+            ["operation", "outcome"],
+            registry=r,
+        )
+        self.stored_asked = Counter(
+            n.M_STORED_ASKED,
+            "Requests the proxy sent servers about stored responses (a miss asks every server).",
+            registry=r,
+        )
         self.auth_refused = Counter(
             n.M_AUTH_REFUSED,
             "Requests refused by client authentication, by reason (never by key).",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -48,6 +49,30 @@ class SpecrouteTelemetry(Telemetry):
 
     def auth_refused(self, reason: str) -> None:
         self.metrics.auth_refused.labels(reason).inc()
+
+    def stored_response(
+        self, operation: str, request_id: str, status: int, instance: str | None, duration_s: float
+    ) -> None:
+        outcome = (
+            "ok" if status < 400 else "not_found" if status == 404 else "client_error" if status < 500 else "error"
+        )
+        self.metrics.stored.labels(operation, outcome).inc()
+        if self.request_log is not None and operation != "lookup":  # a lookup is its request's
+            self.request_log.write(
+                {
+                    "ts": round(time.time(), 3),
+                    "request_id": request_id,
+                    "endpoint": f"{'GET' if operation == 'get' else 'POST'} /v1/responses/{{id}}"
+                    + ("/cancel" if operation == "cancel" else ""),
+                    "status": status,
+                    "outcome": outcome,
+                    "instance": instance,
+                    "duration_ms": round(duration_s * 1000, 3),
+                }
+            )
+
+    def stored_response_asked(self) -> None:
+        self.metrics.stored_asked.inc()
 
     def watch_snapshot(self, source: Callable[[], Snapshot | None]) -> None:
         """Give /metrics the fleet's current snapshot (alpha and reading age at scrape time)."""

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from proxy_harness import TIME_SCALE, RunningProxy, running_proxy, twin_running, wait_for
 
 from sim.testing import RunningTwin, TwinSpec, twin, twins
@@ -169,10 +170,25 @@ def test_a_proxy_that_never_saw_a_response_finds_its_server(proxy: RunningProxy,
         assert cancelled.headers["x-specroute-backend"] == "base-0"
 
 
-def test_unknown_and_unstored_ids(proxy: RunningProxy) -> None:
+def metric(proxy: RunningProxy, name: str, **labels: str) -> float:
+    for family in text_string_to_metric_families(httpx.get(proxy.url + "/metrics", timeout=5).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def test_unknown_and_unstored_ids(proxy: RunningProxy, fleet: list[RunningTwin]) -> None:
     sdk = client(proxy)
+    asked = "specroute_stored_response_upstream_requests_total"
+    before = metric(proxy, asked)
     with pytest.raises(openai.NotFoundError):
         sdk.responses.retrieve("resp_" + "0" * 32)
+    assert metric(proxy, asked) - before == len(fleet)  # a miss asks every server once
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve("resp_" + "0" * 32)
+    assert metric(proxy, asked) - before == len(fleet)  # and is remembered for a moment
+    assert metric(proxy, "specroute_stored_response_requests_total", operation="get", outcome="not_found") >= 2
     with pytest.raises(openai.NotFoundError):
         sdk.responses.retrieve("..%2F..%2Fmetrics")  # never put into a server's URL
     with pytest.raises(openai.NotFoundError, match="not found"):  # the server's own answer, relayed
