@@ -26,6 +26,7 @@ from proxy.profiler import (
     Options,
     Server,
     ServerResult,
+    above_the_line,
     alpha_from_accept_length,
     batch_sizes,
     build_profile,
@@ -233,3 +234,16 @@ def test_the_key_can_come_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixt
     out = tmp_path / "p.json"
     assert main(["profile", "--url", "http://127.0.0.1:1", "--out", str(out), "--api-key-file", str(keys)]) == 2
     assert "holds no key" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_batch_read_long_is_the_one_measured_again() -> None:
+    """Interference only adds time: a step off the line through the others is measured again."""
+
+    def batch(b: int, step_ms: float) -> BatchResult:
+        return BatchResult(b, step_ms, step_ms, 30, 32, 1024.0, 1.0, 1.0)
+
+    line = [batch(b, 10.0 + 0.2 * b) for b in (1, 2, 4, 8, 16, 32)]
+    assert above_the_line(line) == []
+    slow = [*line[:3], batch(8, 1.13 * (10.0 + 0.2 * 8)), *line[4:]]
+    assert [b.batch for b in above_the_line(slow)] == [8]
+    assert above_the_line(line[:3]) == []  # too few others to draw a line through
