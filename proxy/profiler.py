@@ -101,19 +101,18 @@ def batch_sizes(cap: int) -> list[int]:
 
 
 REMEASURE_ABOVE = 0.03
-"""A batch's step this far above the line through the other batches' steps is measured again."""
+"""A batch's step this far above the chord between its neighbours' is measured again."""
 
 
 def above_the_line(batches: Sequence[BatchResult]) -> list[BatchResult]:
-    """The batches whose step is over REMEASURE_ABOVE above the line fitted through the others
-    (at least three others: with fewer, no line says what is off it)."""
+    """The batches (between two others) whose step is over REMEASURE_ABOVE above the straight
+    line between their neighbours' steps. A step curve rises and bends upward, so a point above
+    its neighbours' chord is a bump, which only interference makes; the ends have no chord."""
     found = []
-    for k, batch in enumerate(batches):
-        others = [b for i, b in enumerate(batches) if i != k]
-        if len(others) < 3:
-            return []
-        a, slope = fit_line([b.batch for b in others], [b.step_ms for b in others])
-        if batch.step_ms > (1 + REMEASURE_ABOVE) * (a + slope * batch.batch):
+    for left, batch, right in zip(batches, batches[1:], batches[2:]):
+        share = (batch.batch - left.batch) / (right.batch - left.batch)
+        chord = left.step_ms + share * (right.step_ms - left.step_ms)
+        if batch.step_ms > (1 + REMEASURE_ABOVE) * chord:
             found.append(batch)
     return found
 
@@ -580,7 +579,7 @@ class Profiler:
         (time permitting) and the faster kept: what else runs on the client's or the server's CPU
         only ever adds time (a busy 2-core machine read one batch 13 % long)."""
         for suspect in above_the_line(result.batches):
-            if time.monotonic() + 2 * suspect.seconds > deadline:
+            if time.monotonic() + IDLE_WAIT_S + 2 * suspect.seconds > deadline:
                 result.notes.append(
                     f"batch {suspect.batch}: off the line through the others, not measured again (time)"
                 )

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import re
 import secrets
-from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from time import monotonic, perf_counter
 from typing import Any
@@ -156,6 +155,7 @@ class Exchange:
         "dialect",
         "owner",
         "keeps_id",
+        "body_bytes",
     )
 
     def __init__(self, request_id: str, send: Send, hooks: RequestHooks) -> None:
@@ -208,6 +208,8 @@ class Exchange:
         only one it can go to."""
         self.keeps_id = False
         """A Responses request its server stores (`store` not false): its id's server is noted."""
+        self.body_bytes = 0
+        """Its body's size (a Responses answer echoes parts of it after its usage)."""
 
     def routing_headers(self) -> list[tuple[bytes, bytes]]:
         """Where the request went: the pool and server of the last attempt, and why."""
@@ -426,6 +428,7 @@ class CompletionHandler:
                     405, f"use POST for {scope['path']}", code="method_not_allowed", headers=[(b"allow", b"POST")]
                 )
             body = await self.read_body(headers, receive)
+            exchange.body_bytes = len(body)
             try:
                 override, request_class = read_overrides(headers)
                 workload = read_workload(headers)
@@ -539,15 +542,24 @@ class CompletionHandler:
         if isinstance(previous, str) and previous:
             headers_for = self.headers_for(headers, exchange)
             began = perf_counter()
-            exchange.owner = await self.responses.owner(previous, headers_for, exchange.request_id)
-            owner = exchange.owner
-            self.telemetry.stored_response(
-                "lookup",
-                exchange.request_id,
-                200 if owner else 404,
-                owner.name if owner else None,
-                perf_counter() - began,
-            )
+            found = await self.responses.owner(previous, headers_for, exchange.request_id)
+            name = found.instance.name if found.instance is not None else None
+            self.telemetry.stored_response("lookup", exchange.request_id, found.status, name, perf_counter() - began)
+            if found.status == 200:
+                exchange.owner = found.instance
+            elif found.status in (409, 502):
+                # Held by several servers, or perhaps by one that could not be asked: sent anywhere,
+                # it would continue another conversation or be told, wrongly, that none exists.
+                ambiguous = found.status == 409
+                raise ProxyError(
+                    found.status,
+                    "stored response lookup failed",
+                    code="response_id_ambiguous" if ambiguous else "response_owner_unreachable",
+                    retryable=False if ambiguous else None,
+                    payload=found.body,
+                )
+            # Else no server holds it (or none keeps responses): it goes where routing sends it,
+            # and that server answers for the id.
 
     def headers_for(self, headers: dict[str, str], exchange: Exchange) -> HeadersFor:
         """What a request to an instance on this client's behalf carries (`outgoing_headers`)."""
@@ -840,7 +852,8 @@ class CompletionHandler:
             except TimeoutError:
                 raise aiohttp.SocketTimeoutError("no data event within the first-token timeout") from None
             buffered += first
-            events += first.count(b"\ndata:")
+            # From a marker's length before the new bytes: one split across reads is counted once.
+            events += buffered[max(searched - 5, 0) :].count(b"\ndata:")
         return bytes(buffered)
 
     async def upstream_error(
@@ -886,7 +899,7 @@ class CompletionHandler:
         hide_usage = is_stream and exchange.hide_usage
         dialect = exchange.dialect
         # The tail's usage also feeds the fleet model (output length; acceptance on spec).
-        tail: deque[bytes] = deque(maxlen=4)
+        tail = dialect.tail_for(exchange.body_bytes)
         await exchange.start(response.status, relayed_headers(response, is_stream))
         hooks.first_chunk(first)
         expect_chunk_gaps(response, self.settings.chunk_timeout_s)
@@ -928,7 +941,7 @@ class CompletionHandler:
                         # at [DONE] without waiting for the body's end, which must not cancel
                         # the request before the upstream's end and the usage tail are read.
                         exchange.done = True
-                tail.append(chunk)
+                tail.add(chunk)
             began = perf_counter()
             if is_stream:  # waiting on the server: a silence Router.abandon_silent may end
                 attempt.reading_since = monotonic()
@@ -943,11 +956,11 @@ class CompletionHandler:
         passed = scan.without_usage_events(partial) if hide_usage else partial
         await send({"type": "http.response.body", "body": passed, "more_body": False})
         if partial:
-            tail.append(partial)
+            tail.add(partial)
         # A chat's usage, spec details and last finish reason sit in the last few hundred bytes;
         # 4 KB keeps the scan ~12 us (16 KB: ~54 us). Earlier choices' reasons of a long n>1 JSON
         # answer can fall outside it. A Responses answer ends with the whole response object.
-        exchange.summary = dialect.summarise(b"".join(tail)[-dialect.tail_bytes :])
+        exchange.summary = dialect.summary_of(tail)
         attempt.finished(exchange.summary, complete=True)
         hooks.attempt_finished(status=response.status)
 

@@ -8,9 +8,11 @@ proxy restarted, another replica relayed the creation, the map forgot it), asks 
 with `GET /v1/responses/{id}`: the one answering 200 holds it.
 
 What a client can make the proxy do here is bounded: at most LOOKUPS requests about stored
-responses run at once (the rest wait their turn), an id found nowhere is not asked about again
-for MISS_S, and a server that refused a lookup (SGLang without its store answers 400) is not
-asked again for REFUSED_S: its refusal is answered for it.
+responses run at once on each server (the rest wait their turn, within LOOKUP_TIMEOUT_S), an id
+that is no server's (not `resp...`) is answered by the proxy, an id found nowhere is not asked
+about again for MISS_S, a server that refused a lookup (SGLang without its store answers 400) is
+not asked again for REFUSED_S (its refusal is answered for it), and one that could not be
+reached, or did not answer in time, is not asked for DOWN_S.
 """
 
 from __future__ import annotations
@@ -33,16 +35,20 @@ KNOWN_RESPONSES = 100_000
 """Response ids whose server the proxy remembers (about 200 bytes each: 20 MB at most)."""
 LOOKUP_TIMEOUT_S = 5.0
 """How long a server may take to answer about a stored response."""
-LOOKUPS = 8
-"""Requests about stored responses (lookups, GETs, cancels) running at once."""
+LOOKUPS = 4
+"""Requests about stored responses (lookups, GETs, cancels) running at once on one server."""
+DOWN_S = 5.0
+"""How long a server that could not be reached about a stored response is not asked again."""
 MAX_STORED_BYTES = 16 * 1024 * 1024
-"""The largest stored response relayed (it holds its whole output): LOOKUPS of them at once."""
+"""The largest stored response relayed (it holds its whole output)."""
 MISS_S = 2.0
 """How long an id no server holds is answered as such without asking again."""
 REFUSED_S = 60.0
 """How long a server that refused a lookup (no store) is answered for without being asked."""
-RESPONSE_ID = re.compile(r"[A-Za-z0-9_\-]{1,200}")
-"""What a response id may be to be asked for: it goes into the servers' URL paths."""
+RESPONSE_ID = re.compile(r"resp[A-Za-z0-9_\-]{1,196}")
+"""What a response id may be to be asked for: what SGLang and vLLM make (`resp_` and hex digits;
+they refuse an id not opening with `resp` with a 400 that would read as "no store"), and it goes
+into the servers' URL paths."""
 LOOKUP_ERRORS: tuple[type[BaseException], ...] = (*UPSTREAM_ERRORS, ValueError)
 """A server that could not be asked: unreachable, too slow, or its answer past the bound."""
 JSON = "application/json"
@@ -89,7 +95,10 @@ class ResponseOwners:
         self.missed: cachetools.TTLCache[str, bool] = cachetools.TTLCache(maxsize=10_000, ttl=MISS_S)
         self.refused: dict[str, tuple[float, Answer]] = {}
         """Server URL -> (until when, its refusal of a lookup)."""
-        self.turns = asyncio.Semaphore(LOOKUPS)
+        self.down: dict[str, float] = {}
+        """Server URL -> until when it is not asked (it could not be reached)."""
+        self.turns: dict[str, asyncio.Semaphore] = {}
+        """Server URL -> its turns (LOOKUPS at once)."""
 
     def record(self, response_id: str, instance: Instance) -> None:
         self.by_id[response_id] = instance.url
@@ -99,13 +108,13 @@ class ResponseOwners:
         url = self.by_id.get(response_id)
         return self.router.by_url.get(url) if url is not None else None
 
-    async def owner(self, response_id: str, headers_for: HeadersFor, request_id: str) -> Instance | None:
-        """The server holding `response_id`: the one that made it, else the one that says so."""
+    async def owner(self, response_id: str, headers_for: HeadersFor, request_id: str) -> Answer:
+        """Who holds `response_id`: the server that made it, else the one that says so (status
+        200, `instance` it); else why none was found (`ask_all`)."""
         known = self.known(response_id)
         if known is not None:
-            return known
-        answer = await self.ask_all(response_id, headers_for, request_id, with_body=False)
-        return answer.instance if answer.status == 200 else None
+            return Answer(200, b"", JSON, known)
+        return await self.ask_all(response_id, headers_for, request_id, with_body=False)
 
     async def get(self, response_id: str, headers_for: HeadersFor, request_id: str, query: str = "") -> Answer:
         """`GET /v1/responses/{id}` of the server holding it (every server asked on a miss)."""
@@ -152,10 +161,13 @@ class ResponseOwners:
         now = time.monotonic()
         asked: list[Instance] = []
         refusals: list[Answer] = []
+        unasked = 0
         for instance in self.router.instances():
             memo = self.refused.get(instance.url)
             if memo is not None and memo[0] > now:
                 refusals.append(memo[1])
+            elif not instance.signals.healthy or self.down.get(instance.url, 0.0) > now:
+                unasked += 1  # unreachable: it may hold the response (an ejected one is asked)
             else:
                 asked.append(instance)
         answers = await asyncio.gather(
@@ -182,7 +194,7 @@ class ResponseOwners:
         refusals += [a for a in answers if a.status not in (404, 502) and a.status < 500]
         if refusals:
             return refusals[0]
-        unasked = sum(a.status >= 500 for a in answers)
+        unasked += sum(a.status >= 500 for a in answers)
         if unasked:  # it may be on a server that could not answer: not "not found"
             message = f"response '{response_id}' is on none of the servers that answered; {unasked} could not be asked"
             return proxy_error(502, message, "response_owner_unreachable")
@@ -202,29 +214,33 @@ class ResponseOwners:
         """One request to one server, its answer read whole (bounded; only its status when not
         `with_body` and it succeeded); a failure to reach it, or an answer past the bound, is a
         502 of the proxy's."""
-        async with self.turns:
-            self.telemetry.stored_response_asked()
-            try:
-                async with asyncio.timeout(LOOKUP_TIMEOUT_S):
-                    async with self.upstream.session.request(
-                        method,
-                        instance.url + path,
-                        headers=list(headers.items()),
-                        data=body if method == "POST" else None,
-                        allow_redirects=False,
-                    ) as response:
-                        status = response.status
-                        content_type = response.headers.get("content-type", JSON)
-                        if status == 200 and not with_body:
-                            return Answer(status, b"", content_type, instance)  # the connection is closed unread
-                        raw = await read_up_to(response.content, MAX_STORED_BYTES + 1)
-                        if len(raw) > MAX_STORED_BYTES:
-                            raise ValueError(f"stored response over {MAX_STORED_BYTES} bytes")
-            except LOOKUP_ERRORS as exc:
-                message = (
-                    f"upstream {instance.pool} server could not be asked about the response ({type(exc).__name__})"
-                )
-                return Answer(502, error_body(message, "server_error", "upstream_unreachable"), JSON, instance)
+        turns = self.turns.get(instance.url)
+        if turns is None:
+            turns = self.turns[instance.url] = asyncio.Semaphore(LOOKUPS)
+        try:
+            # The wait for a turn counts: a server that holds its turns does not hold a client longer.
+            async with asyncio.timeout(LOOKUP_TIMEOUT_S), turns:
+                self.telemetry.stored_response_asked()
+                async with self.upstream.session.request(
+                    method,
+                    instance.url + path,
+                    headers=list(headers.items()),
+                    data=body if method == "POST" else None,
+                    allow_redirects=False,
+                ) as response:
+                    status = response.status
+                    content_type = response.headers.get("content-type", JSON)
+                    if status == 200 and not with_body:
+                        return Answer(status, b"", content_type, instance)  # the connection is closed unread
+                    raw = await read_up_to(response.content, MAX_STORED_BYTES + 1)
+                    if len(raw) > MAX_STORED_BYTES:
+                        raise ValueError(f"stored response over {MAX_STORED_BYTES} bytes")
+        except LOOKUP_ERRORS as exc:
+            if not isinstance(exc, ValueError):
+                self.down[instance.url] = time.monotonic() + DOWN_S
+            message = f"upstream {instance.pool} server could not be asked about the response ({type(exc).__name__})"
+            return Answer(502, error_body(message, "server_error", "upstream_unreachable"), JSON, instance)
+        self.down.pop(instance.url, None)
         if status in (401, 403) and not (self.clients_keys_upstream and instance.api_key is None):
             message = (
                 f"upstream {instance.pool} server refused the proxy's credentials (HTTP {status}); "

@@ -7,6 +7,7 @@ expressions over small slices, run once per chunk (count) or once per response (
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -83,8 +84,9 @@ class EventSplitter:
         if not self.pending and chunk.endswith(b"\n\n"):
             return chunk
         if self.pending:
-            # An end may straddle the two reads: look at the last bytes of the rest too.
-            probe = self.pending[-1][-3:] + chunk
+            # An end may straddle the reads: look at the rest's last 3 bytes too (over its last
+            # three pieces: a piece may be a single byte).
+            probe = b"".join(self.pending[-3:])[-3:] + chunk
             if not any(end in probe for end in EVENT_ENDS):
                 return self._keep(chunk)
             chunk = b"".join(self.pending) + chunk
@@ -188,8 +190,8 @@ PREAMBLE_EVENTS = 8
 """Data events held at most while waiting for a stream's first token: past them it is taken as
 started (a server whose events carry no `event:` line is relayed, not held to its end)."""
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp[A-Za-z0-9_\-]{1,200})"')
-_EVENT_TYPE = re.compile(rb"event: response\.([a-z_]+)\r?\n")
-_USAGE = re.compile(rb'"usage"\s*:\s*\{')
+_EVENT_TYPE = re.compile(rb"event: response\.([a-z_.]+)\r?\n")
+_USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
 _STATUS = re.compile(rb'"status"\s*:\s*"([a-z_]+)"')
 _INPUT_TOKENS = re.compile(rb'"input_tokens"\s*:\s*' + _COUNT)
 _OUTPUT_TOKENS = re.compile(rb'"output_tokens"\s*:\s*' + _COUNT)
@@ -197,6 +199,12 @@ _INPUT_CACHED = re.compile(rb'"input_tokens_details"\s*:\s*\{[^{}]*?"cached_toke
 _INCOMPLETE_REASON = re.compile(rb'"incomplete_details"\s*:\s*\{[^{}]*?"reason"\s*:\s*"([A-Za-z_]+)"')
 USAGE_BYTES = 1024
 """The longest usage object read (SGLang's is about 200 bytes)."""
+STATUS_BYTES = 256
+"""How far before its usage a JSON answer's own status is looked for (SGLang writes it just before)."""
+END_STATUSES = frozenset({b"completed", b"incomplete", b"failed"})
+TAIL_BYTES = 64 * 1024
+"""What a Responses answer keeps of its end beyond its request's size: all of the response object
+after its usage is the server's fields and what it echoes of the request."""
 FINISH_OF_STATUS = {b"completed": "stop", b"failed": "error", b"cancelled": "abort"}
 FINISH_OF_INCOMPLETE = {b"max_output_tokens": "length", b"content_filter": "content_filter"}
 
@@ -229,43 +237,54 @@ def response_id(first: bytes) -> str | None:
     return found.group(1).decode() if found else None
 
 
-def usage_object(region: bytes) -> bytes | None:
-    """The response's usage object: the first one in `region` (the response object, or a
-    stream's last event). It comes before the fields that echo the client's own objects
-    (tools, metadata), whose keys a client chooses; text is in strings, where a quote is escaped."""
-    found = region.find(b'"usage":{')
-    if found < 0:
-        match = _USAGE.search(region)
+def usage_object(region: bytes) -> tuple[int, bytes | None]:
+    """(where the response's `usage` key is, -1 if nowhere; its object, None when it is null).
+    The response's own key is the first in `region` (the response object, or a stream's last
+    event): it comes before the fields that echo the client's objects (tools, metadata), whose
+    keys a client chooses, and text is in strings, where a quote is escaped."""
+    found = region.find(b'"usage":')
+    if found >= 0:
+        value = found + 8
+    else:
+        match = _USAGE_KEY.search(region)
         if match is None:
-            return None
-        found = match.start()
-    opening = region.index(b"{", found)
+            return -1, None
+        found, value = match.start(), match.end()
+    while value < len(region) and region[value] in b" \t\r\n":
+        value += 1
+    if value >= len(region) or region[value] != 0x7B:  # null (a queued or failed response)
+        return found, None
     depth = 0
-    for at in range(opening, min(len(region), opening + USAGE_BYTES)):
+    for at in range(value, min(len(region), value + USAGE_BYTES)):
         byte = region[at]
         if byte == 0x7B:  # {
             depth += 1
         elif byte == 0x7D:  # }
             depth -= 1
             if depth == 0:
-                return region[opening : at + 1]
-    return None
+                return found, region[value : at + 1]
+    return found, None
 
 
 def summarise_response(tail: bytes) -> Summary:
-    """`summarise` for the Responses API, from the answer's end: a stream's last event, or a JSON
-    answer's response object. Usage as input and output tokens; a finish reason from how the
-    response ended (completed: "stop"; incomplete for its max_output_tokens: "length"; failed:
-    "error"), the event's type for a stream, the response's status for a JSON answer."""
-    at = tail.rfind(b"\nevent: response.") + 1  # 0: none after a line break
-    last = _EVENT_TYPE.match(tail, at)
-    region = tail[at:] if last is not None else tail
-    usage = usage_object(region)
-    if last is not None:
-        status: bytes | None = last.group(1)
-    else:  # the response's own status comes just before its usage (its items' come earlier)
-        before = region[: region.find(usage)] if usage is not None else region
-        statuses = _STATUS.findall(before)
+    """`summarise` for the Responses API, from the answer's end: a stream's last event when it
+    is one that ends it with the response (completed, incomplete, failed: else nothing is taken,
+    for the client's own echoed objects may be all that is left), or a JSON answer's response
+    object (`tail` holds all of it that follows its usage: `Dialect.tail_bytes`). Usage as input
+    and output tokens; a finish reason from how the response ended (completed: "stop";
+    incomplete for its max_output_tokens: "length"; failed: "error")."""
+    at = tail.rfind(b"\nevent: ") + 1
+    if at > 0 or tail.startswith(b"event: "):  # a stream: its last event only
+        last = _EVENT_TYPE.match(tail, at)
+        status = last.group(1) if last is not None else None
+        if status not in END_STATUSES:
+            return Summary(finish_reasons=("error",) if tail.startswith(b"event: error", at) else ())
+        region = tail[at:]
+        _, usage = usage_object(region)
+    else:  # a JSON answer: the response's own status is the one just before its usage
+        region = tail
+        found, usage = usage_object(region)
+        statuses = _STATUS.findall(region, max(found - STATUS_BYTES, 0), found) if found >= 0 else []
         status = statuses[-1] if statuses else None
     finish: tuple[str, ...] = ()
     if status == b"incomplete":
@@ -286,6 +305,29 @@ def summarise_response(tail: bytes) -> Summary:
     )
 
 
+class Tail:
+    """The end of a response as it was relayed: its last chunks, at least `limit` bytes of them
+    (all, when it is shorter), for `summarise` to read once it is over."""
+
+    __slots__ = ("chunks", "size", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.chunks: deque[bytes] = deque()
+        self.size = 0
+        self.limit = limit
+
+    def add(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+        self.size += len(chunk)
+        while self.size - len(self.chunks[0]) >= self.limit:
+            self.size -= len(self.chunks.popleft())
+
+    def last(self, cut: bool) -> bytes:
+        """The kept bytes; `cut`: only the last `limit` of them."""
+        joined = b"".join(self.chunks)
+        return joined[-self.limit :] if cut else joined
+
+
 @dataclass(frozen=True, slots=True)
 class Dialect:
     """How one API's answers are looked into: its token events, its first token, its usage."""
@@ -297,14 +339,23 @@ class Dialect:
     """Whether a stream's first bytes hold its first token."""
     summarise: Callable[[bytes], Summary]
     tail_bytes: int
-    """How much of the answer's end `summarise` reads (a Responses answer ends with the whole
-    response object, its text included, and its usage may come before its output)."""
+    """How much of the answer's end `summarise` reads: a chat's usage is in its last few hundred
+    bytes; a Responses answer ends with the whole response object, whose usage is followed by
+    what the server echoes of the request (`tail_for`)."""
     stream_usage: bool
     """Whether its streams send usage only when asked (`stream_options`, chat and completions)."""
     ended: Callable[[bytes], bool]
     """Whether a chunk holds the stream's last event (the client may close on it)."""
     error_event: Callable[[str, str, str | None], bytes]
     """What ends a stream the proxy cannot finish: (message, type, code) -> its last event."""
+
+    def tail_for(self, request_bytes: int) -> Tail:
+        """The tail a response to a request of `request_bytes` keeps."""
+        return Tail(self.tail_bytes if self.stream_usage else self.tail_bytes + request_bytes)
+
+    def summary_of(self, tail: Tail) -> Summary:
+        """What the tail says; a Responses answer's last event is read whole."""
+        return self.summarise(tail.last(cut=self.stream_usage))
 
 
 def chat_started(buffered: bytes) -> bool:
@@ -321,7 +372,7 @@ RESPONSES = Dialect(
     response_events,
     response_started,
     summarise_response,
-    256 * 1024,
+    TAIL_BYTES,
     False,
     response_ended,
     response_error_event,

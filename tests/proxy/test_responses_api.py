@@ -215,3 +215,35 @@ def test_a_client_leaving_frees_its_server_whatever_its_text_says() -> None:
             stream.close()
             wait_for(lambda: twin_running(slow) == 0, what="the twin's request cancelled", timeout=15)
             wait_for(lambda: proxy.in_flight() == 0, what="in-flight counts back to zero")
+
+
+def test_ids_no_server_makes_are_answered_without_asking(proxy: RunningProxy, fleet: list[RunningTwin]) -> None:
+    """SGLang answers an id not opening with `resp` 400: asked, it would read as "no store" for all."""
+    asked = "specroute_stored_response_upstream_requests_total"
+    before = metric(proxy, asked)
+    for odd in ("x", "msg_123", "respect" + "0" * 200):
+        answer = httpx.get(f"{proxy.url}/v1/responses/{odd}", timeout=10)
+        assert answer.status_code == 404 and answer.json()["error"]["code"] == "response_not_found"
+    assert metric(proxy, asked) == before
+    made = client(proxy).responses.create(model=MODEL, input="Still here?", max_output_tokens=8)
+    with running_proxy(spec_urls=[fleet[0].url, fleet[1].url], base_urls=[fleet[2].url]) as other:
+        assert httpx.get(f"{other.url}/v1/responses/x", timeout=10).status_code == 404
+        assert client(other).responses.retrieve(made.id).id == made.id
+
+
+def test_an_id_two_servers_hold_is_refused_not_guessed(proxy: RunningProxy, fleet: list[RunningTwin]) -> None:
+    """SGLang takes a client's request_id as the response's id: two servers can hold one id."""
+    shared = "resp_" + "ab" * 16
+    for server in fleet[:2]:
+        direct = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
+        direct.responses.create(model=MODEL, input="Mine.", max_output_tokens=8, extra_body={"request_id": shared})
+    sdk = client(proxy)
+    with pytest.raises(openai.ConflictError, match="several servers"):
+        sdk.responses.retrieve(shared)
+    raw = httpx.post(
+        f"{proxy.url}/v1/responses",
+        json={"model": MODEL, "input": "Go on.", "previous_response_id": shared, "max_output_tokens": 8},
+        timeout=10,
+    )
+    assert raw.status_code == 409 and raw.headers["x-should-retry"] == "false"
+    assert raw.json()["error"]["code"] == "response_id_ambiguous"

@@ -179,3 +179,39 @@ def test_the_proxy_ends_a_broken_responses_stream_with_an_error_event_the_sdk_ra
     data = json.loads(ending.split(b"data: ", 1)[1])
     assert data["type"] == "error" and data["code"] == "upstream_disconnected"
     assert data["error"]["message"] == "upstream failed"  # what openai-python raises APIError from
+
+
+def test_usage_the_server_did_not_report_is_not_taken_from_the_clients_objects() -> None:
+    tools = [{"type": "function", "parameters": {"usage": {"input_tokens": 7, "output_tokens": 99999}}}]
+    queued = {"id": "resp_1", "status": "queued", "usage": None, "tools": tools, "metadata": {"status": "completed"}}
+    summary = scan.summarise_response(json.dumps(queued).encode())
+    assert (summary.prompt_tokens, summary.completion_tokens, summary.finish_reasons) == (None, None, ())
+    failed = event("response.failed", sequence_number=3, response={**queued, "status": "failed"})
+    assert scan.summarise_response(failed) == scan.Summary(finish_reasons=("error",))
+    created = event("response.created", sequence_number=0, response=queued)
+    errored = created + b'event: error\ndata: {"type":"error","code":"x","message":"m"}\n\n'
+    assert scan.summarise_response(errored) == scan.Summary(finish_reasons=("error",))
+    cut = created + delta("Hel", 1) + delta("lo", 2)  # the stream broke before its last event
+    assert scan.summarise_response(cut) == scan.Summary()
+
+
+def test_the_tail_keeps_what_the_request_could_echo_and_the_last_event_whole() -> None:
+    tail = scan.RESPONSES.tail_for(request_bytes=1000)
+    for _ in range(100):
+        tail.add(b"x" * 1000)
+    last = b"y" * 200_000
+    tail.add(last)
+    kept = tail.last(cut=False)
+    assert kept.endswith(last) and len(kept) >= scan.TAIL_BYTES + 1000
+    assert len(kept) <= len(last) + scan.TAIL_BYTES + 1000 + 1000  # bounded, whatever came before
+    chat = scan.CHAT.tail_for(request_bytes=10**6)
+    for _ in range(10):
+        chat.add(b"z" * 1000)
+    assert len(chat.last(cut=True)) == 4096  # a chat's usage is in its last bytes
+
+
+def test_crlf_events_read_a_byte_at_a_time_are_split_as_they_end() -> None:
+    splitter = scan.EventSplitter(1 << 20)
+    stream = b"event: response.output_text.delta\r\ndata: {}\r\n\r\n" * 3
+    whole = [splitter.feed(stream[i : i + 1]) for i in range(len(stream))]
+    assert [len(w) for w in whole if w] == [len(stream) // 3] * 3
