@@ -32,7 +32,6 @@ from proxy.relay import (
     Receive,
     Scope,
     Send,
-    outgoing_headers,
     request_headers,
     request_id_of,
 )
@@ -241,23 +240,18 @@ def management_api(app: SpecrouteApp) -> FastAPI:
     @api.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str, request: Request) -> Response:
         """A stored response, from the server that holds it (proxy/responses.py)."""
-        headers, request_id = client_headers(request)
+        request_id, headers_for = client_headers(app, request)
         began = time.perf_counter()
-        answer = await app.completions.responses.get(
-            response_id, headers_to(app, headers, request_id, request), request_id, request.url.query
-        )
+        answer = await app.completions.responses.get(response_id, headers_for, request_id, request.url.query)
         return answered(app, "get", answer, request_id, began)
 
     @api.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str, request: Request) -> Response:
         """Cancel a background response, on the server running it."""
-        headers, request_id = client_headers(request)
         # It takes no body (OpenAI's and SGLang's): none is read or sent on.
-        headers.pop("content-type", None)
+        request_id, headers_for = client_headers(app, request)
         began = time.perf_counter()
-        answer = await app.completions.responses.cancel(
-            response_id, headers_to(app, headers, request_id, request), request_id, b"", request.url.query
-        )
+        answer = await app.completions.responses.cancel(response_id, headers_for, request_id, b"", request.url.query)
         return answered(app, "cancel", answer, request_id, began)
 
     @api.api_route("/v1/models", methods=READ_METHODS)
@@ -280,18 +274,13 @@ def management_api(app: SpecrouteApp) -> FastAPI:
     return api
 
 
-def client_headers(request: Request) -> tuple[dict[str, str], str]:
-    """The client's headers by lower-case name (as the completion path reads them) and the
-    request id they give, else a new one."""
+def client_headers(app: SpecrouteApp, request: Request) -> tuple[str, HeadersFor]:
+    """The request id the client's headers give (else a new one), and what a request to an
+    instance on its behalf carries (as its completions' would)."""
     headers, _ = request_headers(request.scope)
-    return headers, request_id_of(headers)
-
-
-def headers_to(app: SpecrouteApp, headers: dict[str, str], request_id: str, request: Request) -> HeadersFor:
-    """What a request to an instance about a stored response carries: as a completion's would."""
+    request_id = request_id_of(headers)
     client = request.client.host if request.client else None
-    append = app.settings.forwarded_headers == "append"
-    return lambda instance: outgoing_headers(headers, instance, request_id, client, append)
+    return request_id, app.completions.headers_for(headers, request_id, client)
 
 
 def answered(app: SpecrouteApp, operation: str, answer: Answer, request_id: str, began: float) -> Response:

@@ -128,7 +128,8 @@ class Given:
     hash_key: bytes = b""
     """The key of a derived workload key's system-prompt hash (`Router.hash_key`)."""
     responses: bool = False
-    """A Responses API body (`input`, `instructions`): read as the chat body it amounts to."""
+    """A Responses API body (`input`, `instructions`): read as the chat body it amounts to
+    (`Parsed.payload`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +137,8 @@ class Parsed:
     """A request body as routing reads it."""
 
     payload: dict[str, Any]
-    """The parsed body (without its prompt when parsed in the worker process)."""
+    """The parsed body (without its prompt when parsed in the worker process); a Responses body
+    with the fields of the chat it amounts to added (`fleet.features.responses_as_chat`)."""
     features: Features
     blocks: Sequence[int]
     """Its prompt's chained block hashes: `PromptBlocks` hashed as they are read, or a tuple
@@ -161,12 +163,13 @@ def read(body: bytes, max_items: int, max_values: int, given: Given = Given()) -
         )
     payload = parse_object(body)
     check_fields(payload)
-    view = responses_as_chat(payload) if given.responses else payload
+    if given.responses:  # its own fields kept; routing, spans and content read the chat ones
+        payload = {**payload, **responses_as_chat(payload)}
     return Parsed(
         payload,
-        features_of(view, given.request_class, given.workload, given.hash_key),
-        PromptBlocks.of(view, given.block_tokens, given.max_blocks),
-        session_of(view, given.session),
+        features_of(payload, given.request_class, given.workload, given.hash_key),
+        PromptBlocks.of(payload, given.block_tokens, given.max_blocks),
+        session_of(payload, given.session),
     )
 
 

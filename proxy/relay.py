@@ -18,7 +18,6 @@ from typing import Any
 
 import aiohttp
 
-from fleet.features import responses_as_chat
 from fleet.model import NO_MATCH, PrefixMatch
 from fleet.types import Decision, PoolName
 from proxy import body as request_body
@@ -487,8 +486,7 @@ class CompletionHandler:
                 # Bounded: the name goes into the log line and the spans, and a client chooses it.
                 model=model[:MAX_MODEL_CHARS] if isinstance(model, str) else None,
                 override=override,
-                # A Responses body as the chat it amounts to: its parameters, its content if traced.
-                body=payload if exchange.dialect is scan.CHAT else {**payload, **responses_as_chat(payload)},
+                body=payload,
             )
             watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, task, exchange))
             target = scope["path"]
@@ -540,7 +538,7 @@ class CompletionHandler:
         exchange.keeps_id = payload.get("store") is not False and "request_id" not in payload
         previous = payload.get("previous_response_id")
         if isinstance(previous, str) and previous:
-            headers_for = self.headers_for(headers, exchange)
+            headers_for = self.headers_for(headers, exchange.request_id, exchange.client)
             began = perf_counter()
             found = await self.responses.owner(previous, headers_for, exchange.request_id)
             name = found.instance.name if found.instance is not None else None
@@ -561,10 +559,11 @@ class CompletionHandler:
             # Else no server holds it (or none keeps responses): it goes where routing sends it,
             # and that server answers for the id.
 
-    def headers_for(self, headers: dict[str, str], exchange: Exchange) -> HeadersFor:
-        """What a request to an instance on this client's behalf carries (`outgoing_headers`)."""
+    def headers_for(self, headers: dict[str, str], request_id: str, client: str | None) -> HeadersFor:
+        """What a request to an instance on a client's behalf carries (`outgoing_headers`): a
+        lookup of a stored response as its completions would."""
         append = self.settings.forwarded_headers == "append"
-        return lambda instance: outgoing_headers(headers, instance, exchange.request_id, exchange.client, append)
+        return lambda instance: outgoing_headers(headers, instance, request_id, client, append)
 
     async def interrupted(self, exchange: Exchange) -> None:
         """The server cancelled this request at the end of its drain: tell the client so (a 503 the

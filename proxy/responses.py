@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import cachetools
 
+from proxy import scan
 from proxy.errors import error_body, normalise_upstream_error
 from proxy.hooks import Telemetry
 from proxy.pools import Instance
@@ -45,10 +46,9 @@ MISS_S = 2.0
 """How long an id no server holds is answered as such without asking again."""
 REFUSED_S = 60.0
 """How long a server that refused a lookup (no store) is answered for without being asked."""
-RESPONSE_ID = re.compile(r"resp[A-Za-z0-9_\-]{1,196}")
-"""What a response id may be to be asked for: what SGLang and vLLM make (`resp_` and hex digits;
-they refuse an id not opening with `resp` with a 400 that would read as "no store"), and it goes
-into the servers' URL paths."""
+RESPONSE_ID = re.compile(scan.RESPONSE_ID)
+"""What a response id may be to be asked for: one a server makes (asked of an id not opening with
+`resp`, SGLang answers a 400 that would read as "no store"); it goes into the servers' URL paths."""
 LOOKUP_ERRORS: tuple[type[BaseException], ...] = (*UPSTREAM_ERRORS, ValueError)
 """A server that could not be asked: unreachable, too slow, or its answer past the bound."""
 JSON = "application/json"

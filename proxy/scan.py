@@ -184,12 +184,17 @@ def without_usage_events(chunk: bytes) -> bytes:
 DELTA_LINES = (b".delta\ndata:", b".delta\r\ndata:")
 """The end of a delta event's `event:` line and the start of its data line."""
 END_TYPES = (b"response.completed", b"response.incomplete", b"response.failed", b"error")
-END_LINES = tuple(b"\nevent: " + kind + ending for kind in END_TYPES for ending in (b"\n", b"\r\n"))
-"""A stream's last event's `event:` line, after the line break before it."""
+END_OPENINGS = tuple(b"event: " + kind + ending for kind in END_TYPES for ending in (b"\n", b"\r\n"))
+"""A stream's last event's `event:` line."""
+END_LINES = tuple(b"\n" + opening for opening in END_OPENINGS)
+"""The same after the line break before it (a chunk of whole events may also open with one)."""
 PREAMBLE_EVENTS = 8
 """Data events held at most while waiting for a stream's first token: past them it is taken as
 started (a server whose events carry no `event:` line is relayed, not held to its end)."""
-_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp[A-Za-z0-9_\-]{1,200})"')
+RESPONSE_ID = r"resp[A-Za-z0-9_\-]{1,196}"
+"""What SGLang and vLLM make a response's id (`resp_` and hex digits; they refuse an id not
+opening with `resp`), at most 200 characters."""
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(' + RESPONSE_ID.encode() + rb')"')
 _EVENT_TYPE = re.compile(rb"event: response\.([a-z_.]+)\r?\n")
 _USAGE_KEY = re.compile(rb'"usage"\s*:\s*')
 _STATUS = re.compile(rb'"status"\s*:\s*"([a-z_]+)"')
@@ -224,10 +229,7 @@ def response_started(buffered: bytes) -> bool:
 
 def response_ended(chunk: bytes) -> bool:
     """Whether whole events (a chunk starts at an event) hold the stream's last event."""
-    return any(line in chunk for line in END_LINES) or any(
-        chunk.startswith(b"event: " + kind) and chunk[len(kind) + 7 : len(kind) + 8] in (b"\n", b"\r")
-        for kind in END_TYPES
-    )
+    return chunk.startswith(END_OPENINGS) or any(line in chunk for line in END_LINES)
 
 
 def response_id(first: bytes) -> str | None:
@@ -332,16 +334,17 @@ class Tail:
 class Dialect:
     """How one API's answers are looked into: its token events, its first token, its usage."""
 
-    name: str
     count: Callable[[bytes], int]
     """Token-carrying events in a chunk of whole events."""
     started: Callable[[bytes], bool]
     """Whether a stream's first bytes hold its first token."""
     summarise: Callable[[bytes], Summary]
     tail_bytes: int
-    """How much of the answer's end `summarise` reads: a chat's usage is in its last few hundred
-    bytes; a Responses answer ends with the whole response object, whose usage is followed by
-    what the server echoes of the request (`tail_for`)."""
+    """How much of the answer's end `summarise` reads (a chat's usage is in its last few hundred
+    bytes), beyond the request's size where the answer `echoes_request`."""
+    echoes_request: bool
+    """Its answer ends with the whole response object, whose usage is followed by what the server
+    echoes of the request: the tail keeps that much more, and its last event is read whole."""
     stream_usage: bool
     """Whether its streams send usage only when asked (`stream_options`, chat and completions)."""
     ended: Callable[[bytes], bool]
@@ -351,11 +354,11 @@ class Dialect:
 
     def tail_for(self, request_bytes: int) -> Tail:
         """The tail a response to a request of `request_bytes` keeps."""
-        return Tail(self.tail_bytes if self.stream_usage else self.tail_bytes + request_bytes)
+        return Tail(self.tail_bytes + request_bytes if self.echoes_request else self.tail_bytes)
 
     def summary_of(self, tail: Tail) -> Summary:
-        """What the tail says; a Responses answer's last event is read whole."""
-        return self.summarise(tail.last(cut=self.stream_usage))
+        """What the tail says."""
+        return self.summarise(tail.last(cut=not self.echoes_request))
 
 
 def chat_started(buffered: bytes) -> bool:
@@ -366,15 +369,8 @@ def chat_ended(chunk: bytes) -> bool:
     return DONE in chunk
 
 
-CHAT = Dialect("chat", content_events, chat_started, summarise, 4096, True, chat_ended, stream_error_event)
+CHAT = Dialect(content_events, chat_started, summarise, 4096, False, True, chat_ended, stream_error_event)
 RESPONSES = Dialect(
-    "responses",
-    response_events,
-    response_started,
-    summarise_response,
-    TAIL_BYTES,
-    False,
-    response_ended,
-    response_error_event,
+    response_events, response_started, summarise_response, TAIL_BYTES, True, False, response_ended, response_error_event
 )
 DIALECTS = {"/v1/chat/completions": CHAT, "/v1/completions": CHAT, "/v1/responses": RESPONSES}

@@ -81,7 +81,7 @@ def test_answers_and_streams_are_relayed_and_counted(proxy: RunningProxy) -> Non
 def test_a_stream_is_held_until_its_first_token(proxy: RunningProxy, healed: list[RunningTwin]) -> None:
     """SGLang sends response.created before it generates: a server that fails after it, before
     any text, is still failed over (the client never saw its events)."""
-    first, second = healed[0], healed[1]
+    first = healed[0]
     httpx.post(first.url + "/specroute/twin/faults", json={"drop_after_chunks": 2}, timeout=5).raise_for_status()
     sdk = client(proxy)
     backends = set()
@@ -100,7 +100,6 @@ def test_a_stream_is_held_until_its_first_token(proxy: RunningProxy, healed: lis
     assert backends == {"spec-1"}
     metrics = httpx.get(proxy.url + "/metrics", timeout=5).text
     assert re.search(r"^specroute_retries_total\{[^}]*\} [1-9]", metrics, re.M), "no attempt was failed over"
-    assert second.url  # the one that served them
 
 
 def test_a_failure_after_the_first_token_ends_the_stream_with_an_error_the_sdk_raises(
