@@ -21,6 +21,9 @@ above judges slow fails (a slow probe counted as a success put a still slow serv
 slow samples then ejected it again once it had healed). A server restarted (the load polls could
 not reach it, then reached it again) is back at once (`restarted`). An ejected instance is
 unhealthy in the fleet snapshot, so the policy routes as if it were down.
+
+A request that fails on several servers and on none is served is judged their cause, not them
+(`proxy.suspects`): what it counted is taken back (`absolve`), an ejection it caused included.
 """
 
 from __future__ import annotations
@@ -28,11 +31,12 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fleet.model import FleetModel
 from proxy.pools import Instance, Pool
+from proxy.suspects import Suspects
 
 FAILURES = frozenset(
     {"connect", "upstream_disconnected", "first_token_timeout", "chunk_timeout", "upstream_unresponsive"}
@@ -62,6 +66,10 @@ class Record:
     """Why it was last ejected."""
     ok_since: float = 0.0
     """When it last came back (or its ejection count last fell)."""
+    run: list[bytes] = field(default_factory=list)
+    """The request keys of the failures in its current count that a request may have caused."""
+    ejected_by: bytes | None = None
+    """The request key of the failure that ejected it, when a request may have caused it."""
 
 
 class OutlierDetector:
@@ -74,6 +82,7 @@ class OutlierDetector:
         ejection_s: float,
         max_ejection_s: float,
         slow_factor: float,
+        suspects: Suspects | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pools = list(pools)
@@ -83,6 +92,7 @@ class OutlierDetector:
         self.max_ejection_s = max_ejection_s
         self.slow_factor = slow_factor
         self.clock = clock
+        self.suspects = suspects if suspects is not None else Suspects(0, 1.0)
         self.records: dict[str, Record] = {i.url: Record() for pool in self.pools for i in pool.instances}
         self.pool_of: dict[str, Pool] = {i.url: pool for pool in self.pools for i in pool.instances}
 
@@ -130,6 +140,7 @@ class OutlierDetector:
     def succeeded(self, instance: Instance, ttft_s: float | None) -> None:
         record = self.records[instance.url]
         record.consecutive = 0
+        record.run.clear()
         now = self.clock()
         if record.state == PROBING:
             record.probe_in_flight = False
@@ -146,16 +157,40 @@ class OutlierDetector:
             if self.slow_factor > 0 and self._slow(instance.url, record):
                 self._eject(instance.url, record, "slow-first-token")
 
-    def failed(self, instance: Instance, kind: str) -> None:
+    def failed(self, instance: Instance, kind: str, key: bytes | None = None) -> None:
+        """An attempt failed; `key`: its request's, when the request may have caused it."""
         if kind not in FAILURES and not kind.startswith("status_5"):
             return
         record = self.records[instance.url]
+        if key is not None:
+            self.suspects.failed(key, instance.url, kind)
         record.consecutive += 1
+        if key is not None and self.consecutive_failures:
+            record.run.append(key)
         if record.state == PROBING:
             record.probe_in_flight = False
-            self._eject(instance.url, record, f"probe-failed:{kind}", probe_failed=True)
+            self._eject(instance.url, record, f"probe-failed:{kind}", probe_failed=True, key=key)
         elif self.consecutive_failures and record.consecutive >= self.consecutive_failures:
-            self._eject(instance.url, record, f"consecutive-failures:{kind}")
+            self._eject(instance.url, record, f"consecutive-failures:{kind}", key=key)
+
+    def absolve(self, key: bytes) -> list[str]:
+        """Request `key` ended unanswered: when it failed on enough servers to be judged their
+        cause, what it counted against them is taken back, and an ejection it caused ends
+        (half-open: one request at a time until one succeeds, as after any ejection, its
+        ejection count as before). The servers absolved (empty: it was not judged)."""
+        urls = self.suspects.judged(key)
+        for url in urls:
+            record = self.records.get(url)
+            if record is None:
+                continue
+            if record.state == EJECTED and record.ejected_by == key:
+                record.state, record.probe_in_flight, record.ejected_by = PROBING, False, None
+                record.ejections = max(record.ejections - 1, 0)
+                self.fleet.set_ejected(url, False)
+            elif key in record.run:
+                record.consecutive -= record.run.count(key)
+                record.run = [k for k in record.run if k != key]
+        return urls
 
     def restarted(self, url: str) -> None:
         """The server behind `url` went away and is back (the pollers could not reach it, then
@@ -168,6 +203,7 @@ class OutlierDetector:
         if record.state != OK:
             self.fleet.set_ejected(url, False)
         record.state, record.probe_in_flight, record.consecutive = OK, False, 0
+        record.run.clear()
         record.ttft_s, record.ttft_samples = None, 0
         record.ok_since = self.clock()
 
@@ -203,7 +239,10 @@ class OutlierDetector:
         others = [i for p in self.pools for i in p.instances if i.url != url]
         return any(i.healthy for i in others)
 
-    def _eject(self, url: str, record: Record, reason: str, probe_failed: bool = False) -> None:
+    def _eject(
+        self, url: str, record: Record, reason: str, probe_failed: bool = False, key: bytes | None = None
+    ) -> None:
+        """`key`: the request key of the failure that ejects it (when a request may have caused it)."""
         if not self._may_eject(url):
             if probe_failed:  # no room to eject it again: it stays half-open, a request at a time
                 record.state = PROBING
@@ -212,7 +251,9 @@ class OutlierDetector:
         record.state = EJECTED
         record.until = self.clock() + min(self.ejection_s * record.ejections, self.max_ejection_s)
         record.reason = reason
+        record.ejected_by = key
         record.consecutive = 0
+        record.run.clear()
         record.ttft_s, record.ttft_samples = None, 0  # judged afresh after its return
         self.fleet.set_ejected(url, True)
 

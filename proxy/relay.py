@@ -13,6 +13,7 @@ import logging
 import re
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from functools import partial
 from time import monotonic, perf_counter
 from typing import Any
 
@@ -30,6 +31,7 @@ from proxy.responses import HeadersFor, ResponseOwners
 from proxy.routing import Attempt, Router, RoutingInputError, read_overrides, read_session, read_workload
 from proxy.settings import Settings
 from proxy.state import dispatched
+from proxy.suspects import Suspects, request_key
 from proxy.upstream import (
     CONNECT,
     DISCONNECTED,
@@ -155,6 +157,7 @@ class Exchange:
         "owner",
         "keeps_id",
         "body_bytes",
+        "key",
     )
 
     def __init__(self, request_id: str, send: Send, hooks: RequestHooks) -> None:
@@ -209,6 +212,14 @@ class Exchange:
         """A Responses request its server stores (`store` not false): its id's server is noted."""
         self.body_bytes = 0
         """Its body's size (a Responses answer echoes parts of it after its usage)."""
+        self.key: bytes | None = None
+        """Its path and body hashed (`suspects.request_key`), once something asked for it."""
+
+    def key_of(self, path: str, body: bytes) -> bytes:
+        """Its request key, hashed once: only when a failure or the suspects' memory needs it."""
+        if self.key is None:
+            self.key = request_key(path, body)
+        return self.key
 
     def routing_headers(self) -> list[tuple[bytes, bytes]]:
         """Where the request went: the pool and server of the last attempt, and why."""
@@ -614,6 +625,15 @@ class CompletionHandler:
         tried: list[Instance] = []
         failure: ProxyError | None = None
         number = 0
+        suspects = self.router.outliers.suspects
+        if suspects.any() and suspects.condemned(exchange.key_of(path, body)):
+            raise ProxyError(
+                502,
+                f"this request dropped the connection of {suspects.servers} servers within the last "
+                f"{suspects.memory_s:g} s (it may crash them): it is not sent again",
+                code="request_fails_servers",
+                retryable=False,
+            )
         for _ in range(self.settings.max_attempts):
             if exchange.owner is not None:  # only the server holding the response can continue it
                 instance = exchange.owner if not tried else None
@@ -656,9 +676,13 @@ class CompletionHandler:
                     instance.refused_stream_options_at = marked
             if failure is None or not failure.retryable:
                 break
+            if exchange.key is not None and suspects.condemned(exchange.key):
+                break  # it may crash every server it is sent to
         if failure is None and not tried:
             where = f"in pool {pool!r}" if pinned else "in either pool"
             failure = ProxyError(503, f"no upstream server is available {where}", code="no_upstream")
+        if failure is not None and exchange.key is not None:
+            self.absolve(exchange, suspects)
         if failure is not None:
             if len(tried) > 1:
                 failure.retryable = False  # the proxy already failed over: the SDK must not multiply
@@ -672,6 +696,23 @@ class CompletionHandler:
                 # keeping the body alive until the cyclic collector ran (raised thresholds: a 15 MB
                 # prompt the upstream refused stayed for seconds, 1.3 GB with ten clients).
                 del failure
+
+    def absolve(self, exchange: Exchange, suspects: Suspects) -> None:
+        """A request that failed on enough servers and was served by none is judged their cause:
+        its failures are taken back from their counts (`OutlierDetector.absolve`)."""
+        assert exchange.key is not None
+        servers = self.router.outliers.absolve(exchange.key)
+        if servers:
+            log.warning(
+                "request %s failed on %d servers (%s) and none served it: judged their cause, its failures "
+                "are not counted against them%s",
+                exchange.request_id,
+                len(servers),
+                ", ".join(servers),
+                f"; it dropped their connections and is refused for {suspects.memory_s:g} s"
+                if suspects.condemned(exchange.key)
+                else "",
+            )
 
     async def attempt(
         self,
@@ -696,6 +737,7 @@ class CompletionHandler:
             cached_tokens=exchange.match.credit.get(instance.url, 0),
             server_kind=instance.kind,
         )
+        request_key = partial(exchange.key_of, path, body)  # as the client sent it, not as altered below
         with_usage = exchange.with_usage if usage and instance.takes_stream_options(monotonic()) else None
         exchange.hide_usage = with_usage is not None
         if with_usage is not None:
@@ -718,6 +760,7 @@ class CompletionHandler:
                 if exchange.decision and exchange.choices == 1
                 else 0.0
             ),
+            request_key=request_key,
         )
         if exchange.logged is not None:
             dispatched(exchange.logged, instance.url, attempt.sent.cached_tokens)

@@ -15,7 +15,7 @@ import itertools
 import secrets
 import time
 from asyncio import Task, current_task
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fleet.costmodel import seed_from_profile
@@ -31,6 +31,7 @@ from proxy.poller import Pollers
 from proxy.pools import Instance, Pool, other_pool, pools_from_settings
 from proxy.settings import Settings
 from proxy.state import DecisionLog, fleet_state
+from proxy.suspects import Suspects, request_may_cause
 
 if TYPE_CHECKING:
     from proxy.scan import Summary
@@ -189,6 +190,7 @@ class Attempt:
         "task",
         "abandoned",
         "reading_since",
+        "request_key",
     )
 
     def __init__(
@@ -205,8 +207,11 @@ class Attempt:
         match: PrefixMatch = NO_MATCH,
         session: str | None = None,
         predicted_tpot_s: float = 0.0,
+        request_key: Callable[[], bytes] | None = None,
     ) -> None:
         self.fleet = fleet
+        self.request_key = request_key
+        """The request's key (`proxy.suspects`), hashed when a failure it may have caused needs it."""
         self.instance = instance
         self.workload = workload
         """The request's workload key: its acceptance evidence teaches that key's estimate too."""
@@ -321,7 +326,8 @@ class Attempt:
         if self.open:
             self.instance.failed_total += 1
             if self.outliers is not None:
-                self.outliers.failed(self.instance, error)
+                key = self.request_key() if self.request_key is not None and request_may_cause(error) else None
+                self.outliers.failed(self.instance, error, key)
         self._release()
 
     def _release(self, refused: bool = False) -> None:
@@ -399,6 +405,7 @@ class Router:
             ejection_s=settings.outlier_ejection_s,
             max_ejection_s=settings.outlier_max_ejection_s,
             slow_factor=settings.outlier_slow_factor,
+            suspects=Suspects(settings.query_of_death_servers, settings.query_of_death_s),
         )
         admission = Admission(*settings.admission_limits)
         return cls(settings, fleet, pools, policy, outliers, admission)
@@ -591,12 +598,14 @@ class Router:
         match: PrefixMatch = NO_MATCH,
         session: str | None = None,
         predicted_tpot_s: float = 0.0,
+        request_key: Callable[[], bytes] | None = None,
     ) -> Attempt:
         """Start an attempt on `instance`; the caller must end it (finished/failed) on every path.
         `blocks`, `match`, `session`: the request's prompt blocks, prefix credit and session key
         (the same objects for every attempt of a request: nothing is hashed twice);
         `predicted_tpot_s`: the decision's TPOT on the instance's pool (its outcome teaches the
-        pool's bias)."""
+        pool's bias); `request_key`: the request's key, which a failure it may have caused
+        needs (`proxy.suspects`)."""
         admission = self.admission if stream and request_class == "latency" else None
         return Attempt(
             self.fleet,
@@ -610,4 +619,5 @@ class Router:
             match=match,
             session=session,
             predicted_tpot_s=predicted_tpot_s,
+            request_key=request_key,
         )

@@ -1,0 +1,167 @@
+"""A request that makes servers fail (a query of death) is judged the cause, not its servers:
+bad inputs do not eject healthy servers, and one that drops servers' connections (a crash) is
+not carried on to the next server, nor taken again while remembered."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from proxy_faults import FaultServer
+from proxy_harness import running_proxy, wait_for
+from test_outliers import Clock, detector, fleet_of
+
+from proxy.outliers import EJECTED, PROBING
+from proxy.suspects import Suspects, request_key, request_may_cause
+
+POISON = "POISON-INPUT"
+
+
+def poison(i: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": f"{POISON} number {i}"}]
+
+
+def ok_messages() -> list[dict[str, str]]:
+    return [{"role": "user", "content": "Say hi."}]
+
+
+# -- the rules, on a clock the test moves ----------------------------------------------------
+
+
+def test_which_failures_a_request_may_cause() -> None:
+    assert request_may_cause("status_500") and request_may_cause("status_501")
+    assert request_may_cause("upstream_disconnected")
+    for kind in ("status_502", "status_503", "status_504", "connect", "first_token_timeout", "chunk_timeout"):
+        assert not request_may_cause(kind), kind
+    assert request_key("/v1/chat/completions", b"{}") != request_key("/v1/completions", b"{}")
+    assert request_key("/v1/chat/completions", b"{}") == request_key("/v1/chat/completions", b"{}")
+
+
+def test_judged_after_failing_on_enough_different_servers_and_forgotten_after_its_time() -> None:
+    clock = Clock()
+    suspects = Suspects(2, 60.0, clock=clock)
+    key = request_key("/v1/chat/completions", b'{"x": 1}')
+    suspects.failed(key, "http://a", "status_500")
+    suspects.failed(key, "http://a", "upstream_disconnected")  # the same server again: still one
+    assert suspects.judged(key) == [] and not suspects.condemned(key)
+    suspects.failed(key, "http://b", "status_500")
+    assert suspects.judged(key) == ["http://a", "http://b"]
+    assert not suspects.condemned(key)  # only one of them dropped it
+    suspects.failed(key, "http://c", "upstream_disconnected")
+    assert suspects.condemned(key)
+    clock.now += 61
+    assert not suspects.any() and suspects.judged(key) == [] and not suspects.condemned(key)
+    off = Suspects(0, 60.0, clock=clock)
+    for url in ("http://a", "http://b", "http://c"):
+        off.failed(key, url, "upstream_disconnected")
+    assert not off.any() and off.judged(key) == [] and not off.condemned(key)
+
+
+def test_absolving_takes_back_a_judged_requests_counts_and_the_ejection_it_caused() -> None:
+    clock = Clock()
+    fleet, pools = fleet_of(3, 1)
+    outliers = detector(pools, fleet, clock)
+    outliers.suspects = Suspects(2, 60.0, clock=clock)
+    a, b, c = pools[0].instances
+    bad, other = b"bad-request", b"another-request"
+    for _ in range(3):
+        outliers.failed(a, "first_token_timeout")  # a's own failures: they stay
+    outliers.failed(a, "status_500", other)
+    outliers.failed(a, "status_500", bad)  # a's fifth: ejected, by the bad request
+    assert outliers.state_of(a.url)["state"] == EJECTED
+    outliers.failed(b, "status_500", bad)
+    assert outliers.state_of(b.url)["consecutive_failures"] == 1
+    assert outliers.absolve(other) == []  # failed on one server only: not judged
+    assert outliers.absolve(bad) == [a.url, b.url]
+    assert outliers.state_of(a.url)["state"] == PROBING and a.healthy  # half-open, as after any ejection
+    assert outliers.state_of(a.url)["ejections"] == 0
+    assert outliers.state_of(b.url)["consecutive_failures"] == 0
+    outliers.failed(c, "status_500", other)
+    outliers.failed(c, "status_500", bad)
+    outliers.failed(c, "status_500", bad)
+    assert outliers.state_of(c.url)["consecutive_failures"] == 3
+    outliers.absolve(bad)  # judged already: what it counts on a third server is taken back too
+    assert outliers.state_of(c.url)["consecutive_failures"] == 1
+
+
+# -- through the proxy, with the OpenAI SDK ----------------------------------------------------
+
+
+@pytest.mark.parametrize("judged", [True, False])
+def test_requests_that_fail_every_server_do_not_eject_them(judged: bool) -> None:
+    with (
+        FaultServer(f"poison:{POISON}") as a,
+        FaultServer(f"poison:{POISON}") as b,
+        FaultServer(f"poison:{POISON}") as c,
+        running_proxy(
+            spec_urls=[a.url, b.url],
+            base_urls=[c.url],
+            policy="spec",
+            query_of_death_servers=2 if judged else 0,
+        ) as proxy,
+    ):
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none")  # the SDK's own retries on
+        for i in range(6):
+            with pytest.raises(openai.InternalServerError):
+                client.chat.completions.create(model="m", messages=poison(i), max_tokens=8)
+        state = httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()
+        outlier_states = [i["outlier"]["state"] for p in state["pools"].values() for i in p["instances"]]
+        if judged:
+            assert outlier_states == ["ok", "ok", "ok"], outlier_states
+            assert all(
+                i["outlier"]["consecutive_failures"] == 0 for p in state["pools"].values() for i in p["instances"]
+            )
+        else:  # counted against the servers, six bad inputs eject healthy ones
+            assert "ejected" in outlier_states, outlier_states
+        answer = client.chat.completions.create(model="m", messages=ok_messages(), max_tokens=8)
+        assert answer.choices[0].message.content
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_a_request_that_drops_two_servers_is_not_sent_to_a_third_nor_taken_again() -> None:
+    with (
+        FaultServer(f"poisondrop:{POISON}") as a,
+        FaultServer(f"poisondrop:{POISON}") as b,
+        FaultServer(f"poisondrop:{POISON}") as c,
+        running_proxy(spec_urls=[a.url, b.url], base_urls=[c.url], policy="spec") as proxy,
+    ):
+        servers = (a, b, c)
+
+        def poisons_received() -> int:
+            return sum(1 for s in servers for r in s.requests if POISON.encode() in r.body)
+
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none")  # the SDK's own retries on
+        with pytest.raises(openai.APIStatusError) as first:
+            client.chat.completions.create(model="m", messages=poison(0), max_tokens=8)
+        assert first.value.status_code == 502
+        assert first.value.response.headers["x-should-retry"] == "false"
+        assert poisons_received() == 2  # two servers dropped it: the third never got it
+        with pytest.raises(openai.APIStatusError) as again:
+            client.chat.completions.create(model="m", messages=poison(0), max_tokens=8)
+        assert again.value.status_code == 502
+        assert again.value.code == "request_fails_servers"
+        assert again.value.response.headers["x-should-retry"] == "false"
+        assert poisons_received() == 2
+        # Another request, even with the same bad word, is its own: tried as usual.
+        with pytest.raises(openai.APIStatusError):
+            client.chat.completions.create(model="m", messages=poison(1), max_tokens=8)
+        assert poisons_received() == 4
+        answer = client.chat.completions.create(model="m", messages=ok_messages(), max_tokens=8)
+        assert answer.choices[0].message.content
+        state = httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()
+        assert all(i["outlier"]["state"] == "ok" for p in state["pools"].values() for i in p["instances"])
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_a_request_another_server_serves_still_counts_against_the_server_that_failed_it() -> None:
+    with (
+        FaultServer("status:500") as sick,
+        FaultServer("echo") as well,
+        running_proxy(spec_urls=[sick.url], base_urls=[well.url], policy="spec") as proxy,
+    ):
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        for _ in range(2):  # the same body each time: remembered, but served elsewhere
+            answer = client.chat.completions.create(model="m", messages=ok_messages(), max_tokens=8)
+            assert answer.choices[0].message.content
+        state = httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()
+        assert state["pools"]["spec"]["instances"][0]["outlier"]["consecutive_failures"] == 2
