@@ -41,6 +41,11 @@ from proxy.routing import features_of, session_of
 
 log = logging.getLogger("specroute")
 
+MAX_JSON_DEPTH = 128
+"""Deepest nesting of JSON objects and arrays a body may have. orjson parses 1,024 levels, but
+Python servers do not: SGLang's and vLLM's parsers and validators recurse, and about 1,000 levels
+made the twin (FastAPI, as SGLang) fail with a 500 on every server the request was sent to. No
+request needs more than a few dozen (OpenAI bounds a JSON schema's nesting at 10)."""
 OFF_LOOP_BYTES = 256 * 1024
 SCAN_BYTES = 64 * 1024
 """Separators outside strings are counted this many bytes at a time (a few hundred microseconds
@@ -87,6 +92,19 @@ def check_fields(payload: dict[str, Any]) -> None:
         if wrong:
             got = type(value).__name__ if not isinstance(value, str) else "a string"
             raise ProxyError(400, f"'{name}' must be {what}, not {got}", param=name, code="invalid_type")
+
+
+def nested_deeper(payload: Any, limit: int) -> bool:
+    """Whether objects and arrays nest more than `limit` levels in `payload` (`payload` is one)."""
+    stack: list[tuple[Any, int]] = [(payload, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in value.values() if isinstance(value, dict) else value:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
 
 
 def separators_outside_strings(body: bytes, limit: int) -> int:
@@ -162,6 +180,12 @@ def read(body: bytes, max_items: int, max_values: int, given: Given = Given()) -
             code="request_too_complex",
         )
     payload = parse_object(body)
+    if items > MAX_JSON_DEPTH and nested_deeper(payload, MAX_JSON_DEPTH):  # deeper needs more brackets
+        raise ProxyError(
+            400,
+            f"request body nests JSON objects and arrays deeper than {MAX_JSON_DEPTH} levels",
+            code="request_too_complex",
+        )
     check_fields(payload)
     if given.responses:  # its own fields kept; routing, spans and content read the chat ones
         payload = {**payload, **responses_as_chat(payload)}

@@ -39,6 +39,7 @@ from proxy.upstream import (
     Upstream,
     classify,
     expect_chunk_gaps,
+    not_reused,
     read_up_to,
 )
 
@@ -597,6 +598,14 @@ class CompletionHandler:
                 f"Content-Type must be application/json, not {content_type or 'missing'!r}",
                 code="unsupported_media_type",
             )
+        encoding = headers.get("content-encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
+            # Read as JSON it would be garbage (SGLang and vLLM decode no request body either).
+            raise ProxyError(
+                415,
+                f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
+                code="unsupported_content_encoding",
+            )
         limit = self.settings.max_body_bytes
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
@@ -903,9 +912,11 @@ class CompletionHandler:
     ) -> ProxyError:
         """An upstream 4xx/5xx: 5xx may go to another instance; 4xx is the client's to see
         (with the upstream's retry-after, which the SDKs honour)."""
+        retryable = response.status >= 500
+        if retryable:
+            not_reused(response)
         raw = await read_up_to(response.content, ERROR_BODY_LIMIT)
         payload = normalise_upstream_error(response.status, raw, exchange.request_id)
-        retryable = response.status >= 500
         if retryable:
             attempt.failed(f"status_{response.status}")
             exchange.hooks.attempt_failed(error=f"status_{response.status}", retryable=True)

@@ -108,6 +108,20 @@ class Upstream:
             return await response.json(content_type=None)
 
 
+def not_reused(response: aiohttp.ClientResponse) -> None:
+    """Its connection is closed once the response is read, not pooled. A 5xx may be an exception
+    in a uvicorn server (SGLang, vLLM): after its answer it reads no more and closes the
+    connection, too late for the pool to see before the next request reuses it and meets a reset
+    (an innocent request's upstream_disconnected, counted against the server)."""
+    connection = response.connection
+    if connection is not None and connection.protocol is not None:
+        connection.protocol.force_close()
+    else:  # a short body came with the headers: aiohttp pooled its connection at once
+        protocol = getattr(response, "_protocol", None)
+        if protocol is not None:
+            protocol.close()  # closed, the pool skips it
+
+
 def expect_chunk_gaps(response: aiohttp.ClientResponse, seconds: float) -> None:
     """After the first chunk, reads time out on the inter-chunk gap, not the first-token wait."""
     connection = response.connection

@@ -192,7 +192,7 @@ class Twin:
     # ---- generation ---------------------------------------------------------------------
 
     async def generate(self, kind: str, http: HttpRequest) -> Reply:
-        if http.headers.get("content-type", "").split(";")[0].strip() != "application/json":
+        if http.headers.get("content-type", "").lower().split(";", 1)[0] != "application/json":  # as SGLang
             raise TwinError("Content-Type must be application/json", err_type="Bad Request")
         try:
             body = json.loads(await http.body())

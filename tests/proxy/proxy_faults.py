@@ -26,6 +26,7 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
     with FaultServer("keepalive:2") as bad:      # 200 SSE, 2 events, then only `: keep-alive` comments
     with FaultServer("poison:WORD") as bad:      # a 500 to a request whose body holds WORD; 200 JSON to others
     with FaultServer("poisondrop:WORD") as bad:  # closes the connection of a request whose body holds WORD; 200 JSON to others
+    with FaultServer("poison500close:WORD") as bad:  # as poison, then reads no more and resets that connection 0.3 s later (uvicorn after an exception)
 
 Load polls (GET) get 404, as from a server with no load endpoint, unless `probe` names the one
 it answers: "/get_load" (older SGLang's JSON) or "/metrics" (SGLang's Prometheus gauges), with
@@ -206,13 +207,22 @@ class FaultServer:
     async def _answer(self, method: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Respond per the behaviour; False closes the connection."""
         kind, _, arg = self.behaviour.partition(":")
-        if kind in ("poison", "poisondrop"):  # an input the server's code cannot handle
+        if kind in ("poison", "poisondrop", "poison500close"):  # an input the server's code cannot handle
             if arg.encode() not in self.requests[-1].body:
                 kind = "echo"
-            elif kind == "poison":
-                kind, arg = "status", "500"
-            else:
+            elif kind == "poisondrop":
                 kind = "drop"
+            elif kind == "poison500close":  # uvicorn: the 500 sent, it reads no more, then closes
+                writer.write(
+                    b"HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                    b"content-length: 21\r\n\r\nInternal Server Error"
+                )
+                await writer.drain()
+                await asyncio.sleep(0.3)
+                writer.transport.abort()
+                return False
+            else:
+                kind, arg = "status", "500"
         if method == "GET":  # /server_info, /v1/loads, /metrics polls: not an SGLang we know
             writer.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
             await writer.drain()

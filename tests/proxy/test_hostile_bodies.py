@@ -119,6 +119,44 @@ def test_deep_nesting_is_a_clear_400(proxy: RunningProxy) -> None:
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_json"
 
 
+@pytest.mark.parametrize(("depth", "served"), [(120, True), (129, False), (1000, False)])
+def test_nesting_a_python_server_cannot_parse_is_refused_before_it_fails_the_fleet(
+    proxy: RunningProxy, depth: int, served: bool
+) -> None:
+    # About 1,000 levels pass orjson and fail the twin (FastAPI, as SGLang) with a 500 on every
+    # server; 128 is the bound, past anything a request needs.
+    nested = b'{"x": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+    body = json.dumps({**CHAT, "metadata_probe": 0}).encode().replace(b'"metadata_probe": 0', b'"probe": ' + nested)
+    answer = post(proxy, body)
+    if served:
+        assert answer.status_code == 200, answer.text
+    else:
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["code"] == "request_too_complex"
+        assert "deeper than 128" in answer.json()["error"]["message"]
+
+
+def test_a_compressed_body_is_refused_as_such(proxy: RunningProxy) -> None:
+    import gzip
+
+    body = gzip.compress(json.dumps(CHAT).encode())
+    refused = httpx.post(
+        proxy.base_url + "/chat/completions",
+        content=body,
+        timeout=30,
+        headers={"content-type": "application/json", "content-encoding": "gzip"},
+    )
+    assert refused.status_code == 415, refused.text
+    assert refused.json()["error"]["code"] == "unsupported_content_encoding"
+    plain = httpx.post(
+        proxy.base_url + "/chat/completions",
+        content=json.dumps(CHAT).encode(),
+        timeout=30,
+        headers={"content-type": "Application/JSON", "content-encoding": "identity"},
+    )
+    assert plain.status_code == 200, plain.text  # media types are case-insensitive, for SGLang too
+
+
 @pytest.mark.parametrize("shape", ["numbers", "unique keys"])
 def test_millions_of_scalars_are_refused_without_stalling_the_loop(proxy: RunningProxy, shape: str) -> None:
     # Few brackets, millions of values: counting objects and arrays alone let these through to

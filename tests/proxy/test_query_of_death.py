@@ -165,3 +165,22 @@ def test_a_request_another_server_serves_still_counts_against_the_server_that_fa
             assert answer.choices[0].message.content
         state = httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()
         assert state["pools"]["spec"]["instances"][0]["outlier"]["consecutive_failures"] == 2
+
+
+def test_a_request_after_a_servers_500_does_not_meet_the_connection_it_then_closed() -> None:
+    # A uvicorn server (SGLang, vLLM) closes its connection after answering an exception's 500;
+    # the pooled connection must not carry the next request into that reset.
+    with (
+        FaultServer(f"poison500close:{POISON}") as spec,
+        FaultServer("echo") as base,
+        running_proxy(spec_urls=[spec.url], base_urls=[base.url], policy="spec") as proxy,
+    ):
+        client = openai.OpenAI(
+            base_url=proxy.base_url, api_key="none", max_retries=0, default_headers={"x-specroute-pool": "spec"}
+        )
+        for i in range(3):
+            with pytest.raises(openai.InternalServerError):
+                client.chat.completions.create(model="m", messages=poison(i), max_tokens=8)
+            answer = client.chat.completions.with_raw_response.create(model="m", messages=ok_messages(), max_tokens=8)
+            assert answer.headers["x-specroute-backend"] == "spec-0"
+            assert answer.parse().choices[0].message.content
