@@ -274,6 +274,11 @@ class WorkloadAcceptance:
         n = mean.weight(now)
         return (n * own + self.prior_steps * pool_accept_length) / (n + self.prior_steps)
 
+    def evidence(self, key: str, now: float) -> float | None:
+        """The key's own verify steps' worth (None: the key is not known)."""
+        mean = self._keys.get(key)
+        return None if mean is None else mean.weight(now)
+
     def alpha(self, key: str, now: float, pool_accept_length: float | None) -> float | None:
         tau = self.accept_length(key, now, pool_accept_length)
         return None if tau is None else alpha_from_accept_length(tau, self.k)

@@ -319,14 +319,15 @@ class StepCostModel:
 
     def evidence(self, pool: str, batch: float, now: float | None = None, prefill: bool = False) -> float:
         """Observations' worth behind the pool's own correction at `batch` (or at `tokens` per
-        prefill iteration): the learned buckets around it, their trust aged to `now`, discounted
-        by how far (in doublings) the nearest lies. 0: the prediction there is the anchor's
-        alone (the other pools' correction, or the seed's)."""
+        prefill iteration): the learned buckets within a doubling of it (EVIDENCE_REACH), their
+        trust aged to `now`, discounted by how far (in doublings) the nearest lies. 0: nothing
+        was seen near there (a batch size never seen): the prediction is a reach from elsewhere
+        (the nearest bucket's ratio, the other pools' correction, or the seed's guess)."""
         model = self._pools.get(pool)
         if model is None:
             return 0.0
         curve = model.prefill if prefill else model.decode
-        return _evidence(curve, self._weigher(now)(curve), batch)
+        return _evidence(curve, self._weigher(now)(curve), batch, EVIDENCE_REACH)
 
     def _weigher(self, now: float | None) -> Callable[[_Curve], list[float]]:
         """Each learned bucket's trust at `now`, per curve (what `StepCostAt` remembers)."""
@@ -476,7 +477,7 @@ class StepCostAt:
             return found
         known = self.model._pools.get(pool)
         curve = None if known is None else known.prefill if prefill else known.decode
-        value = 0.0 if curve is None else _evidence(curve, self._weights(curve), batch)
+        value = 0.0 if curve is None else _evidence(curve, self._weights(curve), batch, EVIDENCE_REACH)
         self._evidence[key] = value
         return value
 
@@ -524,12 +525,18 @@ def _shrunk(curve: _Curve, weights: list[float], j: int, k: int, prior: float, a
 LOG_2 = math.log(2.0)
 
 
-def _evidence(curve: _Curve, weights: list[float], size: float) -> float:
-    """Observations' worth behind a curve's correction at `size` (`StepCostModel.evidence`)."""
+EVIDENCE_REACH = 2.0
+"""A learned bucket is evidence at a size within one doubling of it (its discount, 1 + doublings,
+at most 2): farther, its ratio still shapes the prediction, but nothing was seen there."""
+
+
+def _evidence(curve: _Curve, weights: list[float], size: float, reach: float = math.inf) -> float:
+    """Observations' worth behind a curve's correction at `size`: its learned neighbours' trust,
+    each divided by its discount for distance (1 + doublings), those past `reach` left out."""
     value = 0.0
     for j, discount in curve.near(size) if curve.xs else ():
         near = weights[j] / discount
-        if near > value:
+        if near > value and discount <= reach:
             value = near
     return value
 

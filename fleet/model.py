@@ -548,6 +548,7 @@ class FleetModel:
                 speculative=pool.speculative,
                 num_draft_tokens=pool.num_draft_tokens,
                 alpha=self._alpha(pool, now, workload),
+                alpha_evidence=self._alpha_evidence(pool, now, workload),
                 stale=bool(healthy_ages) and min(healthy_ages) > self.stale_after_s,
                 tpot_cv=pool.spread.cv() if pool.speculative else 0.0,
                 tpot_bias=pool.outcomes.bias(now),
@@ -565,6 +566,12 @@ class FleetModel:
         if workload is None or pool.workloads is None:
             return pool.acceptance.alpha()
         return pool.workloads.alpha(workload, now, pool.acceptance.accept_length())
+
+    def _alpha_evidence(self, pool: PoolSignals, now: float, workload: str | None) -> float:
+        if pool.acceptance is None:
+            return 0.0
+        own = pool.workloads.evidence(workload, now) if workload is not None and pool.workloads is not None else None
+        return pool.acceptance.evidence(now) if own is None else own
 
     def workload_acceptance(self, pool: str = "spec") -> WorkloadAcceptance | None:
         known = self.pools.get(pool)

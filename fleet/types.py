@@ -101,6 +101,9 @@ class PoolState:
     """k: tokens drafted per verify step on a speculative pool (speculative_num_steps, topk=1)."""
     alpha: float | None = None
     """Per-token acceptance probability estimated from the pool's accept length; None if unknown."""
+    alpha_evidence: float = 0.0
+    """Verify steps' worth behind `alpha`: the request's workload key's own when the pool knows
+    the key (its estimate is shrunk toward the pool's while that is small), else the pool's."""
     stale: bool = False
     """True when the freshest load reading is older than the configured staleness bound."""
     tpot_cv: float = 0.0

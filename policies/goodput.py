@@ -477,6 +477,8 @@ class Goodput:
             "evidence_base": cost.evidence("base", on_base.batch),
             "prefill_evidence_spec": cost.evidence("spec", features.prompt_tokens, prefill=True),
             "prefill_evidence_base": cost.evidence("base", features.prompt_tokens, prefill=True),
+            # The verify steps behind spec's alpha for this request (its workload's own, if known).
+            "alpha_evidence_spec": spec.alpha_evidence,
         }
         if features.cached and self.cache_credit:
             scores["cached_spec_tokens"] = float(self.cached(features, joined_spec))

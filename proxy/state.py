@@ -127,6 +127,10 @@ def fleet_state(
             "speculative": pool.speculative,
             "num_draft_tokens": pool.num_draft_tokens,
             "alpha": pool.alpha,
+            # How much one request's TPOT varies around the pool's mean (std / mean; a spec pool's
+            # from its requests' own accept lengths; 0: none known) and the responses behind it.
+            "tpot_cv": round(pool.tpot_cv, 4),
+            "tpot_cv_samples": fleet.pools[name].spread.samples,
             # Its recent requests' TPOT over the TPOT predicted for them (median, last minute;
             # in proportion below `tpot_outcomes_min`), and how many finished in that minute.
             "tpot_bias": round(pool.tpot_bias, 3),
@@ -163,6 +167,9 @@ def fleet_state(
                 "top": workloads.top(now, WORKLOADS_SHOWN, pool_tau) if workloads is not None else [],
             },
         },
+        # The output length a request without max_tokens is predicted to have: the mean of the
+        # responses seen (moving), and how many (below the policy's minimum the prior's counts).
+        "output": {"mean_tokens": _rounded(snap.mean_output_tokens), "samples": snap.output_samples},
         "cost_model": {
             "profile": settings.profile,
             "decode_step_ms": fleet.cost.estimates(now=now),

@@ -93,3 +93,20 @@ def test_pool_state_least_loaded_is_the_first_smallest():
     assert pool.least_loaded() is pool.instances[1]  # 5/24 < 10/48 only by the tie-break on load
     assert [i.url for i in pool.healthy_instances] == ["a", "b", "c"]
     assert dataclasses.replace(pool, instances=pool.instances[3:]).least_loaded() is None
+
+
+def test_a_batch_size_never_seen_has_no_evidence_though_its_prediction_borrows_a_ratio():
+    model = StepCostModel(seed_from_profile("h200-llama8b"))
+    for k in range(200):
+        model.observe("base", 2, 2 * model.decode_step_ms("base", 2, 1, 0.0), now=k * 0.01)
+    now = 2.0
+    at = model.at(now)
+    assert model.evidence("base", 2, now) > 10
+    assert 0 < model.evidence("base", 3, now) < model.evidence("base", 2, now)  # within a doubling
+    for far in (8, 256):  # two and seven doublings away: nothing seen there
+        assert model.evidence("base", far, now) == at.evidence("base", far) == 0.0
+        # ... yet the prediction there follows what batch 2 showed (twice the seed's step)
+        assert model.decode_step_ms("base", far, 1, now) > 1.5 * StepCostModel(
+            seed_from_profile("h200-llama8b")
+        ).decode_step_ms("base", far, 1, now)
+    assert model.evidence("spec", 2, now) == 0.0
