@@ -143,6 +143,18 @@ def relative(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured
 
 
+def decode_sizes(
+    cap: int, cap_reported: bool, batches: Sequence[int] | None, max_batch: int | None
+) -> tuple[list[int], list[int]]:
+    """The batch sizes to measure (`batches`, else 1, 2, 4 ... up to `max_batch` or the cap) and
+    those asked for past the server's cap (left out). A cap the server did not report (vLLM's
+    default, assumed) does not bound what the user asked for."""
+    if not cap_reported:
+        cap = max(cap, max_batch or 0, *(batches or ()))
+    sizes = batches or batch_sizes(min(cap, max_batch or cap))
+    return sorted({b for b in sizes if 1 <= b <= cap}), sorted({b for b in sizes if b > cap})
+
+
 class Progress:
     """Progress lines on stderr: elapsed time against the budget, and what is being measured."""
 
@@ -176,6 +188,9 @@ class Server:
     time_scale: float = 1.0
     context_length: int | None = None
     twin_profile: str | None = None
+    cap_reported: bool = False
+    """The server said its cap (SGLang's /server_info, a load endpoint); else `cap` is vLLM's
+    default, a guess that --batches or --max-batch may exceed."""
 
     @property
     def role(self) -> str:
@@ -314,7 +329,7 @@ class Profiler:
                 "its idleness cannot be checked"
             )
         cap = reported_cap or VLLM_DEFAULT_MAX_NUM_SEQS  # /v1/loads or /metrics may say it
-        server = Server(url, shown, backend.kind, backend, model, False, 0, cap)
+        server = Server(url, shown, backend.kind, backend, model, False, 0, cap, cap_reported=reported_cap is not None)
         if backend.info_path:
             info = await self._get(url, backend.info_path)
             if info.status_code == 200:
@@ -325,6 +340,7 @@ class Profiler:
                 states = doc.get("internal_states") or [{}]
                 effective = states[0].get("effective_max_running_requests_per_dp") if states else None
                 server.cap = int(facts["max_running_requests"] or effective or server.cap)
+                server.cap_reported = server.cap_reported or bool(facts["max_running_requests"] or effective)
                 server.context_length = doc.get("context_length")
                 if doc.get("twin"):  # the twin says how much faster than its physics it runs
                     server.time_scale = float(doc.get("time_scale") or 1.0)
@@ -440,6 +456,7 @@ class Profiler:
             for _ in range(PREFILL_REPEATS):
                 if time.monotonic() > deadline and raw:
                     break
+                await self.wait_idle(server, "between")  # another's request would be timed as ours
                 trace = await self.stream(server, n, 1)
                 raw.append((trace.times[0] - trace.sent) * 1000.0 * server.time_scale)
             result.prefill_tokens.append(n)
@@ -504,8 +521,11 @@ class Profiler:
         return result, lead
 
     async def measure_decode(self, server: Server, result: ServerResult, deadline: float) -> None:
-        sizes = self.options.batches or batch_sizes(min(server.cap, self.options.max_batch or server.cap))
-        sizes = sorted({b for b in sizes if 1 <= b <= server.cap})
+        sizes, above = decode_sizes(server.cap, server.cap_reported, self.options.batches, self.options.max_batch)
+        if above:
+            note = f"batches {above} left out: above the server's cap of {server.cap}"
+            result.notes.append(note)
+            self.progress.line(f"{server.role} {server.shown}: {note}")
         before = await self.counters(server)
         last: BatchResult | None = None
         lead = LEAD_STEPS

@@ -3,7 +3,7 @@ as SPECROUTE_PROFILE does and seeds the cost model; a busy server is refused.
 
 The twins run on 127.0.0.1 (sim.testing). Batches stop at 32: on a small shared machine the
 twin and this client cannot keep up with hundreds of streams of 5 ms steps (the profiler then
-leaves such a batch out itself, see test_burst_detection). The Kimi presets run at time scale 4
+leaves such a batch out itself, see test_burst_detection). The Kimi presets run at time scale 2
 (their steps are 15-60 ms), the H200 ones in real time (5-12 ms steps).
 """
 
@@ -30,6 +30,7 @@ from proxy.profiler import (
     alpha_from_accept_length,
     batch_sizes,
     build_profile,
+    decode_sizes,
     fit_line,
     public_url,
     run,
@@ -166,6 +167,16 @@ def test_vllm_base_twin_with_its_time_scale(tmp_path: Path) -> None:
 def test_public_url_drops_credentials_and_query() -> None:
     assert public_url("http://user:secret@gpu-a:30001/?key=x") == "http://gpu-a:30001"
     assert public_url("https://gpu-b/sglang/") == "https://gpu-b/sglang"
+
+
+def test_a_cap_the_server_reported_bounds_the_batches_and_an_assumed_one_does_not() -> None:
+    assert decode_sizes(48, True, None, None) == ([1, 2, 4, 8, 16, 32, 48], [])
+    assert decode_sizes(48, True, [16, 64, 128], None) == ([16], [64, 128])  # left out, and said
+    assert decode_sizes(48, True, None, 1024) == ([1, 2, 4, 8, 16, 32, 48], [])
+    # vLLM says no cap: its default of 256 is assumed, and what the user asks for past it is measured
+    assert decode_sizes(256, False, None, None)[0][-1] == 256
+    assert decode_sizes(256, False, None, 1024) == ([1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], [])
+    assert decode_sizes(256, False, [512, 768], None) == ([512, 768], [])
 
 
 def test_batch_sizes_go_up_to_the_cap() -> None:
