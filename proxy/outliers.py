@@ -22,21 +22,23 @@ slow samples then ejected it again once it had healed). A server restarted (the 
 not reach it, then reached it again) is back at once (`restarted`). An ejected instance is
 unhealthy in the fleet snapshot, so the policy routes as if it were down.
 
-A request that fails on several servers and on none is served is judged their cause, not them
-(`proxy.suspects`): what it counted is taken back (`absolve`), an ejection it caused included.
+A request that fails on several servers and that none serves is judged their cause, not them
+(`proxy.suspects`): the failures it counted are taken back (`absolve`), and an ejection one of
+them completed ends.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fleet.model import FleetModel
 from proxy.pools import Instance, Pool
-from proxy.suspects import Suspects
+from proxy.suspects import Culprit, Suspects
 
 FAILURES = frozenset(
     {"connect", "upstream_disconnected", "first_token_timeout", "chunk_timeout", "upstream_unresponsive"}
@@ -66,10 +68,11 @@ class Record:
     """Why it was last ejected."""
     ok_since: float = 0.0
     """When it last came back (or its ejection count last fell)."""
-    run: list[bytes] = field(default_factory=list)
-    """The request keys of the failures in its current count that a request may have caused."""
-    ejected_by: bytes | None = None
-    """The request key of the failure that ejected it, when a request may have caused it."""
+    run: deque[Culprit] = field(default_factory=deque)
+    """The requests behind the failures of its current count that a request may have caused
+    (the latest `consecutive_failures` of them)."""
+    ejected_by: Culprit | None = None
+    """The request whose failure completed its ejection, when a request may have caused it."""
 
 
 class OutlierDetector:
@@ -157,40 +160,45 @@ class OutlierDetector:
             if self.slow_factor > 0 and self._slow(instance.url, record):
                 self._eject(instance.url, record, "slow-first-token")
 
-    def failed(self, instance: Instance, kind: str, key: bytes | None = None) -> None:
-        """An attempt failed; `key`: its request's, when the request may have caused it."""
+    def failed(self, instance: Instance, kind: str, culprit: Culprit | None = None) -> None:
+        """An attempt failed; `culprit`: its request's failures, when the request may have
+        caused this one (`proxy.suspects.request_may_cause`)."""
         if kind not in FAILURES and not kind.startswith("status_5"):
             return
         record = self.records[instance.url]
-        if key is not None:
-            self.suspects.failed(key, instance.url, kind)
+        if culprit is not None:
+            culprit.failed(instance.url, kind)
         record.consecutive += 1
-        if key is not None and self.consecutive_failures:
-            record.run.append(key)
+        if culprit is not None and self.consecutive_failures:
+            record.run.append(culprit)
+            if len(record.run) > self.consecutive_failures:  # an ejection refused: the count goes on
+                record.run.popleft()
         if record.state == PROBING:
             record.probe_in_flight = False
-            self._eject(instance.url, record, f"probe-failed:{kind}", probe_failed=True, key=key)
+            self._eject(instance.url, record, f"probe-failed:{kind}", probe_failed=True, culprit=culprit)
         elif self.consecutive_failures and record.consecutive >= self.consecutive_failures:
-            self._eject(instance.url, record, f"consecutive-failures:{kind}", key=key)
+            self._eject(instance.url, record, f"consecutive-failures:{kind}", culprit=culprit)
 
-    def absolve(self, key: bytes) -> list[str]:
-        """Request `key` ended unanswered: when it failed on enough servers to be judged their
-        cause, what it counted against them is taken back, and an ejection it caused ends
-        (half-open: one request at a time until one succeeds, as after any ejection, its
-        ejection count as before). The servers absolved (empty: it was not judged)."""
-        urls = self.suspects.judged(key)
-        for url in urls:
+    def absolve(self, culprit: Culprit) -> list[str]:
+        """A request ended unanswered: when it failed on enough servers to be judged their
+        cause, the failures it counted against them are taken back; an ejection one of them
+        completed ends, the count without it being below the threshold (half-open: one request
+        at a time until one succeeds, as after any ejection; its ejection count as before).
+        The servers absolved (empty: it was not judged)."""
+        if not self.suspects.judged(culprit):
+            return []
+        for url in culprit.servers:
             record = self.records.get(url)
             if record is None:
                 continue
-            if record.state == EJECTED and record.ejected_by == key:
+            if record.state == EJECTED and record.ejected_by is culprit:
                 record.state, record.probe_in_flight, record.ejected_by = PROBING, False, None
                 record.ejections = max(record.ejections - 1, 0)
                 self.fleet.set_ejected(url, False)
-            elif key in record.run:
-                record.consecutive -= record.run.count(key)
-                record.run = [k for k in record.run if k != key]
-        return urls
+            elif culprit in record.run:
+                record.run.remove(culprit)
+                record.consecutive -= 1
+        return culprit.servers
 
     def restarted(self, url: str) -> None:
         """The server behind `url` went away and is back (the pollers could not reach it, then
@@ -240,9 +248,9 @@ class OutlierDetector:
         return any(i.healthy for i in others)
 
     def _eject(
-        self, url: str, record: Record, reason: str, probe_failed: bool = False, key: bytes | None = None
+        self, url: str, record: Record, reason: str, probe_failed: bool = False, culprit: Culprit | None = None
     ) -> None:
-        """`key`: the request key of the failure that ejects it (when a request may have caused it)."""
+        """`culprit`: the request whose failure ejects it (when a request may have caused it)."""
         if not self._may_eject(url):
             if probe_failed:  # no room to eject it again: it stays half-open, a request at a time
                 record.state = PROBING
@@ -251,7 +259,7 @@ class OutlierDetector:
         record.state = EJECTED
         record.until = self.clock() + min(self.ejection_s * record.ejections, self.max_ejection_s)
         record.reason = reason
-        record.ejected_by = key
+        record.ejected_by = culprit
         record.consecutive = 0
         record.run.clear()
         record.ttft_s, record.ttft_samples = None, 0  # judged afresh after its return

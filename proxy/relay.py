@@ -13,7 +13,6 @@ import logging
 import re
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
-from functools import partial
 from time import monotonic, perf_counter
 from typing import Any
 
@@ -31,7 +30,7 @@ from proxy.responses import HeadersFor, ResponseOwners
 from proxy.routing import Attempt, Router, RoutingInputError, read_overrides, read_session, read_workload
 from proxy.settings import Settings
 from proxy.state import dispatched
-from proxy.suspects import Suspects, request_key
+from proxy.suspects import Culprit, Suspects, request_key
 from proxy.upstream import (
     CONNECT,
     DISCONNECTED,
@@ -158,7 +157,7 @@ class Exchange:
         "owner",
         "keeps_id",
         "body_bytes",
-        "key",
+        "culprit",
     )
 
     def __init__(self, request_id: str, send: Send, hooks: RequestHooks) -> None:
@@ -213,14 +212,8 @@ class Exchange:
         """A Responses request its server stores (`store` not false): its id's server is noted."""
         self.body_bytes = 0
         """Its body's size (a Responses answer echoes parts of it after its usage)."""
-        self.key: bytes | None = None
-        """Its path and body hashed (`suspects.request_key`), once something asked for it."""
-
-    def key_of(self, path: str, body: bytes) -> bytes:
-        """Its request key, hashed once: only when a failure or the suspects' memory needs it."""
-        if self.key is None:
-            self.key = request_key(path, body)
-        return self.key
+        self.culprit = Culprit()
+        """Its attempts' failures that it may have caused (`proxy.suspects`)."""
 
     def routing_headers(self) -> list[tuple[bytes, bytes]]:
         """Where the request went: the pool and server of the last attempt, and why."""
@@ -635,7 +628,7 @@ class CompletionHandler:
         failure: ProxyError | None = None
         number = 0
         suspects = self.router.outliers.suspects
-        if suspects.any() and suspects.condemned(exchange.key_of(path, body)):
+        if suspects.any() and suspects.refuses(request_key(path, body)):
             raise ProxyError(
                 502,
                 f"this request dropped the connection of {suspects.servers} servers within the last "
@@ -685,13 +678,13 @@ class CompletionHandler:
                     instance.refused_stream_options_at = marked
             if failure is None or not failure.retryable:
                 break
-            if exchange.key is not None and suspects.condemned(exchange.key):
+            if suspects.crashes(exchange.culprit):
                 break  # it may crash every server it is sent to
         if failure is None and not tried:
             where = f"in pool {pool!r}" if pinned else "in either pool"
             failure = ProxyError(503, f"no upstream server is available {where}", code="no_upstream")
-        if failure is not None and exchange.key is not None:
-            self.absolve(exchange, suspects)
+        if failure is not None and exchange.culprit.servers:
+            self.absolve(exchange, suspects, request_key(path, body))
         if failure is not None:
             if len(tried) > 1:
                 failure.retryable = False  # the proxy already failed over: the SDK must not multiply
@@ -706,11 +699,14 @@ class CompletionHandler:
                 # prompt the upstream refused stayed for seconds, 1.3 GB with ten clients).
                 del failure
 
-    def absolve(self, exchange: Exchange, suspects: Suspects) -> None:
+    def absolve(self, exchange: Exchange, suspects: Suspects, key: bytes) -> None:
         """A request that failed on enough servers and was served by none is judged their cause:
-        its failures are taken back from their counts (`OutlierDetector.absolve`)."""
-        assert exchange.key is not None
-        servers = self.router.outliers.absolve(exchange.key)
+        its failures are taken back from their counts (`OutlierDetector.absolve`); one that
+        dropped their connections is refused if sent again, for a while."""
+        servers = self.router.outliers.absolve(exchange.culprit)
+        crashes = suspects.crashes(exchange.culprit)
+        if crashes:
+            suspects.refuse(key)
         if servers:
             log.warning(
                 "request %s failed on %d servers (%s) and none served it: judged their cause, its failures "
@@ -718,9 +714,7 @@ class CompletionHandler:
                 exchange.request_id,
                 len(servers),
                 ", ".join(servers),
-                f"; it dropped their connections and is refused for {suspects.memory_s:g} s"
-                if suspects.condemned(exchange.key)
-                else "",
+                f"; it dropped their connections and is refused for {suspects.memory_s:g} s" if crashes else "",
             )
 
     async def attempt(
@@ -746,7 +740,6 @@ class CompletionHandler:
             cached_tokens=exchange.match.credit.get(instance.url, 0),
             server_kind=instance.kind,
         )
-        request_key = partial(exchange.key_of, path, body)  # as the client sent it, not as altered below
         with_usage = exchange.with_usage if usage and instance.takes_stream_options(monotonic()) else None
         exchange.hide_usage = with_usage is not None
         if with_usage is not None:
@@ -769,7 +762,7 @@ class CompletionHandler:
                 if exchange.decision and exchange.choices == 1
                 else 0.0
             ),
-            request_key=request_key,
+            culprit=exchange.culprit,
         )
         if exchange.logged is not None:
             dispatched(exchange.logged, instance.url, attempt.sent.cached_tokens)
@@ -913,7 +906,7 @@ class CompletionHandler:
         """An upstream 4xx/5xx: 5xx may go to another instance; 4xx is the client's to see
         (with the upstream's retry-after, which the SDKs honour)."""
         retryable = response.status >= 500
-        if retryable:
+        if response.status == 500:  # before any await: its connection may be in the pool already
             not_reused(response)
         raw = await read_up_to(response.content, ERROR_BODY_LIMIT)
         payload = normalise_upstream_error(response.status, raw, exchange.request_id)

@@ -15,7 +15,7 @@ import itertools
 import secrets
 import time
 from asyncio import Task, current_task
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fleet.costmodel import seed_from_profile
@@ -31,7 +31,7 @@ from proxy.poller import Pollers
 from proxy.pools import Instance, Pool, other_pool, pools_from_settings
 from proxy.settings import Settings
 from proxy.state import DecisionLog, fleet_state
-from proxy.suspects import Suspects, request_may_cause
+from proxy.suspects import Culprit, Suspects, request_may_cause
 
 if TYPE_CHECKING:
     from proxy.scan import Summary
@@ -190,7 +190,7 @@ class Attempt:
         "task",
         "abandoned",
         "reading_since",
-        "request_key",
+        "culprit",
     )
 
     def __init__(
@@ -207,11 +207,11 @@ class Attempt:
         match: PrefixMatch = NO_MATCH,
         session: str | None = None,
         predicted_tpot_s: float = 0.0,
-        request_key: Callable[[], bytes] | None = None,
+        culprit: Culprit | None = None,
     ) -> None:
         self.fleet = fleet
-        self.request_key = request_key
-        """The request's key (`proxy.suspects`), hashed when a failure it may have caused needs it."""
+        self.culprit = culprit
+        """The request's failures that it may have caused (`proxy.suspects`), across its attempts."""
         self.instance = instance
         self.workload = workload
         """The request's workload key: its acceptance evidence teaches that key's estimate too."""
@@ -326,8 +326,8 @@ class Attempt:
         if self.open:
             self.instance.failed_total += 1
             if self.outliers is not None:
-                key = self.request_key() if self.request_key is not None and request_may_cause(error) else None
-                self.outliers.failed(self.instance, error, key)
+                culprit = self.culprit if self.culprit is not None and request_may_cause(error) else None
+                self.outliers.failed(self.instance, error, culprit)
         self._release()
 
     def _release(self, refused: bool = False) -> None:
@@ -598,14 +598,14 @@ class Router:
         match: PrefixMatch = NO_MATCH,
         session: str | None = None,
         predicted_tpot_s: float = 0.0,
-        request_key: Callable[[], bytes] | None = None,
+        culprit: Culprit | None = None,
     ) -> Attempt:
         """Start an attempt on `instance`; the caller must end it (finished/failed) on every path.
         `blocks`, `match`, `session`: the request's prompt blocks, prefix credit and session key
         (the same objects for every attempt of a request: nothing is hashed twice);
         `predicted_tpot_s`: the decision's TPOT on the instance's pool (its outcome teaches the
-        pool's bias); `request_key`: the request's key, which a failure it may have caused
-        needs (`proxy.suspects`)."""
+        pool's bias); `culprit`: the request's failures that it may have caused, across
+        its attempts (`proxy.suspects`)."""
         admission = self.admission if stream and request_class == "latency" else None
         return Attempt(
             self.fleet,
@@ -619,5 +619,5 @@ class Router:
             match=match,
             session=session,
             predicted_tpot_s=predicted_tpot_s,
-            request_key=request_key,
+            culprit=culprit,
         )

@@ -251,12 +251,12 @@ class Settings(_SettingsWithPolicies):
     query_of_death_servers: int = Field(
         2,
         ge=0,
-        description="Different servers a request must fail on (a 500, or a dropped connection), served by none, to be judged their cause: its failures are not counted against them, and one that dropped their connections is not sent to another and is refused if sent again (0: never).",
+        description="Different servers one request must fail on (a 500, or a dropped connection), served by none, to be judged their cause: its failures are taken back from their counts, and one that dropped their connections is not sent to another and is refused if sent again (0: never).",
     )
     query_of_death_s: float = Field(
         60.0,
         gt=0,
-        description="Seconds a request that failed on a server is remembered (by a hash of its path and body).",
+        description="Seconds a request judged to crash servers is refused if sent again (known by a hash of its path and body).",
     )
     drain_delay_s: float = Field(
         0.0,

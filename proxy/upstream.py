@@ -109,10 +109,12 @@ class Upstream:
 
 
 def not_reused(response: aiohttp.ClientResponse) -> None:
-    """Its connection is closed once the response is read, not pooled. A 5xx may be an exception
+    """Its connection is closed once the response is read, not pooled. A 500 may be an exception
     in a uvicorn server (SGLang, vLLM): after its answer it reads no more and closes the
     connection, too late for the pool to see before the next request reuses it and meets a reset
-    (an innocent request's upstream_disconnected, counted against the server)."""
+    (an innocent request's upstream_disconnected, counted against the server). Called before
+    the caller awaits anything once the headers are in: a connection aiohttp already pooled is
+    then still unused (another task could take it only after an await)."""
     connection = response.connection
     if connection is not None and connection.protocol is not None:
         connection.protocol.force_close()

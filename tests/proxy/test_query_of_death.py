@@ -12,7 +12,7 @@ from proxy_harness import running_proxy, wait_for
 from test_outliers import Clock, detector, fleet_of
 
 from proxy.outliers import EJECTED, PROBING
-from proxy.suspects import Suspects, request_key, request_may_cause
+from proxy.suspects import Culprit, Suspects, request_key, request_may_cause
 
 POISON = "POISON-INPUT"
 
@@ -37,51 +37,89 @@ def test_which_failures_a_request_may_cause() -> None:
     assert request_key("/v1/chat/completions", b"{}") == request_key("/v1/chat/completions", b"{}")
 
 
-def test_judged_after_failing_on_enough_different_servers_and_forgotten_after_its_time() -> None:
+def test_a_request_is_judged_on_its_own_failures_on_different_servers() -> None:
+    suspects = Suspects(2, 60.0)
+    culprit = Culprit()
+    culprit.failed("http://a", "status_500")
+    culprit.failed("http://a", "upstream_disconnected")  # the same server again: still one
+    assert not suspects.judged(culprit) and not suspects.crashes(culprit)
+    culprit.failed("http://b", "status_500")
+    assert suspects.judged(culprit) and culprit.servers == ["http://a", "http://b"]
+    assert not suspects.crashes(culprit)  # only one of them dropped it
+    culprit.failed("http://c", "upstream_disconnected")
+    assert suspects.crashes(culprit)
+    assert not Suspects(0, 60.0).judged(culprit) and not Suspects(0, 60.0).crashes(culprit)
+
+
+def test_a_refused_request_is_forgotten_after_its_time() -> None:
     clock = Clock()
     suspects = Suspects(2, 60.0, clock=clock)
     key = request_key("/v1/chat/completions", b'{"x": 1}')
-    suspects.failed(key, "http://a", "status_500")
-    suspects.failed(key, "http://a", "upstream_disconnected")  # the same server again: still one
-    assert suspects.judged(key) == [] and not suspects.condemned(key)
-    suspects.failed(key, "http://b", "status_500")
-    assert suspects.judged(key) == ["http://a", "http://b"]
-    assert not suspects.condemned(key)  # only one of them dropped it
-    suspects.failed(key, "http://c", "upstream_disconnected")
-    assert suspects.condemned(key)
+    assert not suspects.any()
+    suspects.refuse(key)
+    assert suspects.any() and suspects.refuses(key)
+    assert not suspects.refuses(request_key("/v1/chat/completions", b'{"x": 2}'))
     clock.now += 61
-    assert not suspects.any() and suspects.judged(key) == [] and not suspects.condemned(key)
-    off = Suspects(0, 60.0, clock=clock)
-    for url in ("http://a", "http://b", "http://c"):
-        off.failed(key, url, "upstream_disconnected")
-    assert not off.any() and off.judged(key) == [] and not off.condemned(key)
+    assert not suspects.any() and not suspects.refuses(key)
 
 
-def test_absolving_takes_back_a_judged_requests_counts_and_the_ejection_it_caused() -> None:
+def test_absolving_takes_back_exactly_a_judged_requests_failures() -> None:
     clock = Clock()
     fleet, pools = fleet_of(3, 1)
     outliers = detector(pools, fleet, clock)
     outliers.suspects = Suspects(2, 60.0, clock=clock)
     a, b, c = pools[0].instances
-    bad, other = b"bad-request", b"another-request"
+    bad, other = Culprit(), Culprit()
     for _ in range(3):
         outliers.failed(a, "first_token_timeout")  # a's own failures: they stay
     outliers.failed(a, "status_500", other)
-    outliers.failed(a, "status_500", bad)  # a's fifth: ejected, by the bad request
+    outliers.failed(a, "status_500", bad)  # a's fifth: ejected, by the bad request's failure
     assert outliers.state_of(a.url)["state"] == EJECTED
     outliers.failed(b, "status_500", bad)
     assert outliers.state_of(b.url)["consecutive_failures"] == 1
     assert outliers.absolve(other) == []  # failed on one server only: not judged
     assert outliers.absolve(bad) == [a.url, b.url]
-    assert outliers.state_of(a.url)["state"] == PROBING and a.healthy  # half-open, as after any ejection
+    # Four failures without it are below the threshold: half-open, as after any ejection
+    assert outliers.state_of(a.url)["state"] == PROBING and a.healthy
     assert outliers.state_of(a.url)["ejections"] == 0
     assert outliers.state_of(b.url)["consecutive_failures"] == 0
-    outliers.failed(c, "status_500", other)
+    # A copy of the same body is another request: its failure on c, served elsewhere, stands.
+    copy = Culprit()
+    outliers.failed(c, "status_500", copy)
     outliers.failed(c, "status_500", bad)
-    outliers.failed(c, "status_500", bad)
-    assert outliers.state_of(c.url)["consecutive_failures"] == 3
-    outliers.absolve(bad)  # judged already: what it counts on a third server is taken back too
+    outliers.absolve(copy)
+    assert outliers.state_of(c.url)["consecutive_failures"] == 2
+    outliers.absolve(bad)
     assert outliers.state_of(c.url)["consecutive_failures"] == 1
+
+
+def test_a_sick_servers_count_is_not_taken_back_by_requests_another_server_served() -> None:
+    clock = Clock()
+    fleet, pools = fleet_of(3, 1)
+    outliers = detector(pools, fleet, clock)
+    outliers.suspects = Suspects(2, 60.0, clock=clock)
+    sick, _, other = pools[0].instances
+    for _ in range(4):  # the same body each time, served by another server after failing here
+        outliers.failed(sick, "status_500", Culprit())
+    unlucky = Culprit()  # then one that also failed on another server and ended unanswered
+    outliers.failed(sick, "status_500", unlucky)
+    outliers.failed(other, "status_500", unlucky)
+    assert outliers.state_of(sick.url)["state"] == EJECTED
+    outliers.absolve(unlucky)
+    assert outliers.state_of(sick.url)["state"] == PROBING  # four below the threshold: one probe
+    outliers.failed(sick, "status_500", Culprit())  # the probe fails: ejected again
+    assert outliers.state_of(sick.url)["state"] == EJECTED
+
+
+def test_the_requests_behind_a_count_are_bounded_when_no_ejection_is_allowed() -> None:
+    clock = Clock()
+    fleet, pools = fleet_of(1, 0)
+    outliers = detector(pools, fleet, clock)
+    (only,) = pools[0].instances
+    for _ in range(1000):  # the fleet's last server: never ejected
+        outliers.failed(only, "status_500", Culprit())
+    assert outliers.state_of(only.url)["state"] == "ok"
+    assert len(outliers.records[only.url].run) == 5
 
 
 # -- through the proxy, with the OpenAI SDK ----------------------------------------------------
