@@ -143,17 +143,22 @@ def test_refuses_a_busy_server_unless_forced(tmp_path: Path, capsys: pytest.Capt
             worker.join(timeout=30)
 
 
-def test_vllm_base_twin_with_its_time_scale(tmp_path: Path) -> None:
+@pytest.mark.parametrize("preset", ["kimi-moe-vllm", "kimi-linear-vllm"])
+def test_vllm_base_twin_with_its_time_scale(tmp_path: Path, preset: str, capsys: pytest.CaptureFixture[str]) -> None:
     """A vLLM server has no /server_info: its load comes from /metrics, its cap is vLLM's default,
-    and a vLLM twin's time scale is given with --time-scale."""
+    and a vLLM twin's time scale is given with --time-scale. Without --quiet the run shows its
+    progress against the budget on stderr."""
     out = tmp_path / "vllm.json"
-    with twins(TwinSpec("base", "kimi-moe-vllm", 2.0, server="vllm")) as (base,):
+    with twins(TwinSpec("base", preset, 2.0, server="vllm")) as (base,):
         rc = main(
-            ["profile", "--url", base.url, "--out", str(out), "--quiet", "--time-scale", "2", "--batches", "1,4,16"]
-            + ["--prefill-lengths", "256,1024"]
+            ["profile", "--url", base.url, "--out", str(out), "--time-scale", "2", "--batches", "1,4,16"]
+            + ["--prefill-lengths", "256,1024", "--budget-s", "120"]
         )
     assert rc == 0
-    errors = recovered_errors(out, "kimi-moe-vllm")
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert any("/120 s" in line and "prefill 1024 tokens" in line for line in progress), progress
+    assert any("batch 16" in line for line in progress), progress
+    errors = recovered_errors(out, preset)
     assert set(errors) == {"base"}
     assert max(abs(e) for e in errors["base"].values()) <= 0.05, errors
     doc = json.loads(out.read_text())
