@@ -248,7 +248,15 @@ def management_api(app: SpecrouteApp) -> FastAPI:
     @api.post("/v1/responses/{response_id}/cancel")
     async def cancel_response(response_id: str, request: Request) -> Response:
         """Cancel a background response, on the server running it."""
-        # It takes no body (OpenAI's and SGLang's): none is read or sent on.
+        # It takes no body (OpenAI's and SGLang's): one a client sends is read and dropped (left
+        # unread, it could end the kept-alive connection), bounded as a completion's.
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > app.settings.max_body_bytes:
+                return error_response(
+                    413, f"request body over {app.settings.max_body_bytes} bytes", "request_too_large"
+                )
         request_id, headers_for = client_headers(app, request)
         began = time.perf_counter()
         answer = await app.completions.responses.cancel(response_id, headers_for, request_id, b"", request.url.query)

@@ -246,3 +246,24 @@ def test_an_id_two_servers_hold_is_refused_not_guessed(proxy: RunningProxy, flee
     )
     assert raw.status_code == 409 and raw.headers["x-should-retry"] == "false"
     assert raw.json()["error"]["code"] == "response_id_ambiguous"
+
+
+def test_a_cancel_with_a_body_keeps_the_connection(proxy: RunningProxy) -> None:
+    """A cancel takes no body (OpenAI's and SGLang's), but a client may send one: it is read and
+    dropped, so the kept-alive connection carries the next request (unread, it was reset)."""
+    made = client(proxy).responses.create(model=MODEL, input="Keep me.", max_output_tokens=8)
+    with httpx.Client(timeout=10) as http:
+        for size in (10, 2_000_000):
+            answer = http.post(
+                f"{proxy.url}/v1/responses/{made.id}/cancel",
+                content=b'{"x": "' + b"a" * size + b'"}',
+                headers={"content-type": "application/json"},
+            )
+            assert answer.status_code in (200, 400), answer.text  # the twin's word on a finished one
+            assert http.get(f"{proxy.url}/health").status_code == 200
+        too_big = http.post(
+            f"{proxy.url}/v1/responses/{made.id}/cancel",
+            content=b"a" * (proxy.app.settings.max_body_bytes + 1),
+            headers={"content-type": "application/json"},
+        )
+        assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "request_too_large"
