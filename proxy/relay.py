@@ -684,7 +684,7 @@ class CompletionHandler:
             where = f"in pool {pool!r}" if pinned else "in either pool"
             failure = ProxyError(503, f"no upstream server is available {where}", code="no_upstream")
         if failure is not None and exchange.culprit.servers:
-            self.absolve(exchange, suspects, request_key(path, body))
+            self.absolve(exchange, suspects, path, body)
         if failure is not None:
             if len(tried) > 1:
                 failure.retryable = False  # the proxy already failed over: the SDK must not multiply
@@ -699,21 +699,22 @@ class CompletionHandler:
                 # prompt the upstream refused stayed for seconds, 1.3 GB with ten clients).
                 del failure
 
-    def absolve(self, exchange: Exchange, suspects: Suspects, key: bytes) -> None:
+    def absolve(self, exchange: Exchange, suspects: Suspects, path: str, body: bytes) -> None:
         """A request that failed on enough servers and was served by none is judged their cause:
         its failures are taken back from their counts (`OutlierDetector.absolve`); one that
         dropped their connections is refused if sent again, for a while."""
         servers = self.router.outliers.absolve(exchange.culprit)
         crashes = suspects.crashes(exchange.culprit)
         if crashes:
-            suspects.refuse(key)
+            suspects.refuse(request_key(path, body))
         if servers:
+            names = {i.url: i.name for pool in self.router.pools.values() for i in pool.instances}
             log.warning(
                 "request %s failed on %d servers (%s) and none served it: judged their cause, its failures "
                 "are not counted against them%s",
                 exchange.request_id,
                 len(servers),
-                ", ".join(servers),
+                ", ".join(names.get(url, url) for url in servers),
                 f"; it dropped their connections and is refused for {suspects.memory_s:g} s" if crashes else "",
             )
 
