@@ -39,6 +39,7 @@ from fleet.acceptance import (
     AcceptanceEstimator,
     RequestSpread,
     WorkloadAcceptance,
+    accept_length,
 )
 from fleet.attainment import SloAttainment
 from fleet.blocks import BLOCK_TOKENS
@@ -122,8 +123,12 @@ class FleetModel:
         session_ttl_s: float = DEFAULT_SESSION_TTL_S,
         slo_ttft_s: float = 0.0,
         slo_tpot_s: float = 0.0,
+        prior_alpha: float | None = None,
     ):
         self.stale_after_s = stale_after_s
+        self.prior_alpha = prior_alpha
+        """Where a speculative pool's acceptance estimate starts (a measured profile's), until
+        its evidence speaks; None: unknown (the policy assumes its default)."""
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         """The SLO targets finished requests are counted against (`PoolSignals.attainment`; 0: none)."""
         self.workload_keys = workload_keys
@@ -145,12 +150,17 @@ class FleetModel:
         """A pool drafting `num_draft_tokens` per verify step; `speculative`: its role (default:
         it drafts), which a server's description may fill in with its own draft width."""
         role = num_draft_tokens > 0 if speculative is None else speculative
-        estimator = AcceptanceEstimator(num_draft_tokens, self.half_life_s) if role else None
+        estimator = self._acceptance(num_draft_tokens) if role else None
         workloads = self._workloads(num_draft_tokens) if role else None
         attainment = SloAttainment(self.slo_ttft_s, self.slo_tpot_s)
         pool = self.pools[name] = PoolSignals(name, num_draft_tokens, role, estimator, workloads, attainment=attainment)
         self.cost.set_draft_tokens(name, num_draft_tokens)
         return pool
+
+    def _acceptance(self, num_draft_tokens: int) -> AcceptanceEstimator:
+        prior = self.prior_alpha
+        start = accept_length(prior, num_draft_tokens) if prior is not None and num_draft_tokens > 0 else None
+        return AcceptanceEstimator(num_draft_tokens, self.half_life_s, prior_accept_length=start)
 
     def _workloads(self, num_draft_tokens: int) -> WorkloadAcceptance:
         return WorkloadAcceptance(num_draft_tokens, self.half_life_s, max_keys=self.workload_keys)
@@ -185,7 +195,7 @@ class FleetModel:
         known = self.pools[pool]
         if num_draft_tokens != known.num_draft_tokens:
             known.num_draft_tokens = num_draft_tokens
-            known.acceptance = AcceptanceEstimator(num_draft_tokens, self.half_life_s)
+            known.acceptance = self._acceptance(num_draft_tokens)
             known.workloads = self._workloads(num_draft_tokens)
             known.spread = RequestSpread()
         self.cost.set_draft_tokens(pool, num_draft_tokens)

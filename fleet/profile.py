@@ -91,6 +91,9 @@ class Profile:
     defaults: dict[str, Any]
     spec_overheads: Overheads = NO_OVERHEADS
     base_overheads: Overheads = NO_OVERHEADS
+    measured_alpha: float | None = None
+    """The acceptance `specroute profile` measured on a speculative server (its `measured.alpha`);
+    None for a built-in profile, whose `defaults.mean_alpha` is only the twin's setting."""
 
     def overhead_ms(self, batch: int, num_steps: int) -> float:
         """Engine overheads of one decode step (speculative when `num_steps` > 0)."""
@@ -287,9 +290,20 @@ def parse_profile(doc: dict[str, Any], folder: Path) -> Profile:
             defaults=dict(doc.get("defaults", {})),
             spec_overheads=Overheads.parse(doc.get("overheads", {}).get("spec")),
             base_overheads=Overheads.parse(doc.get("overheads", {}).get("base")),
+            measured_alpha=_measured_alpha(doc.get("measured")),
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"bad profile file: missing or wrong field {exc}") from None
+
+
+def _measured_alpha(measured: Any) -> float | None:
+    value = measured.get("alpha") if isinstance(measured, dict) else None
+    if value is None:
+        return None
+    alpha = float(value)
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"bad profile file: measured alpha {alpha} is not within [0, 1]")
+    return alpha
 
 
 def tokens_per_verify_step(alpha: float, num_steps: int) -> float:

@@ -758,6 +758,8 @@ def build_profile(
             else f"the best line misses a measured step by {100 * affine_worst:.1f} % (> {100 * AFFINE_TOLERANCE:g} %): the measured table"
         ),
         "split": "the spec step is measured whole: draft steps, verify and engine overheads together",
+        # The router's acceptance estimate starts here, until its own evidence speaks.
+        "alpha": round(alpha, 4) if alpha is not None else None,
         "notes": notes,
         "servers": [_server_block(r) for r in results],
     }

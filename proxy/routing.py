@@ -383,12 +383,14 @@ class Router:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Router:
+        seed = seed_from_profile(settings.profile) if settings.profile else None
         fleet = FleetModel(
             {"spec": settings.num_draft_tokens, "base": 0},
             speculative=("spec",),
             stale_after_s=settings.stale_ms / 1000,
             half_life_s=settings.acceptance_half_life_s,
-            seed=seed_from_profile(settings.profile) if settings.profile else None,
+            seed=seed,
+            prior_alpha=seed.profile.measured_alpha if seed is not None else None,
             costmodel_half_life_s=settings.costmodel_half_life_s,
             prefix_max_blocks=settings.prefix_max_blocks,
             max_sessions=settings.max_sessions,

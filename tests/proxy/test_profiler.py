@@ -36,6 +36,8 @@ from proxy.profiler import (
     run,
     write_profile,
 )
+from proxy.routing import Router
+from proxy.settings import load_settings
 from sim.testing import TwinSpec, twin, twins, wait_for
 
 BATCHES = [1, 2, 4, 8, 16, 32]
@@ -109,6 +111,11 @@ def test_profile_recovers_the_twins_step_times(name: str, tmp_path: Path) -> Non
         assert seed.target_ms(b, 1) + seed.overhead_ms(b, 0) == pytest.approx(
             ref.target_ms(b, 1) + ref.overhead_ms(b, 0), rel=0.06
         )
+    # ... and its acceptance starts the router's estimate (a built-in profile's default does not).
+    assert seed.profile.measured_alpha == measured["alpha"] == doc["defaults"]["mean_alpha"]
+    assert ref.profile.measured_alpha is None
+    router = Router.from_settings(load_settings(spec_urls=["http://127.0.0.1:9"], profile=str(out)))
+    assert router.fleet.snapshot(0.0).pools["spec"].alpha == pytest.approx(measured["alpha"], abs=1e-6)
 
 
 def test_refuses_a_busy_server_unless_forced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
