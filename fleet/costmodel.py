@@ -99,6 +99,9 @@ CHANGE_RATIO = 1.25
 # Prompt tokens per prefill iteration at which prefill corrections are learned.
 PREFILL_BUCKETS: tuple[int, ...] = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
 
+STATE_BATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""Batch sizes the state endpoint shows predictions and evidence at: each within a doubling of
+the next, so evidence learned anywhere up to 256 shows (quiet traffic runs at 2-4)."""
 SEED_MEMO = 4096
 """(batch, width) points of the seed's step curve `seed_step_ms` remembers (then it starts over)."""
 POINT_MEMO = 4096
@@ -374,7 +377,7 @@ class StepCostModel:
         return self.seed.prefill_ms(tokens, model.tokens_per_seq > 1) * self.prefill_correction(pool, tokens, now)
 
     def estimates(
-        self, batches: tuple[int, ...] = (1, 8, 32, 48, 64, 128, 256), now: float | None = None
+        self, batches: tuple[int, ...] = STATE_BATCHES, now: float | None = None
     ) -> dict[str, dict[str, float]]:
         """Predicted step ms per pool at a few batch sizes (for /v1/specroute/state)."""
         return {
@@ -384,7 +387,7 @@ class StepCostModel:
 
     def confidence(
         self,
-        batches: tuple[int, ...] = (1, 8, 32, 48, 64, 128, 256),
+        batches: tuple[int, ...] = STATE_BATCHES,
         prompts: tuple[int, ...] = (256, 1024, 4096, 8192),
         now: float | None = None,
     ) -> dict[str, dict[str, dict[str, float]]]:
