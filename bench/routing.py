@@ -149,7 +149,9 @@ def workload_of(job: Job, seed: int = 0) -> tuple[Setup, Workload]:
     return setup, Workload(arrivals, warmup_s=arrivals[POISSON_REQUESTS // 10].time)
 
 
-def execute(job: Job) -> dict[str, Any]:
+def execute(job: Job, seed: int = 0) -> dict[str, Any]:
+    """Run one job: a Poisson level, concurrency or trace on every one of SEEDS, the drop once
+    (on `seed`: the length sample and acceptance draws; its arrival stream's seed is fixed)."""
     if job.kind in ("poisson", "closed", "trace"):
         runs = []
         for seed in SEEDS:
@@ -157,7 +159,7 @@ def execute(job: Job) -> dict[str, Any]:
             runs.append(run(setup, workload, job.policy))
         # Each seed's own summary too: a miss is printed with its seed spread (noise shows as such).
         return {"job": job, "summary": summarize(runs), "seeds": [summarize([r]) for r in runs]}
-    setup, workload = workload_of(job)
+    setup, workload = workload_of(job, seed)
     drop = job.kind == "drop"
     result = run(setup, workload, job.policy, keep_snapshots=drop)
     out: dict[str, Any] = {"job": job, "summary": result.summary()}
