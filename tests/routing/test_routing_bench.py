@@ -90,3 +90,19 @@ def test_a_missed_target_is_printed_with_its_seed_spread():
         "fleet poisson 0.7: SLO goodput 0.99x the oracle split (target >= 1.00x) (per seed: 0.99 / 0.97 / 1.00)"
         in misses
     )
+
+
+def test_trace_and_drop_jobs_run_on_any_fleet_as_it_is():
+    from bench.learning import FLEETS
+    from bench.routing import DROP, trace_drop_jobs, workload_of
+
+    fleet = "llama3b-a10 a=0.50"
+    jobs = trace_drop_jobs([fleet], FLEETS)
+    assert {(j.kind, j.trace) for j in jobs if j.kind == "trace"} == {("trace", "azure-conv"), ("trace", "azure-code")}
+    drop = next(j for j in jobs if j.kind == "drop")
+    setup, workload = workload_of(drop)
+    # The fleet's own caps, SLO and profile, at the drop's starting alpha.
+    assert setup.base_max_running == 64 and setup.slo == FLEETS[fleet].slo and setup.profile == FLEETS[fleet].profile
+    assert setup.alpha == DROP[0] and workload.alpha_changes[0].alpha == DROP[1]
+    # bench.routing's own setups are unchanged: looked up by name.
+    assert trace_drop_jobs(["kimi-linear a=0.64"])[0].setup is None
