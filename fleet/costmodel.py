@@ -102,6 +102,9 @@ PREFILL_BUCKETS: tuple[int, ...] = (16, 64, 256, 1024, 2048, 4096, 8192, 16384, 
 STATE_BATCHES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Batch sizes the state endpoint shows predictions and evidence at: each within a doubling of
 the next, so evidence learned anywhere up to 256 shows (quiet traffic runs at 2-4)."""
+STATE_PROMPTS: tuple[int, ...] = (64, 256, 1024, 2048, 4096, 8192, 16384)
+"""Prompt tokens per prefill iteration the state endpoint shows predictions and evidence at
+(PREFILL_BUCKETS' own spacing: each in reach of its neighbours)."""
 SEED_MEMO = 4096
 """(batch, width) points of the seed's step curve `seed_step_ms` remembers (then it starts over)."""
 POINT_MEMO = 4096
@@ -322,15 +325,15 @@ class StepCostModel:
 
     def evidence(self, pool: str, batch: float, now: float | None = None, prefill: bool = False) -> float:
         """Observations' worth behind the pool's own correction at `batch` (or at `tokens` per
-        prefill iteration): the learned buckets within a doubling of it (EVIDENCE_REACH), their
-        trust aged to `now`, discounted by how far (in doublings) the nearest lies. 0: nothing
-        was seen near there (a batch size never seen): the prediction is a reach from elsewhere
-        (the nearest bucket's ratio, the other pools' correction, or the seed's guess)."""
+        prefill iteration): the learned buckets next to it on the grid of buckets (`_in_reach`),
+        their trust aged to `now`, discounted by how far (in doublings) the nearest lies. 0:
+        nothing was seen near there (a batch size never seen): the prediction is a reach from
+        elsewhere (the nearest bucket's ratio, the other pools' correction, or the seed's guess)."""
         model = self._pools.get(pool)
         if model is None:
             return 0.0
         curve = model.prefill if prefill else model.decode
-        return _evidence(curve, self._weigher(now)(curve), batch, EVIDENCE_REACH)
+        return _evidence(curve, self._weigher(now)(curve), batch, PREFILL_BUCKETS if prefill else BUCKETS)
 
     def _weigher(self, now: float | None) -> Callable[[_Curve], list[float]]:
         """Each learned bucket's trust at `now`, per curve (what `StepCostAt` remembers)."""
@@ -388,7 +391,7 @@ class StepCostModel:
     def confidence(
         self,
         batches: tuple[int, ...] = STATE_BATCHES,
-        prompts: tuple[int, ...] = (256, 1024, 4096, 8192),
+        prompts: tuple[int, ...] = STATE_PROMPTS,
         now: float | None = None,
     ) -> dict[str, dict[str, dict[str, float]]]:
         """Per pool: predicted prefill ms at a few prompt lengths, and the evidence (observations'
@@ -480,7 +483,8 @@ class StepCostAt:
             return found
         known = self.model._pools.get(pool)
         curve = None if known is None else known.prefill if prefill else known.decode
-        value = 0.0 if curve is None else _evidence(curve, self._weights(curve), batch, EVIDENCE_REACH)
+        grid = PREFILL_BUCKETS if prefill else BUCKETS
+        value = 0.0 if curve is None else _evidence(curve, self._weights(curve), batch, grid)
         self._evidence[key] = value
         return value
 
@@ -528,18 +532,21 @@ def _shrunk(curve: _Curve, weights: list[float], j: int, k: int, prior: float, a
 LOG_2 = math.log(2.0)
 
 
-EVIDENCE_REACH = 2.0
-"""A learned bucket is evidence at a size within one doubling of it (its discount, 1 + doublings,
-at most 2): farther, its ratio still shapes the prediction, but nothing was seen there."""
+def _in_reach(grid: tuple[int, ...], learned: float, size: float) -> bool:
+    """A bucket learned at `learned` is evidence at `size` when no other bucket of the grid lies
+    between them: farther, its ratio still shapes the prediction, but nothing was seen there."""
+    low, high = (learned, size) if learned < size else (size, learned)
+    return not any(low * 1.0001 < g < high * 0.9999 for g in grid)
 
 
-def _evidence(curve: _Curve, weights: list[float], size: float, reach: float = math.inf) -> float:
+def _evidence(curve: _Curve, weights: list[float], size: float, grid: tuple[int, ...] | None = None) -> float:
     """Observations' worth behind a curve's correction at `size`: its learned neighbours' trust,
-    each divided by its discount for distance (1 + doublings), those past `reach` left out."""
+    each divided by its discount for distance (1 + doublings); with a `grid`, only those in reach
+    of `size` on it (`_in_reach`)."""
     value = 0.0
     for j, discount in curve.near(size) if curve.xs else ():
         near = weights[j] / discount
-        if near > value and discount <= reach:
+        if near > value and (grid is None or _in_reach(grid, math.exp(curve.xs[j]), size)):
             value = near
     return value
 

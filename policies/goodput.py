@@ -472,7 +472,7 @@ class Goodput:
             "batch_base": float(on_base.batch),
             "tpot_spec_ms": on_spec.tpot_s * 1000,
             "tpot_base_ms": on_base.tpot_s * 1000,
-            # How much the cost model has seen near these predictions (0: the seed's guess).
+            # How much the cost model has seen near these predictions (0: nothing seen near there).
             "evidence_spec": cost.evidence("spec", on_spec.batch),
             "evidence_base": cost.evidence("base", on_base.batch),
             "prefill_evidence_spec": cost.evidence("spec", features.prompt_tokens, prefill=True),

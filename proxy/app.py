@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from proxy import openapi
 from proxy.auth import Access, AuthRefused, KeyLimits, without_authorization
@@ -250,13 +251,19 @@ def management_api(app: SpecrouteApp) -> FastAPI:
         """Cancel a background response, on the server running it."""
         # It takes no body (OpenAI's and SGLang's): one a client sends is read and dropped (left
         # unread, it could end the kept-alive connection), bounded as a completion's.
+        limit = app.settings.max_body_bytes
+        too_large = error_response(413, f"request body over {limit} bytes", "request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            return too_large
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > app.settings.max_body_bytes:
-                return error_response(
-                    413, f"request body over {app.settings.max_body_bytes} bytes", "request_too_large"
-                )
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    return too_large
+        except ClientDisconnect:  # gone before its body was in: nothing to answer, nothing to cancel
+            return Response(status_code=499)
         request_id, headers_for = client_headers(app, request)
         began = time.perf_counter()
         answer = await app.completions.responses.cancel(response_id, headers_for, request_id, b"", request.url.query)

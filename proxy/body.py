@@ -94,17 +94,22 @@ def check_fields(payload: dict[str, Any]) -> None:
             raise ProxyError(400, f"'{name}' must be {what}, not {got}", param=name, code="invalid_type")
 
 
-def nested_deeper(payload: Any, limit: int) -> bool:
-    """Whether objects and arrays nest more than `limit` levels in `payload` (`payload` is one)."""
-    stack: list[tuple[Any, int]] = [(payload, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if depth > limit:
-            return True
-        for child in value.values() if isinstance(value, dict) else value:
-            if isinstance(child, (dict, list)):
-                stack.append((child, depth + 1))
-    return False
+NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+AS_SQUARE = bytes.maketrans(b"{}", b"[]")
+
+
+def nested_deeper(body: bytes, limit: int) -> bool:
+    """Whether objects and arrays nest more than `limit` levels in `body`, valid JSON (so its
+    brackets pair up), read on its bytes: the brackets outside strings, as one kind, lose their
+    innermost pairs once per level, at C speed (a walk of the parsed objects took 100 ms on the
+    loop for 85,000 `[]` in 255 KB)."""
+    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    brackets = b"".join(unescaped.split(b'"')[0::2]).translate(AS_SQUARE, NOT_BRACKETS)
+    for _ in range(limit):
+        if not brackets:
+            return False
+        brackets = brackets.replace(b"[]", b"")
+    return bool(brackets)
 
 
 def separators_outside_strings(body: bytes, limit: int) -> int:
@@ -180,7 +185,7 @@ def read(body: bytes, max_items: int, max_values: int, given: Given = Given()) -
             code="request_too_complex",
         )
     payload = parse_object(body)
-    if items > MAX_JSON_DEPTH and nested_deeper(payload, MAX_JSON_DEPTH):  # deeper needs more brackets
+    if items > MAX_JSON_DEPTH and nested_deeper(body, MAX_JSON_DEPTH):  # deeper needs more brackets
         raise ProxyError(
             400,
             f"request body nests JSON objects and arrays deeper than {MAX_JSON_DEPTH} levels",

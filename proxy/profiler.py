@@ -328,8 +328,20 @@ class Profiler:
                 f"{shown}: no load endpoint answered (SGLang /v1/loads or /metrics, vLLM /metrics): "
                 "its idleness cannot be checked"
             )
-        cap = reported_cap or VLLM_DEFAULT_MAX_NUM_SEQS  # /v1/loads or /metrics may say it
-        server = Server(url, shown, backend.kind, backend, model, False, 0, cap, cap_reported=reported_cap is not None)
+        # /v1/loads or SGLang's /metrics may say it; vLLM's reading carries its assumed default
+        # (a cap learned only once it is seen full), not one it said.
+        cap = reported_cap or VLLM_DEFAULT_MAX_NUM_SEQS
+        server = Server(
+            url,
+            shown,
+            backend.kind,
+            backend,
+            model,
+            False,
+            0,
+            cap,
+            cap_reported=reported_cap is not None and backend.kind != "vllm",
+        )
         if backend.info_path:
             info = await self._get(url, backend.info_path)
             if info.status_code == 200:

@@ -185,10 +185,11 @@ def test_client_sockets_have_nagle_off(proxy: RunningProxy) -> None:
         json={"model": "m", "messages": MESSAGES, "max_tokens": 50, "stream": True},
     ) as response:
         chunks = response.iter_raw()
-        next(chunks)
+        first = next(chunks)
         sockets = [c.transport.get_extra_info("socket") for c in list(proxy.server.server_state.connections)]
         assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
-        assert list(chunks)
+        # The rest of the stream (on a busy machine the first read may hold all of it).
+        assert b"[DONE]" in first + b"".join(chunks)
 
 
 def test_expect_100_continue_is_answered_by_the_proxy_not_forwarded() -> None:

@@ -9,6 +9,7 @@ leaves such a batch out itself, see test_burst_detection). The Kimi presets run 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from pathlib import Path
@@ -24,6 +25,7 @@ from proxy.profiler import (
     AFFINE_TOLERANCE,
     BatchResult,
     Options,
+    Profiler,
     Server,
     ServerResult,
     above_the_line,
@@ -161,7 +163,18 @@ def test_vllm_base_twin_with_its_time_scale(tmp_path: Path, preset: str, capsys:
             ["profile", "--url", base.url, "--out", str(out), "--time-scale", "2", "--batches", "1,4,16"]
             + ["--prefill-lengths", "256,1024", "--budget-s", "120"]
         )
+
+        async def probed() -> Server:
+            profiler = Profiler(Options(urls=[base.url], out=out, quiet=True))
+            try:
+                return await profiler.probe(base.url)
+            finally:
+                await profiler.close()
+
+        server = asyncio.run(probed())
     assert rc == 0
+    # vLLM's readings carry its default cap, not one it said: what is asked past it is measured.
+    assert (server.cap, server.cap_reported) == (256, False)
     progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
     assert any("/120 s" in line and "prefill 1024 tokens" in line for line in progress), progress
     assert any("batch 16" in line for line in progress), progress
