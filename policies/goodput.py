@@ -475,8 +475,14 @@ class Goodput:
             # How much the cost model has seen near these predictions (0: nothing seen near there).
             "evidence_spec": cost.evidence("spec", on_spec.batch),
             "evidence_base": cost.evidence("base", on_base.batch),
-            "prefill_evidence_spec": cost.evidence("spec", features.prompt_tokens, prefill=True),
-            "prefill_evidence_base": cost.evidence("base", features.prompt_tokens, prefill=True),
+            # At the tokens per prefill iteration its prompt runs in (learned so): a prompt past
+            # a chunk is prefilled chunk by chunk.
+            "prefill_evidence_spec": cost.evidence(
+                "spec", self.prefill_iteration(features.prompt_tokens), prefill=True
+            ),
+            "prefill_evidence_base": cost.evidence(
+                "base", self.prefill_iteration(features.prompt_tokens), prefill=True
+            ),
             # The verify steps behind spec's alpha for this request (its workload's own, if known).
             "alpha_evidence_spec": spec.alpha_evidence,
         }
@@ -505,6 +511,13 @@ class Goodput:
             c.meets_spec, c.meets_base = self.meets_slo(on_spec), self.meets_slo(on_base)
             scores["slo_spec"], scores["slo_base"] = float(c.meets_spec), float(c.meets_base)
         return c
+
+    def prefill_iteration(self, prompt_tokens: int) -> int:
+        """Tokens per prefill iteration of a prompt alone: in chunks of `prefill_chunk_tokens`,
+        split evenly (as `_predict` costs a queue's prefill)."""
+        prompt = 1 if 1 > prompt_tokens else prompt_tokens
+        chunks = math.ceil(prompt / self.prefill_chunk_tokens)
+        return math.ceil(prompt / chunks)
 
     def cached(self, features: Features, instance: InstanceState) -> int:
         """Prompt tokens credited as cached on `instance` (none with `cache_credit` off)."""

@@ -1,4 +1,5 @@
 import pytest
+from policy_snapshots import snapshot
 
 from fleet.costmodel import AffineSeed, StepCostModel, seed_from_profile
 from fleet.model import FleetModel
@@ -176,3 +177,18 @@ def test_an_aged_bucket_returns_toward_a_fresh_neighbour_before_the_seed():
     assert model.prefill_correction("spec", 4096, 30.0) == pytest.approx(truth, rel=0.15)
     # Nothing fresh anywhere: the seed again (the other pool knows nothing either).
     assert model.prefill_correction("spec", 4096, 600.0) == pytest.approx(1.0, abs=0.05)
+
+
+def test_prefill_evidence_is_asked_where_a_long_prompt_is_learned():
+    """A prompt past a chunk is prefilled, and learned, chunk by chunk: its decision shows the
+    evidence at its tokens per iteration, not at its whole length (three chunks showed 0)."""
+    model = StepCostModel(seed_from_profile("h200-llama8b"))
+    for i in range(20):
+        model.observe_prefill("spec", 8192, 400.0, now=i * 0.1)
+    cost = model.at(2.0)
+    policy = Goodput()
+    decision = policy.decide(Features(prompt_tokens=24_000, max_tokens=50), snapshot(1, 1, cost))
+    assert policy.prefill_iteration(24_000) == 8000
+    assert cost.evidence("spec", 24_000, prefill=True) == 0.0  # nothing learned near the whole length
+    assert decision.scores["prefill_evidence_spec"] == cost.evidence("spec", 8000, prefill=True) > 0
+    assert decision.scores["prefill_evidence_base"] == 0.0  # base learned nothing
