@@ -17,7 +17,7 @@ import sys
 from bench.proxy_bench import CHUNKS, SCENARIOS, free_port, measure, process
 
 VARIANTS: dict[str, dict[str, str]] = {
-    "bare": {"SPECROUTE_POLICY": "spec", "SPECROUTE_POLL_INTERVAL_MS": "60000"},
+    "bare": {"SPECROUTE_POLICY": "spec", "SPECROUTE_POLL_INTERVAL_MS": "60000", "SPECROUTE_STALE_MS": "120000"},
     "signals": {"SPECROUTE_POLICY": "spec"},
     "telemetry": {"SPECROUTE_POLICY": "spec", "SPECROUTE_REQUEST_LOG": "false"},
     "log": {"SPECROUTE_POLICY": "spec"},

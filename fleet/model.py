@@ -49,7 +49,7 @@ from fleet.instance import CacheStats, InstanceSignals
 from fleet.outcomes import TpotOutcomes
 from fleet.prefix import DEFAULT_MAX_BLOCKS, PrefixIndex
 from fleet.readings import Dispatch, Reading, ResponseEvidence, ServerDescription
-from fleet.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S, SessionTable
+from fleet.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S, SessionEntry, SessionTable
 from fleet.types import InstanceState, PoolState, Snapshot
 
 # Finished requests the mean output length covers (a moving mean over about as many after that).
@@ -343,6 +343,12 @@ class FleetModel:
         uncached = max(prompt_tokens - cached, 0)
         running, waiting, waiting_tokens = signals.load_state()
         ahead = waiting_tokens if waiting > 0 else 0.0
+        inserted = self.prefix.insert(url, blocks, now) if blocks else (0, ())
+        before = None
+        if session is not None:
+            entry = self.sessions.get(session, now)
+            before = None if entry is None else (entry.instance, entry.prompt_tokens, entry.at)
+            self.sessions.put(session, url, prompt_tokens, now)
         sent = Dispatch(
             url,
             now,
@@ -353,6 +359,9 @@ class FleetModel:
             cached_tokens=cached,
             matched_tokens=match.matched.get(url, 0),
             predicted_tpot_s=predicted_tpot_s,
+            inserted=inserted,
+            session=session,
+            session_before=before,
         )
         signals.recent_dispatches.append(now)
         signals.local_in_flight += 1
@@ -360,10 +369,6 @@ class FleetModel:
         signals.sent.add(now)
         if signals.polled:
             signals.events.append((now, +1, uncached))
-        if blocks:
-            self.prefix.insert(url, blocks, now)
-        if session is not None:
-            self.sessions.put(session, url, prompt_tokens, now)
         return sent
 
     def on_complete(self, url: str, now: float) -> None:
@@ -372,11 +377,24 @@ class FleetModel:
         if signals.polled:
             signals.events.append((now, -1, 0))
 
-    def on_refused(self, url: str, dispatched_at: float, now: float, prompt_tokens: int = 0) -> None:
+    def on_refused(
+        self, url: str, dispatched_at: float, now: float, prompt_tokens: int = 0, sent: Dispatch | None = None
+    ) -> None:
         """The server refused a request dispatched at `dispatched_at` (a 4xx): it never ran, so
         its dispatch is undone rather than completed. Its prompt tokens would otherwise count as
         prefill work sent there (five refused 1 MB prompts moved the next requests to base).
-        `prompt_tokens`: as its dispatch counted them (less its credit: `Dispatch`)."""
+        `prompt_tokens`: as its dispatch counted them (less its credit: `Dispatch`). `sent`: its
+        dispatch record, whose memory of caches is taken back too: the server holds none of its
+        prompt (after a refused turn, its whole prompt was credited there) and its session
+        points where it did before (it had moved to the server that refused it)."""
+        if sent is not None:
+            seq, added = sent.inserted
+            if added:
+                self.prefix.withdraw(url, seq, added)
+            if sent.session is not None:
+                before = sent.session_before
+                entry = None if before is None else SessionEntry(*before)
+                self.sessions.restore(sent.session, url, sent.at, entry)
         signals = self.instances[url]
         signals.local_in_flight = max(signals.local_in_flight - 1, 0)
         signals.prompt_tokens_sent.remove(dispatched_at, now, prompt_tokens)

@@ -95,10 +95,11 @@ class PrefixIndex:
         """Most blocks the instance may hold in the index."""
         return min(self._cap.get(instance, self.max_blocks), self.max_blocks)
 
-    def insert(self, instance: str, hashes: Sequence[int], now: float) -> int:
+    def insert(self, instance: str, hashes: Sequence[int], now: float) -> tuple[int, tuple[int, ...]]:
         """The request with these block hashes was routed to `instance` at `now`: its blocks are
-        now that instance's most recently used (at most its cap's leading ones). Returns how
-        many blocks were new to it."""
+        now that instance's most recently used (at most its cap's leading ones). Returns the
+        insert's sequence number and the blocks that were new to it (`withdraw` takes them
+        back)."""
         del now  # order is kept by a sequence number; `now` is the contract's, for later ageing
         lru = self._lru.get(instance)
         if lru is None:
@@ -108,7 +109,7 @@ class PrefixIndex:
             hashes = hashes[:cap]
         self._seq += 1
         seq = self._seq
-        added = 0
+        added: list[int] = []
         touch = lru.move_to_end
         # Last block first: every ancestor ends up more recent than its descendants.
         for h in reversed(hashes):
@@ -117,13 +118,24 @@ class PrefixIndex:
                 lru[h] = seq
             else:
                 lru[h] = seq
-                added += 1
-        self._size += added
+                added.append(h)
+        self._size += len(added)
         if len(lru) > cap:
             self._shrink(lru, cap)
         if self._size > self.max_blocks:
             self._evict_oldest(self._size - self.max_blocks)
-        return added
+        return seq, tuple(added)
+
+    def withdraw(self, instance: str, seq: int, added: Sequence[int]) -> None:
+        """Insert `seq` never happened (its request was refused): the blocks it added to
+        `instance` go again, each unless a later insert touched it (another request holds it)."""
+        lru = self._lru.get(instance)
+        if lru is None:
+            return
+        for h in added:
+            if lru.get(h) == seq:
+                del lru[h]
+                self._size -= 1
 
     def forget(self, instance: str) -> None:
         """Everything about `instance`'s cache: it restarted, or is down (its capacity stays)."""

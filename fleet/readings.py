@@ -108,6 +108,14 @@ class Dispatch:
     the server's report of cached tokens is checked against."""
     predicted_tpot_s: float = 0.0
     """The time per output token the policy predicted for it there (the mean; 0: none)."""
+    inserted: tuple[int, tuple[int, ...]] = (0, ())
+    """Its prefix-index insert there: the insert's number and the blocks new to the instance
+    (taken back if the server refuses the request)."""
+    session: str | None = None
+    """The session key it named, which now points at the instance."""
+    session_before: tuple[str, int, float] | None = None
+    """Where that session pointed before (instance, prompt tokens, when; None: nowhere), for
+    a refusal to restore."""
 
 
 @dataclass(frozen=True, slots=True)

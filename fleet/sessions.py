@@ -64,6 +64,17 @@ class SessionTable:
                 break
             self._entries.popitem(last=False)
 
+    def restore(self, key: str, instance: str, at: float, before: SessionEntry | None) -> None:
+        """The session's request sent to `instance` at `at` was refused: the session points where
+        it did before (`before`; None: nowhere), unless a later request moved it since."""
+        entry = self._entries.get(key)
+        if entry is None or entry.instance != instance or entry.at != at:
+            return
+        if before is None:
+            del self._entries[key]
+        else:
+            self._entries[key] = before
+
     def forget_instance(self, instance: str) -> None:
         """The instance's cache is gone: its sessions no longer hold a prefix there."""
         for key in [k for k, e in self._entries.items() if e.instance == instance]:

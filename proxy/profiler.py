@@ -27,6 +27,7 @@ A twin says its --time-scale in /server_info: its times are scaled back to the t
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import csv
 import json
@@ -538,6 +539,13 @@ class Profiler:
             note = f"batches {above} left out: above the server's cap of {server.cap}"
             result.notes.append(note)
             self.progress.line(f"{server.role} {server.shown}: {note}")
+        if sizes and sizes[-1] < server.cap:
+            # The router predicts every batch up to the cap: past the last measured one, from the
+            # last two measured (a curve measured to 4 put spec's step at 256 at a quarter of it).
+            cap = "the server's cap" if server.cap_reported else "its assumed cap"
+            note = f"batches above {sizes[-1]} not measured ({cap} is {server.cap}): extrapolated"
+            result.notes.append(note)
+            self.progress.line(f"{server.role} {server.shown}: {note}")
         before = await self.counters(server)
         last: BatchResult | None = None
         lead = LEAD_STEPS
@@ -881,8 +889,31 @@ def run(options: Options) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
 def _ints(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part.strip()]
+    values = [_positive_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("no value given")
+    return values
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
 
 
 def add_arguments(parser: Any) -> None:
@@ -892,7 +923,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--out", required=True, type=Path, help="profile JSON to write (a table CSV may go beside it)")
     parser.add_argument(
         "--budget-s",
-        type=float,
+        type=_positive_float,
         default=DEFAULT_BUDGET_S,
         help=f"time budget in seconds (default {DEFAULT_BUDGET_S:g})",
     )
@@ -900,10 +931,10 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument(
         "--batches", type=_ints, help="batch sizes to measure, comma-separated (default: 1, 2, 4 ... cap)"
     )
-    parser.add_argument("--max-batch", type=int, help="largest batch to measure (default: the server's cap)")
+    parser.add_argument("--max-batch", type=_positive_int, help="largest batch to measure (default: the server's cap)")
     parser.add_argument(
         "--context",
-        type=int,
+        type=_positive_int,
         default=DEFAULT_CONTEXT,
         help=f"tokens per sequence while decoding (default {DEFAULT_CONTEXT})",
     )
@@ -924,7 +955,7 @@ def add_arguments(parser: Any) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument(
         "--time-scale",
-        type=float,
+        type=_positive_float,
         help="a twin's --time-scale, for a twin that does not report it in /server_info (a vLLM twin)",
     )
 

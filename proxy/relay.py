@@ -69,6 +69,8 @@ NOT_FORWARDED = frozenset(
         "x-specroute-pool",
         "x-specroute-class",
         "x-specroute-session",
+        # x-specroute-workload is forwarded: a server may read it too (the twin draws each
+        # request's acceptance from its workload by it).
     }
 )
 # Response headers the proxy sets itself or that belong to the upstream hop (RFC 9110 7.6.1).

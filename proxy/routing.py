@@ -336,7 +336,9 @@ class Attempt:
         self.open = False
         self.instance.attempts.discard(self)
         if refused:
-            self.fleet.on_refused(self.instance.url, self.dispatched_at, time.monotonic(), self.uncached_tokens)
+            self.fleet.on_refused(
+                self.instance.url, self.dispatched_at, time.monotonic(), self.uncached_tokens, self.sent
+            )
         else:
             self.fleet.on_complete(self.instance.url, time.monotonic())
         if self.started:

@@ -102,7 +102,7 @@ class _SettingsHead(BaseSettings):
         DEFAULT_HALF_LIFE_S, gt=0, description="Half-life in seconds of the spec pool's acceptance estimate."
     )
     num_draft_tokens: int = Field(
-        3, ge=0, le=64, description="Draft tokens per verify step assumed until /server_info says otherwise."
+        3, ge=1, le=64, description="Draft tokens per verify step assumed until /server_info says otherwise."
     )
     profile: str | None = Field(
         None,
@@ -220,9 +220,10 @@ class Settings(_SettingsWithPolicies):
         60.0, gt=0, description="Seconds a client has to send a request's body after its headers; 408 and close after."
     )
     keep_alive_timeout_s: float = Field(
-        5.0,
+        75.0,
         gt=0,
-        description="Seconds an idle keep-alive client connection stays open between requests (each response's Keep-Alive header says so, for clients that close theirs first).",
+        le=3600,
+        description="Seconds an idle keep-alive client connection stays open between requests: longer than clients and load balancers keep theirs (the OpenAI SDKs 5 s, load balancers often 60 s), or a request sent as the proxy closes the connection fails (each response's Keep-Alive header says so, for clients that close theirs first).",
     )
     max_header_bytes: int = Field(
         64 * 1024, ge=1024, description="Largest request line plus headers accepted (431 and close above)."
@@ -264,7 +265,7 @@ class Settings(_SettingsWithPolicies):
         description="After SIGTERM, seconds to keep accepting connections (/ready answers 503) before the listener closes and the drain starts.",
     )
     drain_timeout_s: float = Field(
-        30.0, ge=0, description="On SIGTERM, seconds running requests get to finish before exit."
+        30.0, ge=0, le=86_400, description="On SIGTERM, seconds running requests get to finish before exit."
     )
     models_cache_s: float = Field(5.0, ge=0, description="Seconds a merged GET /v1/models answer is reused.")
     log_level: str = Field(
@@ -418,6 +419,16 @@ class Settings(_SettingsWithPolicies):
                 raise ValueError("; ".join(problems))
         if self.total_timeout_s < self.connect_timeout_s:
             raise ValueError("SPECROUTE_TOTAL_TIMEOUT_S must not be shorter than SPECROUTE_CONNECT_TIMEOUT_S")
+        # A reading must outlive the next poll, which may come a poll interval late: shorter, every
+        # spec reading is stale most of the time and `stale` sends everything to base.
+        if self.stale_ms < 2 * self.poll_interval_ms:
+            raise ValueError("SPECROUTE_STALE_MS must be at least twice SPECROUTE_POLL_INTERVAL_MS")
+        if 0 < self.outlier_slow_factor <= 1:
+            raise ValueError(
+                "SPECROUTE_OUTLIER_SLOW_FACTOR must be 0 (never) or above 1 (slower than the pool's others)"
+            )
+        if self.outlier_max_ejection_s < self.outlier_ejection_s:
+            raise ValueError("SPECROUTE_OUTLIER_MAX_EJECTION_S must not be shorter than SPECROUTE_OUTLIER_EJECTION_S")
         urls = self.spec_urls + self.base_urls
         repeated = sorted({url for url in urls if urls.count(url) > 1})
         if repeated:

@@ -319,6 +319,7 @@ def test_failover_shows_two_sibling_attempt_spans(
     with twins(TwinSpec("spec", time_scale=10)) as (doomed,):
         env = proxy_env(jaeger, "http/protobuf", "specroute-failover", doomed.url, base.url)
         env["SPECROUTE_POLL_INTERVAL_MS"] = "60000"
+        env["SPECROUTE_STALE_MS"] = "120000"
         with proxy(tmp_path, "failover", env) as p:
             doomed.process.terminate()
             doomed.process.wait(10)

@@ -67,7 +67,7 @@ def test_a_server_that_dies_fails_over_then_is_skipped(twin_pair) -> None:
     with twin("spec", time_scale=TIME_SCALE) as doomed:
         # Polls far apart: the first request meets the dead server before any poll does.
         with running_proxy(
-            spec_urls=[doomed.url], base_urls=[base.url], policy="spec", poll_interval_ms=60_000
+            spec_urls=[doomed.url], base_urls=[base.url], policy="spec", poll_interval_ms=60_000, stale_ms=120_000
         ) as proxy:
             doomed.process.terminate()
             doomed.process.wait(10)

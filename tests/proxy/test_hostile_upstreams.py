@@ -86,6 +86,7 @@ def test_hop_by_hop_and_upstream_routing_headers_stay_on_their_hop() -> None:
                 b"content-length: %d\r\nconnection: keep-alive, x-secret-hop\r\nx-secret-hop: 1\r\n"
                 b"te: trailers\r\nproxy-connection: keep-alive\r\nproxy-authorization: Basic Zm9v\r\n"
                 b"x-forwarded-for: 6.6.6.6\r\nforwarded: for=6.6.6.6\r\nx-real-ip: 6.6.6.6\r\n"
+                b"x-specroute-session: s1\r\nx-specroute-class: latency\r\n"
                 b"x-note: caf\xc3\xa9\r\nx-keep: yes\r\n\r\n%s" % (len(body), body)
             )
             data = b""
@@ -98,12 +99,14 @@ def test_hop_by_hop_and_upstream_routing_headers_stay_on_their_hop() -> None:
     for hop in (b"x-internal-hop", b"proxy-authenticate", b"proxy-connection", b"te"):
         assert hop not in names, hop
     # The upstream's keep-alive is its own hop's; the proxy's says its own timeout.
-    assert [line for line in head if line.startswith(b"keep-alive:")] == [b"keep-alive: timeout=5"]
+    assert [line for line in head if line.startswith(b"keep-alive:")] == [b"keep-alive: timeout=75"]
     assert names.count(b"x-specroute-backend") == 1 and b"x-specroute-backend: spec-0" in head
     assert b"x-upstream-note: caf\xc3\xa9" in head  # non-ASCII bytes pass unchanged
     sent = [r for r in upstream.requests if r.method == "POST"][0].headers
     for hop in ("x-secret-hop", "te", "proxy-connection", "proxy-authorization", "forwarded", "x-real-ip"):
         assert hop not in sent, hop
+    for hint in ("x-specroute-session", "x-specroute-class"):  # the proxy's own
+        assert hint not in sent, hint
     assert sent["x-forwarded-for"] == "127.0.0.1"  # the peer, not what the client claimed
     assert sent["x-keep"] == "yes"
     assert sent["x-note"] == "café".encode().decode("latin-1")  # the client's UTF-8 bytes, unchanged

@@ -273,3 +273,24 @@ def test_the_index_and_session_bounds_are_settings():
     fleet.on_dispatch(SPEC[0], 0.0, 600, blocks=blocks, session="s")
     assert len(fleet.sessions) == 0  # 0 sessions: names are ignored, the index still learns
     assert fleet.prefix.blocks(SPEC[0]) == len(blocks) > 0
+
+
+def test_a_refused_request_leaves_no_cache_memory_behind():
+    """A turn the server refuses (a 4xx: it never ran) does not credit that server with its
+    prompt, nor move its session there (a probe: after one refused turn, the next was credited
+    the whole 821-token prompt on the server that refused it)."""
+    fleet = Router.from_settings(load_settings(spec_urls=",".join(SPEC), base_urls=",".join(BASE))).fleet
+    first = block_hashes(chat("x" * 8192))
+    longer = block_hashes(chat("x" * 8192 + "y" * 8192))
+    assert len(longer) > len(first) > 2
+    fleet.on_dispatch(SPEC[0], 0.0, 600, blocks=first, session="s")
+    fleet.on_dispatch(BASE[0], 1.0, 300, blocks=first[:2])  # base-0 holds the first two blocks
+    refused = fleet.on_dispatch(BASE[0], 2.0, 1200, blocks=longer, session="s")
+    assert fleet.prefix.blocks(BASE[0]) == len(longer) and fleet.sessions.get("s", 2.0).instance == BASE[0]
+    fleet.on_refused(BASE[0], 2.0, 2.1, 1200, refused)
+    assert fleet.prefix.blocks(BASE[0]) == 2  # what it held before stays
+    assert fleet.sessions.get("s", 2.1).instance == SPEC[0]
+    assert fleet.cached(longer, 4000, 2.2, "s").credit.get(BASE[0], 0) <= 2 * fleet.prefix.block_tokens
+    # A session named first by a refused request points nowhere again.
+    fleet.on_refused(BASE[1], 3.0, 3.1, 10, fleet.on_dispatch(BASE[1], 3.0, 10, session="new"))
+    assert fleet.sessions.get("new", 3.1) is None

@@ -184,6 +184,10 @@ def test_vllm_base_twin_with_its_time_scale(tmp_path: Path, preset: str, capsys:
     doc = json.loads(out.read_text())
     assert doc["measured"]["servers"][0]["kind"] == "vllm"
     assert any("no spec server" in note for note in doc["measured"]["notes"])
+    # The router predicts up to the cap: what lies past the last batch measured is said to be a guess.
+    assert (
+        "batches above 16 not measured (its assumed cap is 256): extrapolated" in doc["measured"]["servers"][0]["notes"]
+    )
 
 
 # ---- the pieces, without a server ---------------------------------------------------------
@@ -270,6 +274,19 @@ def test_the_key_can_come_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixt
     out = tmp_path / "p.json"
     assert main(["profile", "--url", "http://127.0.0.1:1", "--out", str(out), "--api-key-file", str(keys)]) == 2
     assert "holds no key" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [["--budget-s", "-5"], ["--budget-s", "nan"], ["--batches", "3,0,-1"], ["--batches", ","], ["--max-batch", "0"]],
+)
+def test_nonsense_options_are_a_usage_error(bad: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A negative budget measured one batch and wrote a flat profile; 0 and -1 in --batches were
+    dropped without a word."""
+    out = tmp_path / "p.json"
+    with pytest.raises(SystemExit) as stopped:
+        main(["profile", "--url", "http://127.0.0.1:1", "--out", str(out), *bad])
+    assert stopped.value.code == 2 and bad[0] in capsys.readouterr().err and not out.exists()
 
 
 def test_a_batch_read_long_is_the_one_measured_again() -> None:

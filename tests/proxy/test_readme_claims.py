@@ -149,7 +149,7 @@ def test_a_server_without_v1_loads_is_polled_on_its_fallback_probe(probe: str) -
 
 def test_an_instance_turns_unhealthy_after_three_failed_polls() -> None:
     with twins(TwinSpec("spec", time_scale=TIME_SCALE, seed=40)) as (spec,):
-        settings = load_settings(spec_urls=[spec.url], poll_interval_ms=60_000)  # only our own polls
+        settings = load_settings(spec_urls=[spec.url], poll_interval_ms=60_000, stale_ms=120_000)  # only our own polls
         router = Router.from_settings(settings)
 
         async def scenario() -> list[bool]:

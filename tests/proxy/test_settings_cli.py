@@ -151,6 +151,24 @@ def test_the_same_server_in_both_pools_is_refused() -> None:
         load_settings(spec_urls="http://a:1", base_urls="http://a:1")
 
 
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        # Every spec reading stale before the next poll: `stale` sent all 12 idle requests to base.
+        ({"poll_interval_ms": 2000, "stale_ms": 100}, "SPECROUTE_STALE_MS"),
+        ({"poll_interval_ms": 600, "stale_ms": 1000}, "SPECROUTE_STALE_MS"),
+        ({"outlier_slow_factor": 0.5}, "SPECROUTE_OUTLIER_SLOW_FACTOR"),  # ejects a server as fast as its pool
+        ({"outlier_ejection_s": 30, "outlier_max_ejection_s": 1}, "SPECROUTE_OUTLIER_MAX_EJECTION_S"),
+        ({"num_draft_tokens": 0}, "SPECROUTE_NUM_DRAFT_TOKENS"),
+        ({"keep_alive_timeout_s": 1e300}, "SPECROUTE_KEEP_ALIVE_TIMEOUT_S"),  # a 300-digit Keep-Alive header
+    ],
+)
+def test_settings_that_contradict_each_other_are_refused(values: dict[str, float], named: str) -> None:
+    with pytest.raises(SettingsError, match=named):
+        load_settings(base_urls="http://a:1", **values)
+    load_settings(base_urls="http://a:1", poll_interval_ms=500, stale_ms=1000, outlier_slow_factor=0)  # the edges pass
+
+
 def test_sim_subcommand_is_the_twin_cli(tmp_path: Path) -> None:
     result = run(["sim", "--help"], {}, tmp_path)
     assert result.returncode == 0
