@@ -18,7 +18,9 @@ of any size is buffered whole. Here:
   `Expect: 100-continue` never answered, or part-way through it, a 413) closes the connection:
   the rest of the body would be taken for a new request, or read for nothing;
 - pipelined requests: the header deadline starts again only once no later request is past its
-  headers (a queued or running one is not held to it, nor are its body bytes counted as headers).
+  headers (a queued or running one is not held to it, nor are its body bytes counted as headers);
+- an HTTP/1.0 request's response of no declared length (a stream) ends where the connection
+  closes, not in chunks: HTTP/1.0 has no chunked coding (RFC 9112 6.1), and uvicorn chunks it.
 """
 
 from __future__ import annotations
@@ -174,6 +176,8 @@ class GuardedProtocol(HttpToolsProtocol):
         # Weak: the scope belongs to the cycle, and a closure holding the cycle and this protocol
         # would make a reference cycle per request for the collector to find.
         extensions[ABORT_EXTENSION] = partial(_abort, weakref.ref(self), weakref.ref(cycle))
+        if cycle.scope.get("http_version") == "1.0":
+            cycle.send = partial(_close_delimited, cycle, cycle.send)  # type: ignore[method-assign]
         has_body = any(
             name in (b"content-length", b"transfer-encoding") and value not in (b"0",) for name, value in self.headers
         )
@@ -209,6 +213,20 @@ class GuardedProtocol(HttpToolsProtocol):
             self.header_bytes = 0
             self.header_tail = b""
             self._disarm()
+
+
+async def _close_delimited(cycle: Any, send: Any, message: Any) -> None:
+    """An HTTP/1.0 response without a length: its body goes out as it is, the connection's
+    close ends it (uvicorn keeps no HTTP/1.0 connection alive). uvicorn's own framing is told a
+    length that each part fills, the last one exactly."""
+    if message["type"] == "http.response.start":
+        names = {name.lower() for name, _ in message.get("headers", ())}
+        if b"content-length" not in names and b"transfer-encoding" not in names:
+            cycle.chunked_encoding = False
+            cycle.close_delimited = True
+    elif message["type"] == "http.response.body" and getattr(cycle, "close_delimited", False):
+        cycle.expected_content_length = len(message.get("body", b"")) + (1 if message.get("more_body") else 0)
+    await send(message)
 
 
 def _abort(protocol: weakref.ref[GuardedProtocol], cycle: weakref.ref[Any]) -> None:

@@ -188,3 +188,26 @@ def test_three_large_bodies_that_stall_are_cut_and_others_are_served(twin_pair) 
         assert all(a.startswith(b"HTTP/1.1 408 ") and b'"code":"body_timeout"' in a for a in answers), answers
         # The requests that held the bodies are gone with them (their bytes go with the request).
         wait_for(lambda: proxy.app.completions.open_requests == 0, what="the stalled requests to end")
+
+
+def test_an_http_1_0_stream_ends_where_the_connection_closes_not_in_chunks() -> None:
+    """HTTP/1.0 has no chunked coding (RFC 9112 6.1): a stream to a 1.0 client is its events as
+    they are, ended by the close (uvicorn chunked it: the client read chunk sizes amid its SSE)."""
+    body = json.dumps({**CHAT, "stream": True}).encode()
+    with FaultServer("split:3") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
+        heads = {}
+        for version in (b"1.0", b"1.1"):
+            with connect(proxy) as sock:
+                sock.sendall(
+                    b"POST /v1/chat/completions HTTP/%s\r\nHost: x\r\ncontent-type: application/json\r\n"
+                    b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (version, len(body), body)
+                )
+                data, _ = read_until_closed(sock)
+            head, rest = data.split(b"\r\n\r\n", 1)
+            heads[version] = (head.lower().split(b"\r\n"), rest)
+    lines, rest = heads[b"1.0"]
+    assert lines[0].startswith(b"http/1.1 200") and b"transfer-encoding: chunked" not in lines
+    assert b"connection: close" in lines
+    assert rest.startswith(b"data: {") and rest.endswith(b"data: [DONE]\n\n"), rest[:80]
+    lines, rest = heads[b"1.1"]  # HTTP/1.1 keeps its chunks
+    assert b"transfer-encoding: chunked" in lines and rest.endswith(b"0\r\n\r\n")
