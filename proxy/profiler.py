@@ -539,13 +539,6 @@ class Profiler:
             note = f"batches {above} left out: above the server's cap of {server.cap}"
             result.notes.append(note)
             self.progress.line(f"{server.role} {server.shown}: {note}")
-        if sizes and sizes[-1] < server.cap:
-            # The router predicts every batch up to the cap: past the last measured one, from the
-            # last two measured (a curve measured to 4 put spec's step at 256 at a quarter of it).
-            cap = "the server's cap" if server.cap_reported else "its assumed cap"
-            note = f"batches above {sizes[-1]} not measured ({cap} is {server.cap}): extrapolated"
-            result.notes.append(note)
-            self.progress.line(f"{server.role} {server.shown}: {note}")
         before = await self.counters(server)
         last: BatchResult | None = None
         lead = LEAD_STEPS
@@ -599,6 +592,14 @@ class Profiler:
                 break
             result.batches.append(last)
         await self.remeasure_outliers(server, result, lead, deadline)
+        largest = max((b.batch for b in result.batches), default=0)
+        if 0 < largest < server.cap:
+            # The router predicts every batch up to the cap: past the largest measured, from the
+            # last two measured (a curve measured to 4 put spec's step at 256 at a quarter of it).
+            cap = "the server's cap" if server.cap_reported else "its assumed cap"
+            note = f"batches above {largest} not measured ({cap} is {server.cap}): extrapolated"
+            result.notes.append(note)
+            self.progress.line(f"{server.role} {server.shown}: {note}")
         if server.speculative:
             await self.wait_idle(server, "between")
             after = await self.counters(server)

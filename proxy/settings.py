@@ -96,7 +96,9 @@ class _SettingsHead(BaseSettings):
         100, ge=10, le=60_000, description="Milliseconds between two load polls of each upstream instance."
     )
     stale_ms: int = Field(
-        1000, ge=1, description="A load reading older than this is stale: the policy then routes conservatively."
+        1000,
+        ge=1,
+        description="A load reading older than this is stale: the policy then routes conservatively (at least twice SPECROUTE_POLL_INTERVAL_MS).",
     )
     acceptance_half_life_s: float = Field(
         DEFAULT_HALF_LIFE_S, gt=0, description="Half-life in seconds of the spec pool's acceptance estimate."
@@ -243,7 +245,7 @@ class Settings(_SettingsWithPolicies):
     outlier_slow_factor: float = Field(
         5.0,
         ge=0,
-        description="Eject an instance whose first tokens come this many times later than its pool's others' (0: never).",
+        description="Eject an instance whose first tokens come this many times later than its pool's others' (0: never; else above 1).",
     )
     outlier_ejection_s: float = Field(
         30.0, gt=0, description="Seconds an instance stays ejected, times the number of times it was ejected."
@@ -419,16 +421,21 @@ class Settings(_SettingsWithPolicies):
                 raise ValueError("; ".join(problems))
         if self.total_timeout_s < self.connect_timeout_s:
             raise ValueError("SPECROUTE_TOTAL_TIMEOUT_S must not be shorter than SPECROUTE_CONNECT_TIMEOUT_S")
+        problems = []
         # A reading must outlive the next poll, which may come a poll interval late: shorter, every
         # spec reading is stale most of the time and `stale` sends everything to base.
         if self.stale_ms < 2 * self.poll_interval_ms:
-            raise ValueError("SPECROUTE_STALE_MS must be at least twice SPECROUTE_POLL_INTERVAL_MS")
-        if 0 < self.outlier_slow_factor <= 1:
-            raise ValueError(
-                "SPECROUTE_OUTLIER_SLOW_FACTOR must be 0 (never) or above 1 (slower than the pool's others)"
+            problems.append(
+                f"SPECROUTE_STALE_MS ({self.stale_ms}) must be at least twice SPECROUTE_POLL_INTERVAL_MS"
+                f" ({self.poll_interval_ms})"
             )
-        if self.outlier_max_ejection_s < self.outlier_ejection_s:
-            raise ValueError("SPECROUTE_OUTLIER_MAX_EJECTION_S must not be shorter than SPECROUTE_OUTLIER_EJECTION_S")
+        if 0 < self.outlier_slow_factor <= 1:
+            problems.append(
+                f"SPECROUTE_OUTLIER_SLOW_FACTOR ({self.outlier_slow_factor:g}) must be 0 (never) or above 1"
+                " (a server no slower than its pool's others would be ejected)"
+            )
+        if problems:
+            raise ValueError("; ".join(problems))
         urls = self.spec_urls + self.base_urls
         repeated = sorted({url for url in urls if urls.count(url) > 1})
         if repeated:

@@ -39,7 +39,7 @@ def classify(exc: BaseException, started: bool) -> str:
 
 UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 UPSTREAM_KEEPALIVE_S = 4.0
-"""Seconds an idle upstream connection is kept for reuse: below uvicorn's 5 s keep-alive."""
+"""Seconds an idle upstream connection is kept for reuse: below the 5 s keep-alive of uvicorn (which SGLang and vLLM serve with) upstream."""
 
 
 class Upstream:
