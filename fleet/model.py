@@ -377,24 +377,22 @@ class FleetModel:
         if signals.polled:
             signals.events.append((now, -1, 0))
 
-    def on_refused(
-        self, url: str, dispatched_at: float, now: float, prompt_tokens: int = 0, sent: Dispatch | None = None
-    ) -> None:
-        """The server refused a request dispatched at `dispatched_at` (a 4xx): it never ran, so
-        its dispatch is undone rather than completed. Its prompt tokens would otherwise count as
-        prefill work sent there (five refused 1 MB prompts moved the next requests to base).
-        `prompt_tokens`: as its dispatch counted them (less its credit: `Dispatch`). `sent`: its
-        dispatch record, whose memory of caches is taken back too: the server holds none of its
-        prompt (after a refused turn, its whole prompt was credited there) and its session
-        points where it did before (it had moved to the server that refused it)."""
-        if sent is not None:
-            seq, added = sent.inserted
-            if added:
-                self.prefix.withdraw(url, seq, added)
-            if sent.session is not None:
-                before = sent.session_before
-                entry = None if before is None else SessionEntry(*before)
-                self.sessions.restore(sent.session, url, sent.at, entry)
+    def on_refused(self, sent: Dispatch, now: float) -> None:
+        """The server refused the request `sent` (a 4xx): it never ran, so its dispatch is undone
+        rather than completed. Its prompt tokens would otherwise count as prefill work sent there
+        (five refused 1 MB prompts moved the next requests to base), and its memory of caches is
+        taken back too: the server holds none of its prompt (after a refused turn, its whole
+        prompt was credited there) and its session points where it did before (it had moved to
+        the server that refused it)."""
+        url, dispatched_at = sent.url, sent.at
+        prompt_tokens = max(sent.prompt_tokens - sent.cached_tokens, 0)  # as its dispatch counted them
+        seq, added = sent.inserted
+        if added:
+            self.prefix.withdraw(url, seq, added)
+        if sent.session is not None:
+            before = sent.session_before
+            entry = None if before is None else SessionEntry(*before)
+            self.sessions.restore(sent.session, url, dispatched_at, entry)
         signals = self.instances[url]
         signals.local_in_flight = max(signals.local_in_flight - 1, 0)
         signals.prompt_tokens_sent.remove(dispatched_at, now, prompt_tokens)

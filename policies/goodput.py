@@ -463,6 +463,9 @@ class Goodput:
         joined_spec, on_spec = self.join(spec, features, cost, n_out, chosen)
         joined_base, on_base = self.join(base, features, cost, n_out, chosen)
         t_spec, t_base = on_spec.total_s, on_base.total_s
+        # Prefill evidence at the tokens per prefill iteration its prompt runs in (learned so): a
+        # prompt past a chunk is prefilled chunk by chunk.
+        iteration = self.prefill_iteration(features.prompt_tokens)
         scores = {
             "t_spec_s": t_spec,
             "t_base_s": t_base,
@@ -475,14 +478,8 @@ class Goodput:
             # How much the cost model has seen near these predictions (0: nothing seen near there).
             "evidence_spec": cost.evidence("spec", on_spec.batch),
             "evidence_base": cost.evidence("base", on_base.batch),
-            # At the tokens per prefill iteration its prompt runs in (learned so): a prompt past
-            # a chunk is prefilled chunk by chunk.
-            "prefill_evidence_spec": cost.evidence(
-                "spec", self.prefill_iteration(features.prompt_tokens), prefill=True
-            ),
-            "prefill_evidence_base": cost.evidence(
-                "base", self.prefill_iteration(features.prompt_tokens), prefill=True
-            ),
+            "prefill_evidence_spec": cost.evidence("spec", iteration, prefill=True),
+            "prefill_evidence_base": cost.evidence("base", iteration, prefill=True),
             # The verify steps behind spec's alpha for this request (its workload's own, if known).
             "alpha_evidence_spec": spec.alpha_evidence,
         }

@@ -186,7 +186,6 @@ class Attempt:
         "prompt_tokens",
         "sent",
         "workload",
-        "uncached_tokens",
         "task",
         "abandoned",
         "reading_since",
@@ -242,8 +241,6 @@ class Attempt:
             session=session,
             predicted_tpot_s=predicted_tpot_s,
         )
-        self.uncached_tokens = max(prompt_tokens - self.sent.cached_tokens, 0)
-        """The prompt tokens its dispatch counted (less the instance's credited prefix)."""
         if outliers is not None:
             outliers.dispatched(instance)
         self.task = running_task()
@@ -336,9 +333,7 @@ class Attempt:
         self.open = False
         self.instance.attempts.discard(self)
         if refused:
-            self.fleet.on_refused(
-                self.instance.url, self.dispatched_at, time.monotonic(), self.uncached_tokens, self.sent
-            )
+            self.fleet.on_refused(self.sent, time.monotonic())
         else:
             self.fleet.on_complete(self.instance.url, time.monotonic())
         if self.started:
