@@ -33,6 +33,7 @@ from bench.routing_sim import (
     with_alpha,
 )
 from fleet.profile import load_profile, tokens_per_verify_step
+from fleet.types import Decision, Features, Snapshot
 from sim.lengths import read_trace
 from sim.virtual import AlphaChange, Arrival
 
@@ -160,23 +161,30 @@ def execute(job: Job, seed: int = 0) -> dict[str, Any]:
         # Each seed's own summary too: a miss is printed with its seed spread (noise shows as such).
         return {"job": job, "summary": summarize(runs), "seeds": [summarize([r]) for r in runs]}
     setup, workload = workload_of(job, seed)
-    drop = job.kind == "drop"
-    result = run(setup, workload, job.policy, keep_snapshots=drop)
+    result = run(setup, workload, job.policy)
     out: dict[str, Any] = {"job": job, "summary": result.summary()}
-    if drop:
+    if job.kind == "drop":
         # What the same policy decides on the same snapshots when told the acceptance the engine
-        # really delivered in each phase: routing has settled once it decides the same.
+        # really delivered in each phase: routing has settled once it decides the same. The run
+        # is deterministic, so it is run again with the told policy asked at each decision, on
+        # the snapshot as it was then (its cost model goes on learning after).
         before = effective_alpha([r for r in result.records if r.finish_time < DROP_AT_S], setup.num_steps)
         after = effective_alpha([r for r in result.records if r.arrival >= DROP_AT_S], setup.num_steps)
         shadow = make_policy(job.policy, setup.slo)
+
+        def told(t: float, features: Features, snapshot: Snapshot) -> Decision:
+            return shadow.decide(features, with_alpha(snapshot, before if t < DROP_AT_S else after))
+
+        again = run(setup, workload, job.policy, replay=told)
+        if [d[:2] for d in again.decisions] != [d[:2] for d in result.decisions]:
+            raise RuntimeError(f"{job}: the replayed run decided otherwise than the first")
         out["decisions"] = []
-        for (t, pool, _, alpha), (features, snapshot) in zip(result.decisions, result.snapshots):
-            told = shadow.decide(features, with_alpha(snapshot, before if t < DROP_AT_S else after))
+        for (t, pool, _, alpha), answer in zip(result.decisions, again.replayed):
             # A request the told policy finds close to a tie (predicted costs within 5 %) may go
             # either way: it does not count as a routing disagreement.
-            spec_s, base_s = told.scores.get("cost_spec_s"), told.scores.get("cost_base_s")
+            spec_s, base_s = answer.scores.get("cost_spec_s"), answer.scores.get("cost_base_s")
             tie = spec_s is not None and base_s is not None and abs(spec_s - base_s) <= 0.05 * min(spec_s, base_s)
-            out["decisions"].append((t, pool, pool if tie else told.pool, alpha))
+            out["decisions"].append((t, pool, pool if tie else answer.pool, alpha))
         out["alphas"] = (before, after)
     return out
 

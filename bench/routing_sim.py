@@ -181,8 +181,10 @@ class VirtualRouter:
     poll_interval_s: float = POLL_INTERVAL_S
     stale_s: float = 1.0
     half_life_s: float = DEFAULT_HALF_LIFE_S
-    keep_snapshots: bool = False
-    """Keep each decision's features and snapshot (to replay them against other alphas)."""
+    replay: Callable[[float, Features, Snapshot], Decision] | None = None
+    """Asked on each decision's features and snapshot as the decision is made (its answers in
+    `replayed`): another policy's or alpha's verdict on the very same state. Asked then, not
+    afterwards: a snapshot's cost model is the live one, which goes on learning."""
     admission: Admission | None = None
     """Admission control as the proxy runs it (policies/admission.py); None: every request admitted."""
     refusals: list[tuple[float, str, str]] = field(default_factory=list)
@@ -193,7 +195,7 @@ class VirtualRouter:
     fleet: FleetModel = field(init=False)
     decisions: list[tuple[float, PoolName, str, float | None]] = field(default_factory=list)
     """(time, pool, reason, the spec pool's alpha estimate) per request."""
-    snapshots: list[tuple[Features, Snapshot]] = field(default_factory=list)
+    replayed: list[Decision] = field(default_factory=list)
     _sent: dict[tuple[float, int, int], deque[Dispatch]] = field(default_factory=dict)
     """Each request's dispatch record until it finishes, by (arrival time, prompt, engine)."""
     _polls: int = 0
@@ -304,8 +306,8 @@ class VirtualRouter:
                 self.refusals.append((arrival.time, refusal.rule, arrival.request_class))
                 return None
         self.decisions.append((arrival.time, decision.pool, decision.reason, snapshot.pools["spec"].alpha))
-        if self.keep_snapshots:
-            self.snapshots.append((features, snapshot))
+        if self.replay is not None:
+            self.replayed.append(self.replay(arrival.time, features, snapshot))
         index = self.pick(decision.pool, decision.instance)
         sent = self.fleet.on_dispatch(
             self.urls[index],
@@ -371,7 +373,8 @@ class RunResult:
     policy: str
     records: list[RequestRecord]
     decisions: list[tuple[float, PoolName, str, float | None]]
-    snapshots: list[tuple[Features, Snapshot]]
+    replayed: list[Decision]
+    """`run(replay=...)`'s answer per decision (empty without it)."""
     slo: Slo
     warmup_s: float
     closed: bool
@@ -448,7 +451,7 @@ def run(
     setup: Setup,
     workload: Workload,
     policy_name: str,
-    keep_snapshots: bool = False,
+    replay: Callable[[float, Features, Snapshot], Decision] | None = None,
     poll_interval_s: float = 0.1,
     admission: Admission | None = None,
     track_running: bool = False,
@@ -463,7 +466,7 @@ def run(
         make_policy(policy_name, setup.slo),
         setup,
         poll_interval_s=poll_interval_s,
-        keep_snapshots=keep_snapshots,
+        replay=replay,
         admission=admission,
         per_workload=per_workload,
     )
@@ -517,7 +520,7 @@ def run(
         policy_name,
         records,
         router.decisions,
-        router.snapshots,
+        router.replayed,
         setup.slo,
         warmup_s,
         closed=workload.clients > 0,
@@ -527,11 +530,11 @@ def run(
 
 
 def with_alpha(snapshot: Snapshot, alpha: float) -> Snapshot:
-    """The same snapshot with the spec pool's alpha replaced."""
+    """The same snapshot with the spec pool's alpha replaced (every other field kept: the
+    acceptance drop's told policy must differ from the served one in alpha alone)."""
     pools = dict(snapshot.pools)
-    spec = pools["spec"]
-    pools["spec"] = replace(spec, alpha=alpha)
-    return Snapshot(pools=pools, cost=snapshot.cost)
+    pools["spec"] = replace(pools["spec"], alpha=alpha)
+    return replace(snapshot, pools=pools)
 
 
 def effective_alpha(records: Sequence[RequestRecord], k: int) -> float:

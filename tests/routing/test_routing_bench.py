@@ -106,3 +106,29 @@ def test_trace_and_drop_jobs_run_on_any_fleet_as_it_is():
     assert setup.alpha == DROP[0] and workload.alpha_changes[0].alpha == DROP[1]
     # bench.routing's own setups are unchanged: looked up by name.
     assert trace_drop_jobs(["kimi-linear a=0.64"])[0].setup is None
+
+
+def test_the_drops_told_policy_sees_the_served_state_but_for_alpha():
+    # The acceptance drop scores routing against the same policy told the delivered alpha on the
+    # same state. Told the very alpha it had, it must decide as served, request by request: a
+    # told snapshot that lost the learned output length, or one replayed after the run on a cost
+    # model that had learned on since, made it disagree for reasons that are not alpha.
+    from bench.routing_sim import make_policy, with_alpha
+
+    setup = SETUPS["h200-llama8b a=0.60"]
+    sample = lengths()
+    workload = Workload(poisson(0.5 * capacity_rps(setup, sample), 150, sample, seed=3))
+    shadow = make_policy("goodput", setup.slo)
+    seen: list = []
+
+    def told(t, features, snapshot):
+        seen.append(snapshot.output_samples)
+        return shadow.decide(features, with_alpha(snapshot, snapshot.pools["spec"].alpha))
+
+    result = run(setup, workload, "goodput", replay=told)
+    assert len(result.replayed) == len(result.decisions) == 150
+    assert max(seen) > 0  # the output length was learned during the run
+    reasons = {d.reason for d in result.replayed}
+    assert reasons & {"spec-sooner", "base-sooner"}  # decided by predicted costs, not by a rule alone
+    assert [d.pool for d in result.replayed] == [pool for _, pool, _, _ in result.decisions]
+    assert [d.reason for d in result.replayed] == [reason for _, _, reason, _ in result.decisions]
