@@ -174,7 +174,7 @@ class Fleet:
                 cached_tokens=int(sent.matched_tokens * rng.uniform(0.8, 1.0)),
             )
             self.model.on_response(url, at, evidence)
-            self.model.on_complete(url, at)
+            self.model.on_complete(url, at, sent)
         while self.next_read <= now:
             at = self.next_read
             for url in URLS:

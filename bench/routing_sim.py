@@ -325,19 +325,20 @@ class VirtualRouter:
             self.admission.observe(self.setup.slo.met(record), record.finish_time)
         url = self.urls[record.engine]
         spec = self.pool_of_engine[record.engine] == "spec"
-        sent = self._sent.get((record.arrival, record.prompt_tokens, record.engine))
+        queued = self._sent.get((record.arrival, record.prompt_tokens, record.engine))
+        sent = queued.popleft() if queued else None
         evidence = ResponseEvidence(
             tokens=record.output_tokens,
             verify_steps=record.verify_ct if spec else None,
             decode_s=record.finish_time - record.first_token_time,
             ttft_s=record.ttft,
-            dispatch=sent.popleft() if sent else None,
+            dispatch=sent,
             workload=record.workload if self.per_workload else None,
             prompt_tokens=record.prompt_tokens,
             cached_tokens=record.cached_tokens if self.setup.cache_reports else None,
         )
         self.fleet.on_response(url, record.finish_time, evidence)
-        self.fleet.on_complete(url, record.finish_time)
+        self.fleet.on_complete(url, record.finish_time, sent)
 
 
 @dataclass

@@ -49,7 +49,7 @@ from fleet.instance import CacheStats, InstanceSignals
 from fleet.outcomes import TpotOutcomes
 from fleet.prefix import DEFAULT_MAX_BLOCKS, PrefixIndex
 from fleet.readings import Dispatch, Reading, ResponseEvidence, ServerDescription
-from fleet.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S, SessionEntry, SessionTable
+from fleet.sessions import DEFAULT_MAX_SESSIONS, DEFAULT_SESSION_TTL_S, SessionTable
 from fleet.types import InstanceState, PoolState, Snapshot
 
 # Finished requests the mean output length covers (a moving mean over about as many after that).
@@ -344,10 +344,7 @@ class FleetModel:
         running, waiting, waiting_tokens = signals.load_state()
         ahead = waiting_tokens if waiting > 0 else 0.0
         inserted = self.prefix.insert(url, blocks, now) if blocks else (0, ())
-        before = None
         if session is not None:
-            entry = self.sessions.get(session, now)
-            before = None if entry is None else (entry.instance, entry.prompt_tokens, entry.at)
             self.sessions.put(session, url, prompt_tokens, now)
         sent = Dispatch(
             url,
@@ -361,7 +358,6 @@ class FleetModel:
             predicted_tpot_s=predicted_tpot_s,
             inserted=inserted,
             session=session,
-            session_before=before,
         )
         signals.recent_dispatches.append(now)
         signals.local_in_flight += 1
@@ -371,7 +367,16 @@ class FleetModel:
             signals.events.append((now, +1, uncached))
         return sent
 
-    def on_complete(self, url: str, now: float) -> None:
+    def on_complete(self, url: str, now: float, sent: Dispatch | None = None) -> None:
+        """A request sent to `url` is over (answered, failed or left). `sent`, its dispatch
+        record: the server took it, so the prefix blocks and the session move it claimed
+        stand, whatever becomes of other unanswered requests that claimed them too."""
+        if sent is not None:
+            seq, claimed = sent.inserted
+            if claimed:
+                self.prefix.settle(url, seq, claimed)
+            if sent.session is not None:
+                self.sessions.settle(sent.session, url, sent.at)
         signals = self.instances[url]
         signals.local_in_flight = max(signals.local_in_flight - 1, 0)
         if signals.polled:
@@ -386,13 +391,11 @@ class FleetModel:
         the server that refused it)."""
         url, dispatched_at = sent.url, sent.at
         prompt_tokens = max(sent.prompt_tokens - sent.cached_tokens, 0)  # as its dispatch counted them
-        seq, added = sent.inserted
-        if added:
-            self.prefix.withdraw(url, seq, added)
+        seq, claimed = sent.inserted
+        if claimed:
+            self.prefix.withdraw(url, seq, claimed)
         if sent.session is not None:
-            before = sent.session_before
-            entry = None if before is None else SessionEntry(*before)
-            self.sessions.restore(sent.session, url, dispatched_at, entry)
+            self.sessions.restore(sent.session, url, dispatched_at)
         signals = self.instances[url]
         signals.local_in_flight = max(signals.local_in_flight - 1, 0)
         signals.prompt_tokens_sent.remove(dispatched_at, now, prompt_tokens)

@@ -72,6 +72,9 @@ class PrefixIndex:
         # instance -> {block hash: sequence number of the insert that last touched it}, least
         # recently touched first. One int per insert is shared by all its blocks.
         self._lru: dict[str, OrderedDict[int, int]] = {}
+        # instance -> {block: the pending inserts its presence rests on}: blocks that only
+        # requests not yet answered put there (a refusal of all of them takes the block back).
+        self._claims: dict[str, dict[int, set[int]]] = {}
         self._cap: dict[str, int] = {}
         self._trust: dict[str, _Trust] = {}
         self._size = 0
@@ -89,7 +92,7 @@ class PrefixIndex:
             self._cap.pop(instance, None)
             return
         cap = self._cap[instance] = max(tokens // self.block_tokens, 1)
-        self._shrink(lru, cap)
+        self._shrink(instance, lru, cap)
 
     def capacity_blocks(self, instance: str) -> int:
         """Most blocks the instance may hold in the index."""
@@ -98,8 +101,9 @@ class PrefixIndex:
     def insert(self, instance: str, hashes: Sequence[int], now: float) -> tuple[int, tuple[int, ...]]:
         """The request with these block hashes was routed to `instance` at `now`: its blocks are
         now that instance's most recently used (at most its cap's leading ones). Returns the
-        insert's sequence number and the blocks that were new to it (`withdraw` takes them
-        back)."""
+        insert's sequence number and the blocks whose presence rests on it until its request is
+        answered: those new to the instance, and those only other pending inserts put there
+        (`settle` confirms them, `withdraw` takes them back)."""
         del now  # order is kept by a sequence number; `now` is the contract's, for later ageing
         lru = self._lru.get(instance)
         if lru is None:
@@ -109,33 +113,60 @@ class PrefixIndex:
             hashes = hashes[:cap]
         self._seq += 1
         seq = self._seq
-        added: list[int] = []
+        claimed: list[int] = []
+        new = 0
+        claims = self._claims.get(instance)
+        if claims is None:
+            claims = self._claims[instance] = {}
         touch = lru.move_to_end
         # Last block first: every ancestor ends up more recent than its descendants.
         for h in reversed(hashes):
             if h in lru:
                 touch(h)
                 lru[h] = seq
+                pending = claims.get(h)
+                if pending is not None:
+                    pending.add(seq)
+                    claimed.append(h)
             else:
                 lru[h] = seq
-                added.append(h)
-        self._size += len(added)
+                claims[h] = {seq}
+                claimed.append(h)
+                new += 1
+        self._size += new
         if len(lru) > cap:
-            self._shrink(lru, cap)
+            self._shrink(instance, lru, cap)
         if self._size > self.max_blocks:
             self._evict_oldest(self._size - self.max_blocks)
-        return seq, tuple(added)
+        return seq, tuple(claimed)
 
-    def withdraw(self, instance: str, seq: int, added: Sequence[int]) -> None:
-        """Insert `seq` never happened (its request was refused): the blocks it added to
-        `instance` go again, each unless a later insert touched it (another request holds it)."""
-        lru = self._lru.get(instance)
-        if lru is None:
+    def settle(self, instance: str, seq: int, claimed: Sequence[int]) -> None:
+        """Insert `seq`'s request was answered: the server holds its blocks, whatever becomes of
+        the other pending inserts that claimed them."""
+        claims = self._claims.get(instance)
+        if claims is None:
             return
-        for h in added:
-            if lru.get(h) == seq:
-                del lru[h]
-                self._size -= 1
+        for h in claimed:
+            pending = claims.get(h)
+            if pending is not None and seq in pending:
+                del claims[h]
+
+    def withdraw(self, instance: str, seq: int, claimed: Sequence[int]) -> None:
+        """Insert `seq` never happened (its request was refused): each block it claimed goes
+        again once no other pending insert claims it, unless an answered request holds it."""
+        claims = self._claims.get(instance)
+        lru = self._lru.get(instance)
+        if claims is None or lru is None:
+            return
+        for h in claimed:
+            pending = claims.get(h)
+            if pending is None or seq not in pending:
+                continue  # confirmed since, or evicted and put there again by others
+            pending.discard(seq)
+            if not pending:
+                del claims[h]
+                if lru.pop(h, None) is not None:
+                    self._size -= 1
 
     def forget(self, instance: str) -> None:
         """Everything about `instance`'s cache: it restarted, or is down (its capacity stays)."""
@@ -143,6 +174,7 @@ class PrefixIndex:
         if lru is not None:
             self._size -= len(lru)
             lru.clear()
+        self._claims.pop(instance, None)
         self._trust.pop(instance, None)
 
     def remove(self, instance: str) -> None:
@@ -249,13 +281,16 @@ class PrefixIndex:
 
     # -- eviction -------------------------------------------------------------------------------
 
-    def _shrink(self, lru: OrderedDict[int, int], cap: int) -> None:
+    def _shrink(self, instance: str, lru: OrderedDict[int, int], cap: int) -> None:
         excess = len(lru) - cap
         if excess <= 0:
             return
         pop = lru.popitem
+        claims = self._claims.get(instance)
         for _ in range(excess):
-            pop(last=False)
+            h, _ = pop(last=False)
+            if claims:
+                claims.pop(h, None)
         self._size -= excess
         self.evicted += excess
 
@@ -263,22 +298,26 @@ class PrefixIndex:
         """Evict `excess` entries, least recently touched first across all instances."""
         while excess > 0:
             victim: OrderedDict[int, int] | None = None
+            victim_name = ""
             oldest = second = self._seq + 1
-            for lru in self._lru.values():
+            for name, lru in self._lru.items():
                 if lru:
                     head = next(iter(lru.values()))
                     if head < oldest:
-                        victim, second, oldest = lru, oldest, head
+                        victim, victim_name, second, oldest = lru, name, oldest, head
                     elif head < second:
                         second = head
             if victim is None:
                 return
             pop = victim.popitem
+            claims = self._claims.get(victim_name)
             # Pop from the victim while its oldest is older than every other instance's.
             while excess > 0 and victim:
                 if next(iter(victim.values())) > second:
                     break
-                pop(last=False)
+                h, _ = pop(last=False)
+                if claims:
+                    claims.pop(h, None)
                 excess -= 1
                 self._size -= 1
                 self.evicted += 1

@@ -109,13 +109,10 @@ class Dispatch:
     predicted_tpot_s: float = 0.0
     """The time per output token the policy predicted for it there (the mean; 0: none)."""
     inserted: tuple[int, tuple[int, ...]] = (0, ())
-    """Its prefix-index insert there: the insert's number and the blocks new to the instance
-    (taken back if the server refuses the request)."""
+    """Its prefix-index insert there: the insert's number and the blocks whose presence rests
+    on it until it is answered (confirmed when it completes, taken back if it is refused)."""
     session: str | None = None
-    """The session key it named, which now points at the instance."""
-    session_before: tuple[str, int, float] | None = None
-    """Where that session pointed before (instance, prompt tokens, when; None: nowhere), for
-    a refusal to restore."""
+    """The session key it named, which now points at the instance (until it is refused)."""
 
 
 @dataclass(frozen=True, slots=True)

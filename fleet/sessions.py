@@ -20,13 +20,18 @@ from dataclasses import dataclass
 
 DEFAULT_MAX_SESSIONS = 10_000
 DEFAULT_SESSION_TTL_S = 600.0
+MAX_UNANSWERED = 16
+"""Most unanswered requests of one session a refusal can step back over."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class SessionEntry:
     instance: str
     prompt_tokens: int
     at: float
+    previous: SessionEntry | None = None
+    """Where the session pointed before, kept while this request is unanswered (a refusal
+    returns the session there); None once it is answered, or when it pointed nowhere."""
 
 
 class SessionTable:
@@ -53,7 +58,15 @@ class SessionTable:
         """The session's latest request went to `instance` with `prompt_tokens`."""
         if self.max_sessions == 0:
             return
-        self._entries[key] = SessionEntry(instance, prompt_tokens, now)
+        entry = self._entries[key] = SessionEntry(instance, prompt_tokens, now, self.get(key, now))
+        # Unanswered requests of one session chain their entries; a caller that never settles
+        # them (or a client with hundreds in flight) must not grow the chain without bound.
+        for _ in range(MAX_UNANSWERED):
+            if entry.previous is None:
+                break
+            entry = entry.previous
+        else:
+            entry.previous = None
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_sessions:
             self._entries.popitem(last=False)
@@ -64,16 +77,32 @@ class SessionTable:
                 break
             self._entries.popitem(last=False)
 
-    def restore(self, key: str, instance: str, at: float, before: SessionEntry | None) -> None:
-        """The session's request sent to `instance` at `at` was refused: the session points where
-        it did before (`before`; None: nowhere), unless a later request moved it since."""
+    def settle(self, key: str, instance: str, at: float) -> None:
+        """The session's request sent to `instance` at `at` was answered: the session held there
+        then, so a later refusal returns it no further back."""
         entry = self._entries.get(key)
-        if entry is None or entry.instance != instance or entry.at != at:
-            return
-        if before is None:
-            del self._entries[key]
-        else:
-            self._entries[key] = before
+        while entry is not None:
+            if entry.instance == instance and entry.at == at:
+                entry.previous = None
+                return
+            entry = entry.previous
+
+    def restore(self, key: str, instance: str, at: float) -> None:
+        """The session's request sent to `instance` at `at` was refused: it never pointed there.
+        The session points where it did before (nowhere, if that request named it first), and
+        a later request that moved it on returns, if refused too, past this one."""
+        entry = self._entries.get(key)
+        after: SessionEntry | None = None
+        while entry is not None:
+            if entry.instance == instance and entry.at == at:
+                if after is not None:
+                    after.previous = entry.previous
+                elif entry.previous is None:
+                    del self._entries[key]
+                else:
+                    self._entries[key] = entry.previous
+                return
+            after, entry = entry, entry.previous
 
     def forget_instance(self, instance: str) -> None:
         """The instance's cache is gone: its sessions no longer hold a prefix there."""

@@ -335,7 +335,7 @@ class Attempt:
         if refused:
             self.fleet.on_refused(self.sent, time.monotonic())
         else:
-            self.fleet.on_complete(self.instance.url, time.monotonic())
+            self.fleet.on_complete(self.instance.url, time.monotonic(), self.sent)
         if self.started:
             self.instance.streaming -= 1
 

@@ -113,6 +113,39 @@ def test_the_session_table_is_bounded_and_expires():
         SessionTable(ttl_s=0)
 
 
+def test_a_refused_request_returns_its_session_past_other_unanswered_ones():
+    table = SessionTable()
+    table.put("s", "x", 100, 0.0)  # answered long ago
+    table.settle("s", "x", 0.0)
+    table.put("s", "y", 200, 1.0)
+    table.put("s", "y", 210, 1.1)  # sent again before the first answer
+    table.restore("s", "y", 1.0)
+    assert table.get("s", 1.2).at == 1.1  # the later request still points there
+    table.restore("s", "y", 1.1)
+    assert (table.get("s", 1.3).instance, table.get("s", 1.3).at) == ("x", 0.0)
+    # One answered: a refusal of the other returns the session no further than it.
+    table.put("s", "y", 300, 2.0)
+    table.put("s", "y", 310, 2.1)
+    table.settle("s", "y", 2.0)
+    table.restore("s", "y", 2.1)
+    assert (table.get("s", 2.2).instance, table.get("s", 2.2).at) == ("y", 2.0)
+    # Named first by refused requests: nowhere again, whatever the order.
+    table.put("t", "y", 10, 3.0)
+    table.put("t", "z", 10, 3.1)
+    table.restore("t", "z", 3.1)
+    table.restore("t", "y", 3.0)
+    assert table.get("t", 3.2) is None
+    # Requests never answered chain no further than MAX_UNANSWERED entries.
+    from fleet.sessions import MAX_UNANSWERED
+
+    for i in range(5 * MAX_UNANSWERED):
+        table.put("u", "y", i, 4.0 + i)
+    depth, entry = 0, table.get("u", 100.0)
+    while entry is not None:
+        depth, entry = depth + 1, entry.previous
+    assert depth == MAX_UNANSWERED + 1
+
+
 def test_prefill_is_learned_from_the_uncached_tokens():
     """An idle instance's first token after a cache hit took the prefill of the uncached part: the
     cost model learns that, not the whole prompt's time."""

@@ -400,3 +400,33 @@ def test_bad_parameters_are_refused():
         PrefixIndex(trust_weight=0.0)
     with pytest.raises(ValueError):
         chain(b"abc", 0)
+
+
+def test_blocks_only_unanswered_requests_put_there_go_when_all_of_them_are_refused():
+    index = PrefixIndex(block_tokens=4)
+    held, prompt = [1, 2], [1, 2, 3, 4]
+    index.settle("a", *index.insert("a", held, 0.0))  # answered: the instance holds 1 and 2
+    first = index.insert("a", prompt, 1.0)
+    second = index.insert("a", prompt, 1.1)  # the same prompt before the first's answer came
+    assert first[1] and second[1]  # both claim 3 and 4 (the second only re-stamped them)
+    index.withdraw("a", *first)
+    assert index.blocks("a") == 4  # the second still claims them
+    index.withdraw("a", *second)
+    assert index.blocks("a") == 2 and index.holds("a", 2) and not index.holds("a", 3)
+    # Refused in the other order, or one answered: what an answered request put there stays.
+    first, second = index.insert("a", prompt, 2.0), index.insert("a", prompt, 2.1)
+    index.withdraw("a", *second)
+    index.settle("a", *first)
+    index.withdraw("a", *index.insert("a", prompt, 2.2))
+    assert index.blocks("a") == 4
+    # A block evicted and put there again by others is not the withdrawn insert's to take.
+    small = PrefixIndex(block_tokens=4)
+    small.set_capacity("b", 8)  # two blocks
+    gone = small.insert("b", [1, 2], 3.0)
+    small.settle("b", *small.insert("b", [7, 8], 3.1))  # evicts 1 and 2
+    small.settle("b", *small.insert("b", [1, 2], 3.2))
+    small.withdraw("b", *gone)
+    assert small.holds("b", 1) and small.holds("b", 2)
+    small.forget("b")
+    small.withdraw("b", *gone)  # nothing left to take back
+    assert small.blocks("b") == 0

@@ -294,3 +294,18 @@ def test_a_refused_request_leaves_no_cache_memory_behind():
     # A session named first by a refused request points nowhere again.
     fleet.on_refused(fleet.on_dispatch(BASE[1], 3.0, 10, session="new"), 3.1)
     assert fleet.sessions.get("new", 3.1) is None
+    # Two turns of one session with one prompt, both sent before the first refusal came (a 429
+    # burst, a client's parallel requests): both refused, neither leaves its blocks or its move.
+    settled = fleet.on_dispatch(SPEC[1], 4.0, 600, blocks=first, session="p")
+    fleet.on_complete(SPEC[1], 4.5, settled)
+    burst = [fleet.on_dispatch(BASE[1], 5.0 + i / 10, 1200, blocks=longer, session="p") for i in range(2)]
+    for sent in burst:
+        fleet.on_refused(sent, 5.5)
+    assert fleet.prefix.blocks(BASE[1]) == 0
+    assert fleet.sessions.get("p", 5.5).instance == SPEC[1]
+    # One of them answered: the server holds the prompt and the session stays there.
+    kept = [fleet.on_dispatch(BASE[1], 6.0 + i / 10, 1200, blocks=longer, session="p") for i in range(2)]
+    fleet.on_complete(BASE[1], 6.5, kept[1])
+    fleet.on_refused(kept[0], 6.6)
+    assert fleet.prefix.blocks(BASE[1]) == len(longer)
+    assert fleet.sessions.get("p", 6.6).instance == BASE[1]
