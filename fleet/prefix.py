@@ -74,7 +74,8 @@ class PrefixIndex:
         self._lru: dict[str, OrderedDict[int, int]] = {}
         # instance -> {block: the pending inserts its presence rests on}: blocks that only
         # requests not yet answered put there (a refusal of all of them takes the block back).
-        self._claims: dict[str, dict[int, set[int]]] = {}
+        # Tuples: one claimant is the rule, and a block of every request in flight has one.
+        self._claims: dict[str, dict[int, tuple[int, ...]]] = {}
         self._cap: dict[str, int] = {}
         self._trust: dict[str, _Trust] = {}
         self._size = 0
@@ -126,11 +127,11 @@ class PrefixIndex:
                 lru[h] = seq
                 pending = claims.get(h)
                 if pending is not None:
-                    pending.add(seq)
+                    claims[h] = (*pending, seq)
                     claimed.append(h)
             else:
                 lru[h] = seq
-                claims[h] = {seq}
+                claims[h] = (seq,)
                 claimed.append(h)
                 new += 1
         self._size += new
@@ -162,8 +163,10 @@ class PrefixIndex:
             pending = claims.get(h)
             if pending is None or seq not in pending:
                 continue  # confirmed since, or evicted and put there again by others
-            pending.discard(seq)
-            if not pending:
+            rest = tuple([other for other in pending if other != seq])
+            if rest:
+                claims[h] = rest
+            else:
                 del claims[h]
                 if lru.pop(h, None) is not None:
                     self._size -= 1
