@@ -90,7 +90,7 @@ class _SettingsHead(BaseSettings):
 
     # Routing
     policy: str = Field(
-        "goodput", description="Routing policy: goodput, threshold, spec, base or round-robin (README, Routing)."
+        "goodput", description="Routing policy, in any case: goodput, threshold, spec, base or round-robin (README, Routing)."
     )
     poll_interval_ms: int = Field(
         100, ge=10, le=60_000, description="Milliseconds between two load polls of each upstream instance."
@@ -398,9 +398,12 @@ class Settings(_SettingsWithPolicies):
     @field_validator("policy")
     @classmethod
     def _check_policy(cls, value: str) -> str:
-        if value not in registry.names():
+        # Case-insensitive like SPECROUTE_LOG_LEVEL (`Goodput` was refused); the registry's
+        # spelling is what the rest of the proxy (and policy_setting) keys on.
+        by_folded = {name.casefold(): name for name in registry.names()}
+        if value.casefold() not in by_folded:
             raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(registry.names())}")
-        return value
+        return by_folded[value.casefold()]
 
     @field_validator("profile")
     @classmethod

@@ -285,3 +285,16 @@ def test_a_batch_processor_setting_the_otel_sdk_refuses_stops_start_up(tmp_path:
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("specroute: OTEL_BSP_* (the span batch processor")
     assert "startup complete" not in result.stderr
+
+
+def test_the_policy_name_is_case_insensitive_like_the_log_level(tmp_path: Path) -> None:
+    # `Goodput` was refused while `INFO` passed; the registry's spelling is what runs.
+    result = run(["config"], {"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_POLICY": "Round-Robin"}, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "SPECROUTE_POLICY" in result.stdout and "round-robin" in result.stdout.split("SPECROUTE_POLICY", 1)[1]
+    assert load_settings(base_urls="http://a:1", policy="GOODPUT").policy == "goodput"
+    with pytest.raises(SettingsError, match="SPECROUTE_POLICY") as refused:
+        load_settings(base_urls="http://a:1", policy="Fastest")
+    from policies import registry
+
+    assert f"choose one of {', '.join(registry.names())}" in str(refused.value)  # the valid names, listed
