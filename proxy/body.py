@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import re
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -92,6 +93,47 @@ def check_fields(payload: dict[str, Any]) -> None:
         if wrong:
             got = type(value).__name__ if not isinstance(value, str) else "a string"
             raise ProxyError(400, f"'{name}' must be {what}, not {got}", param=name, code="invalid_type")
+
+
+NULL_MEANS_UNSET = ("stream", "stream_options")
+"""Fields OpenAI reads as not set when null, which SGLang refuses as null (its `stream: bool =
+False` answers 400): dropped from the body before it is forwarded (`without_members`)."""
+_MEMBER = re.compile(rb'"(stream|stream_options)"\s*:\s*(?:null|true|false)\s*')
+_SPACE = b" \t\r\n"
+
+
+def without_members(body: bytes, names: Sequence[str]) -> bytes:
+    """`body` (a valid JSON object) less its top-level members named `names` whose values are
+    null, true or false, every other byte as it came. Every member of a name goes (a duplicate
+    `"stream": true` before a `"stream": null` would stream on SGLang, where the last also wins).
+    A name written with escapes (`"str\\u0065am"`) is not found: the body stays as sent."""
+    wanted = {name.encode() for name in names}
+    while True:  # one member at a time: each cut leaves valid JSON for the next search
+        match = next(
+            (m for m in _MEMBER.finditer(body) if m.group(1) in wanted and at_top_level(body, m.start())), None
+        )
+        if match is None:
+            return body
+        start, end = match.start(), match.end()
+        if body[end : end + 1] == b",":
+            end = len(body) - len(body[end + 1 :].lstrip(_SPACE))  # with its comma and the space after
+        else:  # the last member: the comma before it, if any, goes
+            before = len(body[:start].rstrip(_SPACE))
+            if body[before - 1 : before] == b",":
+                start = before - 1
+        body = body[:start] + body[end:]
+
+
+def at_top_level(body: bytes, position: int) -> bool:
+    """Whether `position` (a quote) of a valid JSON object's `body` opens a string directly in
+    the outermost object: outside every string (the real quotes before it pair up, escapes
+    removed first as in `nested_deeper`) and inside exactly one bracket."""
+    before = body[:position].replace(b"\\\\", b"").replace(b'\\"', b"")
+    if before.count(b'"') % 2:
+        return False
+    outside = b"".join(before.split(b'"')[0::2])
+    opened = outside.count(b"{") + outside.count(b"[")
+    return opened - outside.count(b"}") - outside.count(b"]") == 1
 
 
 NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")

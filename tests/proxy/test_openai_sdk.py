@@ -288,3 +288,46 @@ def test_only_the_usage_event_is_kept_from_a_client_that_did_not_ask() -> None:
     assert without_usage_events(content) is content  # no usage object: one scan, as it came
     assert without_usage_events(content + details + usage + done) == content + details + done
     assert without_usage_events(usage) == b""
+
+
+def test_a_null_stream_is_not_set_as_openai_reads_it(proxy: RunningProxy) -> None:
+    # The SDK sends `"stream": null` for stream=None; SGLang (and the twin, as faithful) refuse
+    # null for its `stream: bool` with a 400, OpenAI and vLLM read it as not set.
+    client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=60)
+    raw = client.chat.completions.with_raw_response.create(
+        model="specroute/twin", messages=MESSAGES, max_tokens=5, stream=None, stream_options=None
+    )
+    assert raw.http_response.status_code == 200
+    assert raw.headers["content-type"].startswith("application/json")  # not streamed
+    completion = raw.parse()
+    assert completion.usage is not None and completion.usage.completion_tokens == 5
+    completion = client.completions.create(model="specroute/twin", prompt="Once", max_tokens=3, stream=None)
+    assert completion.usage is not None and completion.usage.completion_tokens == 3
+
+
+def test_only_the_null_stream_members_are_cut_from_the_body() -> None:
+    kept = b'"messages": [{"role": "user", "content": "\\"stream\\": null"}], "x": {"stream": null}'
+    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], policy="spec") as proxy:
+        for body, expected in (
+            (b'{"model": "m", "stream": null, ' + kept + b"}", b'{"model": "m", ' + kept + b"}"),
+            (b'{"model": "m", ' + kept + b', "stream_options": null}', b'{"model": "m", ' + kept + b"}"),
+            # Over 256 KiB: parsed in the worker process, whose small fields (stream) cross back.
+            (
+                b'{"prompt": "' + b"a " * 150_000 + b'", "stream": null, "model": "m"}',
+                b'{"prompt": "' + b"a " * 150_000 + b'", "model": "m"}',
+            ),
+            # A stream whose stream_options is null is asked for its usage as one that names none.
+            (
+                b'{"stream": true, "stream_options": null, "model": "m"}',
+                b'{"stream_options":{"include_usage":true},"stream": true, "model": "m"}',
+            ),
+        ):
+            answer = httpx.post(
+                proxy.base_url + "/chat/completions",
+                content=body,
+                headers={"content-type": "application/json"},
+                timeout=30,
+            )
+            assert answer.status_code == 200, answer.text
+            sent = [r for r in upstream.requests if r.method == "POST"][-1]
+            assert sent.body == expected, body
