@@ -27,6 +27,7 @@ from proxy import openapi
 from proxy.auth import Access, AuthRefused, KeyLimits, without_authorization
 from proxy.errors import ProxyError, error_object, error_type_for
 from proxy.hooks import Telemetry
+from proxy.poller import found_again_within_s
 from proxy.relay import (
     COMPLETION_PATHS,
     CompletionHandler,
@@ -153,7 +154,13 @@ class SpecrouteApp:
                 if isinstance(card, dict) and isinstance(card.get("id"), str):
                     models.setdefault(card["id"], card)
         if not reached:
-            raise ProxyError(503, "no upstream server answered GET /v1/models", code="no_upstream")
+            retry_after = found_again_within_s(self.settings.poll_interval_ms / 1000)
+            raise ProxyError(
+                503,
+                "no upstream server answered GET /v1/models",
+                code="no_upstream",
+                headers=[(b"retry-after", str(retry_after).encode())],
+            )
         merged = list(models.values())
         self.models_cache["models"] = merged
         return merged
@@ -198,7 +205,8 @@ def management_api(app: SpecrouteApp) -> FastAPI:
 
     @api.exception_handler(ProxyError)
     async def _proxy_error(_: Request, exc: ProxyError) -> JSONResponse:
-        return JSONResponse({"error": error_object(exc.message, exc.type, exc.code, exc.param)}, exc.status)
+        headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in exc.headers}  # retry-after
+        return JSONResponse({"error": error_object(exc.message, exc.type, exc.code, exc.param)}, exc.status, headers)
 
     @api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -40,6 +41,15 @@ UNREACHABLE_AFTER = 3
 """Failed connections in a row after which a polled instance is marked unhealthy."""
 RELEARN_EVERY = 10
 """Polls between two tries to learn an instance not reached yet (1 s at the default interval)."""
+
+
+def found_again_within_s(interval_s: float) -> int:
+    """Whole seconds (at least 1) within which the polls, `interval_s` apart, try again every
+    server they cannot reach (one not reached is learned again every RELEARN_EVERY polls): the
+    `retry-after` of a 503 `no_upstream`, sooner than which asking again finds nothing new."""
+    return max(1, math.ceil(RELEARN_EVERY * interval_s))
+
+
 REPROBE_AFTER = 10
 """Error answers in a row from an instance's load endpoint after which it is learned again."""
 LIVENESS_EVERY = 5

@@ -25,6 +25,7 @@ from proxy import scan
 from proxy.connection import ABORT_EXTENSION
 from proxy.errors import ProxyError, normalise_upstream_error
 from proxy.hooks import RequestHooks, Telemetry
+from proxy.poller import found_again_within_s
 from proxy.pools import STREAM_OPTIONS_RECHECK_S, Instance
 from proxy.responses import HeadersFor, ResponseOwners
 from proxy.routing import Attempt, Router, RoutingInputError, read_overrides, read_session, read_workload
@@ -690,7 +691,13 @@ class CompletionHandler:
                 break  # it may crash every server it is sent to
         if failure is None and not tried:
             where = f"in pool {pool!r}" if pinned else "in either pool"
-            failure = ProxyError(503, f"no upstream server is available {where}", code="no_upstream")
+            retry_after = found_again_within_s(self.settings.poll_interval_ms / 1000)
+            failure = ProxyError(
+                503,
+                f"no upstream server is available {where}",
+                code="no_upstream",
+                headers=[(b"retry-after", str(retry_after).encode())],
+            )
         if failure is not None and exchange.culprit.servers:
             self.absolve(exchange, suspects, path, body)
         if failure is not None:

@@ -62,6 +62,18 @@ def test_ready_is_503_when_no_upstream_can_be_reached() -> None:
         assert response.status_code == 503 and error_of(response)["code"] == "no_upstream"
 
 
+@pytest.mark.parametrize(("poll_interval_ms", "retry_after"), [(100, "1"), (250, "3")])
+def test_no_upstream_says_when_to_retry(poll_interval_ms: int, retry_after: str) -> None:
+    # As the proxy's 429s do: the SDKs wait that long. A server that cannot be reached is tried
+    # again every 10 polls, so sooner than that nothing has changed.
+    with running_proxy(spec_urls=[dead_url()], base_urls=[dead_url()], poll_interval_ms=poll_interval_ms) as proxy:
+        chat = httpx.post(proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES}, timeout=30)
+        models = httpx.get(proxy.base_url + "/models", timeout=30)
+        for response in (chat, models):
+            assert response.status_code == 503 and error_of(response)["code"] == "no_upstream", response.text
+            assert response.headers.get_list("retry-after") == [retry_after]
+
+
 def test_a_server_that_dies_fails_over_then_is_skipped(twin_pair) -> None:
     _, base = twin_pair
     with twin("spec", time_scale=TIME_SCALE) as doomed:
