@@ -16,7 +16,8 @@ of any size is buffered whole. Here:
 - request line and headers over SPECROUTE_MAX_HEADER_BYTES get 431 and close;
 - a response that starts before its request's body is all in (a refusal before asking for it,
   `Expect: 100-continue` never answered, or part-way through it, a 413) closes the connection:
-  the rest of the body would be taken for a new request, or read for nothing;
+  the rest of the body would be taken for a new request, or read for nothing (a response on a
+  connection that closes says only `connection: close`, without the `keep-alive` header others carry);
 - pipelined requests: the header deadline starts again only once no later request is past its
   headers (a queued or running one is not held to it, nor are its body bytes counted as headers);
 - an HTTP/1.0 request's response of no declared length (a stream) ends where the connection
@@ -176,6 +177,8 @@ class GuardedProtocol(HttpToolsProtocol):
         # Weak: the scope belongs to the cycle, and a closure holding the cycle and this protocol
         # would make a reference cycle per request for the collector to find.
         extensions[ABORT_EXTENSION] = partial(_abort, weakref.ref(self), weakref.ref(cycle))
+        if not cycle.keep_alive:  # HTTP/1.0, or the client's `Connection: close`
+            _closing(cycle)
         if cycle.scope.get("http_version") == "1.0":
             cycle.send = partial(_close_delimited, cycle, cycle.send)  # type: ignore[method-assign]
         has_body = any(
@@ -192,7 +195,7 @@ class GuardedProtocol(HttpToolsProtocol):
             # while reading it, e.g. an unanswered Expect: 100-continue or a 413) closes the
             # connection: the rest of the body would be read as requests or read for nothing.
             if message["type"] == "http.response.start" and cycle.more_body:
-                cycle.keep_alive = False
+                _closing(cycle)
             await send(message)
 
         cycle.send = close_if_body_unread  # type: ignore[method-assign]
@@ -200,6 +203,12 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._disarm()
         super().on_message_complete()
+
+    def shutdown(self) -> None:
+        super().shutdown()  # the server stops: a running response is its connection's last
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_started:
+            _closing(cycle)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -213,6 +222,13 @@ class GuardedProtocol(HttpToolsProtocol):
             self.header_bytes = 0
             self.header_tail = b""
             self._disarm()
+
+
+def _closing(cycle: Any) -> None:
+    """The connection closes after this response (uvicorn then adds `connection: close`): the
+    default `keep-alive: timeout=N` header (proxy.server) goes, or the response would say both."""
+    cycle.keep_alive = False
+    cycle.default_headers = [(name, value) for name, value in cycle.default_headers if name != b"keep-alive"]
 
 
 async def _close_delimited(cycle: Any, send: Any, message: Any) -> None:

@@ -4,6 +4,7 @@ should not be (upstream, logs, traces, `specroute config`, error bodies)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -409,3 +410,54 @@ def test_a_key_may_hold_at_most_its_share_of_open_requests() -> None:
         wait_for(lambda: proxy.app.key_limits.open == {}, what="the key's requests released")
         assert status("sk-a") == 200
         assert 'specroute_auth_refused_total{reason="key_concurrency"} 1.0' in httpx.get(proxy.url + "/metrics").text
+
+
+def read_response(sock: socket.socket) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """One response with a content-length from a raw socket: its headers (lower-cased names), its body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = sock.recv(65536)
+        assert part, data
+        data += part
+    head, body = data.split(b"\r\n\r\n", 1)
+    headers = [tuple(line.split(b": ", 1)) for line in head.split(b"\r\n")[1:]]
+    pairs = [(name.lower(), value) for name, value in headers]
+    length = int(dict(pairs)[b"content-length"])
+    while len(body) < length:
+        part = sock.recv(65536)
+        assert part, body
+        body += part
+    return pairs, body
+
+
+def test_a_keys_429_says_one_thing_of_its_connection() -> None:
+    # Its refusal comes before the body is read: a body not all in yet closes the connection
+    # (the rest would be read as a request), and uvicorn's `keep-alive: timeout=75` said the
+    # opposite beside `connection: close`; a body already in leaves the connection open.
+    stream = {"model": "m", "messages": MESSAGES, "max_tokens": 20000, "stream": True}
+    body = json.dumps(CHAT).encode()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: p\r\nauthorization: Bearer sk-a\r\ncontent-type: application/json\r\n"
+    with (
+        FaultServer("stall:2") as upstream,
+        running_proxy(spec_urls=[upstream.url], policy="spec", api_keys="sk-a", key_max_concurrency=1) as proxy,
+        httpx.stream("POST", proxy.base_url + "/chat/completions", json=stream, headers=bearer("sk-a"), timeout=30) as held,
+    ):
+        assert held.status_code == 200
+        for request, closes in (
+            (head + b"expect: 100-continue\r\ncontent-length: %d\r\n\r\n" % len(body), True),
+            (head + b"content-length: %d\r\n\r\n%s" % (len(body), body[:5]), True),
+            (head + b"content-length: %d\r\n\r\n%s" % (len(body), body), False),
+        ):
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+                sock.sendall(request)
+                headers, answer = read_response(sock)
+                assert json.loads(answer)["error"]["code"] == "key_concurrency_limit"
+                connection = [value for name, value in headers if name == b"connection"]
+                keep_alive = [value for name, value in headers if name == b"keep-alive"]
+                if closes:
+                    assert (connection, keep_alive) == ([b"close"], []), headers
+                    assert sock.recv(65536) == b""  # and it does close
+                else:
+                    assert (connection, keep_alive) == ([], [b"timeout=75"]), headers
+                    sock.sendall(b"GET /health HTTP/1.1\r\nhost: p\r\n\r\n")  # and it stays open
+                    assert read_response(sock)[1]

@@ -211,3 +211,19 @@ def test_an_http_1_0_stream_ends_where_the_connection_closes_not_in_chunks() -> 
     assert rest.startswith(b"data: {") and rest.endswith(b"data: [DONE]\n\n"), rest[:80]
     lines, rest = heads[b"1.1"]  # HTTP/1.1 keeps its chunks
     assert b"transfer-encoding: chunked" in lines and rest.endswith(b"0\r\n\r\n")
+
+
+def test_a_response_on_a_connection_that_closes_does_not_also_offer_keep_alive() -> None:
+    # uvicorn adds `connection: close` and kept the proxy's `keep-alive: timeout=N` beside it.
+    with running_proxy(base_urls=["http://127.0.0.1:9"], **GUARDED) as proxy:
+        for request, closes in (
+            (b"GET /health HTTP/1.1\r\nHost: x\r\nconnection: close\r\n\r\n", True),
+            (b"GET /health HTTP/1.0\r\n\r\n", True),
+            (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", False),
+        ):
+            with connect(proxy) as sock:
+                sock.sendall(request)
+                [(head, _)] = read_responses(sock, 1)
+            lines = head.lower().split(b"\r\n")
+            said = [line for line in lines if line.startswith((b"connection:", b"keep-alive:"))]
+            assert said == ([b"connection: close"] if closes else [b"keep-alive: timeout=5"]), (request, head)
