@@ -90,7 +90,8 @@ class _SettingsHead(BaseSettings):
 
     # Routing
     policy: str = Field(
-        "goodput", description="Routing policy, in any case: goodput, threshold, spec, base or round-robin (README, Routing)."
+        "goodput",
+        description="Routing policy, in any case: goodput, threshold, spec, base or round-robin (README, Routing).",
     )
     poll_interval_ms: int = Field(
         100, ge=10, le=60_000, description="Milliseconds between two load polls of each upstream instance."

@@ -440,7 +440,9 @@ def test_a_keys_429_says_one_thing_of_its_connection() -> None:
     with (
         FaultServer("stall:2") as upstream,
         running_proxy(spec_urls=[upstream.url], policy="spec", api_keys="sk-a", key_max_concurrency=1) as proxy,
-        httpx.stream("POST", proxy.base_url + "/chat/completions", json=stream, headers=bearer("sk-a"), timeout=30) as held,
+        httpx.stream(
+            "POST", proxy.base_url + "/chat/completions", json=stream, headers=bearer("sk-a"), timeout=30
+        ) as held,
     ):
         assert held.status_code == 200
         for request, closes in (
