@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import re
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -97,43 +96,24 @@ def check_fields(payload: dict[str, Any]) -> None:
 
 NULL_MEANS_UNSET = ("stream", "stream_options")
 """Fields OpenAI reads as not set when null, which SGLang refuses as null (its `stream: bool =
-False` answers 400): dropped from the body before it is forwarded (`without_members`)."""
-_MEMBER = re.compile(rb'"(stream|stream_options)"\s*:\s*(?:null|true|false)\s*')
-_SPACE = b" \t\r\n"
+False` answers 400): a body with one is forwarded without it (`Parsed.body`)."""
 
 
-def without_members(body: bytes, names: Sequence[str]) -> bytes:
-    """`body` (a valid JSON object) less its top-level members named `names` whose values are
-    null, true or false, every other byte as it came. Every member of a name goes (a duplicate
-    `"stream": true` before a `"stream": null` would stream on SGLang, where the last also wins).
-    A name written with escapes (`"str\\u0065am"`) is not found: the body stays as sent."""
-    wanted = {name.encode() for name in names}
-    while True:  # one member at a time: each cut leaves valid JSON for the next search
-        match = next(
-            (m for m in _MEMBER.finditer(body) if m.group(1) in wanted and at_top_level(body, m.start())), None
-        )
-        if match is None:
-            return body
-        start, end = match.start(), match.end()
-        if body[end : end + 1] == b",":
-            end = len(body) - len(body[end + 1 :].lstrip(_SPACE))  # with its comma and the space after
-        else:  # the last member: the comma before it, if any, goes
-            before = len(body[:start].rstrip(_SPACE))
-            if body[before - 1 : before] == b",":
-                start = before - 1
-        body = body[:start] + body[end:]
-
-
-def at_top_level(body: bytes, position: int) -> bool:
-    """Whether `position` (a quote) of a valid JSON object's `body` opens a string directly in
-    the outermost object: outside every string (the real quotes before it pair up, escapes
-    removed first as in `nested_deeper`) and inside exactly one bracket."""
-    before = body[:position].replace(b"\\\\", b"").replace(b'\\"', b"")
-    if before.count(b'"') % 2:
-        return False
-    outside = b"".join(before.split(b'"')[0::2])
-    opened = outside.count(b"{") + outside.count(b"[")
-    return opened - outside.count(b"}") - outside.count(b"]") == 1
+def without_null_members(payload: dict[str, Any]) -> tuple[dict[str, Any], bytes | None]:
+    """The payload less its `NULL_MEANS_UNSET` members that are null, and the body to forward
+    then: the rest serialised again (None: nothing to drop, the body goes as it came; or the
+    payload does not serialise as parsed, an integer past 64 bits say, and goes as it came too).
+    Serialised rather than cut out of the bytes: finding a top-level member in raw JSON is a
+    scan a hostile body can make quadratic, while this runs where the body was parsed (in the
+    worker process for a large one), in linear time."""
+    unset = [name for name in NULL_MEANS_UNSET if name in payload and payload[name] is None]
+    if not unset:
+        return payload, None
+    kept = {name: value for name, value in payload.items() if name not in unset}
+    try:
+        return kept, orjson.dumps(kept)
+    except orjson.JSONEncodeError:
+        return payload, None
 
 
 NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
@@ -210,6 +190,8 @@ class Parsed:
     computed off the loop; empty when it has no single prompt or one shorter than a block."""
     session: str | None
     """The session key (a hash of the name, never the name), if the request names one."""
+    body: bytes | None = None
+    """The body to forward when it is not the one received (`without_null_members`)."""
 
 
 def read(body: bytes, max_items: int, max_values: int, given: Given = Given()) -> Parsed:
@@ -234,6 +216,7 @@ def read(body: bytes, max_items: int, max_values: int, given: Given = Given()) -
             code="request_too_complex",
         )
     check_fields(payload)
+    payload, forward = without_null_members(payload)
     if given.responses:  # its own fields kept; routing, spans and content read the chat ones
         payload = {**payload, **responses_as_chat(payload)}
     return Parsed(
@@ -241,13 +224,14 @@ def read(body: bytes, max_items: int, max_values: int, given: Given = Given()) -
         features_of(payload, given.request_class, given.workload, given.hash_key),
         PromptBlocks.of(payload, given.block_tokens, given.max_blocks),
         session_of(payload, given.session),
+        forward,
     )
 
 
 def read_hashed(body: bytes, max_items: int, max_values: int, given: Given = Given()) -> Parsed:
     """`read` with every block hashed (off the loop: in a thread or the worker process)."""
     parsed = read(body, max_items, max_values, given)
-    return Parsed(parsed.payload, parsed.features, tuple(parsed.blocks[:]), parsed.session)
+    return Parsed(parsed.payload, parsed.features, tuple(parsed.blocks[:]), parsed.session, parsed.body)
 
 
 PROCESS_BYTES = OFF_LOOP_BYTES
@@ -259,9 +243,9 @@ BULK_FIELDS = ("messages", "prompt", "tools", "functions", "input", "instruction
 small fields (model, sampling parameters) cross back."""
 
 
-Parts = tuple[dict[str, Any], tuple[Any, ...], tuple[int, ...], str | None]
+Parts = tuple[dict[str, Any], tuple[Any, ...], tuple[int, ...], str | None, bytes | None]
 """A body parsed in the worker as plain values: its small fields, its features' field values (in
-`Features`' order), its block hashes, its session key. Plain, because the worker may import the
+`Features`' order), its block hashes, its session key, the body to forward if not the one sent. Plain, because the worker may import the
 decision path from source while the proxy runs it compiled (or the other way round: each process
 decides alone, fleet/native.py), and an object of one class does not unpickle as the other."""
 
@@ -277,7 +261,7 @@ def read_in_worker(
         return error.status, error.message, error.code, error.param
     payload = {k: v for k, v in parsed.payload.items() if k not in BULK_FIELDS}
     features = tuple(getattr(parsed.features, f.name) for f in fields(Features))
-    return payload, features, tuple(parsed.blocks), parsed.session
+    return payload, features, tuple(parsed.blocks), parsed.session, parsed.body
 
 
 class BodyReader:
@@ -314,8 +298,8 @@ class BodyReader:
         if isinstance(result[0], int):
             status, message, code, param = result
             raise ProxyError(status, message, code=code, param=param)
-        payload, features, blocks, session = result
-        return Parsed(payload, Features(*features), blocks, session)
+        payload, features, blocks, session, forward = result
+        return Parsed(payload, Features(*features), blocks, session, forward)
 
     async def close(self) -> None:
         """End the worker process (in a thread: the loop keeps serving while it exits)."""

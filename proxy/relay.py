@@ -454,11 +454,8 @@ class CompletionHandler:
             )
             parsed = await self.bodies.parse(body, given)
             payload, features = parsed.payload, parsed.features
-            unset = [name for name in request_body.NULL_MEANS_UNSET if name in payload and payload[name] is None]
-            if unset:
-                # Null is "not set" to OpenAI (and vLLM), a 400 to SGLang: sent as not set.
-                body = request_body.without_members(body, unset)
-                payload = {name: value for name, value in payload.items() if name not in unset}
+            if parsed.body is not None:  # null members dropped: "not set" to OpenAI, a 400 to SGLang
+                body = parsed.body
                 exchange.body_bytes = len(body)
             exchange.prompt_tokens = features.prompt_tokens
             exchange.asked_stream = features.stream
