@@ -176,7 +176,7 @@ def execute(job: Job, seed: int = 0) -> dict[str, Any]:
             return shadow.decide(features, with_alpha(snapshot, before if t < DROP_AT_S else after))
 
         again = run(setup, workload, job.policy, replay=told)
-        if [d[:2] for d in again.decisions] != [d[:2] for d in result.decisions]:
+        if again.decisions != result.decisions:
             raise RuntimeError(f"{job}: the replayed run decided otherwise than the first")
         out["decisions"] = []
         for (t, pool, _, alpha), answer in zip(result.decisions, again.replayed):

@@ -325,8 +325,11 @@ class VirtualRouter:
             self.admission.observe(self.setup.slo.met(record), record.finish_time)
         url = self.urls[record.engine]
         spec = self.pool_of_engine[record.engine] == "spec"
-        queued = self._sent.get((record.arrival, record.prompt_tokens, record.engine))
+        key = (record.arrival, record.prompt_tokens, record.engine)
+        queued = self._sent.get(key)
         sent = queued.popleft() if queued else None
+        if queued is not None and not queued:
+            del self._sent[key]
         evidence = ResponseEvidence(
             tokens=record.output_tokens,
             verify_steps=record.verify_ct if spec else None,

@@ -367,16 +367,22 @@ class FleetModel:
             signals.events.append((now, +1, uncached))
         return sent
 
+    def on_answered(self, sent: Dispatch) -> None:
+        """The server took the request `sent` (its response began): the prefix blocks and the
+        session move it claimed stand, whatever becomes of other unanswered requests that
+        claimed them too."""
+        seq, claimed = sent.inserted
+        if claimed:
+            self.prefix.settle(sent.url, seq, claimed)
+        if sent.session is not None:
+            self.sessions.settle(sent.session, sent.url, sent.at)
+
     def on_complete(self, url: str, now: float, sent: Dispatch | None = None) -> None:
         """A request sent to `url` is over (answered, failed or left). `sent`, its dispatch
-        record: the server took it, so the prefix blocks and the session move it claimed
-        stand, whatever becomes of other unanswered requests that claimed them too."""
+        record: what it claimed stands (`on_answered`; a request that failed or whose client
+        left may have run there, so its claims are kept as well)."""
         if sent is not None:
-            seq, claimed = sent.inserted
-            if claimed:
-                self.prefix.settle(url, seq, claimed)
-            if sent.session is not None:
-                self.sessions.settle(sent.session, url, sent.at)
+            self.on_answered(sent)
         signals = self.instances[url]
         signals.local_in_flight = max(signals.local_in_flight - 1, 0)
         if signals.polled:

@@ -74,8 +74,9 @@ class PrefixIndex:
         self._lru: dict[str, OrderedDict[int, int]] = {}
         # instance -> {block: the pending inserts its presence rests on}: blocks that only
         # requests not yet answered put there (a refusal of all of them takes the block back).
-        # Tuples: one claimant is the rule, and a block of every request in flight has one.
-        self._claims: dict[str, dict[int, tuple[int, ...]]] = {}
+        # One claimant (an int) is the rule, and a block of every request in flight has one; a
+        # set once a second comes (a shared system prompt's blocks in a burst: many at once).
+        self._claims: dict[str, dict[int, int | set[int]]] = {}
         self._cap: dict[str, int] = {}
         self._trust: dict[str, _Trust] = {}
         self._size = 0
@@ -125,13 +126,17 @@ class PrefixIndex:
             if h in lru:
                 touch(h)
                 lru[h] = seq
-                pending = claims.get(h)
-                if pending is not None:
-                    claims[h] = (*pending, seq)
-                    claimed.append(h)
+                if claims:
+                    pending = claims.get(h)
+                    if pending is not None:
+                        if isinstance(pending, int):
+                            claims[h] = {pending, seq}
+                        else:
+                            pending.add(seq)
+                        claimed.append(h)
             else:
                 lru[h] = seq
-                claims[h] = (seq,)
+                claims[h] = seq
                 claimed.append(h)
                 new += 1
         self._size += new
@@ -148,8 +153,7 @@ class PrefixIndex:
         if claims is None:
             return
         for h in claimed:
-            pending = claims.get(h)
-            if pending is not None and seq in pending:
+            if _claims(claims.get(h), seq):
                 del claims[h]
 
     def withdraw(self, instance: str, seq: int, claimed: Sequence[int]) -> None:
@@ -161,15 +165,14 @@ class PrefixIndex:
             return
         for h in claimed:
             pending = claims.get(h)
-            if pending is None or seq not in pending:
+            if not _claims(pending, seq):
                 continue  # confirmed since, or evicted and put there again by others
-            rest = tuple([other for other in pending if other != seq])
-            if rest:
-                claims[h] = rest
-            else:
-                del claims[h]
-                if lru.pop(h, None) is not None:
-                    self._size -= 1
+            if isinstance(pending, set) and len(pending) > 1:
+                pending.discard(seq)
+                continue
+            del claims[h]
+            if lru.pop(h, None) is not None:
+                self._size -= 1
 
     def forget(self, instance: str) -> None:
         """Everything about `instance`'s cache: it restarted, or is down (its capacity stays)."""
@@ -324,3 +327,10 @@ class PrefixIndex:
                 excess -= 1
                 self._size -= 1
                 self.evicted += 1
+
+
+def _claims(pending: int | set[int] | None, seq: int) -> bool:
+    """Whether insert `seq` is among a block's pending claimants."""
+    if pending is None:
+        return False
+    return pending == seq if isinstance(pending, int) else seq in pending

@@ -105,9 +105,18 @@ class SessionTable:
             after, entry = entry, entry.previous
 
     def forget_instance(self, instance: str) -> None:
-        """The instance's cache is gone: its sessions no longer hold a prefix there."""
-        for key in [k for k, e in self._entries.items() if e.instance == instance]:
-            del self._entries[key]
+        """The instance's cache is gone: its sessions no longer hold a prefix there, nor return
+        there when a later request of theirs is refused."""
+        for key in list(self._entries):
+            entry = self._entries[key]
+            if entry.instance == instance:
+                del self._entries[key]
+                continue
+            while entry.previous is not None:
+                if entry.previous.instance == instance:
+                    entry.previous = entry.previous.previous
+                else:
+                    entry = entry.previous
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -23,6 +23,7 @@ parsed in the worker process is hashed there in full, and only the tuple of hash
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import multiprocessing
 from collections.abc import Sequence
@@ -99,21 +100,21 @@ NULL_MEANS_UNSET = ("stream", "stream_options")
 False` answers 400): a body with one is forwarded without it (`Parsed.body`)."""
 
 
-def without_null_members(payload: dict[str, Any]) -> tuple[dict[str, Any], bytes | None]:
+def without_null_members(payload: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes | None]:
     """The payload less its `NULL_MEANS_UNSET` members that are null, and the body to forward
-    then: the rest serialised again (None: nothing to drop, the body goes as it came; or the
-    payload does not serialise as parsed, an integer past 64 bits say, and goes as it came too).
-    Serialised rather than cut out of the bytes: finding a top-level member in raw JSON is a
-    scan a hostile body can make quadratic, while this runs where the body was parsed (in the
-    worker process for a large one), in linear time."""
+    then (None: nothing to drop, the body goes as it came). The body is parsed again with the
+    standard library and serialised without them: orjson reads an integer past 64 bits as a
+    float, which would change a value the client sent; finding the member in the raw bytes
+    instead is a scan a hostile body can make quadratic. Runs where the body was parsed (in
+    the worker process for a large one), in linear time."""
     unset = [name for name in NULL_MEANS_UNSET if name in payload and payload[name] is None]
     if not unset:
         return payload, None
-    kept = {name: value for name, value in payload.items() if name not in unset}
-    try:
-        return kept, orjson.dumps(kept)
-    except orjson.JSONEncodeError:
-        return payload, None
+    exact = json.loads(body)
+    for name in unset:
+        del exact[name]
+    forward = json.dumps(exact, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    return {name: value for name, value in payload.items() if name not in unset}, forward
 
 
 NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
@@ -216,7 +217,7 @@ def read(body: bytes, max_items: int, max_values: int, given: Given = Given()) -
             code="request_too_complex",
         )
     check_fields(payload)
-    payload, forward = without_null_members(payload)
+    payload, forward = without_null_members(payload, body)
     if given.responses:  # its own fields kept; routing, spans and content read the chat ones
         payload = {**payload, **responses_as_chat(payload)}
     return Parsed(

@@ -801,7 +801,7 @@ class CompletionHandler:
                     # The credentials it refused are the proxy's (the pool's key, or none with the
                     # client's stopped here), not the client's: a 401 would tell the client its own
                     # key is wrong, and its SDK would not retry.
-                    attempt.failed("upstream_auth")
+                    attempt.failed("upstream_auth", refused=True)
                     hooks.attempt_failed(error="upstream_auth", retryable=True)
                     return ProxyError(
                         502,
@@ -823,6 +823,7 @@ class CompletionHandler:
                         code="upstream_redirect",
                         retryable=True,
                     )
+                attempt.answered()
                 first = await response.content.readany()
                 if response.content_type == "text/event-stream":
                     first = await self.first_event(response, first, exchange.dialect.started)
@@ -921,6 +922,10 @@ class CompletionHandler:
         retryable = response.status >= 500
         if response.status == 500:  # before any await: its connection may be in the pool already
             not_reused(response)
+        if not retryable:
+            # Before any await: a client leaving while the body is read must not make the
+            # refusal count as a request the server ran (its claims on caches would stand).
+            attempt.refused()
         raw = await read_up_to(response.content, ERROR_BODY_LIMIT)
         payload = normalise_upstream_error(response.status, raw, exchange.request_id)
         if retryable:
@@ -928,10 +933,8 @@ class CompletionHandler:
             exchange.hooks.attempt_failed(error=f"status_{response.status}", retryable=True)
         elif exchange.hide_usage and refuses_stream_options(response.status, payload):
             # Sent again without the field (`forward`): an attempt that failed, its span kept.
-            attempt.refused()
             exchange.hooks.attempt_failed(error="stream_options_refused", retryable=True)
         else:
-            attempt.refused()
             exchange.hooks.attempt_finished(status=response.status)
         relayed = [
             (name.lower(), value)

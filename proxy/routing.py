@@ -254,6 +254,12 @@ class Attempt:
         server is the server's silence: a relay blocked by a slow client is not."""
         instance.attempts.add(self)
 
+    def answered(self) -> None:
+        """The upstream accepted the request (a 2xx status): it will not be refused, so its
+        prefix blocks and session move are no longer claims a refusal could take back."""
+        if self.open:
+            self.fleet.on_answered(self.sent)
+
     def first_byte(self) -> None:
         self.reading_since = None
         if self.open and not self.started:
@@ -319,13 +325,15 @@ class Attempt:
             self.outliers.released(self.instance)
         self._release(refused=True)
 
-    def failed(self, error: str) -> None:
+    def failed(self, error: str, refused: bool = False) -> None:
+        """The attempt failed with `error`; `refused`: the upstream answered without running
+        it (its credentials refused), so its dispatch is undone as a refusal's is."""
         if self.open:
             self.instance.failed_total += 1
             if self.outliers is not None:
                 culprit = self.culprit if self.culprit is not None and request_may_cause(error) else None
                 self.outliers.failed(self.instance, error, culprit)
-        self._release()
+        self._release(refused=refused)
 
     def _release(self, refused: bool = False) -> None:
         if not self.open:

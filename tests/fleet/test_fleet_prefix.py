@@ -135,6 +135,16 @@ def test_a_refused_request_returns_its_session_past_other_unanswered_ones():
     table.restore("t", "z", 3.1)
     table.restore("t", "y", 3.0)
     assert table.get("t", 3.2) is None
+    # A server whose cache is gone is no session's place to return to on a refusal.
+    table.put("v", "x", 100, 5.0)
+    table.settle("v", "x", 5.0)
+    table.put("v", "y", 200, 5.1)
+    table.forget_instance("x")
+    table.restore("v", "y", 5.1)
+    assert table.get("v", 5.2) is None
+    table.put("w", "x", 100, 6.0)
+    table.forget_instance("x")
+    assert table.get("w", 6.1) is None
     # Requests never answered chain no further than MAX_UNANSWERED entries.
     from fleet.sessions import MAX_UNANSWERED
 

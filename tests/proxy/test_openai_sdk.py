@@ -321,6 +321,11 @@ def test_only_the_null_stream_members_are_cut_from_the_body() -> None:
                 b'{"stream": true, "stream_options": null, "model": "m"}',
                 b'{"stream_options": {"include_usage": true}, "stream": true, "model": "m"}',
             ),
+            # An integer past 64 bits stays exact (orjson would read it as a float).
+            (
+                b'{"model": "m", "stream": null, "seed": 123456789012345678901234567890}',
+                b'{"model": "m", "seed": 123456789012345678901234567890}',
+            ),
             # Nothing null: the body goes byte for byte, spacing and all.
             (b'{ "model" :"m",  "stream": false,"x":[1.0, 1e2]}', None),
         ):

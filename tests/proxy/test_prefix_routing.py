@@ -96,8 +96,9 @@ def test_a_large_body_is_hashed_in_full_in_the_worker():
     # Plain values only: the worker and the proxy may run the decision path one compiled and
     # one from source (fleet/native.py), whose classes do not unpickle as each other.
     assert b"fleet" not in pickle.dumps(result)
-    small, features, blocks, session = result
+    small, features, blocks, session, forward = result
     assert "messages" not in small  # the prompt stays in the worker
+    assert forward is None  # nothing to drop: the proxy forwards the body it has
     assert blocks == block_hashes(payload, 256, 50) and isinstance(blocks, tuple)
     assert len(blocks) == 50
     assert session == session_key("bob")
@@ -241,6 +242,25 @@ def test_a_dispatch_enters_the_index_and_the_session_and_a_refusal_undoes_its_un
     held = state["pools"]["spec"]["instances"][0]["prefix"]
     assert held["blocks"] == 8 and held["trust"] == 1.0
     assert state["prefix"]["entries"] == 8 and state["prefix"]["sessions"] == 1
+
+
+def test_an_attempt_s_claims_stand_once_answered_and_go_when_refused(router):
+    # Claims settle at the upstream's 2xx, not at the end of its response: a same-prompt request
+    # refused meanwhile takes nothing back. A 401/403 on the proxy's credentials never ran the
+    # request: its claims go as a 4xx refusal's do, though it counts as the server's failure.
+    blocks = PromptBlocks.of(chat("e" * 8192), 256)
+    streaming = router.dispatch(instance(router, SPEC[0]), 2100, blocks=blocks, session="s")
+    streaming.answered()
+    burst = router.dispatch(instance(router, SPEC[0]), 2100, blocks=blocks, session="s")
+    burst.refused()
+    assert router.fleet.prefix.blocks(SPEC[0]) == 8
+    assert router.fleet.sessions.get("s", time.monotonic()).instance == SPEC[0]
+    streaming.finished()
+    denied = router.dispatch(instance(router, SPEC[1]), 2100, blocks=blocks, session="t")
+    denied.failed("upstream_auth", refused=True)
+    assert router.fleet.prefix.blocks(SPEC[1]) == 0
+    assert router.fleet.sessions.get("t", time.monotonic()) is None
+    assert instance(router, SPEC[1]).failed_total == 1
 
 
 def test_a_huge_prompt_is_hashed_only_as_far_as_an_instance_can_hold(router):
