@@ -298,6 +298,10 @@ class StepCostModel:
 
     def _learn(self, bucket: _Bucket, ratio: float, weight: float, now: float) -> None:
         self.version += 1
+        # No observation outweighs the bucket's whole memory: past it, the update below would
+        # overshoot the observed ratio (to below zero: a server's prefill counters once weighed
+        # a reading as 3,000 iterations, and the next log() of the ratio raised).
+        weight = min(weight, self.memory)
         fresh = bucket.weight == 0
         bucket.weight = min(bucket.trust(now, self.half_life_s) + weight, self.memory)
         bucket.ratio += (ratio - bucket.ratio) * weight / bucket.weight

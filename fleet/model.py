@@ -45,7 +45,7 @@ from fleet.attainment import SloAttainment
 from fleet.blocks import BLOCK_TOKENS
 from fleet.costmodel import DEFAULT_HALF_LIFE_S as COST_HALF_LIFE_S
 from fleet.costmodel import Seed, StepCostModel
-from fleet.instance import CacheStats, InstanceSignals
+from fleet.instance import RATE_WINDOW_S, CacheStats, InstanceSignals
 from fleet.outcomes import TpotOutcomes
 from fleet.prefix import DEFAULT_MAX_BLOCKS, PrefixIndex
 from fleet.readings import Dispatch, Reading, ResponseEvidence, ServerDescription
@@ -531,7 +531,10 @@ class FleetModel:
         one with none prefills prompts as they come, so as iterations of the instance's recent
         mean uncached prompt per dispatch of ours (capped at a chunk). Each iteration gets the
         busy time's share and the delta weighs as that many iterations. No queue and nothing
-        sent here lately: no step size to attribute, no evidence."""
+        sent here lately, or more prompt tokens prefilled since the last reading than twice what
+        we sent in the last seconds (another client's prompts, of a size we do not know: taken
+        as ours, a profiler's 1,024-token prompts taught base's prefill at a third of its time):
+        no step size to attribute, no evidence."""
         if busy_us <= 0:
             return
         if queued:
@@ -540,7 +543,10 @@ class FleetModel:
             per_s = signals.sent.per_s(now)
             if per_s <= 0:
                 return
-            step = min(signals.prompt_tokens_sent.per_s(now) / per_s, PREFILL_CHUNK_TOKENS)
+            ours = signals.prompt_tokens_sent.per_s(now)
+            if tokens > 2 * ours * RATE_WINDOW_S:  # the rate's window holds what we sent lately
+                return
+            step = min(ours / per_s, PREFILL_CHUNK_TOKENS)
         if step < 1:
             return
         steps = tokens / step

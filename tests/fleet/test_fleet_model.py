@@ -205,6 +205,43 @@ def test_a_queued_server_packs_its_prefill_into_chunks_and_the_counters_are_read
     assert learned(waiting=0) == pytest.approx(1.0, rel=0.02)
 
 
+def test_another_clients_prompts_in_the_counters_teach_no_prefill_and_break_nothing() -> None:
+    """A server's counters also count other clients' prompts (a second proxy, `specroute
+    profile`): with no queue their iterations were sized by our own mean prompt, so a profiler's
+    long prompts became thousands of tiny iterations, one reading outweighed the bucket's memory,
+    its ratio overshot below zero and the next log() raised in the poll (a user's probe)."""
+    from fleet.costmodel import AffineSeed
+
+    seed = AffineSeed()
+    model = FleetModel(seed=seed)
+    model.add_instance("b", "base", 64)
+    tokens = busy_us = 0.0
+    for i in range(40):
+        now = 0.1 * i
+        if i % 10 == 0:
+            model.on_dispatch("b", now, 6)  # ours: a few tiny prompts
+            tokens, busy_us = tokens + 6, busy_us + 1000 * seed.prefill_ms(6)
+        if i >= 20:  # another client's 4,096-token prompts, one per reading, at the seed's time
+            tokens, busy_us = tokens + 4096, busy_us + 1000 * seed.prefill_ms(4096)
+        model.on_reading(
+            "b", Reading(now, running=1, waiting=0, prefill_tokens_total=tokens, prefill_busy_us_total=busy_us)
+        )
+    for size in (6, 1024, 4096):
+        assert model.cost.prefill_ms("base", size, now) == pytest.approx(seed.prefill_ms(size), rel=0.05)
+
+
+def test_no_observation_outweighs_a_buckets_memory() -> None:
+    from fleet.costmodel import AffineSeed, StepCostModel
+
+    seed = AffineSeed()
+    cost = StepCostModel(seed=seed)
+    for i in range(20):
+        cost.observe_prefill("base", 64, 2 * seed.prefill_ms(64), now=float(i))
+    cost.observe_prefill("base", 64, 0.5 * seed.prefill_ms(64), now=21.0, weight=3000)
+    cost.observe_prefill("base", 64, 0.5 * seed.prefill_ms(64), now=22.0)
+    assert 0.5 <= cost.prefill_correction("base", 64, now=22.0) <= 2.0
+
+
 def test_a_pool_learns_how_its_requests_tpot_came_out_against_their_predictions() -> None:
     fleet = FleetModel({"spec": 3, "base": 0})
     fleet.add_instance("http://s", "spec", 48)
