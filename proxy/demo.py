@@ -51,13 +51,21 @@ def run_demo(port: int | None, profile: str, time_scale: float) -> int:
     # uvicorn re-raises the stop signal once it has drained; unwinding (instead of dying on the
     # default handler) is what lets the `twins` block below stop both twins.
     signal.signal(signal.SIGTERM, _stop)
+    where = {"host": "127.0.0.1"} | ({} if port is None else {"port": port})
+    given = load_settings(**where)
+    if given.spec_urls or given.base_urls:  # set for `serve`, say: not what the demo will front
+        print(
+            "specroute demo: SPECROUTE_SPEC_URLS and SPECROUTE_BASE_URLS are ignored: the demo fronts "
+            "its own twins (specroute serve fronts your servers)",
+            file=sys.stderr,
+            flush=True,
+        )
     specs = (
         # Usage reports cached prompt tokens, as SGLang does with the flag README recommends.
         TwinSpec("spec", profile=profile, time_scale=time_scale, seed=1, args=DEMO_TWIN_ARGS),
         TwinSpec("base", profile=profile, time_scale=time_scale, seed=2, args=DEMO_TWIN_ARGS),
     )
     with twins(*specs) as (spec, base):
-        where = {"host": "127.0.0.1"} | ({} if port is None else {"port": port})
         settings = load_settings(**where, spec_urls=[spec.url], base_urls=[base.url])
         model = served_model(spec.url)
         keys = settings.api_keys is not None or settings.api_keys_file is not None

@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import csv
 import json
+import os
 import random
 import statistics
 import sys
@@ -865,10 +866,30 @@ def write_profile(doc: dict[str, Any], rows: list[list[Any]] | None, out: Path) 
     return profile
 
 
+def cannot_write(out: Path) -> str | None:
+    """Why the profile and its table could not be written at `out` (None: they can): its
+    folder is created if missing, as the write would."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not out.parent.is_dir():
+        return f"{out.parent} is not a folder"
+    targets = [out.parent] + [p for p in (out, out.with_name(out.stem + "-step-ms.csv")) if p.exists()]
+    for target in targets:
+        if not os.access(target, os.W_OK):
+            return f"{target} is not writable"
+    return None
+
+
 def run(options: Options) -> int:
     """`specroute profile`: 0 written, 3 a server busy (no --force), 1 another failure."""
     if options.out.suffix != ".json":
         print("specroute profile: --out must name a .json file", file=sys.stderr)
+        return 2
+    unwritable = cannot_write(options.out)
+    if unwritable is not None:  # said now, not after minutes of measuring
+        print(f"specroute profile: cannot write {options.out}: {unwritable}", file=sys.stderr)
         return 2
     progress = Progress(options.budget_s, quiet=options.quiet)
     when = datetime.now(UTC)
@@ -881,6 +902,9 @@ def run(options: Options) -> int:
         return EXIT_BUSY
     except ProfileError as exc:
         print(f"specroute profile: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the file became unwritable while measuring (a full disk, say)
+        print(f"specroute profile: cannot write {options.out}: {exc}", file=sys.stderr)
         return 1
     measured = doc["measured"]
     progress.line(

@@ -34,7 +34,7 @@ def test_demo_serves_the_sdk_and_stops_its_twins_on_sigterm() -> None:
     arguments), and a misspelt one is reported as `serve` reports it."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECROUTE_")}
-    env |= {"SPECROUTE_PORT": str(port), "SPECROUTE_POLCY": "spec"}
+    env |= {"SPECROUTE_PORT": str(port), "SPECROUTE_POLCY": "spec", "SPECROUTE_SPEC_URLS": "http://127.0.0.1:1"}
     with tempfile.TemporaryFile() as out:
         demo = subprocess.Popen(
             [sys.executable, "-m", "proxy.cli", "demo", "--time-scale", "20"],
@@ -57,6 +57,8 @@ def test_demo_serves_the_sdk_and_stops_its_twins_on_sigterm() -> None:
             twin_urls = re.findall(r"pool \([^)]*\):\s+(http://127\.0\.0\.1:\d+)", banner)
             assert len(twin_urls) == 2
             assert "SPECROUTE_POLCY is not a setting (did you mean SPECROUTE_POLICY?)" in banner
+            assert "SPECROUTE_SPEC_URLS and SPECROUTE_BASE_URLS are ignored" in banner  # not fronted
+            assert "http://127.0.0.1:1" not in twin_urls
 
             client = openai.OpenAI(base_url=base_url, api_key="any", max_retries=0)
             completion = client.completions.create(model="specroute/twin", prompt="Hello", max_tokens=4)

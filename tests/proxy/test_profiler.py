@@ -276,6 +276,19 @@ def test_the_key_can_come_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "holds no key" in capsys.readouterr().err and not out.exists()
 
 
+def test_an_out_path_that_cannot_be_written_stops_the_run_before_it_measures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user's probe: --out under a path that cannot be written measured for the whole budget,
+    then lost it all in a traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = blocker / "p.json"
+    # An unreachable server: asked at all, the run would fail otherwise (exit 1), and later.
+    assert main(["profile", "--url", "http://127.0.0.1:1", "--out", str(out), "--quiet"]) == 2
+    assert f"cannot write {out}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "bad",
     [["--budget-s", "-5"], ["--budget-s", "nan"], ["--batches", "3,0,-1"], ["--batches", ","], ["--max-batch", "0"]],
