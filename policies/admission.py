@@ -61,6 +61,10 @@ class Refusal:
     """The time per output token of the pool's streams with the request admitted (predicted)."""
     retry_after_s: int
     """Whole seconds (the `retry-after` header): about when the queue ahead will have drained."""
+    ttft_limit_s: float = 0.0
+    """The limits the prediction was held to (the targets at the admission's scale now, and at
+    a share of it for `shed-batch`; 0: not checked)."""
+    tpot_limit_s: float = 0.0
 
 
 class Admission:
@@ -122,10 +126,17 @@ class Admission:
         scale = self.scale_now(now)
         rule = self.past_limits(ttft, tpot, scale)
         if rule is None and features.request_class == "batch" and self.past_limits(ttft, tpot, scale * BATCH_SHARE):
-            rule = "shed-batch"
+            rule, scale = "shed-batch", scale * BATCH_SHARE
         if rule is None:
             return None
         # About when the queue ahead will have drained: its prefill, or (for TPOT) the time the
         # running requests need to get through what stalls them.
         retry = max(MIN_RETRY_AFTER_S, math.ceil(p.prefill_s + p.wait_s))
-        return Refusal(rule=rule, predicted_ttft_s=ttft, predicted_tpot_s=tpot, retry_after_s=retry)
+        return Refusal(
+            rule=rule,
+            predicted_ttft_s=ttft,
+            predicted_tpot_s=tpot,
+            retry_after_s=retry,
+            ttft_limit_s=self.ttft_limit_s * scale,
+            tpot_limit_s=self.tpot_limit_s * scale,
+        )

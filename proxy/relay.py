@@ -252,6 +252,12 @@ class Exchange:
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+def limit_note(limit: float, shown: str) -> str:
+    """' against <shown> now' (`shown`: the limit with its unit) in an admission refusal's
+    message; empty when that limit is not checked (0)."""
+    return f" against {shown} now" if limit > 0 else ""
+
+
 def refuses_stream_options(status: int, payload: bytes | None) -> bool:
     """Whether an upstream's answer (its status, its normalised error body) may refuse the
     `stream_options` the proxy added: a 400 or 422 (a strict schema's "extra inputs are not
@@ -482,11 +488,19 @@ class CompletionHandler:
             exchange.decision, exchange.logged = router.decide(features, override, snapshot, exchange.owner)
             refusal = router.admit(features, exchange.decision, snapshot)
             if refusal is not None:
+                # Its headers and the decision log say what refused it, not where it would have gone.
+                decided = exchange.decision
+                exchange.decision = Decision(decided.pool, refusal.rule, decided.scores)
+                if exchange.logged is not None:
+                    exchange.logged["refused"] = refusal.rule
                 raise ProxyError(
                     429,
                     f"the fleet cannot serve this request in time now ({refusal.rule}: first token predicted "
-                    f"in {refusal.predicted_ttft_s:.2f} s, {refusal.predicted_tpot_s * 1000:.0f} ms per output "
-                    f"token); retry after {refusal.retry_after_s} s",
+                    f"in {refusal.predicted_ttft_s:.2f} s"
+                    f"{limit_note(refusal.ttft_limit_s, f'{refusal.ttft_limit_s:.3g} s')}, "
+                    f"{refusal.predicted_tpot_s * 1000:.0f} ms per output token"
+                    f"{limit_note(refusal.tpot_limit_s, f'{refusal.tpot_limit_s * 1000:.0f} ms')}); "
+                    f"retry after {refusal.retry_after_s} s",
                     code="fleet_overloaded",
                     headers=[(b"retry-after", str(refusal.retry_after_s).encode())],
                 )

@@ -32,7 +32,12 @@ def test_a_request_the_fleet_cannot_serve_in_time_gets_a_429_with_retry_after(tw
         except openai.RateLimitError as refused:
             assert refused.status_code == 429 and refused.code == "fleet_overloaded"
             assert int(refused.response.headers["retry-after"]) >= 1
-            assert "predicted-ttft" in refused.message
+            assert "predicted-ttft" in refused.message and "against 0.001 s now" in refused.message
+            # What refused it, in its headers and the decision log (a user's probe: they showed
+            # where the request would have gone and why, spec-sooner, not why it was refused).
+            assert refused.response.headers["x-specroute-reason"] == "predicted-ttft"
+            state = httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()
+            assert state["decisions"][-1]["refused"] == "predicted-ttft"
         raw = httpx.post(
             proxy.base_url + "/chat/completions",
             json={"model": "m", "messages": MESSAGES},
