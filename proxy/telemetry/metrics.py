@@ -102,6 +102,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        # Series an alert watches exist at 0 from the start: an absent series is no rate (an alert
+        # on the failovers' rate would wait for the first failover to see its first sample).
+        for pool, other in (("spec", "base"), ("base", "spec")):
+            self.failovers.labels(pool, other)
+            self.retries.labels(pool)
+        for reason in n.AUTH_REFUSED_REASONS:
+            self.auth_refused.labels(reason)
         self.overhead = Histogram(
             n.M_OVERHEAD,
             "Seconds per request spent in the proxy itself (not waiting on upstream).",

@@ -79,6 +79,8 @@ M_FAILOVERS = "specroute_failovers"
 M_OVERHEAD = "specroute_overhead_seconds"
 M_TOKENS = "specroute_tokens"
 M_AUTH_REFUSED = "specroute_auth_refused"
+AUTH_REFUSED_REASONS = ("missing", "malformed", "invalid", "not_operator", "pin_not_allowed", "key_concurrency")
+"""Every `reason` of proxy.auth's refusals: their series exist at 0 from the start."""
 M_STORED = "specroute_stored_response_requests"
 M_STORED_ASKED = "specroute_stored_response_upstream_requests"
 M_EJECTED = "specroute_upstream_ejected"

@@ -96,6 +96,26 @@ def samples(t: SpecrouteTelemetry) -> dict[tuple[str, tuple[tuple[str, str], ...
     }
 
 
+def test_the_series_alerts_watch_exist_at_zero_before_any_event() -> None:
+    """A user's probe: the failover and authentication series appeared only at their first event,
+    so an alert on their rate had nothing to read until then."""
+    import re
+    from pathlib import Path
+
+    from proxy.telemetry.names import AUTH_REFUSED_REASONS
+
+    got = samples(telemetry(request_log=False))
+    for pool, other in (("spec", "base"), ("base", "spec")):
+        assert got[("specroute_failovers_total", (("from_pool", pool), ("to_pool", other)))] == 0
+        assert got[("specroute_retries_total", (("pool", pool),))] == 0
+    for reason in AUTH_REFUSED_REASONS:
+        assert got[("specroute_auth_refused_total", (("reason", reason),))] == 0
+    # Every reason proxy.auth refuses with is one of them (its last argument, a string literal).
+    source = (Path(__file__).resolve().parents[2] / "proxy" / "auth.py").read_text()
+    used = set(re.findall(r'AuthRefused\((?:[^()]|\([^()]*\))*?,\s*"([a-z_]+)",?\s*\)', source))
+    assert used and used <= set(AUTH_REFUSED_REASONS), used
+
+
 def test_metrics_count_requests_decisions_failovers_and_release_in_flight() -> None:
     t = telemetry(request_log=False)
     failover_then_stream(t)
