@@ -696,6 +696,15 @@ def build_profile(
         raise ProfileError("no decode step was measured")
     k = spec.server.num_steps if spec else 3
     notes: list[str] = []
+    for server_result in results:
+        if server_result.unreliable:  # the profile then rests on smaller batches: more than a progress line
+            largest = max((b.batch for b in server_result.batches), default=0)
+            left = ", ".join(str(b) for b in [u.batch for u in server_result.unreliable] + server_result.skipped)
+            shown = f"{server_result.server.role} {server_result.server.shown}"
+            notes.append(
+                f"{shown}: batches {left} left out (chunks came in bursts: this client or "
+                f"the server was busy), steps past batch {largest} extrapolated: measure again on a quieter machine"
+            )
     if base is None:
         notes.append("no base server measured: the base side is derived from the spec side's fit, not measured")
     if spec is None:
@@ -897,6 +906,8 @@ def run(options: Options) -> int:
         results = asyncio.run(measure_all(options, progress))
         doc, rows = build_profile(results, options.name or options.out.stem, when, progress.elapsed(), options.budget_s)
         write_profile(doc, rows, options.out)
+        for note in doc["measured"]["notes"]:
+            print(f"specroute profile: note: {note}", file=sys.stderr)  # --quiet or not
     except BusyError as exc:
         print(f"specroute profile: {exc}", file=sys.stderr)
         return EXIT_BUSY

@@ -262,6 +262,23 @@ def test_an_affine_fleet_gets_the_affine_kind_and_a_nonlinear_one_a_table(tmp_pa
     assert load_profile(str(tmp_path / "moe.json")).name == "moe"
 
 
+def test_batches_left_out_for_bursts_are_a_note_of_the_whole_profile() -> None:
+    """A user's probe: on a busy machine base batch 32 came in bursts and the profile rested on
+    batches up to 16, said only in a progress line and the server's own notes."""
+    from datetime import UTC, datetime
+
+    linear = load_profile("kimi-linear")
+    spec = _result("spec", {b: linear.spec_step_ms(b, 3, 1024) for b in BATCHES})
+    base = _result("base", {b: linear.base_step_ms(b, 1024) for b in BATCHES if b <= 16})
+    base.unreliable = [BatchResult(32, 9.0, 2.0, 30, 32, 1024.0, 1.0, 1.0, bursty=True)]
+    base.skipped = [64, 128]
+    doc, _ = build_profile([spec, base], "busy", datetime.now(UTC), 10.0, 240.0)
+    [note] = [n for n in doc["measured"]["notes"] if "bursts" in n]
+    assert note.startswith("base ") and "batches 32, 64, 128 left out" in note and "past batch 16 extrapolated" in note
+    quiet, _ = build_profile([spec, _result("base", {1: 5.0, 2: 5.1})], "quiet", datetime.now(UTC), 1.0, 240.0)
+    assert not any("bursts" in n for n in quiet["measured"]["notes"])
+
+
 def test_the_key_can_come_from_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """--api-key-file keeps the servers' key out of ps and shell history; a file without one stops
     the run before any server is asked."""
