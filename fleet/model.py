@@ -315,7 +315,10 @@ class FleetModel:
         when the prompt has blocks, the index must hold on the session's instance all the last
         prompt's whole blocks (a name such as `user` may cover several conversations, and a
         different one shares no more than its system prompt). The index cannot tell for a last
-        prompt shorter than a block, nor for a prompt it has no blocks of."""
+        prompt shorter than a block, nor for a prompt it has no blocks of (a shorter prompt may
+        still be the last one's prefix: a regenerated or edited turn), so such a credit stays
+        under a block, and the trust learned from its report moves in proportion to it
+        (`PrefixIndex.observe_hit`)."""
         size = self.prefix.block_tokens
         if not blocks or last_prompt_tokens < size:
             return True

@@ -204,7 +204,9 @@ class PrefixIndex:
         the instance's trust towards reported / predicted (at most 1: a server holding more
         than claimed says nothing against the index). With both prompt sizes given, the
         reported figure is first put in the estimate's units (the server's tokenizer against 4
-        characters a token). Returns the new trust; a prediction of 0 changes nothing."""
+        characters a token). A claim under a block (a session's short last prompt) moves it in
+        proportion: a few tokens' report is mostly the server's rounding. Returns the new
+        trust; a prediction of 0 changes nothing."""
         if predicted_tokens <= 0:
             return self.trust(instance, now)
         reported = max(reported_cached_tokens, 0.0)
@@ -212,7 +214,8 @@ class PrefixIndex:
             reported *= estimated_prompt_tokens / reported_prompt_tokens
         ratio = min(reported / predicted_tokens, 1.0)
         current = self.trust(instance, now)
-        value = current + self.trust_weight * (ratio - current)
+        weight = self.trust_weight * min(predicted_tokens / self.block_tokens, 1.0)
+        value = current + weight * (ratio - current)
         self._trust[instance] = _Trust(value, now)
         return value
 

@@ -186,3 +186,5 @@ def test_a_session_name_covering_another_conversation_is_not_credited_past_the_i
     assert match.credit == {"s0": 2 * BLOCK}
     follow = chain_ids((*system, 1, 2, 3, 4, 5))
     assert model.cached(follow, 7 * BLOCK, 1.0, session="user-1").credit == {"s0": 6 * BLOCK}
+    # A shorter one is checked by its blocks too: sharing the system prompt only, it is another.
+    assert model.cached(chain_ids((*system, 9)), 3 * BLOCK, 1.0, session="user-1").credit == {"s0": 2 * BLOCK}

@@ -384,6 +384,15 @@ def test_reported_cache_hits_scale_the_credit_and_the_doubt_fades():
     assert index.observe_hit("b", 0, 500, 2.0) == 1.0
 
 
+def test_a_claim_under_a_block_moves_the_trust_in_proportion():
+    # A session's short last prompt is credited below a block; the server's report of a few
+    # tokens against it is mostly its page rounding, and must not cost the instance a quarter
+    # of its trust for every conversation on it (a user's probe: a sixth per 8-token claim).
+    index = PrefixIndex(block_tokens=256, trust_weight=0.25)
+    assert index.observe_hit("a", 8, 3, 0.0) == pytest.approx(1 - 0.25 * (8 / 256) * (1 - 3 / 8))
+    assert index.observe_hit("b", 512, 0, 0.0) == pytest.approx(0.75)  # a block or more: the whole step
+
+
 def test_a_report_is_read_in_the_estimates_units():
     index = PrefixIndex(block_tokens=10)
     # The server's tokenizer counts 1,200 tokens where the 4-characters rule counts 1,000: its
