@@ -246,9 +246,10 @@ small fields (model, sampling parameters) cross back."""
 
 Parts = tuple[dict[str, Any], tuple[Any, ...], tuple[int, ...], str | None, bytes | None]
 """A body parsed in the worker as plain values: its small fields, its features' field values (in
-`Features`' order), its block hashes, its session key, the body to forward if not the one sent. Plain, because the worker may import the
-decision path from source while the proxy runs it compiled (or the other way round: each process
-decides alone, fleet/native.py), and an object of one class does not unpickle as the other."""
+`Features`' order), its block hashes, its session key, the body to forward if not the one sent.
+Plain, because the worker may import the decision path from source while the proxy runs it
+compiled (or the other way round: each process decides alone, fleet/native.py), and an object of
+one class does not unpickle as the other."""
 
 
 def read_in_worker(

@@ -190,6 +190,7 @@ class Attempt:
         "abandoned",
         "reading_since",
         "culprit",
+        "answered_ok",
     )
 
     def __init__(
@@ -222,6 +223,8 @@ class Attempt:
         self.prompt_tokens = prompt_tokens
         self.ttft_s: float | None = None
         self.started = False
+        self.answered_ok = False
+        """The upstream's status was 2xx: its claims on caches are settled (once)."""
         self.tokens = 0
         self.open = True
         # Stream evidence for the cost model and the acceptance estimate (fleet/model.py).
@@ -257,7 +260,8 @@ class Attempt:
     def answered(self) -> None:
         """The upstream accepted the request (a 2xx status): it will not be refused, so its
         prefix blocks and session move are no longer claims a refusal could take back."""
-        if self.open:
+        if self.open and not self.answered_ok:
+            self.answered_ok = True
             self.fleet.on_answered(self.sent)
 
     def first_byte(self) -> None:
@@ -343,7 +347,8 @@ class Attempt:
         if refused:
             self.fleet.on_refused(self.sent, time.monotonic())
         else:
-            self.fleet.on_complete(self.instance.url, time.monotonic(), self.sent)
+            # Claims not settled at a 2xx (a failure, a client gone first) stand: it may have run.
+            self.fleet.on_complete(self.instance.url, time.monotonic(), None if self.answered_ok else self.sent)
         if self.started:
             self.instance.streaming -= 1
 
