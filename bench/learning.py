@@ -24,7 +24,7 @@ from typing import Any
 
 from bench.markers import sweep_parser, write_section
 from bench.routing import CONCURRENCY, LOADS, SEEDS, SETUPS, SPLITS, capacity_rps, lengths, poisson
-from bench.routing_sim import Setup, Slo, Workload, closed_loop, run, summarize
+from bench.routing_sim import HOLD_S, Setup, Slo, Workload, closed_loop, run, summarize
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "learning.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -37,7 +37,9 @@ WARMUP_S = 60.0
 at most 60 s). Poisson runs score POISSON_SCORED requests after it; closed loops max(600, 6N)."""
 POISSON_SCORED = 540
 STATIC = ("spec", "base", *SPLITS)
-WAYS = ("own", "none", "wrong")
+WAYS = ("own", "none", "wrong", "hold")
+"""`hold`: seeded with the fleet's profile, with flow control (policies/flow.py) holding the
+requests lost on both pools for up to HOLD_S, as SPECROUTE_HOLD_MAX_S does in the proxy."""
 
 FLEETS: dict[str, Setup] = {
     **SETUPS,
@@ -78,7 +80,7 @@ class Job:
 
 
 def router_profile(job: Job) -> str | None:
-    return {"own": "", "none": None, "wrong": WRONG[job.fleet]}[job.way]
+    return {"own": "", "none": None, "wrong": WRONG[job.fleet], "hold": ""}[job.way]
 
 
 def workload_of(
@@ -101,7 +103,7 @@ def execute(job: Job, quick: bool = False) -> dict[str, Any]:
     runs = []
     for seed in SEEDS[:1] if quick else SEEDS:
         setup, workload = workload_of(job, seed, *((20.0, 120) if quick else ()))
-        runs.append(run(setup, workload, job.policy))
+        runs.append(run(setup, workload, job.policy, max_hold_s=HOLD_S if job.way == "hold" else None))
     return {"job": job, "summary": summarize(runs), "seeds": [r.summary() for r in runs]}
 
 
@@ -136,7 +138,7 @@ def static_of(name: str) -> str:
 
 def targets(way: str) -> dict[str, float]:
     """Per way: SLO goodput / oracle split >= slo; mean / better static <= mean; p99 <= p99."""
-    if way == "own":
+    if way in ("own", "hold"):
         return {"slo": 1.0, "mean": 1.02, "p99": 1.10, "throughput": 1.3}
     return {"slo": 0.97, "mean": 1.05, "p99": math.inf, "throughput": 0.0}
 
@@ -275,9 +277,12 @@ def report(analysis: dict[str, Any], elapsed_s: float, quick: bool, workers: int
         def where(r: dict[str, Any]) -> str:
             return f"{r['fleet']} {cell_name(r['kind'], r['level'])}"
 
-        seeded = {"own": "the fleet's profile", "none": "nothing (generic prior)", "wrong": "another fleet's profile"}[
-            way
-        ]
+        seeded = {
+            "own": "the fleet's profile",
+            "none": "nothing (generic prior)",
+            "wrong": "another fleet's profile",
+            "hold": f"the fleet's profile, flow control (held up to {HOLD_S:.0f} s)",
+        }[way]
         out.append(
             f"| {way} | {seeded} | >= {t['slo']:.2f}: min {fmt(worst_slo['ways'][way]['slo'])} ({where(worst_slo)}) | "
             f"<= {t['mean']:.2f}: max {fmt(worst_mean['ways'][way]['mean'])} ({where(worst_mean)}) | "
@@ -301,8 +306,8 @@ def report(analysis: dict[str, Any], elapsed_s: float, quick: bool, workers: int
         "",
         "Each way: SLO goodput / oracle split, mean E2E / better static, p99 / better static; then goodput's spec share per way.",
         "",
-        "| fleet | cell | oracle split | own | none | wrong | spec share own / none / wrong |",
-        "|---|---|---|---|---|---|---|",
+        "| fleet | cell | oracle split | own | none | wrong | hold | spec share own / none / wrong / hold |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         level = cell_name(r["kind"], r["level"])

@@ -25,17 +25,20 @@ from fleet.acceptance import DEFAULT_HALF_LIFE_S, alpha_from_accept_length
 from fleet.blocks import BLOCK_TOKENS, chain_ids
 from fleet.cadence import POLL_INTERVAL_S, gauge_steps, reads_counters
 from fleet.costmodel import Seed, seed_from_profile
-from fleet.model import NO_MATCH, FleetModel
+from fleet.model import NO_MATCH, FleetModel, PrefixMatch
 from fleet.profile import load_profile
 from fleet.readings import Dispatch, ResponseEvidence
 from fleet.types import Decision, Features, PoolName, Snapshot
 from policies import registry
 from policies.admission import Admission
 from policies.base import Policy
+from policies.flow import FlowControl
+from policies.goodput import Goodput
+from policies.goodput_params import GoodputParams
 from proxy.backends import sglang
 from sim.engine import Engine, EngineConfig
 from sim.lengths import parse_output_lengths
-from sim.virtual import AlphaChange, Arrival, EngineView, RequestRecord, StepObservation, simulate
+from sim.virtual import HOLD, AlphaChange, Arrival, EngineView, Held, RequestRecord, StepObservation, simulate
 
 POOL_OF_ENGINE: tuple[PoolName, PoolName] = ("spec", "base")
 URLS = ("virtual://spec", "virtual://base")
@@ -150,6 +153,13 @@ class Split:
         return Decision(pool=pool, reason="split")
 
 
+HOLD_S = 120.0
+"""The bound on a held request's wait the evaluations run flow control with (SPECROUTE_HOLD_MAX_S):
+the proxy's default first-token timeout, so no request waits in the proxy longer than the proxy
+waits for a server's first token."""
+HOLD_SUFFIX = "+hold"
+"""A policy name ending in it (`goodput+hold`) runs with flow control at HOLD_S (`run`)."""
+
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"goodput-nocache": ("goodput", {"cache_credit": False})}
 """Evaluation names for a policy with some parameters fixed."""
 
@@ -189,6 +199,12 @@ class VirtualRouter:
     """Admission control as the proxy runs it (policies/admission.py); None: every request admitted."""
     refusals: list[tuple[float, str, str]] = field(default_factory=list)
     """(time, rule, request class) per refused request."""
+    flow: FlowControl | None = None
+    """Flow control as the proxy runs it (policies/flow.py): requests lost on every pool wait in
+    the router until one has room; None: every request sent at once."""
+    holds: list[tuple[float, float]] = field(default_factory=list)
+    released: list[tuple[float, float]] = field(default_factory=list)
+    """(arrival, release time) per held request, as it was held and as it went."""
     per_workload: bool = True
     """Route each arrival on its workload's alpha and learn acceptance per workload, as the proxy
     does with x-specroute-workload; False: the pool-wide alpha only (workload keys ignored)."""
@@ -277,8 +293,9 @@ class VirtualRouter:
             if self._steps % 4 == 0:
                 self.fleet.on_step(self.urls[step.engine], step.start + step.duration_s, step.duration_s * 1000)
 
-    def route(self, arrival: Arrival, views: Sequence[EngineView]) -> int | None:
-        self._poll_until(arrival.time)
+    def features(self, arrival: Arrival, now: float) -> tuple[Features, tuple[int, ...], PrefixMatch]:
+        """What the router knows of an arrival at `now`: its features (the prefix the index
+        credits then), its prompt's block ids and the index's match."""
         blocks: tuple[int, ...] = ()
         match = NO_MATCH
         if arrival.prefix:
@@ -288,7 +305,7 @@ class VirtualRouter:
                     f"{self.fleet.prefix.block_tokens}: set Setup.page_size to the arrivals' block"
                 )
             blocks = chain_ids(arrival.prefix)
-            match = self.fleet.cached(blocks, arrival.prompt_tokens, arrival.time)
+            match = self.fleet.cached(blocks, arrival.prompt_tokens, now)
         features = Features(
             prompt_tokens=arrival.prompt_tokens,
             max_tokens=arrival.max_tokens,
@@ -298,20 +315,57 @@ class VirtualRouter:
             workload=arrival.workload if self.per_workload else None,
             cached=match.credit,
         )
+        return features, blocks, match
+
+    def route(self, arrival: Arrival, views: Sequence[EngineView]) -> int | Held | None:
+        self._poll_until(arrival.time)
+        features, blocks, match = self.features(arrival, arrival.time)
         snapshot = self.fleet.snapshot(arrival.time, features.workload)
+        if self.flow is not None and self.flow.holds(features, snapshot):
+            self.holds.append((arrival.time, arrival.time))
+            return HOLD
         decision = self.policy.decide(features, snapshot)
         if self.admission is not None:
             refusal = self.admission.admit(features, snapshot, decision, arrival.time)
             if refusal is not None:
                 self.refusals.append((arrival.time, refusal.rule, arrival.request_class))
                 return None
-        self.decisions.append((arrival.time, decision.pool, decision.reason, snapshot.pools["spec"].alpha))
+        return self.send(arrival, arrival.time, features, snapshot, decision, blocks, match)
+
+    def release(self, now: float, held: Sequence[Arrival]) -> tuple[int, int] | None:
+        """Which held arrival (flow control, oldest first) goes at `now`, and to which engine:
+        the oldest once it has waited the bound, else the newest when its pool has room (newest
+        first: the one most likely still in time; the others wait out the overload)."""
+        assert self.flow is not None
+        self._poll_until(now)
+        expired = self.flow.expired(now - held[0].time)
+        position = 0 if expired else len(held) - 1
+        arrival = held[position]
+        features, blocks, match = self.features(arrival, now)
+        snapshot = self.fleet.snapshot(now, features.workload)
+        decision = self.policy.decide(features, snapshot)
+        if not expired and not self.flow.room(features, snapshot, decision.pool):
+            return None
+        self.released.append((arrival.time, now))
+        return position, self.send(arrival, now, features, snapshot, decision, blocks, match)
+
+    def send(
+        self,
+        arrival: Arrival,
+        now: float,
+        features: Features,
+        snapshot: Snapshot,
+        decision: Decision,
+        blocks: tuple[int, ...],
+        match: PrefixMatch,
+    ) -> int:
+        self.decisions.append((now, decision.pool, decision.reason, snapshot.pools["spec"].alpha))
         if self.replay is not None:
-            self.replayed.append(self.replay(arrival.time, features, snapshot))
+            self.replayed.append(self.replay(now, features, snapshot))
         index = self.pick(decision.pool, decision.instance)
         sent = self.fleet.on_dispatch(
             self.urls[index],
-            arrival.time,
+            now,
             arrival.prompt_tokens,
             blocks=blocks,
             match=match,
@@ -383,6 +437,8 @@ class RunResult:
     warmup_s: float
     closed: bool
     refusals: list[tuple[float, str, str]] = field(default_factory=list)
+    held: list[tuple[float, float]] = field(default_factory=list)
+    """(arrival, release time) per request flow control held (`run(max_hold_s=...)`)."""
     running_mean: tuple[float, ...] = ()
     """Per engine, its running requests averaged over time from the warm-up to the last step
     (`run(track_running=True)`; empty otherwise)."""
@@ -448,7 +504,14 @@ def summarize(results: Sequence[RunResult]) -> dict[str, float]:
         "slo_goodput_rps": met / window,
         "slo_attainment": sum(1 for result, recs in measured for r in recs if result.slo.met(r)) / len(rs),
         "spec_share": sum(1 for r in rs if is_spec(r)) / len(rs),
+        "held_share": sum(1 for result in results for arrival, _ in result.held if arrival >= result.warmup_s)
+        / len(rs),
     }
+
+
+def slo_predictor(slo: Slo) -> Goodput:
+    """Goodput's predictions told the fleet's SLO (what admission and flow control judge by)."""
+    return Goodput(GoodputParams(slo_ttft_s=slo.ttft_s, slo_tpot_ms=slo.tpot_s * 1000))
 
 
 def run(
@@ -460,19 +523,24 @@ def run(
     admission: Admission | None = None,
     track_running: bool = False,
     per_workload: bool = True,
+    max_hold_s: float | None = None,
 ) -> RunResult:
     """`admission`: refuse requests up front as the proxy does (policies/admission.py);
     `track_running`: average each engine's running requests over time (open arrivals, from
     `workload.warmup_s`), into `RunResult.running_mean`; `per_workload`: learn and route on
-    acceptance per workload key (VirtualRouter.per_workload)."""
+    acceptance per workload key (VirtualRouter.per_workload); `max_hold_s`: flow control as the
+    proxy runs it (policies/flow.py) with this bound on a held request's wait."""
+    if policy_name.endswith(HOLD_SUFFIX):
+        max_hold_s = HOLD_S if max_hold_s is None else max_hold_s
     engines = setup.engines()
     router = VirtualRouter(
-        make_policy(policy_name, setup.slo),
+        make_policy(policy_name.removesuffix(HOLD_SUFFIX), setup.slo),
         setup,
         poll_interval_s=poll_interval_s,
         replay=replay,
         admission=admission,
         per_workload=per_workload,
+        flow=None if max_hold_s is None else FlowControl(slo_predictor(setup.slo), max_hold_s),
     )
     router.attach(engines)
     sent = len(workload.arrivals)
@@ -513,6 +581,7 @@ def run(
         on_step=on_step,
         on_finish=on_finish,
         alpha_changes=workload.alpha_changes,
+        release=router.release if router.flow is not None else None,
     )
     warmup_s = workload.warmup_s
     if workload.clients:
@@ -529,6 +598,7 @@ def run(
         warmup_s,
         closed=workload.clients > 0,
         refusals=router.refusals,
+        held=router.released,
         running_mean=tuple(a / max(clock[1] - clock[0], 1e-9) for a in area) if track_running else (),
     )
 

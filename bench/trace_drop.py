@@ -23,10 +23,12 @@ from typing import Any
 from bench import routing
 from bench.learning import FLEETS, static_of
 from bench.markers import sweep_parser, write_section
+from bench.routing_sim import HOLD_S, HOLD_SUFFIX
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "learning.md"
 START, END = "<!-- trace-drop:start -->", "<!-- trace-drop:end -->"
 TITLE = "Traces and the acceptance drop on every fleet (results)"
+HOLD = "goodput" + HOLD_SUFFIX
 
 
 def per_seed_rows(results: list[dict[str, Any]], analysis: dict[str, Any]) -> list[str]:
@@ -53,6 +55,38 @@ def per_seed_rows(results: list[dict[str, Any]], analysis: dict[str, Any]) -> li
         ]
         cells = [n.removeprefix(" (per seed: ").removesuffix(")") for n in notes]
         out.append(f"| {r['setup']} | {r['trace']} @{r['level']:.0%} | " + " | ".join(cells) + " |")
+    out.append("")
+    return out
+
+
+def hold_rows(analysis: dict[str, Any]) -> list[str]:
+    """Each trace cell with flow control (`goodput+hold`) beside goodput alone, against the same
+    references (the oracle split, the better static policy by mean and by p99)."""
+    out = [
+        f"### Traces with flow control (goodput, requests lost on both pools held up to {HOLD_S:.0f} s)",
+        "",
+        "| fleet | trace | SLO goodput / oracle split: goodput, with flow control | mean E2E / better static | p99 E2E / better static | held |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in analysis["rows"]:
+        runs = r["runs"]
+        held = runs.get(HOLD)
+        if r["kind"] != "trace" or held is None:
+            continue
+        plain, oracle = runs["goodput"], runs[static_of(r["oracle"])]
+        better = min(("spec", "base"), key=lambda p: runs[p]["mean_e2e_s"])
+        better_p99 = min(("spec", "base"), key=lambda p: runs[p]["p99_e2e_s"])
+
+        def pair(
+            field: str, ref: dict[str, float], plain: dict[str, float] = plain, held: dict[str, float] = held
+        ) -> str:
+            return f"{plain[field] / ref[field]:.2f} / {held[field] / ref[field]:.2f}"
+
+        out.append(
+            f"| {r['setup']} | {r['trace']} @{r['level']:.0%} | {pair('slo_goodput_rps', oracle)} | "
+            f"{pair('mean_e2e_s', runs[better])} | {pair('p99_e2e_s', runs[better_p99])} | "
+            f"{held.get('held_share', 0.0):.0%} |"
+        )
     out.append("")
     return out
 
@@ -106,6 +140,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = routing.trace_drop_jobs(
         fleets, FLEETS, routing.POLICIES if args.quick else routing.POLICIES + routing.SPLITS
     )
+    # Flow control on the traces, beside the policies (bench.learning runs it on its cells).
+    jobs += [
+        routing.Job(j.setup_name, "trace", j.level, HOLD, j.trace, j.setup)
+        for j in jobs
+        if j.kind == "trace" and j.policy == "goodput"
+    ]
     # The drop runs once in bench.routing's tables (seed 0); goodput's also on the other seeds,
     # for its spread.
     extra_jobs = [(j, s) for s in routing.SEEDS[1:] for j in jobs if j.kind == "drop" and j.policy == "goodput"]
@@ -116,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m bench.trace_drop --fleets " + " ".join(f"'{f}'" for f in fleets)
     section = routing.report(analysis, time.monotonic() - started, args.quick, [], command=command)
     section = section.rstrip() + "\n\n" + "\n".join(per_seed_rows(results, analysis))
+    section += "\n" + "\n".join(hold_rows(analysis))
     section += "\n" + "\n".join(drop_seed_rows(results, extra, routing.SEEDS))
     print(section)
     if not args.no_write and not args.quick:

@@ -8,7 +8,7 @@ Prompts and completions are never handed over: only sizes, counts, statuses and 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -112,6 +112,12 @@ class Telemetry:
 
     def stored_response_asked(self) -> None:
         """The proxy sent a server one request about a stored response."""
+
+    def hold_released(self, rule: str, held_s: float) -> None:
+        """Flow control let a held request go by `rule` after `held_s` seconds."""
+
+    def watch_held(self, source: Callable[[], int]) -> None:
+        """Give /metrics the number of requests flow control holds now."""
 
     async def start(self) -> None:
         """Called once at server start-up."""

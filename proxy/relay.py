@@ -24,6 +24,7 @@ from proxy import body as request_body
 from proxy import scan
 from proxy.connection import ABORT_EXTENSION
 from proxy.errors import ProxyError, normalise_upstream_error
+from proxy.holding import Held
 from proxy.hooks import RequestHooks, Telemetry
 from proxy.poller import found_again_within_s
 from proxy.pools import STREAM_OPTIONS_RECHECK_S, Instance
@@ -161,6 +162,7 @@ class Exchange:
         "keeps_id",
         "body_bytes",
         "culprit",
+        "held",
     )
 
     def __init__(self, request_id: str, send: Send, hooks: RequestHooks) -> None:
@@ -175,6 +177,8 @@ class Exchange:
         self.error_type: str | None = None
         self.decision: Decision | None = None
         self.instance: Instance | None = None
+        self.held: Held | None = None
+        """Its place in flow control's queue, when it was held (proxy/holding.py)."""
         self.summary = scan.Summary()
         self.upstream_wait_s = 0.0
         """Time spent awaiting upstream servers (connect, headers, chunks): the rest is ours."""
@@ -485,7 +489,29 @@ class CompletionHandler:
             features = router.with_credit(features, exchange.match)
             if exchange.dialect is scan.RESPONSES:
                 await self.find_owner(exchange, payload, headers)
+            held: Held | None = None
+            if (
+                router.holding is not None
+                and override is None
+                and exchange.owner is None
+                and router.holding.holds(features, snapshot)
+            ):
+                # Lost on both pools: it waits here, not in a server's queue (flow control).
+                watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, task, exchange))
+                held, rule = await router.holding.wait(features)
+                exchange.held = held
+                snapshot = router.snapshot(features.workload)
+                exchange.match = router.cached(parsed.blocks, features, parsed.session)
+                features = router.with_credit(features, exchange.match)
             exchange.decision, exchange.logged = router.decide(features, override, snapshot, exchange.owner)
+            if held is not None:
+                held_s = round(monotonic() - held.since, 3)
+                decided = exchange.decision
+                exchange.decision = Decision(
+                    decided.pool, decided.reason, {**decided.scores, "held_s": held_s}, decided.instance
+                )
+                if exchange.logged is not None:
+                    exchange.logged["held"] = {"seconds": held_s, "released_by": rule}
             refusal = router.admit(features, exchange.decision, snapshot)
             if refusal is not None:
                 # Its headers and the decision log say what refused it, not where it would have gone.
@@ -513,7 +539,8 @@ class CompletionHandler:
                 override=override,
                 body=payload,
             )
-            watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, task, exchange))
+            if watcher is None:
+                watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, task, exchange))
             target = scope["path"]
             if scope.get("query_string"):  # e.g. an SDK's extra_query: passed on as the client sent it
                 target += "?" + scope["query_string"].decode("latin-1")
@@ -540,6 +567,8 @@ class CompletionHandler:
             task.uncancel()
         finally:
             self.open_requests -= 1
+            if exchange.held is not None:
+                exchange.held.land()  # refused or failed before it was dispatched: the queue goes on
             if watcher is not None:
                 watcher.cancel()
             summary = exchange.summary
@@ -793,6 +822,8 @@ class CompletionHandler:
         )
         if exchange.logged is not None:
             dispatched(exchange.logged, instance.url, attempt.sent.cached_tokens)
+        if exchange.held is not None:
+            exchange.held.land()  # counted by the fleet model now: the hold queue may judge again
         response: aiohttp.ClientResponse | None = None
         began = perf_counter()
         try:

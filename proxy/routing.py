@@ -26,6 +26,10 @@ from fleet.types import Decision, Features, PoolName, Snapshot
 from policies import registry
 from policies.admission import Admission, Refusal
 from policies.base import Policy
+from policies.flow import FlowControl
+from policies.goodput import Goodput
+from policies.goodput_params import GoodputParams
+from proxy.holding import HoldQueue
 from proxy.outliers import OutlierDetector
 from proxy.poller import Pollers
 from proxy.pools import Instance, Pool, other_pool, pools_from_settings
@@ -364,6 +368,7 @@ class Router:
         policy: Policy,
         outliers: OutlierDetector,
         admission: Admission | None = None,
+        flow: FlowControl | None = None,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
@@ -386,6 +391,8 @@ class Router:
             unresponsive_after_s=self.unresponsive_after_s,
         )
         self.decisions = DecisionLog(settings.state_decisions)
+        self.holding = None if flow is None else HoldQueue(flow, policy, self.snapshot, poll_s)
+        """Flow control's queue (SPECROUTE_HOLD_MAX_S), None when off."""
         self.hash_key = secrets.token_bytes(16)
         """Keys the system-prompt hash of derived workload keys: random per process, so the keys
         the state endpoint shows cannot confirm a guessed prompt."""
@@ -420,7 +427,11 @@ class Router:
             suspects=Suspects(settings.query_of_death_servers, settings.query_of_death_s),
         )
         admission = Admission(*settings.admission_limits)
-        return cls(settings, fleet, pools, policy, outliers, admission)
+        flow = None
+        if settings.hold_max_s > 0:
+            # Lost or not is goodput's SLO check, whatever policy routes (as admission's predictions).
+            flow = FlowControl(Goodput(GoodputParams(**settings.policy_params("goodput"))), settings.hold_max_s)
+        return cls(settings, fleet, pools, policy, outliers, admission, flow)
 
     # -- lifecycle (polling starts and stops here) ----------------------------------------------
     async def start(self) -> None:
@@ -430,6 +441,8 @@ class Router:
     async def stop(self) -> None:
         """End background work."""
         await self.pollers.stop()
+        if self.holding is not None:
+            await self.holding.stop()
 
     def state(self) -> dict[str, Any]:
         """GET /v1/specroute/state: the live snapshot, alpha, cost estimates, last decisions."""
@@ -442,6 +455,12 @@ class Router:
                 "ttft_limit_s": self.admission.ttft_limit_s,
                 "tpot_limit_ms": self.admission.tpot_limit_s * 1000,
                 "scale": round(self.admission.scale_now(time.monotonic()), 4),
+            }
+        if self.holding is not None:
+            state["flow_control"] = {
+                "max_hold_s": self.holding.max_hold_s,
+                "held": len(self.holding.held),
+                "oldest_held_s": round(self.holding.oldest_s(time.monotonic()), 3),
             }
         return state
 

@@ -35,6 +35,10 @@ def build_app(settings: Settings) -> SpecrouteApp:
     telemetry = SpecrouteTelemetry(settings, __version__)
     app = SpecrouteApp(settings, telemetry)
     telemetry.watch_snapshot(app.router.snapshot)
+    holding = app.router.holding
+    if holding is not None:
+        holding.on_release = telemetry.hold_released
+        telemetry.watch_held(lambda: len(holding.held))
     return app
 
 

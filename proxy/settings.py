@@ -178,6 +178,11 @@ class Settings(_SettingsWithPolicies):
         ge=0,
         description="Refuse (429) requests that would push their pool's time per output token past this; unset: the goodput SLO's TPOT target; 0: off.",
     )
+    hold_max_s: float = Field(
+        0.0,
+        ge=0,
+        description="Hold requests no pool can serve within the goodput SLO targets in the proxy, up to this many seconds, newest first, instead of queueing them on a server (flow control); 0: off. Needs an SLO target.",
+    )
     max_open_requests: int = Field(
         4096,
         ge=0,
@@ -432,6 +437,11 @@ class Settings(_SettingsWithPolicies):
             problems.append(
                 f"SPECROUTE_STALE_MS ({self.stale_ms}) must be at least twice SPECROUTE_POLL_INTERVAL_MS"
                 f" ({self.poll_interval_ms})"
+            )
+        if self.hold_max_s > 0 and self.slo_targets == (0.0, 0.0):
+            problems.append(
+                "SPECROUTE_HOLD_MAX_S needs an SLO target to judge which requests are lost"
+                " (SPECROUTE_GOODPUT_SLO_TTFT_S or SPECROUTE_GOODPUT_SLO_TPOT_MS)"
             )
         if 0 < self.outlier_slow_factor <= 1:
             problems.append(

@@ -205,8 +205,24 @@ class EngineView:
         return cache.total_size if cache is not None else 0
 
 
-Router = Callable[[Arrival, Sequence[EngineView]], "int | str | None"]
-"""Picks the engine of an arrival, or None to refuse it (admission control: it is never sent)."""
+class Held:
+    """A router's answer that keeps a request in the router (a proxy's flow-control queue)."""
+
+    def __repr__(self) -> str:
+        return "HOLD"
+
+
+HOLD = Held()
+Router = Callable[[Arrival, Sequence[EngineView]], "int | str | Held | None"]
+"""Picks the engine of an arrival (an index or a name), None to refuse it (admission control:
+it is never sent), or HOLD to keep it (`simulate`'s `release`)."""
+Release = Callable[[float, Sequence[Arrival]], "tuple[int, int | str | None] | None"]
+"""Asked at a time which of the held arrivals (oldest first) goes now: its position and its
+engine (None: refused), or None while every one stays."""
+IDLE_RELEASE_S = 0.1
+"""With requests held and nothing else to happen, they are offered again this much later..."""
+MAX_IDLE_HOLD_S = 3600.0
+"""...for at most this long: a `release` that never lets a request go on an idle fleet is a bug."""
 
 
 def simulate(
@@ -218,11 +234,16 @@ def simulate(
     on_finish: Callable[[RequestRecord], Iterable[Arrival] | None] | None = None,
     alpha_changes: Sequence[AlphaChange] = (),
     until: float = math.inf,
+    release: Release | None = None,
 ) -> list[RequestRecord]:
     """Run the fleet until every request finished (or simulated time `until`); returns one record
     per finished request, in finishing order. The router returns an engine index or name (None: refused, never sent).
     `on_finish` sees each record as its request finishes and may return follow-up arrivals (a
-    closed-loop client sends its next request then); they are numbered after the list's."""
+    closed-loop client sends its next request then); they are numbered after the list's.
+    A request the router answers HOLD waits in the router: `release` is asked which held one
+    goes at every event (and, with nothing else left to happen, every IDLE_RELEASE_S) until it
+    lets none go; a released request reaches its engine with its arrival time unchanged, so
+    the wait counts in its time to first token."""
     if not engines:
         raise ValueError("simulate needs at least one engine")
     views = [EngineView(e, i) for i, e in enumerate(engines)]
@@ -232,6 +253,8 @@ def simulate(
     pending = [(a.time, index, a) for index, a in enumerate(arrivals)]
     heapq.heapify(pending)
     next_index = len(pending)
+    held: list[tuple[int, Arrival]] = []
+    held_arrivals: list[Arrival] = []
     changes = sorted(alpha_changes, key=lambda c: c.time)
     in_flight: list[tuple[float, int, int]] = []  # (end, seq, engine index)
     steps: list[Step | None] = [None] * len(engines)
@@ -240,6 +263,7 @@ def simulate(
     classes: dict[int, str] = {}
     ci = 0
     inf = math.inf
+    last = idle_since = 0.0
 
     def start_idle(t: float) -> None:
         nonlocal seq
@@ -251,13 +275,52 @@ def simulate(
                     seq += 1
                     heapq.heappush(in_flight, (t + step.duration_s, seq, i))
 
+    def send(index: int, arrival: Arrival, choice: int | str) -> None:
+        i = by_name[choice] if isinstance(choice, str) else int(choice)
+        engine = engines[i]
+        req = engine.new_request(
+            arrival.prompt_tokens,
+            now=arrival.time,
+            max_new_tokens=arrival.max_tokens,
+            ignore_eos=arrival.ignore_eos,
+            output_len=arrival.output_tokens,
+            rid=f"r{index}",
+            cache_key=(
+                None if arrival.prefix is None else engine.block_key(arrival.prefix, arrival.prefix_block_tokens)
+            ),
+            workload=arrival.workload,
+        )
+        req.tag = index
+        classes[index] = arrival.request_class
+        engine.add(req)
+
+    def release_held(t: float) -> None:
+        assert release is not None
+        while held:
+            answer = release(t, held_arrivals)
+            if answer is None:
+                return
+            position, choice = answer
+            index, arrival = held.pop(position)
+            del held_arrivals[position]
+            if choice is not None:
+                send(index, arrival, choice)
+
     while True:
         t_arrival = pending[0][0] if pending else inf
         t_step = in_flight[0][0] if in_flight else inf
         t_change = changes[ci].time if ci < len(changes) else inf
         t = min(t_arrival, t_step, t_change)
+        if t == inf and held:
+            # Nothing else will happen: the held see time pass (a bound on their wait ends it).
+            if last - idle_since > MAX_IDLE_HOLD_S:
+                raise RuntimeError(f"{len(held)} requests held on an idle fleet for {MAX_IDLE_HOLD_S:.0f} s")
+            t = last + IDLE_RELEASE_S
+        else:
+            idle_since = t
         if t == inf or t > until:
             break
+        last = t
         while in_flight and in_flight[0][0] <= t:
             end, _, i = heapq.heappop(in_flight)
             step = steps[i]
@@ -280,7 +343,7 @@ def simulate(
                 )
             for req in touched:
                 if req.finished:
-                    assert isinstance(req.tag, int)  # the arrival's index, set below
+                    assert isinstance(req.tag, int)  # the arrival's index, set in `send`
                     record = _record(req, req.tag, i, engine.name, classes.pop(req.tag, "latency"))
                     records.append(record)
                     for follow_up in (on_finish(record) or ()) if on_finish is not None else ():
@@ -290,28 +353,18 @@ def simulate(
             change = changes[ci]
             engines[change.engine].set_mean_alpha(change.alpha)
             ci += 1
+        if held:
+            release_held(t)
         while pending and pending[0][0] <= t:
             _, index, arrival = heapq.heappop(pending)
             choice = router(arrival, views)
-            if choice is None:
-                continue
-            i = by_name[choice] if isinstance(choice, str) else int(choice)
-            engine = engines[i]
-            req = engine.new_request(
-                arrival.prompt_tokens,
-                now=arrival.time,
-                max_new_tokens=arrival.max_tokens,
-                ignore_eos=arrival.ignore_eos,
-                output_len=arrival.output_tokens,
-                rid=f"r{index}",
-                cache_key=(
-                    None if arrival.prefix is None else engine.block_key(arrival.prefix, arrival.prefix_block_tokens)
-                ),
-                workload=arrival.workload,
-            )
-            req.tag = index
-            classes[index] = arrival.request_class
-            engine.add(req)
+            if isinstance(choice, Held):
+                if release is None:
+                    raise ValueError("a router that holds requests needs `release`")
+                held.append((index, arrival))
+                held_arrivals.append(arrival)
+            elif choice is not None:
+                send(index, arrival, choice)
         start_idle(t)
     return records
 

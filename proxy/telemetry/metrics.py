@@ -115,7 +115,18 @@ class Metrics:
             buckets=n.BUCKETS_OVERHEAD,
             registry=r,
         )
+        self.held = Gauge(n.M_HELD, "Requests flow control holds in the proxy now.", registry=r)
+        self.hold_released = Histogram(
+            n.M_HOLD_RELEASED,
+            "Seconds each request flow control held waited, by the rule that let it go.",
+            ["rule"],
+            buckets=n.BUCKETS_HELD,
+            registry=r,
+        )
+        for rule in n.HOLD_RELEASE_RULES:
+            self.hold_released.labels(rule)
         self._snapshot_source: Callable[[], Snapshot | None] | None = None
+        self._held_source: Callable[[], int] | None = None
         # Label children by label values: prometheus_client's labels() takes a lock and builds
         # tuples on every call; a request needs about eight of them.
         self._children: dict[tuple[Any, ...], Any] = {}
@@ -172,6 +183,13 @@ class Metrics:
         if cached_tokens:
             child(self.prefix_cached, pool).inc(cached_tokens)
 
+    def released(self, rule: str, held_s: float) -> None:
+        self._child(self.hold_released, rule).observe(held_s)
+
+    def watch_held(self, source: Callable[[], int]) -> None:
+        """Refresh the held-requests gauge from `source` at every scrape."""
+        self._held_source = source
+
     def watch_snapshot(self, source: Callable[[], Snapshot | None]) -> None:
         """Refresh the alpha and snapshot-age gauges from `source` at every scrape."""
         self._snapshot_source = source
@@ -187,6 +205,8 @@ class Metrics:
                 self.ejected.labels(name, instance.url).set(1.0 if instance.ejected else 0.0)
 
     def render(self) -> bytes:
+        if self._held_source is not None:
+            self.held.set(self._held_source())
         if self._snapshot_source is not None:
             snapshot = self._snapshot_source()
             if snapshot is not None:

@@ -86,6 +86,11 @@ M_STORED_ASKED = "specroute_stored_response_upstream_requests"
 M_EJECTED = "specroute_upstream_ejected"
 M_PREFIX_CREDITED = "specroute_prefix_credited_tokens"
 M_PREFIX_CACHED = "specroute_prefix_cached_tokens"
+M_HELD = "specroute_held_requests"
+M_HOLD_RELEASED = "specroute_hold_released_seconds"
+HOLD_RELEASE_RULES = ("release-room", "release-bound")
+"""Every rule that lets a held request go (policies/flow.py): their series exist at 0 from the start."""
+BUCKETS_HELD = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 OVERHEAD_HEADER = "x-specroute-overhead-ms"
 OVERHEAD_HEADER_BYTES = OVERHEAD_HEADER.encode()

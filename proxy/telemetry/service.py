@@ -74,6 +74,12 @@ class SpecrouteTelemetry(Telemetry):
     def stored_response_asked(self) -> None:
         self.metrics.stored_asked.inc()
 
+    def hold_released(self, rule: str, held_s: float) -> None:
+        self.metrics.released(rule, held_s)
+
+    def watch_held(self, source: Callable[[], int]) -> None:
+        self.metrics.watch_held(source)
+
     def watch_snapshot(self, source: Callable[[], Snapshot | None]) -> None:
         """Give /metrics the fleet's current snapshot (alpha and reading age at scrape time)."""
         self.metrics.watch_snapshot(source)

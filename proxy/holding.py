@@ -1,0 +1,143 @@
+"""Flow control's queue: requests no pool can serve in time wait here (policies/flow.py's rules).
+
+A request held waits on its own future; one task (running only while something is held) looks
+at the fleet at every poll interval and lets go, one at a time:
+- the oldest, once it has waited SPECROUTE_HOLD_MAX_S (`release-bound`), wherever routing then
+  sends it (or admission refuses it);
+- else the newest, when the pool the policy would send it to has room (`release-room`): newest
+  first, the one most likely still in time, while the older ones wait out the overload.
+A request let go is routed again from the fleet as it is then. The next is let go only once it
+has been dispatched (or has ended), so the fleet model counts it before room is judged again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from time import monotonic
+
+from fleet.types import Features, Snapshot
+from policies.base import Policy
+from policies.flow import FlowControl
+
+log = logging.getLogger("specroute")
+
+LANDING_TIMEOUT_S = 1.0
+"""How long the queue waits for a request it let go to be dispatched before judging again (it
+is dispatched without awaiting anything: this only bounds a bug's cost)."""
+
+
+class Held:
+    """One held request: its features, since when it waits, and how it is let go."""
+
+    __slots__ = ("features", "since", "released", "landed")
+
+    def __init__(self, features: Features, since: float) -> None:
+        self.features = features
+        self.since = since
+        self.released: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        """Resolved with the rule that let it go."""
+        self.landed = asyncio.Event()
+        """Set once it was dispatched or ended (`land`)."""
+
+    def land(self) -> None:
+        self.landed.set()
+
+
+class HoldQueue:
+    def __init__(
+        self,
+        flow: FlowControl,
+        policy: Policy,
+        snapshot: Callable[[str | None], Snapshot],
+        interval_s: float,
+        on_release: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self.flow = flow
+        self.policy = policy
+        self.snapshot = snapshot
+        """The fleet now, as a request of a workload sees it (`Router.snapshot`)."""
+        self.interval_s = interval_s
+        """How often the queue looks at the fleet while something is held (the poll interval:
+        the fleet's view changes with each load reading)."""
+        self.on_release = on_release
+        """Told the rule and the seconds held of each request let go (metrics)."""
+        self.held: list[Held] = []
+        """Oldest first."""
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def max_hold_s(self) -> float:
+        return self.flow.max_hold_s
+
+    def holds(self, features: Features, snapshot: Snapshot) -> bool:
+        """Whether a new request is lost on both pools (`hold-lost`)."""
+        return self.flow.holds(features, snapshot)
+
+    async def wait(self, features: Features) -> tuple[Held, str]:
+        """Hold a request until it is let go: the entry (its caller calls `land` once it has
+        been dispatched) and the rule that let it go. Cancelled (its client left), it is gone
+        from the queue."""
+        entry = Held(features, monotonic())
+        self.held.append(entry)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="specroute-hold-queue")
+        try:
+            rule = await entry.released
+        finally:
+            if entry in self.held:  # cancelled while held
+                self.held.remove(entry)
+                entry.land()
+        return entry, rule
+
+    def oldest_s(self, now: float) -> float:
+        return now - self.held[0].since if self.held else 0.0
+
+    async def _run(self) -> None:
+        while self.held:
+            try:
+                entry, rule = self._next(monotonic())
+            except Exception:
+                # Judging room failed (a bug): the oldest goes rather than everyone waiting on.
+                log.exception("flow control could not judge the fleet; the oldest held request goes")
+                entry, rule = self.held[0], "release-bound"
+            if entry is None:
+                await asyncio.sleep(self._pause(monotonic()))
+                continue
+            self.held.remove(entry)
+            held_s = monotonic() - entry.since
+            if not entry.released.done():
+                entry.released.set_result(rule)
+            if self.on_release is not None:
+                self.on_release(rule, held_s)
+            try:
+                await asyncio.wait_for(entry.landed.wait(), LANDING_TIMEOUT_S)
+            except TimeoutError:
+                log.warning("a held request let go was not dispatched within %.0f s", LANDING_TIMEOUT_S)
+
+    def _next(self, now: float) -> tuple[Held | None, str]:
+        """The request to let go now and the rule, if any (the rules in policies/flow.py)."""
+        oldest = self.held[0]
+        if self.flow.expired(now - oldest.since):
+            return oldest, "release-bound"
+        newest = self.held[-1]
+        snapshot = self.snapshot(newest.features.workload)
+        decision = self.policy.decide(newest.features, snapshot)
+        if self.flow.room(newest.features, snapshot, decision.pool):
+            return newest, "release-room"
+        return None, ""
+
+    def _pause(self, now: float) -> float:
+        """Until the next look: a poll interval, or less when the oldest's bound comes sooner."""
+        until_bound = self.flow.max_hold_s - self.oldest_s(now)
+        return max(0.0, min(self.interval_s, until_bound))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None

@@ -1,0 +1,141 @@
+"""Flow control's queue (proxy/holding.py) on the event loop, with the real policy and rules on
+hand-built fleets: who is let go, in what order, and that a request leaving is gone from it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fleet.costmodel import StepCostModel, seed_from_profile
+from fleet.types import Features, InstanceState, PoolState, Snapshot
+from policies.flow import FlowControl
+from policies.goodput import Goodput
+from policies.goodput_params import GoodputParams
+from proxy.holding import HoldQueue
+
+
+def snapshot(spec_load: float, base_load: float, cost: StepCostModel) -> Snapshot:
+    def instance(name: str, load: float, cap: int) -> InstanceState:
+        return InstanceState(f"http://{name}", running=min(load, cap), waiting=max(load - cap, 0), max_running=cap)
+
+    spec = PoolState("spec", (instance("spec", spec_load, 48),), speculative=True, num_draft_tokens=3, alpha=0.6)
+    return Snapshot({"spec": spec, "base": PoolState("base", (instance("base", base_load, 256),))}, cost)
+
+
+COST = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+SLO = GoodputParams(slo_ttft_s=1.0, slo_tpot_ms=50)
+FLOODED = snapshot(48 + 400, 256 + 2000, COST)
+QUIET = snapshot(2, 10, COST)
+WAIT_S = 5.0
+"""Bound on every wait here (the queue looks every 10 ms)."""
+
+
+class Fleet:
+    """The fleet the queue reads: flooded until a test says otherwise."""
+
+    def __init__(self) -> None:
+        self.now: Snapshot = FLOODED
+
+    def __call__(self, workload: str | None) -> Snapshot:
+        return self.now
+
+
+def queue(fleet: Fleet, max_hold_s: float, released: list[tuple[str, float]]) -> HoldQueue:
+    goodput = Goodput(SLO)
+    return HoldQueue(
+        FlowControl(goodput, max_hold_s), goodput, fleet, 0.01, on_release=lambda r, s: released.append((r, s))
+    )
+
+
+def request(tokens: int) -> Features:
+    return Features(prompt_tokens=tokens, max_tokens=64)
+
+
+def test_the_newest_goes_first_when_there_is_room_each_once_the_last_landed() -> None:
+    async def scenario() -> list[int]:
+        fleet, released = Fleet(), []
+        q = queue(fleet, 60.0, released)
+        assert q.holds(request(100), FLOODED) and not q.holds(request(100), QUIET)
+        order: list[int] = []
+
+        async def client(tokens: int) -> None:
+            held, rule = await q.wait(request(tokens))
+            assert rule == "release-room"
+            order.append(tokens)
+            held.land()  # dispatched: the queue may judge the next
+
+        tasks = []
+        for tokens in (100, 200, 300):
+            tasks.append(asyncio.create_task(client(tokens)))
+            await asyncio.sleep(0)  # each is held before the next arrives
+        await asyncio.sleep(0.05)
+        assert order == [] and len(q.held) == 3  # flooded: nobody goes
+        fleet.now = QUIET
+        await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
+        assert q.held == [] and [rule for rule, _ in released] == ["release-room"] * 3
+        await q.stop()
+        return order
+
+    assert asyncio.run(scenario()) == [300, 200, 100]
+
+
+def test_the_oldest_goes_at_the_bound_while_the_fleet_stays_flooded() -> None:
+    async def scenario() -> None:
+        fleet, released = Fleet(), []
+        q = queue(fleet, 0.2, released)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        first = asyncio.create_task(q.wait(request(100)))
+        await asyncio.sleep(0.05)
+        second = asyncio.create_task(q.wait(request(200)))
+        held, rule = await asyncio.wait_for(first, WAIT_S)
+        assert rule == "release-bound" and held.features.prompt_tokens == 100
+        assert loop.time() - started >= 0.2
+        held.land()
+        held, rule = await asyncio.wait_for(second, WAIT_S)
+        assert rule == "release-bound" and held.features.prompt_tokens == 200
+        held.land()
+        assert [r for r, _ in released] == ["release-bound", "release-bound"] and released[0][1] >= 0.2
+        await q.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_whose_client_left_is_gone_from_the_queue() -> None:
+    async def scenario() -> None:
+        fleet, released = Fleet(), []
+        q = queue(fleet, 60.0, released)
+        leaving = asyncio.create_task(q.wait(request(100)))
+        staying = asyncio.create_task(q.wait(request(200)))
+        await asyncio.sleep(0.02)
+        leaving.cancel()
+        await asyncio.gather(leaving, return_exceptions=True)
+        assert [h.features.prompt_tokens for h in q.held] == [200]
+        fleet.now = QUIET
+        held, _ = await asyncio.wait_for(staying, WAIT_S)
+        held.land()
+        assert len(released) == 1 and q.held == []
+        await q.stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_let_go_that_never_lands_holds_the_queue_only_for_a_bounded_time() -> None:
+    async def scenario() -> None:
+        from proxy import holding
+
+        holding.LANDING_TIMEOUT_S, saved = 0.05, holding.LANDING_TIMEOUT_S
+        try:
+            fleet, released = Fleet(), []
+            q = queue(fleet, 60.0, released)
+            first = asyncio.create_task(q.wait(request(100)))
+            second = asyncio.create_task(q.wait(request(200)))
+            await asyncio.sleep(0.02)
+            fleet.now = QUIET
+            # Neither lands: each goes after the other's landing wait ran out.
+            await asyncio.wait_for(asyncio.gather(first, second), WAIT_S)
+            assert len(released) == 2
+            await q.stop()
+        finally:
+            holding.LANDING_TIMEOUT_S = saved
+
+    asyncio.run(scenario())
