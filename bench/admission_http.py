@@ -1,10 +1,12 @@
 """Admission control over HTTP: `specroute serve` in front of a kimi-moe spec and base twin (real
 time), Poisson arrivals of streamed chat requests at twice the fleet's capacity for 60 s, the
 goodput policy told the SLO (TTFT 2 s, TPOT 100 ms), with admission control on (its default
-limits: the SLO's targets) and off.
+limits: the SLO's targets) and off, and with flow control (SPECROUTE_HOLD_MAX_S) alone and
+beside admission.
 
-    python -m bench.admission_http            # both runs, ~5 minutes; docs/routing.md records it
+    python -m bench.admission_http            # every mode, ~10 minutes; docs/reliability.md records it
     python -m bench.admission_http --quick    # 20 s of arrivals
+    python -m bench.admission_http --modes off hold
 
 Measured at the client: each request's first token and time per output token (from the usage's
 token count: a spec chunk carries several tokens; SLO met or not),
@@ -32,6 +34,15 @@ from sim.testing import TwinSpec, twins
 
 LOAD = 2.0
 SETUP = "kimi-moe a=0.64"
+ADMISSION_OFF = {"SPECROUTE_ADMISSION_TTFT_S": "0", "SPECROUTE_ADMISSION_TPOT_MS": "0"}
+HOLD = {"SPECROUTE_HOLD_MAX_S": "120"}
+MODES: dict[str, dict[str, str]] = {
+    "off": ADMISSION_OFF,
+    "on": {},
+    "hold": {**ADMISSION_OFF, **HOLD},
+    "on+hold": HOLD,
+}
+"""Admission off or on (its default limits), flow control off or holding up to 120 s."""
 
 
 async def one(client: httpx.AsyncClient, url: str, prompt_tokens: int) -> dict[str, Any]:
@@ -113,11 +124,12 @@ def summarise(records: list[dict[str, Any]], duration_s: float) -> dict[str, Any
     }
 
 
-def run(duration_s: float) -> list[tuple[str, dict[str, Any]]]:
+def run(duration_s: float, modes: Sequence[str] = tuple(MODES)) -> list[tuple[str, dict[str, Any]]]:
     sample = lengths()
     rate = LOAD * capacity_rps(SETUPS[SETUP], sample)
     rows = []
-    for mode, extra in (("off", {"SPECROUTE_ADMISSION_TTFT_S": "0", "SPECROUTE_ADMISSION_TPOT_MS": "0"}), ("on", {})):
+    for mode in modes:
+        extra = MODES[mode]
         with twins(TwinSpec("spec", profile="kimi-moe", seed=1), TwinSpec("base", profile="kimi-moe", seed=2)) as (
             spec,
             base,
@@ -129,7 +141,7 @@ def run(duration_s: float) -> list[tuple[str, dict[str, Any]]]:
                 "SPECROUTE_REQUEST_LOG": "false",
                 **extra,
             }
-            with proxy_process([spec.url], [base.url], Path(f"/tmp/specroute-admission-{mode}.log"), **env) as (_, url):
+            with proxy_process([spec.url], [base.url], Path(f"/tmp/specroute-admission-{mode.replace('+', '-')}.log"), **env) as (_, url):
                 records = asyncio.run(offered_load(url, duration_s, rate, sample, seed=100))
         rows.append((mode, {"rate_rps": round(rate, 1), **summarise(records, duration_s)}))
     return rows
@@ -138,17 +150,18 @@ def run(duration_s: float) -> list[tuple[str, dict[str, Any]]]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.admission_http", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="20 s of arrivals")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="runs to make")
     args = parser.parse_args(argv)
     duration = 20.0 if args.quick else 60.0
     started = time.monotonic()
-    rows = run(duration)
+    rows = run(duration, args.modes)
     print(
         f"`python -m bench.admission_http{' --quick' if args.quick else ''}` ({time.strftime('%Y-%m-%d %H:%M')}, "
         f"{time.monotonic() - started:.0f} s; {SETUP} twins in real time, {LOAD:.0%} of capacity for {duration:.0f} s, "
         f"SLO {KIMI_SLO.ttft_s:g} s / {KIMI_SLO.tpot_s * 1000:g} ms):\n"
     )
     print(
-        "| admission | offered rps | offered | refused | admitted | admitted meeting SLO | lost | SLO goodput rps | refusal p50 / p99 ms | mean TTFT admitted | other statuses |"
+        "| admission / flow control | offered rps | offered | refused | admitted | admitted meeting SLO | lost | SLO goodput rps | refusal p50 / p99 ms | mean TTFT admitted | other statuses |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for mode, r in rows:

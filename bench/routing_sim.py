@@ -332,7 +332,7 @@ class VirtualRouter:
                 return None
         return self.send(arrival, arrival.time, features, snapshot, decision, blocks, match)
 
-    def release(self, now: float, held: Sequence[Arrival]) -> tuple[int, int] | None:
+    def release(self, now: float, held: Sequence[Arrival]) -> tuple[int, int | None] | None:
         """Which held arrival (flow control, oldest first) goes at `now`, and to which engine:
         the oldest once it has waited the bound, else the newest when its pool has room (newest
         first: the one most likely still in time; the others wait out the overload)."""
@@ -347,6 +347,11 @@ class VirtualRouter:
         if not expired and not self.flow.room(features, snapshot, decision.pool):
             return None
         self.released.append((arrival.time, now))
+        if self.admission is not None:  # judged as any other request once let go, as the proxy does
+            refusal = self.admission.admit(features, snapshot, decision, now)
+            if refusal is not None:
+                self.refusals.append((now, refusal.rule, arrival.request_class))
+                return position, None
         return position, self.send(arrival, now, features, snapshot, decision, blocks, match)
 
     def send(
