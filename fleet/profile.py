@@ -228,12 +228,33 @@ class TableStep:
 
 
 def read_step_table(path: Path) -> TableStep:
+    """The table at `path`; ValueError naming the file (its absolute path: a relative one is
+    resolved against the profile's folder, which the user may not have in mind) when it cannot
+    be read or holds rows that are not `kind,B,T,L,ms`."""
+    shown = str(path.absolute())
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            lines = [line for line in f if line.strip() and not line.startswith("#")]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"cannot read the step table {path.name!r}, looked for at {shown} ({describe_error(exc)}); "
+            "a profile's table file is read from the folder of its JSON: copy the CSV beside it"
+        ) from None
     rows = []
-    with path.open(newline="") as f:
-        lines = [line for line in f if line.strip() and not line.startswith("#")]
+    try:
         for row in csv.DictReader(lines):
             rows.append((row["kind"], int(row["B"]), int(row["T"]), int(row["L"]), float(row["ms"])))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"bad step table {shown}: rows must be kind,B,T,L,ms ({describe_error(exc)})") from None
     return TableStep(rows)
+
+
+def describe_error(exc: BaseException) -> str:
+    """An exception as a short phrase: its type and, for an OSError, its reason alone (its
+    message repeats the file name already in ours)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: {exc.strerror}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def builtin_names() -> list[str]:
@@ -244,7 +265,9 @@ def builtin_names() -> list[str]:
 def load_profile(name_or_path: str) -> Profile:
     """A built-in profile by name (see builtin_names()) or a JSON file by path."""
     path = Path(name_or_path)
-    if not (path.suffix == ".json" and path.is_file()):
+    # exists(), not is_file(): a directory or an unreadable file named *.json is the user's
+    # file, to be said why it cannot be read, not "not found".
+    if not (path.suffix == ".json" and path.exists()):
         candidate = Path(str(resources.files("fleet") / "profiles" / f"{name_or_path}.json"))
         if not candidate.is_file():
             if path.suffix == ".json":
@@ -253,7 +276,17 @@ def load_profile(name_or_path: str) -> Profile:
                 f"unknown profile {name_or_path!r}: use one of {', '.join(builtin_names())} or a path to a .json file"
             )
         path = candidate
-    return parse_profile(json.loads(path.read_text()), path.parent)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read profile file {name_or_path!r} ({describe_error(exc)})") from None
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"profile file {name_or_path!r} is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"profile file {name_or_path!r} is not a JSON object")
+    return parse_profile(doc, path.parent)
 
 
 def parse_profile(doc: dict[str, Any], folder: Path) -> Profile:
