@@ -333,3 +333,15 @@ def test_the_policy_name_is_case_insensitive_like_the_log_level(tmp_path: Path) 
     from policies import registry
 
     assert f"choose one of {', '.join(registry.names())}" in str(refused.value)  # the valid names, listed
+
+
+def test_a_profile_with_negative_step_costs_stops_start_up_naming_the_field(tmp_path: Path) -> None:
+    # From an operator's probe: it started cleanly and every prediction came out negative.
+    doc = '{"name":"neg","step":{"kind":"affine","fixed_ms":-5,"per_token_ms":-1},"prefill":{"kind":"step"}}'
+    (tmp_path / "neg.json").write_text(doc)
+    result = run(["serve"], {"SPECROUTE_BASE_URLS": "http://127.0.0.1:1", "SPECROUTE_PROFILE": "neg.json"}, tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "specroute: invalid setting SPECROUTE_PROFILE: bad profile file: step.fixed_ms is -5.0;"
+        " it must be a finite number >= 0"
+    ]
