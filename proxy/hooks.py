@@ -113,6 +113,10 @@ class Telemetry:
     def stored_response_asked(self) -> None:
         """The proxy sent a server one request about a stored response."""
 
+    def upstream_ejected(self, pool: str, instance: str, reason: str) -> None:
+        """Outlier detection ejected `instance` (its URL) of `pool`; `reason` is the rule
+        (proxy.outliers.RULES), without the failure kind."""
+
     async def start(self) -> None:
         """Called once at server start-up."""
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -16,7 +16,9 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, instances: Mapping[str, Sequence[str]] | None = None) -> None:
+        """`instances`: the configured upstream URLs by pool, whose per-instance series exist
+        from the start."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             n.M_REQUESTS, "Requests answered, by pool, policy and outcome.", ["pool", "policy", "outcome"], registry=r
@@ -80,6 +82,12 @@ class Metrics:
             ["pool", "instance"],
             registry=r,
         )
+        self.ejections = Counter(
+            n.M_EJECTIONS,
+            "Times outlier detection ejected an upstream instance, by the rule that ejected it.",
+            ["pool", "instance", "reason"],
+            registry=r,
+        )
         self.retries = Counter(n.M_RETRIES, "Upstream attempts repeated within the same pool.", ["pool"], registry=r)
         self.failovers = Counter(
             n.M_FAILOVERS, "Upstream attempts moved to the other pool.", ["from_pool", "to_pool"], registry=r
@@ -109,6 +117,12 @@ class Metrics:
             self.retries.labels(pool)
         for reason in n.AUTH_REFUSED_REASONS:
             self.auth_refused.labels(reason)
+        # An ejection between two scrapes leaves the ejected gauge at 0 on both; the counter
+        # keeps it, and exists per instance and rule so that its first increase is a rate.
+        for pool, urls in (instances or {}).items():
+            for url in urls:
+                for reason in n.EJECTION_REASONS:
+                    self.ejections.labels(pool, url, reason)
         self.overhead = Histogram(
             n.M_OVERHEAD,
             "Seconds per request spent in the proxy itself (not waiting on upstream).",
@@ -135,6 +149,9 @@ class Metrics:
 
     def failed_over(self, from_pool: str, to_pool: str) -> None:
         self._child(self.failovers, from_pool, to_pool).inc()
+
+    def upstream_ejected(self, pool: str, instance: str, reason: str) -> None:
+        self.ejections.labels(pool, instance, reason).inc()
 
     def in_flight_child(self, pool: str, instance: str) -> Any:
         return self._child(self.in_flight, pool, instance)

@@ -84,6 +84,9 @@ AUTH_REFUSED_REASONS = ("missing", "malformed", "invalid", "not_operator", "pin_
 M_STORED = "specroute_stored_response_requests"
 M_STORED_ASKED = "specroute_stored_response_upstream_requests"
 M_EJECTED = "specroute_upstream_ejected"
+M_EJECTIONS = "specroute_upstream_ejections"
+EJECTION_REASONS = ("consecutive-failures", "slow-first-token", "probe-failed", "probe-slow-first-token")
+"""Every rule proxy.outliers ejects by (its RULES): their series exist at 0 per instance."""
 M_PREFIX_CREDITED = "specroute_prefix_credited_tokens"
 M_PREFIX_CACHED = "specroute_prefix_cached_tokens"
 

@@ -36,7 +36,7 @@ class SpecrouteTelemetry(Telemetry):
             tracing.shutdown()
             tracing = None
         self.tracing = tracing
-        self.metrics = Metrics()
+        self.metrics = Metrics({"spec": settings.spec_urls, "base": settings.base_urls})
         self.request_log = RequestLog() if settings.request_log else None
 
     def install(self, app: FastAPI) -> None:
@@ -73,6 +73,9 @@ class SpecrouteTelemetry(Telemetry):
 
     def stored_response_asked(self) -> None:
         self.metrics.stored_asked.inc()
+
+    def upstream_ejected(self, pool: str, instance: str, reason: str) -> None:
+        self.metrics.upstream_ejected(pool, instance, reason)
 
     def watch_snapshot(self, source: Callable[[], Snapshot | None]) -> None:
         """Give /metrics the fleet's current snapshot (alpha and reading age at scrape time)."""

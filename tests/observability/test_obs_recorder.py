@@ -116,6 +116,21 @@ def test_the_series_alerts_watch_exist_at_zero_before_any_event() -> None:
     assert used and used <= set(AUTH_REFUSED_REASONS), used
 
 
+def test_ejections_are_counted_per_instance_and_rule_from_zero() -> None:
+    """From an operator's probe: an ejection between two scrapes was invisible (a gauge only)."""
+    spec, base = ["http://s0:1", "http://s1:1"], ["http://b0:1"]
+    t = telemetry(request_log=False, spec_urls=spec, base_urls=base)
+    got = samples(t)
+    for pool, urls in (("spec", spec), ("base", base)):
+        for url in urls:
+            for reason in n.EJECTION_REASONS:
+                labels = (("instance", url), ("pool", pool), ("reason", reason))
+                assert got[("specroute_upstream_ejections_total", labels)] == 0
+    t.upstream_ejected("spec", "http://s1:1", "slow-first-token")
+    labels = (("instance", "http://s1:1"), ("pool", "spec"), ("reason", "slow-first-token"))
+    assert samples(t)[("specroute_upstream_ejections_total", labels)] == 1
+
+
 def test_metrics_count_requests_decisions_failovers_and_release_in_flight() -> None:
     t = telemetry(request_log=False)
     failover_then_stream(t)
