@@ -162,22 +162,36 @@ def test_histograms_use_the_genai_bucket_boundaries() -> None:
     assert bounds("specroute_time_to_first_token_seconds") == [*n.BUCKETS_TTFT, float("inf")]
     assert bounds("specroute_inter_token_seconds") == [*n.BUCKETS_INTER_TOKEN, float("inf")]
     assert bounds("specroute_request_duration_seconds") == [*n.BUCKETS_DURATION, float("inf")]
-    assert n.BUCKETS_DURATION == (
-        0.01,
-        0.02,
-        0.04,
-        0.08,
-        0.16,
-        0.32,
-        0.64,
-        1.28,
-        2.56,
-        5.12,
-        10.24,
-        20.48,
-        40.96,
-        81.92,
-    )
+
+
+def test_histogram_buckets_tell_the_pools_apart_and_reach_the_timeouts() -> None:
+    """From an operator's probe: every inter-token sample of both pools fell in le=0.01, and the
+    first-token and duration histograms stopped at 10 s and 81.92 s under 120 s and 600 s
+    timeouts."""
+    t = telemetry(request_log=False)
+    gaps = {"spec": 0.003, "base": 0.02}  # real per-token gaps: 2-60 ms
+    for pool, gap in gaps.items():
+        t.metrics.finished(pool, "spec", "ok", 90.0, 0.0, 15.0, gap, 10, 100)
+    got = samples(t)
+
+    def first_bucket(metric: str, pool: str) -> float:
+        """The smallest le whose cumulative count holds the pool's one sample."""
+        return min(
+            float(dict(labels)["le"])
+            for (name, labels), value in got.items()
+            if name == metric + "_bucket" and dict(labels)["pool"] == pool and value == 1
+        )
+
+    spec, base = (first_bucket("specroute_inter_token_seconds", pool) for pool in ("spec", "base"))
+    assert spec == 0.003 and base == 0.02
+    fine = [b for b in n.BUCKETS_INTER_TOKEN if 0.001 <= b <= 0.1]
+    assert len(fine) >= 10 and all(high / low <= 2 for low, high in zip(fine, fine[1:]))
+    assert first_bucket("specroute_time_to_first_token_seconds", "spec") == 20.0  # not +Inf past 10 s
+    assert first_bucket("specroute_request_duration_seconds", "spec") == 163.84  # not +Inf past 81.92 s
+    defaults = Settings.model_fields
+    assert n.BUCKETS_TTFT[-1] >= defaults["first_token_timeout_s"].default
+    assert n.BUCKETS_DURATION[-1] >= defaults["total_timeout_s"].default
+    assert len(n.BUCKETS_TTFT) + len(n.BUCKETS_INTER_TOKEN) + len(n.BUCKETS_DURATION) <= 60
 
 
 def test_one_json_log_line_per_request_without_prompt_text() -> None:
