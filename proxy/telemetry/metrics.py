@@ -16,9 +16,15 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, instances: Mapping[str, Sequence[str]] | None = None) -> None:
-        """`instances`: the configured upstream URLs by pool, whose per-instance series exist
-        from the start."""
+    def __init__(
+        self,
+        instances: Mapping[str, Sequence[str]] | None = None,
+        policy: str | None = None,
+        decisions: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        """`instances`: the configured upstream URLs by pool; `policy` the policy's name and
+        `decisions` the (reason, pool) pairs it is known to decide with. Their series exist
+        from the start (see `_zero`)."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             n.M_REQUESTS, "Requests answered, by pool, policy and outcome.", ["pool", "policy", "outcome"], registry=r
@@ -117,12 +123,7 @@ class Metrics:
             self.retries.labels(pool)
         for reason in n.AUTH_REFUSED_REASONS:
             self.auth_refused.labels(reason)
-        # An ejection between two scrapes leaves the ejected gauge at 0 on both; the counter
-        # keeps it, and exists per instance and rule so that its first increase is a rate.
-        for pool, urls in (instances or {}).items():
-            for url in urls:
-                for reason in n.EJECTION_REASONS:
-                    self.ejections.labels(pool, url, reason)
+        self._zero(instances or {}, policy, decisions)
         self.overhead = Histogram(
             n.M_OVERHEAD,
             "Seconds per request spent in the proxy itself (not waiting on upstream).",
@@ -133,6 +134,33 @@ class Metrics:
         # Label children by label values: prometheus_client's labels() takes a lock and builds
         # tuples on every call; a request needs about eight of them.
         self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _zero(
+        self, instances: Mapping[str, Sequence[str]], policy: str | None, decisions: Sequence[tuple[str, str]]
+    ) -> None:
+        """Create at 0 the series whose label values are known before any traffic, and only
+        combinations that can occur: an alert on an absent series has no rate to read until its
+        first event."""
+        pools = [pool for pool, urls in instances.items() if urls]
+        for pool in pools:
+            for url in instances[pool]:
+                self.in_flight.labels(pool, url)
+                # An ejection between two scrapes leaves the ejected gauge at 0 on both: the
+                # counter keeps it.
+                for reason in n.EJECTION_REASONS:
+                    self.ejections.labels(pool, url, reason)
+            for kind in ("input", "output"):
+                self.tokens.labels(pool, kind)
+        if policy is None:
+            return
+        for pool in pools:
+            for outcome in n.ATTEMPTED_OUTCOMES:
+                self.requests.labels(pool, policy, outcome)
+        for outcome in n.UNATTEMPTED_OUTCOMES:
+            self.requests.labels("none", policy, outcome)
+        if set(pools) >= {"spec", "base"}:  # with one pool, most of a policy's reasons never come
+            for reason, pool in decisions:
+                self.decisions.labels(reason, pool)
 
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (metric, *labels)

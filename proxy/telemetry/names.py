@@ -83,6 +83,11 @@ AUTH_REFUSED_REASONS = ("missing", "malformed", "invalid", "not_operator", "pin_
 """Every `reason` of proxy.auth's refusals: their series exist at 0 from the start."""
 M_STORED = "specroute_stored_response_requests"
 M_STORED_ASKED = "specroute_stored_response_upstream_requests"
+ATTEMPTED_OUTCOMES = ("ok", "client_error", "error", "client_disconnected")
+"""The `outcome`s of a request that reached a pool (proxy.telemetry.request.outcome_of); not
+`refused`: the proxy's own 429s for load come before any attempt."""
+UNATTEMPTED_OUTCOMES = ("client_error", "refused", "error", "client_disconnected")
+"""The `outcome`s of a request refused before any attempt (pool `none`): never `ok`."""
 M_EJECTED = "specroute_upstream_ejected"
 M_EJECTIONS = "specroute_upstream_ejections"
 EJECTION_REASONS = ("consecutive-failures", "slow-first-token", "probe-failed", "probe-slow-first-token")

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Response
 
+from policies import registry
 from proxy.hooks import Telemetry
 from proxy.telemetry.logs import RequestLog
 from proxy.telemetry.metrics import Metrics
@@ -36,7 +37,11 @@ class SpecrouteTelemetry(Telemetry):
             tracing.shutdown()
             tracing = None
         self.tracing = tracing
-        self.metrics = Metrics({"spec": settings.spec_urls, "base": settings.base_urls})
+        self.metrics = Metrics(
+            {"spec": settings.spec_urls, "base": settings.base_urls},
+            settings.policy,
+            registry.decisions_of(settings.policy),
+        )
         self.request_log = RequestLog() if settings.request_log else None
 
     def install(self, app: FastAPI) -> None:

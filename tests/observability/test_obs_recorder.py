@@ -116,6 +116,66 @@ def test_the_series_alerts_watch_exist_at_zero_before_any_event() -> None:
     assert used and used <= set(AUTH_REFUSED_REASONS), used
 
 
+def test_the_per_outcome_pool_and_instance_series_exist_at_zero_before_any_request() -> None:
+    """From an operator's probe: requests, decisions, tokens and in-flight series appeared with
+    their first request, so an alert on them had nothing to read before. Only combinations that
+    can occur: no pool that is not configured, no `refused` after an attempt, no `ok` without one."""
+    spec, base = ["http://s0:1", "http://s1:1"], ["http://b0:1"]
+    t = SpecrouteTelemetry(Settings(policy="goodput", spec_urls=spec, base_urls=base, request_log=False), "test")
+    got = samples(t)
+    requests = {
+        dict(labels)["pool"] + "/" + dict(labels)["outcome"]
+        for (name, labels) in got
+        if name == "specroute_requests_total"
+    }
+    assert requests == {
+        *(
+            f"{pool}/{outcome}"
+            for pool in ("spec", "base")
+            for outcome in ("ok", "client_error", "error", "client_disconnected")
+        ),
+        *(f"none/{outcome}" for outcome in ("client_error", "refused", "error", "client_disconnected")),
+    }
+    assert all(v == 0 for (name, _), v in got.items() if name == "specroute_requests_total")
+    assert {dict(labels)["policy"] for (name, labels) in got if name == "specroute_requests_total"} == {"goodput"}
+    for pool, urls in (("spec", spec), ("base", base)):
+        for url in urls:
+            assert got[("specroute_in_flight_requests", (("instance", url), ("pool", pool)))] == 0
+        for kind in ("input", "output"):
+            assert got[("specroute_tokens_total", (("pool", pool), ("type", kind)))] == 0
+    for reason, pool in (("spec-sooner", "spec"), ("base-sooner", "base"), ("stale", "base"), ("spec-full", "base")):
+        assert got[("specroute_decisions_total", (("pool", pool), ("reason", reason)))] == 0
+    assert ("specroute_decisions_total", (("pool", "spec"), ("reason", "base-sooner"))) not in got
+
+    # One pool only: nothing for the other, and no decision series (most reasons never come).
+    alone = samples(SpecrouteTelemetry(Settings(policy="goodput", base_urls=base, request_log=False), "test"))
+    mine = ("specroute_requests_total", "specroute_tokens_total", "specroute_in_flight_requests")
+    pools = {dict(labels)["pool"] for (name, labels) in alone if name in mine}
+    assert pools == {"base", "none"}
+    assert not [name for (name, _) in alone if name == "specroute_decisions_total"]
+
+
+def test_every_outcome_and_declared_decision_is_one_the_code_gives() -> None:
+    import re
+    from pathlib import Path
+
+    from policies import registry
+    from proxy.telemetry.request import outcome_of
+
+    assert outcome_of(200, None) in n.ATTEMPTED_OUTCOMES and outcome_of(429, "fleet_overloaded") == "refused"
+    assert "refused" not in n.ATTEMPTED_OUTCOMES and "ok" not in n.UNATTEMPTED_OUTCOMES
+    root = Path(__file__).resolve().parents[2] / "policies"
+    sources = "\n".join(path.read_text() for path in root.glob("*.py") if path.name != "registry.py")
+    for policy in registry.names():
+        declared = registry.decisions_of(policy)
+        assert declared, policy
+        for reason, pool in declared:
+            # A reason the code names as a literal, each pool named where the code names it.
+            assert re.search(rf'(reason\s*=\s*|else\s+)"{re.escape(reason)}"', sources), reason
+            literal = re.findall(rf'Decision\(pool="(spec|base)", reason="{re.escape(reason)}"', sources)
+            assert not literal or pool in literal, (policy, reason, pool)
+
+
 def test_ejections_are_counted_per_instance_and_rule_from_zero() -> None:
     """From an operator's probe: an ejection between two scrapes was invisible (a gauge only)."""
     spec, base = ["http://s0:1", "http://s1:1"], ["http://b0:1"]
