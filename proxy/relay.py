@@ -486,6 +486,8 @@ class CompletionHandler:
             if exchange.dialect is scan.RESPONSES:
                 await self.find_owner(exchange, payload, headers)
             exchange.decision, exchange.logged = router.decide(features, override, snapshot, exchange.owner)
+            # The id of its log line and x-request-id, so a decision can be found in both.
+            exchange.logged["request_id"] = exchange.request_id
             refusal = router.admit(features, exchange.decision, snapshot)
             if refusal is not None:
                 # Its headers and the decision log say what refused it, not where it would have gone.
