@@ -141,7 +141,9 @@ def run(duration_s: float, modes: Sequence[str] = tuple(MODES)) -> list[tuple[st
                 "SPECROUTE_REQUEST_LOG": "false",
                 **extra,
             }
-            with proxy_process([spec.url], [base.url], Path(f"/tmp/specroute-admission-{mode.replace('+', '-')}.log"), **env) as (_, url):
+            with proxy_process(
+                [spec.url], [base.url], Path(f"/tmp/specroute-admission-{mode.replace('+', '-')}.log"), **env
+            ) as (_, url):
                 records = asyncio.run(offered_load(url, duration_s, rate, sample, seed=100))
         rows.append((mode, {"rate_rps": round(rate, 1), **summarise(records, duration_s)}))
     return rows

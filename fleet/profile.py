@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import csv
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -55,23 +56,12 @@ class Overheads:
         return verify + num_steps * self.per_draft_step_ms + self.per_step_ms + self.per_request_ms * batch
 
     @classmethod
-    def parse(cls, doc: dict[str, Any] | None) -> Overheads:
+    def parse(cls, doc: dict[str, Any] | None, where: str = "overheads") -> Overheads:
         doc = dict(doc or {})
         unknown = set(doc) - {"per_verify_step_ms", "per_draft_step_ms", "per_step_ms", "per_request_ms"}
         if unknown:
             raise ValueError(f"unknown overhead field(s) {sorted(unknown)}")
-        overheads = cls(**{name: float(value) for name, value in doc.items()})
-        if (
-            min(
-                overheads.per_verify_step_ms,
-                overheads.per_draft_step_ms,
-                overheads.per_step_ms,
-                overheads.per_request_ms,
-            )
-            < 0
-        ):
-            raise ValueError("overheads must be >= 0")
-        return overheads
+        return cls(**{name: cost_ms(value, f"{where}.{name}") for name, value in doc.items()})
 
 
 NO_OVERHEADS = Overheads()
@@ -228,12 +218,42 @@ class TableStep:
 
 
 def read_step_table(path: Path) -> TableStep:
+    """The table at `path`; ValueError naming the file (its absolute path: a relative one is
+    resolved against the profile's folder, which the user may not have in mind) when it cannot
+    be read or holds rows that are not `kind,B,T,L,ms`."""
+    shown = str(path.absolute())
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            lines = [line for line in f if line.strip() and not line.startswith("#")]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(
+            f"cannot read the step table {path.name!r}, looked for at {shown} ({describe_error(exc)}); "
+            "a profile's table file is read from the folder of its JSON: copy the CSV beside it"
+        ) from None
     rows = []
-    with path.open(newline="") as f:
-        lines = [line for line in f if line.strip() and not line.startswith("#")]
+    try:
         for row in csv.DictReader(lines):
             rows.append((row["kind"], int(row["B"]), int(row["T"]), int(row["L"]), float(row["ms"])))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"bad step table {shown}: rows must be kind,B,T,L,ms ({describe_error(exc)})") from None
+    for kind, b, t, length, ms in rows:
+        # A target step takes time; a draft row may be 0 (specroute profile writes 0 where the
+        # spec step was measured whole, its drafts inside the target rows).
+        bad_ms = not math.isfinite(ms) or ms < 0 or (kind == "target" and ms == 0)
+        if bad_ms or b < 1 or t < 1 or length < 0:
+            raise ValueError(
+                f"bad step table {shown}: row {kind},{b},{t},{length},{ms} (B and T >= 1, L >= 0, "
+                "ms finite, > 0 for a target step and >= 0 for a draft step)"
+            )
     return TableStep(rows)
+
+
+def describe_error(exc: BaseException) -> str:
+    """An exception as a short phrase: its type and, for an OSError, its reason alone (its
+    message repeats the file name already in ours)."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{type(exc).__name__}: {exc.strerror}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def builtin_names() -> list[str]:
@@ -244,7 +264,9 @@ def builtin_names() -> list[str]:
 def load_profile(name_or_path: str) -> Profile:
     """A built-in profile by name (see builtin_names()) or a JSON file by path."""
     path = Path(name_or_path)
-    if not (path.suffix == ".json" and path.is_file()):
+    # exists(), not is_file(): a directory or an unreadable file named *.json is the user's
+    # file, to be said why it cannot be read, not "not found".
+    if not (path.suffix == ".json" and path.exists()):
         candidate = Path(str(resources.files("fleet") / "profiles" / f"{name_or_path}.json"))
         if not candidate.is_file():
             if path.suffix == ".json":
@@ -253,46 +275,93 @@ def load_profile(name_or_path: str) -> Profile:
                 f"unknown profile {name_or_path!r}: use one of {', '.join(builtin_names())} or a path to a .json file"
             )
         path = candidate
-    return parse_profile(json.loads(path.read_text()), path.parent)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read profile file {name_or_path!r} ({describe_error(exc)})") from None
+    try:
+        doc = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"profile file {name_or_path!r} is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"profile file {name_or_path!r} is not a JSON object")
+    return parse_profile(doc, path.parent)
+
+
+def cost_ms(value: Any, field: str, *, positive: bool = False) -> float:
+    """A profile's time or cost `value` as a float; ValueError naming `field` unless it is a
+    finite number >= 0 (> 0 when `positive`). A negative or NaN cost made every prediction
+    negative or null, and JSON as Python reads it takes NaN and Infinity."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"bad profile file: {field} is {value!r}, not a number")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"bad profile file: {field} is {value!r}, not a number") from None
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        bound = "> 0" if positive else ">= 0"
+        raise ValueError(f"bad profile file: {field} is {number!r}; it must be a finite number {bound}")
+    return number
+
+
+def count(value: Any, field: str, least: int) -> int:
+    """A profile's whole number `value`; ValueError naming `field` unless it is >= `least`."""
+    number = cost_ms(value, field) if not isinstance(value, int) or isinstance(value, bool) else float(value)
+    if number != int(number) or number < least:
+        raise ValueError(f"bad profile file: {field} is {value!r}; it must be a whole number >= {least}")
+    return int(number)
 
 
 def parse_profile(doc: dict[str, Any], folder: Path) -> Profile:
+    """The profile `doc` describes (its table file, if any, read from `folder`); ValueError naming
+    the field when one is missing or out of bounds: every time and cost finite and >= 0, a target
+    step of one token > 0 (a free step makes the twin spin and every prediction zero)."""
     try:
         step_doc = doc["step"]
         kind = step_doc["kind"]
-        draft = float(doc.get("draft_step_ms", DEFAULT_DRAFT_STEP_MS))
+        draft = cost_ms(doc.get("draft_step_ms", DEFAULT_DRAFT_STEP_MS), "draft_step_ms")
         step: StepModel
         if kind == "table":
             step = read_step_table(folder / step_doc["file"])
         elif kind == "affine":
-            step = AffineStep(float(step_doc["fixed_ms"]), float(step_doc["per_token_ms"]), draft)
+            step = AffineStep(
+                cost_ms(step_doc["fixed_ms"], "step.fixed_ms"),
+                cost_ms(step_doc["per_token_ms"], "step.per_token_ms"),
+                draft,
+            )
         elif kind == "moe":
+            experts = count(step_doc["experts"], "step.experts", 1)
+            active = count(step_doc["active_experts"], "step.active_experts", 0)
+            if active > experts:
+                raise ValueError(f"bad profile file: step.active_experts ({active}) exceeds step.experts ({experts})")
             step = MoeStep(
-                float(step_doc["fixed_ms"]),
-                float(step_doc["expert_ms"]),
-                int(step_doc["experts"]),
-                int(step_doc["active_experts"]),
-                float(step_doc["per_token_ms"]),
+                cost_ms(step_doc["fixed_ms"], "step.fixed_ms"),
+                cost_ms(step_doc["expert_ms"], "step.expert_ms"),
+                experts,
+                active,
+                cost_ms(step_doc["per_token_ms"], "step.per_token_ms"),
                 draft,
             )
         else:
             raise ValueError(f"unknown step kind {kind!r} (table, affine, moe)")
+        if not step.target_ms(1, 1, 0.0) > 0:
+            raise ValueError(f"bad profile file: the {kind} step of one token costs 0 ms; a step takes time")
         prefill = doc.get("prefill", {})
         uses_step = prefill.get("kind") == "step"
         return Profile(
             name=str(doc["name"]),
             description=str(doc.get("description", "")),
             step=step,
-            prefill_fixed_ms=0.0 if uses_step else float(prefill["fixed_ms"]),
-            prefill_per_token_ms=0.0 if uses_step else float(prefill["per_token_ms"]),
+            prefill_fixed_ms=0.0 if uses_step else cost_ms(prefill["fixed_ms"], "prefill.fixed_ms"),
+            prefill_per_token_ms=0.0 if uses_step else cost_ms(prefill["per_token_ms"], "prefill.per_token_ms"),
             prefill_uses_step=uses_step,
-            spec_prefill_factor=float(doc.get("spec_prefill_factor", 1.0)),
+            spec_prefill_factor=cost_ms(doc.get("spec_prefill_factor", 1.0), "spec_prefill_factor", positive=True),
             defaults=dict(doc.get("defaults", {})),
-            spec_overheads=Overheads.parse(doc.get("overheads", {}).get("spec")),
-            base_overheads=Overheads.parse(doc.get("overheads", {}).get("base")),
+            spec_overheads=Overheads.parse(doc.get("overheads", {}).get("spec"), "overheads.spec"),
+            base_overheads=Overheads.parse(doc.get("overheads", {}).get("base"), "overheads.base"),
             measured_alpha=_measured_alpha(doc.get("measured")),
         )
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, AttributeError) as exc:  # AttributeError: an object's place holds a list
         raise ValueError(f"bad profile file: missing or wrong field {exc}") from None
 
 

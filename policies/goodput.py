@@ -753,4 +753,16 @@ class Goodput:
 
 # Registered by a call, not as a decorator: mypyc compiles a decorated class as a plain Python
 # class (attribute reads through its dict), an undecorated one natively (fleet/native.py).
-register("goodput", params=GoodputParams)(Goodput)
+register(
+    "goodput",
+    params=GoodputParams,
+    decisions=(
+        ("spec-sooner", "spec"),
+        ("base-sooner", "base"),
+        ("spec-full", "base"),
+        ("stale", "base"),
+        ("spec-down", "base"),
+        ("base-down", "spec"),
+        ("none-healthy", "base"),
+    ),
+)(Goodput)

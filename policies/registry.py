@@ -21,12 +21,18 @@ Factory = Callable[..., Policy]
 """Called with the validated parameters object when the policy declares one, else with none."""
 _FACTORIES: dict[str, Factory] = {}
 _PARAMS: dict[str, type[PolicyParams]] = {}
+_DECISIONS: dict[str, tuple[tuple[str, str], ...]] = {}
 _loaded = False
 
 
-def register(name: str, params: type[PolicyParams] | None = None) -> Callable[[Factory], Factory]:
+def register(
+    name: str, params: type[PolicyParams] | None = None, decisions: tuple[tuple[str, str], ...] = ()
+) -> Callable[[Factory], Factory]:
     """Decorator of a policy class or factory: make it constructible by name, with `params` its
-    declared parameters (it is then called with one validated `params` object)."""
+    declared parameters (it is then called with one validated `params` object) and `decisions`
+    the (reason, pool) pairs it decides with whatever its parameters and requests, both pools
+    configured (their decision series exist at 0 from the start; reasons that depend on
+    parameters or on a request's class are left out)."""
 
     def add(factory: Factory) -> Factory:
         if name in _FACTORIES:
@@ -34,6 +40,7 @@ def register(name: str, params: type[PolicyParams] | None = None) -> Callable[[F
         _FACTORIES[name] = factory
         if params is not None:
             _PARAMS[name] = params
+        _DECISIONS[name] = decisions
         return factory
 
     return add
@@ -48,6 +55,12 @@ def declared_params() -> dict[str, type[PolicyParams]]:
     """Each policy's declared parameters, by policy name (policies without any are left out)."""
     _load_all()
     return {name: _PARAMS[name] for name in sorted(_PARAMS)}
+
+
+def decisions_of(name: str) -> tuple[tuple[str, str], ...]:
+    """The (reason, pool) pairs policy `name` declared it decides with (see `register`)."""
+    _load_all()
+    return _DECISIONS.get(name, ())
 
 
 def params_of(name: str) -> type[PolicyParams] | None:

@@ -6,7 +6,7 @@ from fleet.types import POOLS, Decision, Features, PoolName, Snapshot
 from policies.registry import register
 
 
-@register("round-robin")
+@register("round-robin", decisions=(("round-robin", "spec"), ("round-robin", "base"), ("none-healthy", "base")))
 class RoundRobin:
     name = "round-robin"
 

@@ -20,11 +20,11 @@ class Static:
         return Decision(pool=self.pool, reason="static")
 
 
-@register("spec")
+@register("spec", decisions=(("static", "spec"),))
 def always_spec() -> Static:
     return Static("spec")
 
 
-@register("base")
+@register("base", decisions=(("static", "base"),))
 def always_base() -> Static:
     return Static("base")

@@ -27,7 +27,17 @@ class ThresholdParams(PolicyParams):
         return ["{enter} must not exceed {exit}"] if self.enter > self.exit else []
 
 
-@register("threshold", params=ThresholdParams)
+@register(
+    "threshold",
+    params=ThresholdParams,
+    decisions=(
+        ("under-threshold", "spec"),
+        ("over-threshold", "base"),
+        ("stale", "base"),
+        ("spec-down", "base"),
+        ("base-down", "spec"),
+    ),
+)
 class Threshold:
     name = "threshold"
 

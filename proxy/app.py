@@ -53,7 +53,7 @@ class SpecrouteApp:
     def __init__(self, settings: Settings, telemetry: Telemetry | None = None, router: Router | None = None) -> None:
         self.settings = settings
         self.telemetry = telemetry or Telemetry()
-        self.router = router or Router.from_settings(settings)
+        self.router = router or Router.from_settings(settings, on_ejected=self.telemetry.upstream_ejected)
         self.upstream = Upstream(settings)
         self.access = Access.from_settings(settings)
         self.key_limits = KeyLimits(settings.key_max_concurrency)

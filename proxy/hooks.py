@@ -119,6 +119,10 @@ class Telemetry:
     def watch_held(self, source: Callable[[], int]) -> None:
         """Give /metrics the number of requests flow control holds now."""
 
+    def upstream_ejected(self, pool: str, instance: str, reason: str) -> None:
+        """Outlier detection ejected `instance` (its URL) of `pool`; `reason` is the rule
+        (proxy.outliers.RULES), without the failure kind."""
+
     async def start(self) -> None:
         """Called once at server start-up."""
 

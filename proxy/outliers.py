@@ -29,6 +29,7 @@ them completed ends.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections import deque
@@ -53,6 +54,12 @@ SLOW_FLOOR_S = 0.5
 noise in a quiet pool (10 ms against 2 ms) is not sickness."""
 
 OK, EJECTED, PROBING = "ok", "ejected", "probing"
+
+RULES = ("consecutive-failures", "slow-first-token", "probe-failed", "probe-slow-first-token")
+"""Every rule that ejects (a reason's part before any `:kind`): the ejection counter's `reason`
+label, whose series exist at 0 from the start (proxy.telemetry.names.EJECTION_REASONS)."""
+
+log = logging.getLogger("specroute.outliers")
 
 
 @dataclass(slots=True)
@@ -87,7 +94,10 @@ class OutlierDetector:
         slow_factor: float,
         suspects: Suspects | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_ejected: Callable[[str, str, str], None] | None = None,
     ) -> None:
+        """`on_ejected(pool, url, rule)`: told of every ejection (the ejection counter), `rule`
+        one of RULES."""
         self.pools = list(pools)
         self.fleet = fleet
         self.consecutive_failures = consecutive_failures
@@ -95,6 +105,7 @@ class OutlierDetector:
         self.max_ejection_s = max_ejection_s
         self.slow_factor = slow_factor
         self.clock = clock
+        self.on_ejected = on_ejected
         self.suspects = suspects if suspects is not None else Suspects(0, 1.0)
         self.records: dict[str, Record] = {i.url: Record() for pool in self.pools for i in pool.instances}
         self.pool_of: dict[str, Pool] = {i.url: pool for pool in self.pools for i in pool.instances}
@@ -151,6 +162,7 @@ class OutlierDetector:
                 self._eject(instance.url, record, "probe-slow-first-token", probe_failed=True)
                 return
             record.state, record.ok_since = OK, now
+            log.info("upstream %s is back in full rotation: its half-open probe succeeded", instance.url)
         elif record.ejections and now - record.ok_since >= self.max_ejection_s:
             record.ejections -= 1
             record.ok_since = now
@@ -195,6 +207,13 @@ class OutlierDetector:
                 record.state, record.probe_in_flight, record.ejected_by = PROBING, False, None
                 record.ejections = max(record.ejections - 1, 0)
                 self.fleet.set_ejected(url, False)
+                log.info(
+                    "upstream %s let back half-open (one request at a time): the request that ejected it (%s)"
+                    " failed on %d servers and is judged their cause",
+                    url,
+                    record.reason,
+                    len(culprit.servers),
+                )
             elif culprit in record.run:
                 record.run.remove(culprit)
                 record.consecutive -= 1
@@ -210,6 +229,7 @@ class OutlierDetector:
             return
         if record.state != OK:
             self.fleet.set_ejected(url, False)
+            log.info("upstream %s is back in rotation: it restarted while %s (%s)", url, record.state, record.reason)
         record.state, record.probe_in_flight, record.consecutive = OK, False, 0
         record.run.clear()
         record.ttft_s, record.ttft_samples = None, 0
@@ -257,15 +277,25 @@ class OutlierDetector:
             return
         record.ejections += 1
         record.state = EJECTED
-        record.until = self.clock() + min(self.ejection_s * record.ejections, self.max_ejection_s)
+        period = min(self.ejection_s * record.ejections, self.max_ejection_s)
+        record.until = self.clock() + period
         record.reason = reason
         record.ejected_by = culprit
         record.consecutive = 0
         record.run.clear()
         record.ttft_s, record.ttft_samples = None, 0  # judged afresh after its return
         self.fleet.set_ejected(url, True)
+        pool = self.pool_of[url].name
+        log.warning(
+            "upstream %s (%s pool) ejected for %g s: %s (ejection %d)", url, pool, period, reason, record.ejections
+        )
+        if self.on_ejected is not None:
+            self.on_ejected(pool, url, reason.partition(":")[0])
 
     def _expire(self, url: str, record: Record) -> None:
         if record.state == EJECTED and self.clock() >= record.until:
             record.state, record.probe_in_flight = PROBING, False
             self.fleet.set_ejected(url, False)
+            log.info(
+                "upstream %s let back half-open (one request at a time): its ejection (%s) ended", url, record.reason
+            )

@@ -512,6 +512,8 @@ class CompletionHandler:
                 )
                 if exchange.logged is not None:
                     exchange.logged["held"] = {"seconds": held_s, "released_by": rule}
+            # The id of its log line and x-request-id, so a decision can be found in both.
+            exchange.logged["request_id"] = exchange.request_id
             refusal = router.admit(features, exchange.decision, snapshot)
             if refusal is not None:
                 # Its headers and the decision log say what refused it, not where it would have gone.

@@ -15,7 +15,7 @@ import itertools
 import secrets
 import time
 from asyncio import Task, current_task
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fleet.costmodel import seed_from_profile
@@ -399,7 +399,8 @@ class Router:
         self._turn = itertools.count()
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Router:
+    def from_settings(cls, settings: Settings, on_ejected: Callable[[str, str, str], None] | None = None) -> Router:
+        """`on_ejected(pool, url, rule)`: told of every outlier ejection (see OutlierDetector)."""
         seed = seed_from_profile(settings.profile) if settings.profile else None
         fleet = FleetModel(
             {"spec": settings.num_draft_tokens, "base": 0},
@@ -425,6 +426,7 @@ class Router:
             max_ejection_s=settings.outlier_max_ejection_s,
             slow_factor=settings.outlier_slow_factor,
             suspects=Suspects(settings.query_of_death_servers, settings.query_of_death_s),
+            on_ejected=on_ejected,
         )
         admission = Admission(*settings.admission_limits)
         flow = None

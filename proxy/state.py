@@ -38,7 +38,11 @@ class DecisionLog:
         scores = {**decision_inputs(snapshot), **decision.scores}
         explained = Decision(pool=decision.pool, reason=decision.reason, scores=scores, instance=decision.instance)
         entry = {
+            # `at` on the process's monotonic clock (ages against other monotonic readings);
+            # `ts` the wall clock, as the request log line's, to find it in logs and traces.
             "at": round(self.clock(), 3),
+            "ts": round(time.time(), 3),
+            "request_id": None,  # filled in by the request path (its x-request-id)
             "pool": decision.pool,
             "reason": decision.reason,
             "class": features.request_class,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -16,7 +16,15 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        instances: Mapping[str, Sequence[str]] | None = None,
+        policy: str | None = None,
+        decisions: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        """`instances`: the configured upstream URLs by pool; `policy` the policy's name and
+        `decisions` the (reason, pool) pairs it is known to decide with. Their series exist
+        from the start (see `_zero`)."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             n.M_REQUESTS, "Requests answered, by pool, policy and outcome.", ["pool", "policy", "outcome"], registry=r
@@ -80,6 +88,12 @@ class Metrics:
             ["pool", "instance"],
             registry=r,
         )
+        self.ejections = Counter(
+            n.M_EJECTIONS,
+            "Times outlier detection ejected an upstream instance, by the rule that ejected it.",
+            ["pool", "instance", "reason"],
+            registry=r,
+        )
         self.retries = Counter(n.M_RETRIES, "Upstream attempts repeated within the same pool.", ["pool"], registry=r)
         self.failovers = Counter(
             n.M_FAILOVERS, "Upstream attempts moved to the other pool.", ["from_pool", "to_pool"], registry=r
@@ -109,6 +123,7 @@ class Metrics:
             self.retries.labels(pool)
         for reason in n.AUTH_REFUSED_REASONS:
             self.auth_refused.labels(reason)
+        self._zero(instances or {}, policy, decisions)
         self.overhead = Histogram(
             n.M_OVERHEAD,
             "Seconds per request spent in the proxy itself (not waiting on upstream).",
@@ -131,6 +146,33 @@ class Metrics:
         # tuples on every call; a request needs about eight of them.
         self._children: dict[tuple[Any, ...], Any] = {}
 
+    def _zero(
+        self, instances: Mapping[str, Sequence[str]], policy: str | None, decisions: Sequence[tuple[str, str]]
+    ) -> None:
+        """Create at 0 the series whose label values are known before any traffic, and only
+        combinations that can occur: an alert on an absent series has no rate to read until its
+        first event."""
+        pools = [pool for pool, urls in instances.items() if urls]
+        for pool in pools:
+            for url in instances[pool]:
+                self.in_flight.labels(pool, url)
+                # An ejection between two scrapes leaves the ejected gauge at 0 on both: the
+                # counter keeps it.
+                for reason in n.EJECTION_REASONS:
+                    self.ejections.labels(pool, url, reason)
+            for kind in ("input", "output"):
+                self.tokens.labels(pool, kind)
+        if policy is None:
+            return
+        for pool in pools:
+            for outcome in n.ATTEMPTED_OUTCOMES:
+                self.requests.labels(pool, policy, outcome)
+        for outcome in n.UNATTEMPTED_OUTCOMES:
+            self.requests.labels("none", policy, outcome)
+        if set(pools) >= {"spec", "base"}:  # with one pool, most of a policy's reasons never come
+            for reason, pool in decisions:
+                self.decisions.labels(reason, pool)
+
     def _child(self, metric: Any, *labels: str) -> Any:
         key = (metric, *labels)
         child = self._children.get(key)
@@ -146,6 +188,9 @@ class Metrics:
 
     def failed_over(self, from_pool: str, to_pool: str) -> None:
         self._child(self.failovers, from_pool, to_pool).inc()
+
+    def upstream_ejected(self, pool: str, instance: str, reason: str) -> None:
+        self.ejections.labels(pool, instance, reason).inc()
 
     def in_flight_child(self, pool: str, instance: str) -> Any:
         return self._child(self.in_flight, pool, instance)

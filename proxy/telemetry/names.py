@@ -83,7 +83,15 @@ AUTH_REFUSED_REASONS = ("missing", "malformed", "invalid", "not_operator", "pin_
 """Every `reason` of proxy.auth's refusals: their series exist at 0 from the start."""
 M_STORED = "specroute_stored_response_requests"
 M_STORED_ASKED = "specroute_stored_response_upstream_requests"
+ATTEMPTED_OUTCOMES = ("ok", "client_error", "error", "client_disconnected")
+"""The `outcome`s of a request that reached a pool (proxy.telemetry.request.outcome_of); not
+`refused`: the proxy's own 429s for load come before any attempt."""
+UNATTEMPTED_OUTCOMES = ("client_error", "refused", "error", "client_disconnected")
+"""The `outcome`s of a request refused before any attempt (pool `none`): never `ok`."""
 M_EJECTED = "specroute_upstream_ejected"
+M_EJECTIONS = "specroute_upstream_ejections"
+EJECTION_REASONS = ("consecutive-failures", "slow-first-token", "probe-failed", "probe-slow-first-token")
+"""Every rule proxy.outliers ejects by (its RULES): their series exist at 0 per instance."""
 M_PREFIX_CREDITED = "specroute_prefix_credited_tokens"
 M_PREFIX_CACHED = "specroute_prefix_cached_tokens"
 M_HELD = "specroute_held_requests"
@@ -96,7 +104,8 @@ OVERHEAD_HEADER = "x-specroute-overhead-ms"
 OVERHEAD_HEADER_BYTES = OVERHEAD_HEADER.encode()
 TRACERESPONSE_HEADER_BYTES = b"traceresponse"
 
-# GenAI bucket boundaries (gen-ai-metrics.md@v1.41.0).
+# Bucket boundaries (docs/observability.md, "Buckets"): the GenAI conventions'
+# (gen-ai-metrics.md@v1.41.0) where they resolve what specroute serves, extended to its timeouts.
 BUCKETS_TTFT = (
     0.001,
     0.005,
@@ -114,22 +123,31 @@ BUCKETS_TTFT = (
     5.0,
     7.5,
     10.0,
-)  # gen_ai.server.time_to_first_token
+    20.0,
+    40.0,
+    80.0,
+    120.0,
+)  # gen_ai.server.time_to_first_token's, then up to SPECROUTE_FIRST_TOKEN_TIMEOUT_S's default
+# Not gen_ai.server.time_per_output_token's (10 ms ... 2.5 s): per-token gaps are 2-60 ms, so
+# nearly every sample of both pools fell in its first bucket. Fine from 1 to 100 ms, where spec
+# and base differ (a 3 ms speculative gap and a 20 ms plain one land four buckets apart).
 BUCKETS_INTER_TOKEN = (
+    0.001,
+    0.002,
+    0.003,
+    0.005,
+    0.0075,
     0.01,
-    0.025,
+    0.015,
+    0.02,
+    0.03,
     0.05,
     0.075,
     0.1,
-    0.15,
     0.2,
-    0.3,
-    0.4,
     0.5,
-    0.75,
-    1.0,
     2.5,
-)  # gen_ai.server.time_per_output_token
+)
 BUCKETS_DURATION = (
     0.01,
     0.02,
@@ -145,7 +163,10 @@ BUCKETS_DURATION = (
     20.48,
     40.96,
     81.92,
-)  # gen_ai.client.operation.duration
+    163.84,
+    327.68,
+    600.0,
+)  # gen_ai.client.operation.duration's, then doubling on to SPECROUTE_TOTAL_TIMEOUT_S's default
 BUCKETS_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)  # token.usage
 # The proxy's own work per request: tens of microseconds to a few milliseconds.
 BUCKETS_OVERHEAD = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)

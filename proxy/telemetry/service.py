@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Response
 
+from policies import registry
 from proxy.hooks import Telemetry
 from proxy.telemetry.logs import RequestLog
 from proxy.telemetry.metrics import Metrics
@@ -36,7 +37,11 @@ class SpecrouteTelemetry(Telemetry):
             tracing.shutdown()
             tracing = None
         self.tracing = tracing
-        self.metrics = Metrics()
+        self.metrics = Metrics(
+            {"spec": settings.spec_urls, "base": settings.base_urls},
+            settings.policy,
+            registry.decisions_of(settings.policy),
+        )
         self.request_log = RequestLog() if settings.request_log else None
 
     def install(self, app: FastAPI) -> None:
@@ -79,6 +84,9 @@ class SpecrouteTelemetry(Telemetry):
 
     def watch_held(self, source: Callable[[], int]) -> None:
         self.metrics.watch_held(source)
+
+    def upstream_ejected(self, pool: str, instance: str, reason: str) -> None:
+        self.metrics.upstream_ejected(pool, instance, reason)
 
     def watch_snapshot(self, source: Callable[[], Snapshot | None]) -> None:
         """Give /metrics the fleet's current snapshot (alpha and reading age at scrape time)."""

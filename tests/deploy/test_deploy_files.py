@@ -314,3 +314,26 @@ def test_proxy_reaches_every_pool_pod_by_dns() -> None:
     spec_args = documents[("StatefulSet", "sglang-spec")]["spec"]["template"]["spec"]["containers"][0]["args"]
     for flag in EAGLE3_FLAGS:
         assert any(arg.startswith(flag.replace("jaeger:4317", "$(OTLP_TRACES_ENDPOINT)")) for arg in spec_args), flag
+
+
+def interpolate(text: str, env: dict[str, str]) -> str:
+    """Compose's `${NAME:-default}` substitution (the only form the proxy's ports use)."""
+    return re.sub(r"\$\{([A-Z0-9_]+):-([^}]*)\}", lambda m: env.get(m.group(1)) or m.group(2), text)
+
+
+def test_the_published_proxy_port_follows_specroute_port() -> None:
+    """From an operator's probe: SPECROUTE_PORT=9000 moved the listener (and the healthcheck,
+    which reads it) while 8000 stayed published: unreachable, yet healthy. Read without
+    Docker's compose (not installed here): the YAML and compose's substitution rule."""
+    [published] = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["specroute"]["ports"]
+    assert interpolate(published, {}).rsplit(":", 1)[1] == "8000"
+    assert interpolate(published, {"SPECROUTE_PORT": "9000"}).rsplit(":", 1)[1] == "9000"
+    assert interpolate(published, {"SPECROUTE_PORT": "9000", "PROXY_PUBLISH_PORT": "80"}) == "127.0.0.1:80:9000"
+
+
+def test_env_example_names_every_built_in_profile() -> None:
+    from fleet.profile import builtin_names
+
+    _, comment = env_example_entries()["SPECROUTE_PROFILE"]  # the comment lines above it
+    named = set(re.findall(r"[a-z0-9]+(?:-[a-z0-9]+)+", comment))
+    assert set(builtin_names()) <= named, sorted(set(builtin_names()) - named)

@@ -116,6 +116,81 @@ def test_the_series_alerts_watch_exist_at_zero_before_any_event() -> None:
     assert used and used <= set(AUTH_REFUSED_REASONS), used
 
 
+def test_the_per_outcome_pool_and_instance_series_exist_at_zero_before_any_request() -> None:
+    """From an operator's probe: requests, decisions, tokens and in-flight series appeared with
+    their first request, so an alert on them had nothing to read before. Only combinations that
+    can occur: no pool that is not configured, no `refused` after an attempt, no `ok` without one."""
+    spec, base = ["http://s0:1", "http://s1:1"], ["http://b0:1"]
+    t = SpecrouteTelemetry(Settings(policy="goodput", spec_urls=spec, base_urls=base, request_log=False), "test")
+    got = samples(t)
+    requests = {
+        dict(labels)["pool"] + "/" + dict(labels)["outcome"]
+        for (name, labels) in got
+        if name == "specroute_requests_total"
+    }
+    assert requests == {
+        *(
+            f"{pool}/{outcome}"
+            for pool in ("spec", "base")
+            for outcome in ("ok", "client_error", "error", "client_disconnected")
+        ),
+        *(f"none/{outcome}" for outcome in ("client_error", "refused", "error", "client_disconnected")),
+    }
+    assert all(v == 0 for (name, _), v in got.items() if name == "specroute_requests_total")
+    assert {dict(labels)["policy"] for (name, labels) in got if name == "specroute_requests_total"} == {"goodput"}
+    for pool, urls in (("spec", spec), ("base", base)):
+        for url in urls:
+            assert got[("specroute_in_flight_requests", (("instance", url), ("pool", pool)))] == 0
+        for kind in ("input", "output"):
+            assert got[("specroute_tokens_total", (("pool", pool), ("type", kind)))] == 0
+    for reason, pool in (("spec-sooner", "spec"), ("base-sooner", "base"), ("stale", "base"), ("spec-full", "base")):
+        assert got[("specroute_decisions_total", (("pool", pool), ("reason", reason)))] == 0
+    assert ("specroute_decisions_total", (("pool", "spec"), ("reason", "base-sooner"))) not in got
+
+    # One pool only: nothing for the other, and no decision series (most reasons never come).
+    alone = samples(SpecrouteTelemetry(Settings(policy="goodput", base_urls=base, request_log=False), "test"))
+    mine = ("specroute_requests_total", "specroute_tokens_total", "specroute_in_flight_requests")
+    pools = {dict(labels)["pool"] for (name, labels) in alone if name in mine}
+    assert pools == {"base", "none"}
+    assert not [name for (name, _) in alone if name == "specroute_decisions_total"]
+
+
+def test_every_outcome_and_declared_decision_is_one_the_code_gives() -> None:
+    import re
+    from pathlib import Path
+
+    from policies import registry
+    from proxy.telemetry.request import outcome_of
+
+    assert outcome_of(200, None) in n.ATTEMPTED_OUTCOMES and outcome_of(429, "fleet_overloaded") == "refused"
+    assert "refused" not in n.ATTEMPTED_OUTCOMES and "ok" not in n.UNATTEMPTED_OUTCOMES
+    root = Path(__file__).resolve().parents[2] / "policies"
+    sources = "\n".join(path.read_text() for path in root.glob("*.py") if path.name != "registry.py")
+    for policy in registry.names():
+        declared = registry.decisions_of(policy)
+        assert declared, policy
+        for reason, pool in declared:
+            # A reason the code names as a literal, each pool named where the code names it.
+            assert re.search(rf'(reason\s*=\s*|else\s+)"{re.escape(reason)}"', sources), reason
+            literal = re.findall(rf'Decision\(pool="(spec|base)", reason="{re.escape(reason)}"', sources)
+            assert not literal or pool in literal, (policy, reason, pool)
+
+
+def test_ejections_are_counted_per_instance_and_rule_from_zero() -> None:
+    """From an operator's probe: an ejection between two scrapes was invisible (a gauge only)."""
+    spec, base = ["http://s0:1", "http://s1:1"], ["http://b0:1"]
+    t = telemetry(request_log=False, spec_urls=spec, base_urls=base)
+    got = samples(t)
+    for pool, urls in (("spec", spec), ("base", base)):
+        for url in urls:
+            for reason in n.EJECTION_REASONS:
+                labels = (("instance", url), ("pool", pool), ("reason", reason))
+                assert got[("specroute_upstream_ejections_total", labels)] == 0
+    t.upstream_ejected("spec", "http://s1:1", "slow-first-token")
+    labels = (("instance", "http://s1:1"), ("pool", "spec"), ("reason", "slow-first-token"))
+    assert samples(t)[("specroute_upstream_ejections_total", labels)] == 1
+
+
 def test_metrics_count_requests_decisions_failovers_and_release_in_flight() -> None:
     t = telemetry(request_log=False)
     failover_then_stream(t)
@@ -147,22 +222,36 @@ def test_histograms_use_the_genai_bucket_boundaries() -> None:
     assert bounds("specroute_time_to_first_token_seconds") == [*n.BUCKETS_TTFT, float("inf")]
     assert bounds("specroute_inter_token_seconds") == [*n.BUCKETS_INTER_TOKEN, float("inf")]
     assert bounds("specroute_request_duration_seconds") == [*n.BUCKETS_DURATION, float("inf")]
-    assert n.BUCKETS_DURATION == (
-        0.01,
-        0.02,
-        0.04,
-        0.08,
-        0.16,
-        0.32,
-        0.64,
-        1.28,
-        2.56,
-        5.12,
-        10.24,
-        20.48,
-        40.96,
-        81.92,
-    )
+
+
+def test_histogram_buckets_tell_the_pools_apart_and_reach_the_timeouts() -> None:
+    """From an operator's probe: every inter-token sample of both pools fell in le=0.01, and the
+    first-token and duration histograms stopped at 10 s and 81.92 s under 120 s and 600 s
+    timeouts."""
+    t = telemetry(request_log=False)
+    gaps = {"spec": 0.003, "base": 0.02}  # real per-token gaps: 2-60 ms
+    for pool, gap in gaps.items():
+        t.metrics.finished(pool, "spec", "ok", 90.0, 0.0, 15.0, gap, 10, 100)
+    got = samples(t)
+
+    def first_bucket(metric: str, pool: str) -> float:
+        """The smallest le whose cumulative count holds the pool's one sample."""
+        return min(
+            float(dict(labels)["le"])
+            for (name, labels), value in got.items()
+            if name == metric + "_bucket" and dict(labels)["pool"] == pool and value == 1
+        )
+
+    spec, base = (first_bucket("specroute_inter_token_seconds", pool) for pool in ("spec", "base"))
+    assert spec == 0.003 and base == 0.02
+    fine = [b for b in n.BUCKETS_INTER_TOKEN if 0.001 <= b <= 0.1]
+    assert len(fine) >= 10 and all(high / low <= 2 for low, high in zip(fine, fine[1:]))
+    assert first_bucket("specroute_time_to_first_token_seconds", "spec") == 20.0  # not +Inf past 10 s
+    assert first_bucket("specroute_request_duration_seconds", "spec") == 163.84  # not +Inf past 81.92 s
+    defaults = Settings.model_fields
+    assert n.BUCKETS_TTFT[-1] >= defaults["first_token_timeout_s"].default
+    assert n.BUCKETS_DURATION[-1] >= defaults["total_timeout_s"].default
+    assert len(n.BUCKETS_TTFT) + len(n.BUCKETS_INTER_TOKEN) + len(n.BUCKETS_DURATION) <= 60
 
 
 def test_one_json_log_line_per_request_without_prompt_text() -> None:

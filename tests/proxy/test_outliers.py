@@ -93,6 +93,51 @@ def test_five_failures_in_a_row_eject_for_a_period_that_grows_and_a_probe_decide
     assert outliers.admits(well)
 
 
+def test_an_ejection_is_logged_counted_and_its_return_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """From an operator's probe: an ejection left no log line and no counter (only a gauge, at 0
+    again by the next scrape)."""
+    clock = Clock()
+    fleet, pools = fleet_of(2, 1)
+    told: list[tuple[str, str, str]] = []
+    outliers = detector(pools, fleet, clock)
+    outliers.on_ejected = lambda *event: told.append(event)
+    sick = pools[0].instances[0]
+    caplog.set_level("INFO", logger="specroute.outliers")
+    for _ in range(5):
+        outliers.failed(sick, "status_502")
+    assert told == [("spec", sick.url, "consecutive-failures")]
+    [warning] = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert warning.name == "specroute.outliers"
+    assert sick.url in warning.getMessage() and "for 30 s" in warning.getMessage()
+    assert "consecutive-failures:status_502" in warning.getMessage()
+    assert not [r for r in caplog.records if r.levelname == "INFO"]
+    clock.now += 30.0
+    outliers.refresh()  # half-open: let back, one request at a time
+    [back] = [r for r in caplog.records if r.levelname == "INFO"]
+    assert sick.url in back.getMessage() and "half-open" in back.getMessage()
+    outliers.dispatched(sick)
+    outliers.failed(sick, "connect")  # the probe failed: ejected again, for twice as long
+    assert told[-1] == ("spec", sick.url, "probe-failed")
+    assert "for 60 s" in caplog.records[-1].getMessage() and caplog.records[-1].levelname == "WARNING"
+    clock.now += 60.0
+    outliers.dispatched(sick)
+    outliers.succeeded(sick, 0.05)
+    assert caplog.records[-1].levelname == "INFO" and "full rotation" in caplog.records[-1].getMessage()
+
+
+def test_every_ejection_reason_is_a_rule_the_counter_knows() -> None:
+    import re
+    from pathlib import Path
+
+    from proxy.outliers import RULES
+    from proxy.telemetry.names import EJECTION_REASONS
+
+    assert RULES == EJECTION_REASONS
+    source = (Path(__file__).resolve().parents[2] / "proxy" / "outliers.py").read_text()
+    used = {reason.partition(":")[0] for reason in re.findall(r'self\._eject\([^"]*f?"([a-z:{}_-]+)"', source)}
+    assert used == set(RULES), used
+
+
 def test_never_more_than_half_a_pool_nor_the_fleets_last_server() -> None:
     clock = Clock()
     fleet, pools = fleet_of(4, 1)
@@ -278,6 +323,10 @@ def test_a_server_that_answers_polls_but_fails_completions_stops_getting_traffic
         assert state_of(proxy, "spec-0")["outlier"]["reason"] == f"consecutive-failures:{kind}"
         metrics = httpx.get(proxy.url + "/metrics").text
         assert f'specroute_upstream_ejected{{instance="{sick.url}",pool="spec"}} 1.0' in metrics
+        counted = (
+            f'specroute_upstream_ejections_total{{instance="{sick.url}",pool="spec",reason="consecutive-failures"}} 1.0'
+        )
+        assert counted in metrics
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 

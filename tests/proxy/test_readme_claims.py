@@ -88,6 +88,23 @@ def test_the_request_class_comes_from_the_header_or_the_flex_service_tier(twin_p
         assert decisions[-1]["class"] == expected
 
 
+def test_a_decision_in_the_state_endpoint_carries_its_request_id_and_wall_clock_time(twin_pair) -> None:
+    """From an operator's probe: decisions[].at is time.monotonic(), and nothing tied an entry to
+    its request's log line."""
+    import time
+
+    spec, base = twin_pair
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url]) as proxy:
+        before = time.time()
+        answer = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers={"x-request-id": "probe-42"})
+        assert answer.status_code == 200 and answer.headers["x-request-id"] == "probe-42"
+        unnamed = httpx.post(proxy.base_url + "/chat/completions", json=CHAT)
+        decisions = httpx.get(proxy.url + "/v1/specroute/state").json()["decisions"]
+        assert [d["request_id"] for d in decisions[-2:]] == ["probe-42", unnamed.headers["x-request-id"]]
+        assert before - 1 <= decisions[-2]["ts"] <= decisions[-1]["ts"] <= time.time() + 1
+        assert decisions[-1]["at"] < before  # `at` stays the monotonic clock
+
+
 def test_the_base_pools_key_is_sent_to_base_only(twin_pair) -> None:
     spec, _ = twin_pair
     with (

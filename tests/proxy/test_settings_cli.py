@@ -119,6 +119,41 @@ def test_an_address_the_proxy_cannot_listen_on_stops_serve_with_one_line(tmp_pat
             assert env["SPECROUTE_HOST"] in lines[0] and "startup complete" not in result.stderr
 
 
+def unreadable_profiles(folder: Path) -> dict[str, tuple[str, str]]:
+    """Profiles `specroute serve` cannot read, by case: (SPECROUTE_PROFILE, what the line must say)."""
+    (folder / "bad.json").write_text('{"name": "bad", "step": ')
+    (folder / "dir.json").mkdir()
+    (folder / "list.json").write_text("[1, 2]")
+    # A built-in profile copied alone: its step table is looked for beside the copy.
+    builtin = Path(__file__).parents[2] / "fleet" / "profiles" / "h200-llama8b.json"
+    (folder / "copied.json").write_text(builtin.read_text())
+    cases = {
+        "bad-json": ("bad.json", "'bad.json' is not valid JSON"),
+        "directory": ("dir.json", "cannot read profile file 'dir.json' (IsADirectoryError"),
+        "not-an-object": ("list.json", "'list.json' is not a JSON object"),
+        "copied-builtin": (
+            "copied.json",
+            f"cannot read the step table 'h200-llama8b-step-ms.csv', looked for at {folder / 'h200-llama8b-step-ms.csv'}",
+        ),
+    }
+    if os.geteuid() != 0:  # root reads a file whatever its mode
+        (folder / "locked.json").write_text("{}")
+        (folder / "locked.json").chmod(0)
+        cases["permission"] = ("locked.json", "cannot read profile file 'locked.json' (PermissionError")
+    return cases
+
+
+@pytest.mark.parametrize("command", ["serve", "config"])
+def test_a_profile_that_cannot_be_read_stops_start_up_with_one_line(command: str, tmp_path: Path) -> None:
+    for case, (profile, said) in unreadable_profiles(tmp_path).items():
+        result = run([command], {"SPECROUTE_BASE_URLS": "http://127.0.0.1:1", "SPECROUTE_PROFILE": profile}, tmp_path)
+        assert result.returncode == 2, (case, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, (case, result.stderr)  # no traceback
+        assert lines[0].startswith("specroute: invalid setting SPECROUTE_PROFILE: "), (case, lines)
+        assert said in lines[0], (case, lines)
+
+
 def test_an_empty_value_means_unset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # What an uncommented `NAME=` line of deploy/.env.example gives.
     (tmp_path / ".env").write_text(
@@ -298,3 +333,15 @@ def test_the_policy_name_is_case_insensitive_like_the_log_level(tmp_path: Path) 
     from policies import registry
 
     assert f"choose one of {', '.join(registry.names())}" in str(refused.value)  # the valid names, listed
+
+
+def test_a_profile_with_negative_step_costs_stops_start_up_naming_the_field(tmp_path: Path) -> None:
+    # From an operator's probe: it started cleanly and every prediction came out negative.
+    doc = '{"name":"neg","step":{"kind":"affine","fixed_ms":-5,"per_token_ms":-1},"prefill":{"kind":"step"}}'
+    (tmp_path / "neg.json").write_text(doc)
+    result = run(["serve"], {"SPECROUTE_BASE_URLS": "http://127.0.0.1:1", "SPECROUTE_PROFILE": "neg.json"}, tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "specroute: invalid setting SPECROUTE_PROFILE: bad profile file: step.fixed_ms is -5.0;"
+        " it must be a finite number >= 0"
+    ]

@@ -133,3 +133,77 @@ def test_a_profile_without_overheads_is_unchanged_and_bad_overheads_are_refused(
     for bad in ({"spec": {"per_token_ms": 1}}, {"spec": {"per_step_ms": -1}}):
         with pytest.raises(ValueError):
             parse_profile({**doc, "overheads": bad}, tmp_path)
+
+
+GOOD = {
+    "name": "x",
+    "step": {"kind": "affine", "fixed_ms": 5, "per_token_ms": 0.1},
+    "prefill": {"fixed_ms": 1, "per_token_ms": 0.01},
+}
+MOE = {"kind": "moe", "fixed_ms": 1, "expert_ms": 3, "experts": 8, "active_experts": 2, "per_token_ms": 0.1}
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        # From an operator's probe: started cleanly, every prediction negative.
+        (
+            {"step": {"kind": "affine", "fixed_ms": -5, "per_token_ms": -1}, "prefill": {"kind": "step"}},
+            "step.fixed_ms",
+        ),
+        ({"step": {"kind": "affine", "fixed_ms": 5, "per_token_ms": float("nan")}}, "step.per_token_ms"),
+        ({"step": {"kind": "affine", "fixed_ms": 0, "per_token_ms": 0}}, "one token costs 0 ms"),
+        ({"step": {**MOE, "expert_ms": float("inf")}}, "step.expert_ms"),
+        ({"step": {**MOE, "experts": 0}}, "step.experts"),
+        ({"step": {**MOE, "active_experts": 9}}, "step.active_experts"),
+        ({"prefill": {"fixed_ms": -1, "per_token_ms": 0.01}}, "prefill.fixed_ms"),
+        ({"prefill": {"fixed_ms": 1, "per_token_ms": float("inf")}}, "prefill.per_token_ms"),
+        ({"draft_step_ms": -0.5}, "draft_step_ms"),
+        ({"spec_prefill_factor": 0}, "spec_prefill_factor"),
+        ({"spec_prefill_factor": float("nan")}, "spec_prefill_factor"),
+        ({"overheads": {"base": {"per_request_ms": float("nan")}}}, "overheads.base.per_request_ms"),
+    ],
+)
+def test_a_profile_with_nonsense_numbers_is_refused_naming_the_field(tmp_path, change, named):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**GOOD, **change}))  # json writes NaN and Infinity, as Python reads them
+    with pytest.raises(ValueError, match="bad profile file") as refused:
+        load_profile(str(path))
+    assert named in str(refused.value)
+
+
+@pytest.mark.parametrize("ms", ["-1.0", "nan", "0"])
+def test_a_step_table_with_nonsense_times_is_refused_naming_the_row(tmp_path, ms):
+    (tmp_path / "t.csv").write_text(f"kind,B,T,L,ms\ntarget,1,1,1024,5.0\ntarget,8,1,1024,{ms}\ndraft,1,1,1024,0.0\n")
+    (tmp_path / "t.json").write_text(json.dumps({**GOOD, "step": {"kind": "table", "file": "t.csv"}}))
+    with pytest.raises(ValueError, match=f"row target,8,1,1024,{ms}"):
+        load_profile(str(tmp_path / "t.json"))
+
+
+def test_every_shipped_profile_still_loads_and_the_twin_takes_it(tmp_path):
+    from pathlib import Path
+
+    from sim.cli import build_parser, engine_config
+
+    # What specroute profile writes for a table: draft rows of 0 ms (the spec step measured
+    # whole), no draft time, a zero prefill when none was measured.
+    (tmp_path / "m-step-ms.csv").write_text(
+        "kind,B,T,L,ms\ntarget,1,1,1024,6.0\ntarget,8,4,1024,9.0\ndraft,1,1,1024,0.0\n"
+    )
+    measured = {
+        "name": "m",
+        "step": {"kind": "table", "file": "m-step-ms.csv"},
+        "draft_step_ms": 0.0,
+        "prefill": {"fixed_ms": 0.0, "per_token_ms": 0.0},
+        "spec_prefill_factor": 1.0,
+        "overheads": {"spec": {"per_verify_step_ms": 0.0, "per_request_ms": 0.0}, "base": {}},
+    }
+    (tmp_path / "m.json").write_text(json.dumps(measured))
+    fleets = sorted(str(p) for p in (Path(__file__).parents[2] / "bench" / "fleets").glob("*.json"))
+    assert len(fleets) >= 2
+    for profile in [*builtin_names(), *fleets, str(tmp_path / "m.json")]:
+        loaded = load_profile(profile)
+        assert loaded.base_step_ms(1, 1024) > 0
+        for mode in ("spec", "base"):
+            config = engine_config(build_parser().parse_args(["--mode", mode, "--profile", profile]))
+            assert config.profile.name == loaded.name
