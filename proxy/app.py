@@ -214,7 +214,9 @@ def management_api(app: SpecrouteApp) -> FastAPI:
         if exc.status_code == 404:  # OpenAI answers an unknown URL as an invalid request
             message = f"{where}: specroute does not serve this path; it routes {SERVED_PATHS}"
             body = error_object(message, "invalid_request_error", "unknown_url")
-            return JSONResponse({"error": body}, 404, headers=exc.headers)
+            request_id = request_id_of(request_headers(request.scope)[0])
+            app.telemetry.unknown_path(request.method, request.url.path, request_id)
+            return JSONResponse({"error": body}, 404, headers={**(exc.headers or {}), "x-request-id": request_id})
         code = "method_not_allowed" if exc.status_code == 405 else str(exc.status_code)
         return error_response(exc.status_code, f"{where}: {exc.detail}", code=code, headers=exc.headers)
 

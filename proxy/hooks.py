@@ -113,6 +113,9 @@ class Telemetry:
     def stored_response_asked(self) -> None:
         """The proxy sent a server one request about a stored response."""
 
+    def unknown_path(self, method: str, path: str, request_id: str) -> None:
+        """A request to a path the proxy does not serve was answered 404 (`unknown_url`)."""
+
     def hold_released(self, rule: str, held_s: float) -> None:
         """Flow control let a held request go by `rule` after `held_s` seconds."""
 

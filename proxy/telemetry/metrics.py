@@ -130,6 +130,9 @@ class Metrics:
             buckets=n.BUCKETS_OVERHEAD,
             registry=r,
         )
+        self.unknown_path = Counter(
+            n.M_UNKNOWN_PATH, "Requests to a path the proxy does not serve (answered 404 unknown_url).", registry=r
+        )
         self.held = Gauge(n.M_HELD, "Requests flow control holds in the proxy now.", registry=r)
         self.hold_released = Histogram(
             n.M_HOLD_RELEASED,

@@ -11,6 +11,7 @@ from fastapi import Response
 
 from policies import registry
 from proxy.hooks import Telemetry
+from proxy.telemetry import names as n
 from proxy.telemetry.logs import RequestLog
 from proxy.telemetry.metrics import Metrics
 from proxy.telemetry.request import RequestRecorder
@@ -78,6 +79,19 @@ class SpecrouteTelemetry(Telemetry):
 
     def stored_response_asked(self) -> None:
         self.metrics.stored_asked.inc()
+
+    def unknown_path(self, method: str, path: str, request_id: str) -> None:
+        self.metrics.unknown_path.inc()
+        if self.request_log is not None:  # the path only: never its query string
+            self.request_log.write(
+                {
+                    "ts": round(time.time(), 3),
+                    "request_id": request_id,
+                    "endpoint": f"{method} {path[: n.MAX_LOGGED_PATH_CHARS]}",
+                    "status": 404,
+                    "outcome": "unknown_url",
+                }
+            )
 
     def hold_released(self, rule: str, held_s: float) -> None:
         self.metrics.released(rule, held_s)

@@ -670,3 +670,16 @@ def test_the_inter_token_gap_is_per_choice_whether_or_not_the_request_is_traced(
         )
         got = samples(t)
         assert got[("specroute_inter_token_seconds_sum", (("pool", "base"),))] == pytest.approx(0.1), traced
+
+
+def test_a_request_to_a_path_the_proxy_does_not_serve_is_logged_and_counted_without_its_query() -> None:
+    t = telemetry()
+    stream = io.BytesIO()
+    t.request_log = RequestLog(stream)
+    before = t.metrics.render().decode()
+    assert "specroute_unknown_path_requests_total 0.0" in before  # an alert has a series from the start
+    t.unknown_path("POST", "/v1/embeddings" + "x" * 500, "req-9")
+    line = json.loads(stream.getvalue().decode())
+    assert (line["request_id"], line["status"], line["outcome"]) == ("req-9", 404, "unknown_url")
+    assert line["endpoint"].startswith("POST /v1/embeddings") and len(line["endpoint"]) <= 5 + 200
+    assert "specroute_unknown_path_requests_total 1.0" in t.metrics.render().decode()

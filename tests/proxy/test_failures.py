@@ -432,6 +432,8 @@ def test_bad_input_gets_openai_errors_while_others_are_served(twin_pair) -> None
         error = unknown.value.body
         assert isinstance(error, dict) and (error["type"], error["code"]) == ("invalid_request_error", "unknown_url")
         assert "/v1/embeddings" in error["message"] and "/v1/chat/completions" in error["message"]
+        assert unknown.value.response.headers["x-request-id"]  # as its log line says (an operator's probe)
+        assert "specroute_unknown_path_requests_total 1.0" in httpx.get(proxy.url + "/metrics").text
         assert error_of(httpx.post(proxy.base_url + "/models"))["code"] == "method_not_allowed"
         other.join(60)
         assert stream_done.is_set()
