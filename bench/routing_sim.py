@@ -36,6 +36,7 @@ from policies.flow import FlowControl
 from policies.goodput import Goodput
 from policies.goodput_params import GoodputParams
 from proxy.backends import sglang
+from proxy.holding import MAX_SCAN
 from sim.engine import Engine, EngineConfig
 from sim.lengths import parse_output_lengths
 from sim.virtual import HOLD, AlphaChange, Arrival, EngineView, Held, RequestRecord, StepObservation, simulate
@@ -216,6 +217,8 @@ class VirtualRouter:
     """Each request's dispatch record until it finishes, by (arrival time, prompt, engine)."""
     _polls: int = 0
     _steps: int = 0
+    _next_look: float = 0.0
+    """When flow control next looks for room (a poll interval after it last found none)."""
     _next_poll: float = 0.0
     _views: Sequence[EngineView] = ()
     _engines: Sequence[Engine] = ()
@@ -333,19 +336,30 @@ class VirtualRouter:
         return self.send(arrival, arrival.time, features, snapshot, decision, blocks, match)
 
     def release(self, now: float, held: Sequence[Arrival]) -> tuple[int, int | None] | None:
-        """Which held arrival (flow control, oldest first) goes at `now`, and to which engine:
-        the oldest once it has waited the bound, else the newest when its pool has room (newest
-        first: the one most likely still in time; the others wait out the overload)."""
+        """Which held arrival (flow control, oldest first) goes at `now`, and to which engine,
+        as the proxy's queue (proxy/holding.py) lets them go: the oldest once it has waited the
+        bound, else the newest with room on some pool, among the MAX_SCAN newest."""
         assert self.flow is not None
         self._poll_until(now)
-        expired = self.flow.expired(now - held[0].time)
-        position = 0 if expired else len(held) - 1
+        position = 0 if self.flow.expired(now - held[0].time) else None
+        if position is None:
+            if now < self._next_look:
+                return None  # the proxy's queue looks at the fleet once a poll interval
+            self._next_look = now + self.poll_interval_s
+            snapshot = self.fleet.snapshot(now, None)
+            for i in range(len(held) - 1, max(len(held) - MAX_SCAN, 0) - 1, -1):
+                features, _, _ = self.features(held[i], now)
+                if self.flow.room(
+                    features, self.fleet.snapshot(now, features.workload) if features.workload else snapshot
+                ):
+                    position = i
+                    break
+            if position is None:
+                return None
         arrival = held[position]
         features, blocks, match = self.features(arrival, now)
         snapshot = self.fleet.snapshot(now, features.workload)
         decision = self.policy.decide(features, snapshot)
-        if not expired and not self.flow.room(features, snapshot, decision.pool):
-            return None
         self.released.append((arrival.time, now))
         if self.admission is not None:  # judged as any other request once let go, as the proxy does
             refusal = self.admission.admit(features, snapshot, decision, now)

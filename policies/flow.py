@@ -1,14 +1,20 @@
 """Flow control: a request no pool can serve in time waits in the proxy, not in a server's queue.
 
 Pure, like the policies and admission: `holds(features, snapshot)` says whether a new request is
-lost on every pool (its predicted time to first token or per output token past the SLO targets
-on both: goodput's own check, `Goodput.meets_slo`), and `releases(features, snapshot, held_s)`
-whether a held one goes now. The rules, top to bottom (docs/routing.md, "Flow control"):
+lost on every pool because of the load there, `room(features, snapshot)` whether a held one
+would now get in without costing a fresh request its targets, `expired(held_s)` whether it has
+waited the bound. The rules, top to bottom (docs/routing.md, "Flow control"):
 
-1. `hold-lost`: a request predicted to miss its targets on both pools is held.
-2. `release-room`: a held request goes when the pool the policy would send it to has room for it
-   and for a fresh request after it: its predicted first token within ROOM_SHARE of the TTFT
-   target, its time per output token within the TPOT target.
+1. `hold-lost`: a latency-class request predicted to miss its targets on both pools even as the
+   mean prediction has it (goodput's SLO check without its margins for the spread: the spread
+   is the prediction's doubt, and a request held on a doubt that would have been served in
+   time is lost by the holding), while on an idle instance of some pool it would meet them (a
+   request too long for its targets on an empty fleet is lost by its size, not the load, and
+   waiting cannot help it).
+2. `release-room`: a held request goes when some pool has room for it and for a fresh request
+   after it: its predicted first token (at about its 90th percentile) no later than on an idle
+   instance plus ROOM_SHARE of what the TTFT target leaves beyond that, its time per output
+   token within the TPOT target.
 3. `release-bound`: a held request goes, wherever the policy sends it, once it has waited
    `max_hold_s`: holding bounds no one's wait past that.
 
@@ -16,18 +22,20 @@ Why: servers serve their queues first come, first served. Sent to a pool, a lost
 ahead of (or slows) every request that comes after it, so under overload the pool that takes the
 overflow serves almost nothing in time (docs/learning.md, "Which pool should hold the
 overflow"). Held in the proxy it costs no one; fresh requests that can meet their targets go at
-once, past the held ones. What it costs: the held requests wait longer than they would in a
-queue (they were lost already), up to `max_hold_s`.
+once, past the held ones.
 """
 
 from __future__ import annotations
 
-from fleet.types import POOLS, Features, PoolName, Snapshot
+from dataclasses import replace
+
+from fleet.types import POOLS, Features, InstanceState, PoolName, Snapshot
 from policies.goodput import Goodput, Prediction
 
 ROOM_SHARE = 0.5
-"""A held request goes when its predicted first token is within this share of the TTFT target:
-the rest of the target is the room a fresh request after it still needs."""
+"""A held request goes when its first token would come within this share of what the TTFT
+target leaves past its first token on an idle instance: the rest is the room a fresh request
+after it still needs."""
 
 
 class FlowControl:
@@ -37,38 +45,70 @@ class FlowControl:
         self.predictor = predictor
         self.max_hold_s = max_hold_s
 
-    def predict(self, features: Features, snapshot: Snapshot, pool_name: PoolName) -> Prediction | None:
+    def predict(
+        self, features: Features, snapshot: Snapshot, pool_name: PoolName, idle: bool = False
+    ) -> Prediction | None:
+        """Goodput's prediction on the instance a request of `pool_name` would join, or with
+        `idle` on that instance with nothing running, queued or sent lately."""
         pool = snapshot.pool(pool_name)
         if pool is None or snapshot.cost is None or not pool.available:
             return None
         instance = pool.least_loaded()
         if instance is None:
             return None
+        if idle:
+            instance = idle_instance(instance)
         n_out = self.predictor.output_tokens(features, snapshot.mean_output_tokens, snapshot.output_samples)
         return self.predictor.predict(pool, instance, features, snapshot.cost, n_out)
 
+    def meets_on_average(self, p: Prediction) -> bool:
+        g = self.predictor
+        ttft_ok = g.slo_ttft_s <= 0 or p.ttft_s <= g.slo_ttft_s
+        tpot_ok = g.slo_tpot_ms <= 0 or p.tpot_s * 1000 <= g.slo_tpot_ms
+        return ttft_ok and tpot_ok
+
     def holds(self, features: Features, snapshot: Snapshot) -> bool:
-        """`hold-lost`: met on neither pool (a batch request, or one with nothing known to judge
-        by, is never held)."""
+        """`hold-lost` (a batch request, or one with nothing known to judge by, is never held)."""
         if features.request_class != "latency":
             return False
+        servable = False
         for pool in POOLS:
             p = self.predict(features, snapshot, pool)
-            if p is None or self.predictor.meets_slo(p):
+            if p is None or self.meets_on_average(p):
                 return False
-        return True
+            idle = self.predict(features, snapshot, pool, idle=True)
+            servable = servable or (idle is not None and self.predictor.meets_slo(idle))
+        return servable
+
+    def room(self, features: Features, snapshot: Snapshot) -> bool:
+        """`release-room` on either pool."""
+        g = self.predictor
+        for pool in POOLS:
+            p = self.predict(features, snapshot, pool)
+            if p is None:
+                return True  # nothing known to judge by: the pool decides, as for a request not held
+            if g.slo_tpot_ms > 0 and (p.tpot_s + p.tpot_spread_s) * 1000 > g.slo_tpot_ms:
+                continue
+            if g.slo_ttft_s <= 0:
+                return True
+            idle = self.predict(features, snapshot, pool, idle=True)
+            floor = idle.ttft_s if idle is not None else 0.0
+            if p.ttft_s + p.wait_spread_s <= floor + ROOM_SHARE * max(g.slo_ttft_s - floor, 0.0):
+                return True
+        return False
 
     def expired(self, held_s: float) -> bool:
         """`release-bound`: a request held this long goes, wherever the policy sends it."""
         return held_s >= self.max_hold_s
 
-    def room(self, features: Features, snapshot: Snapshot, pool: PoolName) -> bool:
-        """`release-room`: `pool` (the policy's choice for a held request) has room for it and
-        a fresh request after it."""
-        p = self.predict(features, snapshot, pool)
-        if p is None:
-            return True  # nothing known to judge by: the pool decides, as for a request not held
-        g = self.predictor
-        ttft_ok = g.slo_ttft_s <= 0 or p.ttft_s + p.wait_spread_s <= ROOM_SHARE * g.slo_ttft_s
-        tpot_ok = g.slo_tpot_ms <= 0 or (p.tpot_s + p.tpot_spread_s) * 1000 <= g.slo_tpot_ms
-        return ttft_ok and tpot_ok
+
+def idle_instance(instance: InstanceState) -> InstanceState:
+    """The instance with nothing running, queued or sent to it lately."""
+    return replace(
+        instance,
+        running=0.0,
+        waiting=0.0,
+        waiting_tokens=None if instance.waiting_tokens is None else 0.0,
+        prompt_tokens_per_s=0.0,
+        dispatches_per_s=0.0,
+    )

@@ -1,13 +1,16 @@
 """Flow control's queue: requests no pool can serve in time wait here (policies/flow.py's rules).
 
 A request held waits on its own future; one task (running only while something is held) looks
-at the fleet at every poll interval and lets go, one at a time:
-- the oldest, once it has waited SPECROUTE_HOLD_MAX_S (`release-bound`), wherever routing then
-  sends it (or admission refuses it);
-- else the newest, when the pool the policy would send it to has room (`release-room`): newest
-  first, the one most likely still in time, while the older ones wait out the overload.
-A request let go is routed again from the fleet as it is then. The next is let go only once it
-has been dispatched (or has ended), so the fleet model counts it before room is judged again.
+at the fleet at every poll interval and lets go:
+- every request that has waited SPECROUTE_HOLD_MAX_S (`release-bound`), at once, wherever
+  routing then sends it (or admission refuses it);
+- else the newest with room on some pool (`release-room`), looking at no more than MAX_SCAN
+  from the newest: newest first, the one most likely still in time, while the older ones wait
+  out the overload; one that does not fit (a long prompt) does not stop a newer one behind it.
+  One at a time: the next is judged once the last was dispatched (or ended), so that the fleet
+  model counts it first.
+When the proxy starts draining, every held request goes (`release-drain`).
+A request let go is routed afresh from the fleet as it is then.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ from collections.abc import Callable
 from time import monotonic
 
 from fleet.types import Features, Snapshot
-from policies.base import Policy
 from policies.flow import FlowControl
 
 log = logging.getLogger("specroute")
 
+MAX_SCAN = 16
+"""Held requests judged for room per look, from the newest (each costs four predictions)."""
 LANDING_TIMEOUT_S = 1.0
 """How long the queue waits for a request it let go to be dispatched before judging again (it
 is dispatched without awaiting anything: this only bounds a bug's cost)."""
@@ -49,13 +53,11 @@ class HoldQueue:
     def __init__(
         self,
         flow: FlowControl,
-        policy: Policy,
         snapshot: Callable[[str | None], Snapshot],
         interval_s: float,
         on_release: Callable[[str, float], None] | None = None,
     ) -> None:
         self.flow = flow
-        self.policy = policy
         self.snapshot = snapshot
         """The fleet now, as a request of a workload sees it (`Router.snapshot`)."""
         self.interval_s = interval_s
@@ -78,17 +80,18 @@ class HoldQueue:
     async def wait(self, features: Features) -> tuple[Held, str]:
         """Hold a request until it is let go: the entry (its caller calls `land` once it has
         been dispatched) and the rule that let it go. Cancelled (its client left), it is gone
-        from the queue."""
+        from the queue, and the queue is not kept waiting for it."""
         entry = Held(features, monotonic())
         self.held.append(entry)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="specroute-hold-queue")
         try:
             rule = await entry.released
-        finally:
-            if entry in self.held:  # cancelled while held
+        except BaseException:
+            if entry in self.held:
                 self.held.remove(entry)
-                entry.land()
+            entry.land()  # let go but cancelled before it could be dispatched, too
+            raise
         return entry, rule
 
     def oldest_s(self, now: float) -> float:
@@ -96,37 +99,50 @@ class HoldQueue:
 
     async def _run(self) -> None:
         while self.held:
+            now = monotonic()
+            while self.held and self.flow.expired(now - self.held[0].since):
+                self._let_go(self.held[0], "release-bound", now)  # no landing wait: they go whatever
+            if not self.held:
+                return
             try:
-                entry, rule = self._next(monotonic())
+                entry = self._with_room()
             except Exception:
                 # Judging room failed (a bug): the oldest goes rather than everyone waiting on.
                 log.exception("flow control could not judge the fleet; the oldest held request goes")
-                entry, rule = self.held[0], "release-bound"
+                entry = self.held[0]
             if entry is None:
                 await asyncio.sleep(self._pause(monotonic()))
                 continue
-            self.held.remove(entry)
-            held_s = monotonic() - entry.since
-            if not entry.released.done():
-                entry.released.set_result(rule)
-            if self.on_release is not None:
-                self.on_release(rule, held_s)
+            self._let_go(entry, "release-room", monotonic())
             try:
                 await asyncio.wait_for(entry.landed.wait(), LANDING_TIMEOUT_S)
             except TimeoutError:
                 log.warning("a held request let go was not dispatched within %.0f s", LANDING_TIMEOUT_S)
 
-    def _next(self, now: float) -> tuple[Held | None, str]:
-        """The request to let go now and the rule, if any (the rules in policies/flow.py)."""
-        oldest = self.held[0]
-        if self.flow.expired(now - oldest.since):
-            return oldest, "release-bound"
-        newest = self.held[-1]
-        snapshot = self.snapshot(newest.features.workload)
-        decision = self.policy.decide(newest.features, snapshot)
-        if self.flow.room(newest.features, snapshot, decision.pool):
-            return newest, "release-room"
-        return None, ""
+    def _let_go(self, entry: Held, rule: str, now: float) -> None:
+        self.held.remove(entry)
+        if not entry.released.done():
+            entry.released.set_result(rule)
+        if self.on_release is not None:
+            self.on_release(rule, now - entry.since)
+
+    def _with_room(self) -> Held | None:
+        """The newest held request with room on some pool (`release-room`), among MAX_SCAN."""
+        snapshots: dict[str | None, Snapshot] = {}
+        for entry in reversed(self.held[-MAX_SCAN:]):
+            workload = entry.features.workload
+            snapshot = snapshots.get(workload)
+            if snapshot is None:
+                snapshot = snapshots[workload] = self.snapshot(workload)
+            if self.flow.room(entry.features, snapshot):
+                return entry
+        return None
+
+    def release_all(self, rule: str) -> None:
+        """Let every held request go now (`release-drain` when the proxy stops)."""
+        now = monotonic()
+        for entry in list(self.held):
+            self._let_go(entry, rule, now)
 
     def _pause(self, now: float) -> float:
         """Until the next look: a poll interval, or less when the oldest's bound comes sooner."""

@@ -506,6 +506,7 @@ class CompletionHandler:
             exchange.decision, exchange.logged = router.decide(features, override, snapshot, exchange.owner)
             if held is not None:
                 held_s = round(monotonic() - held.since, 3)
+                exchange.upstream_wait_s += held_s  # waiting, not the proxy's own work (its overhead)
                 decided = exchange.decision
                 exchange.decision = Decision(
                     decided.pool, decided.reason, {**decided.scores, "held_s": held_s}, decided.instance

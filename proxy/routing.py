@@ -391,7 +391,7 @@ class Router:
             unresponsive_after_s=self.unresponsive_after_s,
         )
         self.decisions = DecisionLog(settings.state_decisions)
-        self.holding = None if flow is None else HoldQueue(flow, policy, self.snapshot, poll_s)
+        self.holding = None if flow is None else HoldQueue(flow, self.snapshot, poll_s)
         """Flow control's queue (SPECROUTE_HOLD_MAX_S), None when off."""
         self.hash_key = secrets.token_bytes(16)
         """Keys the system-prompt hash of derived workload keys: random per process, so the keys

@@ -85,6 +85,10 @@ class DrainingServer(uvicorn.Server):
             self.specroute.draining = True
             settings = self.specroute.settings
             log.info("stop signal %s: draining for up to %.0f s", sig, settings.drain_timeout_s)
+            holding = self.specroute.router.holding
+            if holding is not None and getattr(self, "loop", None) is not None:
+                # Held requests go now, to be served within the drain rather than cut at its end.
+                self.loop.call_soon_threadsafe(holding.release_all, "release-drain")
             if settings.drain_delay_s > 0 and getattr(self, "loop", None) is not None:
                 # Keep listening (answering /ready with 503) so load balancers see not-ready
                 # before connections are refused; a second signal stops at once.

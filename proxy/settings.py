@@ -438,6 +438,11 @@ class Settings(_SettingsWithPolicies):
                 f"SPECROUTE_STALE_MS ({self.stale_ms}) must be at least twice SPECROUTE_POLL_INTERVAL_MS"
                 f" ({self.poll_interval_ms})"
             )
+        if self.hold_max_s >= self.total_timeout_s:
+            problems.append(
+                f"SPECROUTE_HOLD_MAX_S ({self.hold_max_s:g}) must be below SPECROUTE_TOTAL_TIMEOUT_S"
+                f" ({self.total_timeout_s:g}): a request held that long would have no time left to be served"
+            )
         if self.hold_max_s > 0 and self.slo_targets == (0.0, 0.0):
             problems.append(
                 "SPECROUTE_HOLD_MAX_S needs an SLO target to judge which requests are lost"

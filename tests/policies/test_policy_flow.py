@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from policy_snapshots import snapshot
 
@@ -32,22 +34,50 @@ def test_only_a_latency_request_lost_on_both_pools_is_held() -> None:
 
 def test_room_is_a_first_token_well_inside_the_target_and_the_bound_ends_any_wait() -> None:
     f = flow(max_hold_s=30.0)
-    assert f.room(LATENCY, snapshot(2, 10, COST), "base")
-    assert not f.room(LATENCY, snapshot(48 + 400, 256 + 2000, COST), "base")
+    assert f.room(LATENCY, snapshot(2, 10, COST))
+    assert not f.room(LATENCY, snapshot(48 + 400, 256 + 2000, COST))
     # A queue whose prefill takes the first token past ROOM_SHARE of the target, though within
     # it: a fresh request there would meet its target, a held one is not let in ahead of it.
-    g = Goodput(SLO)
     for waiting in range(0, 400):
-        snap = snapshot(2, 256 + waiting, COST)
+        snap = snapshot(48 + 400, 256 + waiting, COST)
         p = f.predict(LATENCY, snap, "base")
-        assert p is not None
+        idle = f.predict(LATENCY, snap, "base", idle=True)
+        assert p is not None and idle is not None
         ttft = p.ttft_s + p.wait_spread_s
-        if ROOM_SHARE * SLO.slo_ttft_s < ttft <= SLO.slo_ttft_s and g.meets_slo(p):
-            assert not f.room(LATENCY, snap, "base")
+        if idle.ttft_s + ROOM_SHARE * (SLO.slo_ttft_s - idle.ttft_s) < ttft <= SLO.slo_ttft_s:
+            assert Goodput(SLO).meets_slo(p) or p.tpot_s * 1000 > SLO.slo_tpot_ms
+            assert not f.room(LATENCY, snap)
             break
     else:
         raise AssertionError("no queue puts the first token between the room share and the target")
     assert not f.expired(29.9) and f.expired(30.0)
+
+
+def test_a_request_lost_by_its_own_size_is_never_held() -> None:
+    """A probe's finding: a prompt whose prefill alone passes the TTFT target was held to the
+    bound on an idle fleet, then served (or refused) as it would have been at once."""
+    huge = Features(prompt_tokens=200_000, max_tokens=256)
+    f = flow()
+    idle = f.predict(huge, snapshot(0, 0, COST), "base", idle=True)
+    assert idle is not None and idle.ttft_s > SLO.slo_ttft_s
+    assert not f.holds(huge, snapshot(48 + 400, 256 + 2000, COST))
+    assert f.holds(LATENCY, snapshot(48 + 400, 256 + 2000, COST))
+
+
+def test_a_request_lost_only_at_the_predictions_margin_is_not_held() -> None:
+    """Held on the spread alone (its mean in time), a request that would have been served in
+    time waits and is lost by the holding (a probe's burst below capacity: 97 % met without
+    flow control, 87.5 % with it)."""
+    f, g = flow(), Goodput(SLO)
+    for spec_waiting, base_waiting in itertools.product(range(0, 100), range(0, 400, 4)):
+        snap = snapshot(48 + spec_waiting, 256 + base_waiting, COST)
+        on = [f.predict(LATENCY, snap, pool) for pool in ("spec", "base")]
+        assert all(p is not None for p in on)
+        if all(not g.meets_slo(p) for p in on if p) and any(f.meets_on_average(p) for p in on if p):
+            assert not f.holds(LATENCY, snap)
+            break
+    else:
+        raise AssertionError("no fleet where the request misses only at the margin")
 
 
 def test_flow_control_needs_a_target() -> None:

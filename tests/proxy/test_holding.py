@@ -40,14 +40,63 @@ class Fleet:
 
 
 def queue(fleet: Fleet, max_hold_s: float, released: list[tuple[str, float]]) -> HoldQueue:
-    goodput = Goodput(SLO)
     return HoldQueue(
-        FlowControl(goodput, max_hold_s), goodput, fleet, 0.01, on_release=lambda r, s: released.append((r, s))
+        FlowControl(Goodput(SLO), max_hold_s), fleet, 0.01, on_release=lambda r, s: released.append((r, s))
     )
 
 
 def request(tokens: int) -> Features:
     return Features(prompt_tokens=tokens, max_tokens=64)
+
+
+def test_a_held_request_that_does_not_fit_does_not_stop_an_older_one_that_does() -> None:
+    """A probe's finding: the newest alone was judged, and one whose prompt could never get its
+    first token within the room's share of the target kept everyone held until the bound."""
+
+    async def scenario() -> list[int]:
+        fleet, released = Fleet(), []
+        q = queue(fleet, 60.0, released)
+        order: list[int] = []
+
+        async def client(tokens: int) -> None:
+            held, _ = await q.wait(request(tokens))
+            order.append(tokens)
+            held.land()
+
+        small = asyncio.create_task(client(100))
+        await asyncio.sleep(0)
+        big = asyncio.create_task(q.wait(request(20_000)))
+        await asyncio.sleep(0.02)
+        # A fleet with a queue where the small one has room and the big one (newer) has not.
+        for waiting in range(1, 200):
+            busy = snapshot(48 + waiting, 256 + waiting, COST)
+            if q.flow.room(request(100), busy) and not q.flow.room(request(20_000), busy):
+                break
+        else:
+            raise AssertionError("no queue leaves room for the small request only")
+        fleet.now = busy
+        await asyncio.wait_for(small, WAIT_S)
+        assert [h.features.prompt_tokens for h in q.held] == [20_000]
+        big.cancel()
+        await asyncio.gather(big, return_exceptions=True)
+        await q.stop()
+        return order
+
+    assert asyncio.run(scenario()) == [100]
+
+
+def test_draining_lets_every_held_request_go_at_once() -> None:
+    async def scenario() -> None:
+        fleet, released = Fleet(), []
+        q = queue(fleet, 60.0, released)
+        waits = [asyncio.create_task(q.wait(request(t))) for t in (100, 200, 300)]
+        await asyncio.sleep(0.02)
+        q.release_all("release-drain")
+        done = await asyncio.wait_for(asyncio.gather(*waits), WAIT_S)
+        assert [rule for _, rule in done] == ["release-drain"] * 3 and q.held == []
+        await q.stop()
+
+    asyncio.run(scenario())
 
 
 def test_the_newest_goes_first_when_there_is_room_each_once_the_last_landed() -> None:
