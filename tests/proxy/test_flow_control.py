@@ -4,6 +4,7 @@ never reaches a server; the setting needs an SLO target."""
 
 from __future__ import annotations
 
+import signal
 import threading
 from collections.abc import Iterator
 
@@ -113,6 +114,35 @@ def test_a_request_whose_client_leaves_while_held_never_reaches_a_server(one_slo
             filler.join(30)
         assert dispatched(proxy) == 2  # the two fillers only
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_a_stopping_proxy_lets_its_held_requests_go_to_be_served_within_the_drain(one_slot_twins) -> None:
+    """A probe's finding: SIGTERM left held requests waiting until the drain ran out (503 after
+    32 s, for requests no server had seen)."""
+    spec, base = one_slot_twins
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], hold_max_s=120, **SLO) as proxy:
+        wait_for(lambda: proxy.app.router.snapshot().pools["spec"].age_s < 1, what="a load reading")
+        holding = proxy.app.router.holding
+        assert holding is not None
+        fillers = fill(proxy)
+        answers: list[int] = []
+
+        def held_client() -> None:
+            response = httpx.post(
+                proxy.base_url + "/chat/completions",
+                json={"model": "m", "messages": MESSAGES, "max_tokens": LONG},
+                timeout=30,
+            )
+            answers.append(response.status_code)
+
+        thread = threading.Thread(target=held_client)
+        thread.start()
+        wait_for(lambda: len(holding.held) == 1, what="the request held")
+        proxy.server.handle_exit(signal.SIGTERM, None)
+        thread.join(30)
+        assert answers == [200]  # let go at the stop, served within the drain
+        for filler in fillers:
+            filler.join(30)
 
 
 def test_a_quiet_fleet_holds_nothing(twin_pair) -> None:
