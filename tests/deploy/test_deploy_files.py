@@ -321,14 +321,16 @@ def interpolate(text: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\{([A-Z0-9_]+):-([^}]*)\}", lambda m: env.get(m.group(1)) or m.group(2), text)
 
 
-def test_the_published_proxy_port_follows_specroute_port() -> None:
-    """From an operator's probe: SPECROUTE_PORT=9000 moved the listener (and the healthcheck,
-    which reads it) while 8000 stayed published: unreachable, yet healthy. Read without
-    Docker's compose (not installed here): the YAML and compose's substitution rule."""
+def test_the_published_proxy_port_is_the_images_and_env_example_says_to_leave_specroute_port() -> None:
+    """From an operator's probe: SPECROUTE_PORT=9000 in .env moved the listener while 8000 stayed
+    published. The published container port stays the image's 8000 (publishing SPECROUTE_PORT
+    breaks the stack's commands run outside Docker with SPECROUTE_PORT=0: compose refuses target
+    port 0), and .env.example says to leave SPECROUTE_PORT unset under compose. Read without
+    Docker's compose: the YAML and compose's substitution rule."""
     [published] = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["specroute"]["ports"]
-    assert interpolate(published, {}).rsplit(":", 1)[1] == "8000"
-    assert interpolate(published, {"SPECROUTE_PORT": "9000"}).rsplit(":", 1)[1] == "9000"
-    assert interpolate(published, {"SPECROUTE_PORT": "9000", "PROXY_PUBLISH_PORT": "80"}) == "127.0.0.1:80:9000"
+    assert interpolate(published, {"PROXY_PUBLISH_PORT": "80"}) == "127.0.0.1:80:8000"
+    _, comment = env_example_entries()["SPECROUTE_HOST"]  # the lines above the pair
+    assert "leave SPECROUTE_PORT unset" in " ".join(comment.split())
 
 
 def test_env_example_names_every_built_in_profile() -> None:

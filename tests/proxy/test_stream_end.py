@@ -38,4 +38,6 @@ def test_a_client_that_leaves_at_done_does_not_cut_the_response_short():
         metrics = httpx.get(proxy.url + "/metrics", timeout=5).text
         cached = STREAM_USAGE["usage"]["prompt_tokens_details"]["cached_tokens"]  # type: ignore[index]
         assert f'specroute_prefix_cached_tokens_total{{pool="spec"}} {float(cached)}' in metrics
-        assert 'outcome="client_disconnected"' not in metrics and 'outcome="ok"' in metrics
+        # Every outcome's series exists from the start (at 0): this one's stays there.
+        assert 'outcome="client_disconnected",policy="goodput",pool="spec"} 0.0' in metrics
+        assert 'outcome="ok",policy="goodput",pool="spec"} 1.0' in metrics
