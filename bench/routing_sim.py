@@ -234,6 +234,9 @@ class VirtualRouter:
             half_life_s=self.half_life_s,
             seed=self.setup.router_seed(),
             prefix_block_tokens=self.setup.index_block_tokens(),
+            # Measured attainment, as the proxy told the SLO measures it (flow control reads it).
+            slo_ttft_s=self.setup.slo.ttft_s,
+            slo_tpot_s=self.setup.slo.tpot_s,
         )
         self.urls = self.setup.urls()
         self.pool_of_engine = self.setup.pools()

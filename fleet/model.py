@@ -596,6 +596,7 @@ class FleetModel:
                 stale=bool(healthy_ages) and min(healthy_ages) > self.stale_after_s,
                 tpot_cv=pool.spread.cv() if pool.speculative else 0.0,
                 tpot_bias=pool.outcomes.bias(now),
+                slo_share=pool.attainment.share(now),
             )
         return Snapshot(
             pools=pools,

@@ -113,6 +113,9 @@ class PoolState:
     tpot_bias: float = 1.0
     """Its recent requests' TPOT over the TPOT predicted for them, the median over the last
     minute (fleet/outcomes.py; 1.0 while there are too few)."""
+    slo_share: float | None = None
+    """The share of its requests finished within the SLO targets over the last minute, measured
+    (fleet/attainment.py); None without targets or before half a minute of finished requests."""
     _healthy: tuple[InstanceState, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -5,12 +5,13 @@ lost on every pool because of the load there, `room(features, snapshot)` whether
 would now get in without costing a fresh request its targets, `expired(held_s)` whether it has
 waited the bound. The rules, top to bottom (docs/routing.md, "Flow control"):
 
-1. `hold-lost`: a latency-class request predicted to miss its targets on both pools even as the
-   mean prediction has it (goodput's SLO check without its margins for the spread: the spread
-   is the prediction's doubt, and a request held on a doubt that would have been served in
-   time is lost by the holding), while on an idle instance of some pool it would meet them (a
-   request too long for its targets on an empty fleet is lost by its size, not the load, and
-   waiting cannot help it).
+1. `hold-lost`: a latency-class request predicted to miss its targets on both pools (goodput's
+   SLO check), while on an idle instance of some pool it would meet them (a request too long
+   for its targets on an empty fleet is lost by its size, not the load, and waiting cannot help
+   it). Missed only at the check's margin for the spread (the mean prediction in time), it is
+   held only while some pool is measured missing its targets (its share of requests within the
+   SLO over the last minute under MISSING_SHARE): the margin is the prediction's doubt, and in a
+   burst the fleet can absorb a request held on a doubt is lost by the holding.
 2. `release-room`: a held request goes when some pool has room for it and for a fresh request
    after it: its predicted first token (at about its 90th percentile) no later than on an idle
    instance plus ROOM_SHARE of what the TTFT target leaves beyond that, its time per output
@@ -32,6 +33,9 @@ from dataclasses import replace
 from fleet.types import POOLS, Features, InstanceState, PoolName, Snapshot
 from policies.goodput import Goodput, Prediction
 
+MISSING_SHARE = 0.9
+"""A pool whose measured share of requests within the SLO is below this is missing its targets:
+the overload is real, not a prediction's doubt."""
 ROOM_SHARE = 0.5
 """A held request goes when its first token would come within this share of what the TTFT
 target leaves past its first token on an idle instance: the rest is the room a fresh request
@@ -71,14 +75,15 @@ class FlowControl:
         """`hold-lost` (a batch request, or one with nothing known to judge by, is never held)."""
         if features.request_class != "latency":
             return False
-        servable = False
+        servable, lost_on_average = False, True
         for pool in POOLS:
             p = self.predict(features, snapshot, pool)
-            if p is None or self.meets_on_average(p):
+            if p is None or self.predictor.meets_slo(p):
                 return False
+            lost_on_average = lost_on_average and not self.meets_on_average(p)
             idle = self.predict(features, snapshot, pool, idle=True)
             servable = servable or (idle is not None and self.predictor.meets_slo(idle))
-        return servable
+        return servable and (lost_on_average or missing_targets(snapshot))
 
     def room(self, features: Features, snapshot: Snapshot) -> bool:
         """`release-room` on either pool."""
@@ -100,6 +105,14 @@ class FlowControl:
     def expired(self, held_s: float) -> bool:
         """`release-bound`: a request held this long goes, wherever the policy sends it."""
         return held_s >= self.max_hold_s
+
+
+def missing_targets(snapshot: Snapshot) -> bool:
+    """Some pool is measured missing its SLO targets (its share within them under MISSING_SHARE)."""
+    for pool in snapshot.pools.values():
+        if pool.slo_share is not None and pool.slo_share < MISSING_SHARE:
+            return True
+    return False
 
 
 def idle_instance(instance: InstanceState) -> InstanceState:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 from policy_snapshots import snapshot
@@ -64,10 +65,11 @@ def test_a_request_lost_by_its_own_size_is_never_held() -> None:
     assert f.holds(LATENCY, snapshot(48 + 400, 256 + 2000, COST))
 
 
-def test_a_request_lost_only_at_the_predictions_margin_is_not_held() -> None:
+def test_a_request_lost_only_at_the_predictions_margin_is_not_held_on_a_fleet_meeting_its_targets() -> None:
     """Held on the spread alone (its mean in time), a request that would have been served in
     time waits and is lost by the holding (a probe's burst below capacity: 97 % met without
-    flow control, 87.5 % with it)."""
+    flow control, 87.5 % with it). With no attainment measured yet, nothing says the overload
+    is real."""
     f, g = flow(), Goodput(SLO)
     for spec_waiting, base_waiting in itertools.product(range(0, 100), range(0, 400, 4)):
         snap = snapshot(48 + spec_waiting, 256 + base_waiting, COST)
@@ -83,3 +85,19 @@ def test_a_request_lost_only_at_the_predictions_margin_is_not_held() -> None:
 def test_flow_control_needs_a_target() -> None:
     with pytest.raises(ValueError, match="SLO targets"):
         FlowControl(Goodput(GoodputParams()), 60.0)
+
+
+def test_a_request_lost_only_at_the_margin_is_held_while_a_pool_is_measured_missing_its_targets() -> None:
+    f, g = flow(), Goodput(SLO)
+    for spec_waiting, base_waiting in itertools.product(range(0, 100), range(0, 400, 4)):
+        snap = snapshot(48 + spec_waiting, 256 + base_waiting, COST)
+        on = [f.predict(LATENCY, snap, pool) for pool in ("spec", "base")]
+        if all(p is not None and not g.meets_slo(p) for p in on) and any(p and f.meets_on_average(p) for p in on):
+            break
+    else:
+        raise AssertionError("no fleet where the request misses only at the margin")
+    assert not f.holds(LATENCY, snap)
+    meeting = replace(snap, pools={k: replace(v, slo_share=0.97) for k, v in snap.pools.items()})
+    assert not f.holds(LATENCY, meeting)
+    missing = replace(snap, pools={**snap.pools, "base": replace(snap.pools["base"], slo_share=0.5)})
+    assert f.holds(LATENCY, missing)
