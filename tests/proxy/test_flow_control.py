@@ -7,12 +7,14 @@ from __future__ import annotations
 import signal
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import openai
 import pytest
 from proxy_harness import RunningProxy, running_proxy, wait_for
 
+from proxy.holding import HoldQueue
 from proxy.settings import SettingsError, load_settings
 from sim.testing import RunningTwin, TwinSpec, twins
 
@@ -61,17 +63,37 @@ def fill(proxy: RunningProxy) -> list[threading.Thread]:
     return threads
 
 
-def test_a_request_lost_behind_busy_slots_waits_in_the_proxy_until_one_frees(one_slot_twins) -> None:
-    spec, base = one_slot_twins
-    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], hold_max_s=60, **SLO) as proxy:
+@contextmanager
+def busy_proxy(
+    twins_pair: tuple[RunningTwin, RunningTwin], hold_max_s: float
+) -> Iterator[tuple[RunningProxy, HoldQueue]]:
+    """The proxy with flow control in front of the one-slot twins, read once, both slots taken
+    by a long stream each (joined on the way out)."""
+    spec, base = twins_pair
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], hold_max_s=hold_max_s, **SLO) as proxy:
         wait_for(lambda: proxy.app.router.snapshot().pools["spec"].age_s < 1, what="a load reading")
         holding = proxy.app.router.holding
         assert holding is not None
         fillers = fill(proxy)
+        try:
+            yield proxy, holding
+        finally:
+            for filler in fillers:
+                filler.join(30)
+
+
+def post_long(proxy: RunningProxy, timeout: httpx.Timeout | float) -> httpx.Response:
+    return httpx.post(
+        proxy.base_url + "/chat/completions",
+        json={"model": "m", "messages": MESSAGES, "max_tokens": LONG},
+        timeout=timeout,
+    )
+
+
+def test_a_request_lost_behind_busy_slots_waits_in_the_proxy_until_one_frees(one_slot_twins) -> None:
+    with busy_proxy(one_slot_twins, hold_max_s=60) as (proxy, _):
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
         reply = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=LONG)
-        for thread in fillers:
-            thread.join(30)
         assert reply.usage is not None and reply.usage.completion_tokens == LONG
         last = state(proxy)["decisions"][-1]
         # Held while both slots were busy (its first token predicted seconds away on either pool),
@@ -86,21 +108,12 @@ def test_a_request_lost_behind_busy_slots_waits_in_the_proxy_until_one_frees(one
 
 
 def test_a_request_whose_client_leaves_while_held_never_reaches_a_server(one_slot_twins) -> None:
-    spec, base = one_slot_twins
-    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], hold_max_s=60, **SLO) as proxy:
-        wait_for(lambda: proxy.app.router.snapshot().pools["spec"].age_s < 1, what="a load reading")
-        holding = proxy.app.router.holding
-        assert holding is not None
-        fillers = fill(proxy)
+    with busy_proxy(one_slot_twins, hold_max_s=60) as (proxy, holding):
         outcome: list[BaseException] = []
 
         def impatient() -> None:
             try:
-                httpx.post(
-                    proxy.base_url + "/chat/completions",
-                    json={"model": "m", "messages": MESSAGES, "max_tokens": LONG},
-                    timeout=httpx.Timeout(5, read=0.3),
-                )
+                post_long(proxy, httpx.Timeout(5, read=0.3))
             except httpx.ReadTimeout as gone:
                 outcome.append(gone)
 
@@ -110,39 +123,21 @@ def test_a_request_whose_client_leaves_while_held_never_reaches_a_server(one_slo
         thread.join(10)
         assert outcome and isinstance(outcome[0], httpx.ReadTimeout)
         wait_for(lambda: not holding.held, what="the departed request gone from the queue")
-        for filler in fillers:
-            filler.join(30)
+        wait_for(lambda: proxy.in_flight() == 0, what="the fillers done")
         assert dispatched(proxy) == 2  # the two fillers only
-        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
 def test_a_stopping_proxy_lets_its_held_requests_go_to_be_served_within_the_drain(one_slot_twins) -> None:
     """A probe's finding: SIGTERM left held requests waiting until the drain ran out (503 after
     32 s, for requests no server had seen)."""
-    spec, base = one_slot_twins
-    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], hold_max_s=120, **SLO) as proxy:
-        wait_for(lambda: proxy.app.router.snapshot().pools["spec"].age_s < 1, what="a load reading")
-        holding = proxy.app.router.holding
-        assert holding is not None
-        fillers = fill(proxy)
+    with busy_proxy(one_slot_twins, hold_max_s=120) as (proxy, holding):
         answers: list[int] = []
-
-        def held_client() -> None:
-            response = httpx.post(
-                proxy.base_url + "/chat/completions",
-                json={"model": "m", "messages": MESSAGES, "max_tokens": LONG},
-                timeout=30,
-            )
-            answers.append(response.status_code)
-
-        thread = threading.Thread(target=held_client)
+        thread = threading.Thread(target=lambda: answers.append(post_long(proxy, 30).status_code))
         thread.start()
         wait_for(lambda: len(holding.held) == 1, what="the request held")
         proxy.server.handle_exit(signal.SIGTERM, None)
         thread.join(30)
         assert answers == [200]  # let go at the stop, served within the drain
-        for filler in fillers:
-            filler.join(30)
 
 
 def test_a_quiet_fleet_holds_nothing(twin_pair) -> None:
