@@ -45,10 +45,12 @@ MODES: dict[str, dict[str, str]] = {
 """Admission off or on (its default limits), flow control off or holding up to 120 s."""
 
 
-async def one(client: httpx.AsyncClient, url: str, prompt_tokens: int) -> dict[str, Any]:
+async def one(client: httpx.AsyncClient, url: str, prompt_tokens: int, index: int) -> dict[str, Any]:
+    # Its own first word: the twins keep a prefix cache, and prompts of one repeated word were
+    # each other's prefixes, so their prefill was nearly free and twice the capacity was not.
     body = {
         "model": "m",
-        "messages": [{"role": "user", "content": "w " * (2 * prompt_tokens)}],
+        "messages": [{"role": "user", "content": f"request{index} " + "w " * (2 * prompt_tokens - 1)}],
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -100,7 +102,7 @@ async def offered_load(
                 break
             await asyncio.sleep(max(0.0, started + at - time.monotonic()))  # the arrival process itself
             prompt, _ = sample[(i * 7 + seed) % len(sample)]
-            tasks.append(asyncio.create_task(one(client, url, prompt)))
+            tasks.append(asyncio.create_task(one(client, url, prompt, i)))
             i += 1
         return list(await asyncio.wait_for(asyncio.gather(*tasks), 600))
 
