@@ -203,9 +203,8 @@ class VirtualRouter:
     flow: FlowControl | None = None
     """Flow control as the proxy runs it (policies/flow.py): requests lost on every pool wait in
     the router until one has room; None: every request sent at once."""
-    holds: list[tuple[float, float]] = field(default_factory=list)
     released: list[tuple[float, float]] = field(default_factory=list)
-    """(arrival, release time) per held request, as it was held and as it went."""
+    """(arrival, release time) per request flow control held, as it went."""
     per_workload: bool = True
     """Route each arrival on its workload's alpha and learn acceptance per workload, as the proxy
     does with x-specroute-workload; False: the pool-wide alpha only (workload keys ignored)."""
@@ -328,7 +327,6 @@ class VirtualRouter:
         features, blocks, match = self.features(arrival, arrival.time)
         snapshot = self.fleet.snapshot(arrival.time, features.workload)
         if self.flow is not None and self.flow.holds(features, snapshot):
-            self.holds.append((arrival.time, arrival.time))
             return HOLD
         decision = self.policy.decide(features, snapshot)
         if self.admission is not None:

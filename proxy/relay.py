@@ -181,7 +181,8 @@ class Exchange:
         """Its place in flow control's queue, when it was held (proxy/holding.py)."""
         self.summary = scan.Summary()
         self.upstream_wait_s = 0.0
-        """Time spent awaiting upstream servers (connect, headers, chunks): the rest is ours."""
+        """Time spent awaiting upstream servers (connect, headers, chunks) or held by flow control:
+        the rest is ours (the overhead)."""
         self.prompt_tokens = 0
         self.streaming = False
         """Whether the response being relayed is an SSE stream (an error can still go in-band)."""

@@ -4,6 +4,7 @@ hand-built fleets: who is let go, in what order, and that a request leaving is g
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from fleet.costmodel import StepCostModel, seed_from_profile
 from fleet.types import Features, InstanceState, PoolState, Snapshot
@@ -34,8 +35,11 @@ class Fleet:
 
     def __init__(self) -> None:
         self.now: Snapshot = FLOODED
+        self.looks = 0
+        """How often the queue has read it (once per look)."""
 
     def __call__(self, workload: str | None) -> Snapshot:
+        self.looks += 1
         return self.now
 
 
@@ -43,6 +47,13 @@ def queue(fleet: Fleet, max_hold_s: float, released: list[tuple[str, float]]) ->
     return HoldQueue(
         FlowControl(Goodput(SLO), max_hold_s), fleet, 0.01, on_release=lambda r, s: released.append((r, s))
     )
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Yield to the loop until `condition` holds (each held task runs to its wait), bounded."""
+    async with asyncio.timeout(WAIT_S):
+        while not condition():
+            await asyncio.sleep(0)
 
 
 def request(tokens: int) -> Features:
@@ -66,7 +77,7 @@ def test_a_held_request_that_does_not_fit_does_not_stop_an_older_one_that_does()
         small = asyncio.create_task(client(100))
         await asyncio.sleep(0)
         big = asyncio.create_task(q.wait(request(20_000)))
-        await asyncio.sleep(0.02)
+        await until(lambda: len(q.held) == 2)
         # A fleet with a queue where the small one has room and the big one (newer) has not.
         for waiting in range(1, 200):
             busy = snapshot(48 + waiting, 256 + waiting, COST)
@@ -90,7 +101,7 @@ def test_draining_lets_every_held_request_go_at_once() -> None:
         fleet, released = Fleet(), []
         q = queue(fleet, 60.0, released)
         waits = [asyncio.create_task(q.wait(request(t))) for t in (100, 200, 300)]
-        await asyncio.sleep(0.02)
+        await until(lambda: len(q.held) == 3)
         q.release_all("release-drain")
         done = await asyncio.wait_for(asyncio.gather(*waits), WAIT_S)
         assert [rule for _, rule in done] == ["release-drain"] * 3 and q.held == []
@@ -116,8 +127,8 @@ def test_the_newest_goes_first_when_there_is_room_each_once_the_last_landed() ->
         for tokens in (100, 200, 300):
             tasks.append(asyncio.create_task(client(tokens)))
             await asyncio.sleep(0)  # each is held before the next arrives
-        await asyncio.sleep(0.05)
-        assert order == [] and len(q.held) == 3  # flooded: nobody goes
+        await until(lambda: len(q.held) == 3 and fleet.looks >= 3)
+        assert order == [] and len(q.held) == 3  # flooded: three looks, nobody goes
         fleet.now = QUIET
         await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
         assert q.held == [] and [rule for rule, _ in released] == ["release-room"] * 3
@@ -134,7 +145,7 @@ def test_the_oldest_goes_at_the_bound_while_the_fleet_stays_flooded() -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
         first = asyncio.create_task(q.wait(request(100)))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # not to synchronise: the second is held 50 ms after the first
         second = asyncio.create_task(q.wait(request(200)))
         held, rule = await asyncio.wait_for(first, WAIT_S)
         assert rule == "release-bound" and held.features.prompt_tokens == 100
@@ -155,7 +166,7 @@ def test_a_request_whose_client_left_is_gone_from_the_queue() -> None:
         q = queue(fleet, 60.0, released)
         leaving = asyncio.create_task(q.wait(request(100)))
         staying = asyncio.create_task(q.wait(request(200)))
-        await asyncio.sleep(0.02)
+        await until(lambda: len(q.held) == 2)
         leaving.cancel()
         await asyncio.gather(leaving, return_exceptions=True)
         assert [h.features.prompt_tokens for h in q.held] == [200]
@@ -178,7 +189,7 @@ def test_a_request_let_go_that_never_lands_holds_the_queue_only_for_a_bounded_ti
             q = queue(fleet, 60.0, released)
             first = asyncio.create_task(q.wait(request(100)))
             second = asyncio.create_task(q.wait(request(200)))
-            await asyncio.sleep(0.02)
+            await until(lambda: len(q.held) == 2)
             fleet.now = QUIET
             # Neither lands: each goes after the other's landing wait ran out.
             await asyncio.wait_for(asyncio.gather(first, second), WAIT_S)
