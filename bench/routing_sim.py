@@ -236,6 +236,7 @@ class VirtualRouter:
             # Measured attainment, as the proxy told the SLO measures it (flow control reads it).
             slo_ttft_s=self.setup.slo.ttft_s,
             slo_tpot_s=self.setup.slo.tpot_s,
+            load_held=self.flow is not None,
         )
         self.urls = self.setup.urls()
         self.pool_of_engine = self.setup.pools()

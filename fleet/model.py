@@ -124,8 +124,11 @@ class FleetModel:
         slo_ttft_s: float = 0.0,
         slo_tpot_s: float = 0.0,
         prior_alpha: float | None = None,
+        load_held: bool = False,
     ):
         self.stale_after_s = stale_after_s
+        self.load_held = load_held
+        """Flow control holds what would push a pool past its targets (`PoolState.load_held`)."""
         self.prior_alpha = prior_alpha
         """Where a speculative pool's acceptance estimate starts (a measured profile's), until
         its evidence speaks; None: unknown (the policy assumes its default)."""
@@ -597,6 +600,7 @@ class FleetModel:
                 tpot_cv=pool.spread.cv() if pool.speculative else 0.0,
                 tpot_bias=pool.outcomes.bias(now),
                 slo_share=pool.attainment.share(now),
+                load_held=self.load_held,
             )
         return Snapshot(
             pools=pools,

@@ -116,6 +116,10 @@ class PoolState:
     slo_share: float | None = None
     """The share of its requests finished within the SLO targets over the last minute, measured
     (fleet/attainment.py); None without targets or before half a minute of finished requests."""
+    load_held: bool = False
+    """The proxy holds the requests that would push this pool past its SLO targets (flow
+    control): its load stays near them, so what its requests get past their predicted TPOT is
+    the model's error (`tpot_bias`), not load that came after them and could not be refused."""
     _healthy: tuple[InstanceState, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

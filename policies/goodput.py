@@ -234,11 +234,15 @@ class Goodput:
         corrected by how its recent requests' TPOT came out against their predictions
         (`PoolState.tpot_bias`) and taken at about the 90th percentile of the requests' own
         acceptance (`PoolState.tpot_cv`), never below the mean as predicted. A plain pool's
-        requests share one step and its batch is not capped near its TPOT target: what they
+        requests share one step, and its batch is not capped near its TPOT target: what they
         got past the prediction is the load that came after them, not an error of the model
-        (docs/routing.md, "SLO targets")."""
+        (docs/routing.md, "SLO targets"); unless flow control holds what would push it past
+        its targets (`PoolState.load_held`): then the mean is corrected by the bias there too.
+        Without that correction a plain pool filled to where a newcomer's predicted TPOT just
+        met the target, and most of its requests, sharing that batch, missed it."""
         if not pool.speculative:
-            return 0.0
+            bias = pool.tpot_bias if pool.load_held else 1.0
+            return bias - 1 if bias > 1 else 0.0
         checked = pool.tpot_bias * (1 + WAIT_QUANTILE_Z * pool.tpot_cv)
         return checked - 1 if checked > 1 else 0.0
 

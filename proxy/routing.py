@@ -415,6 +415,7 @@ class Router:
             session_ttl_s=settings.session_ttl_s,
             slo_ttft_s=settings.slo_targets[0],
             slo_tpot_s=settings.slo_targets[1],
+            load_held=settings.hold_max_s > 0,
         )
         policy = registry.create(settings.policy, settings.policy_params())
         pools = pools_from_settings(settings, fleet)
