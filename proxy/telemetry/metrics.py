@@ -5,7 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
 from fleet.types import Snapshot
 from proxy.telemetry import names as n
@@ -26,6 +36,12 @@ class Metrics:
         `decisions` the (reason, pool) pairs it is known to decide with. Their series exist
         from the start (see `_zero`)."""
         r = self.registry = CollectorRegistry()
+        # The process's own series every Prometheus exporter has (CPU seconds, resident memory,
+        # open and max file descriptors, start time; the Python version and its collector's
+        # runs): a leak or a CPU-bound proxy shows on the dashboards that watch every service.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.requests = Counter(
             n.M_REQUESTS, "Requests answered, by pool, policy and outcome.", ["pool", "policy", "outcome"], registry=r
         )
@@ -116,11 +132,6 @@ class Metrics:
             ["reason"],
             registry=r,
         )
-        # Series an alert watches exist at 0 from the start: an absent series is no rate (an alert
-        # on the failovers' rate would wait for the first failover to see its first sample).
-        for pool, other in (("spec", "base"), ("base", "spec")):
-            self.failovers.labels(pool, other)
-            self.retries.labels(pool)
         for reason in n.AUTH_REFUSED_REASONS:
             self.auth_refused.labels(reason)
         self._zero(instances or {}, policy, decisions)
@@ -156,6 +167,15 @@ class Metrics:
         combinations that can occur: an alert on an absent series has no rate to read until its
         first event."""
         pools = [pool for pool, urls in instances.items() if urls]
+        # Series an alert watches exist at 0 from the start: an absent series is no rate (an alert
+        # on the failovers' rate would wait for the first failover to see its first sample). A
+        # pool not configured has none (with none configured, both pools have them).
+        alerted = pools or ["spec", "base"]
+        for pool in alerted:
+            self.retries.labels(pool)
+            for other in alerted:
+                if other != pool:
+                    self.failovers.labels(pool, other)
         for pool in pools:
             for url in instances[pool]:
                 self.in_flight.labels(pool, url)

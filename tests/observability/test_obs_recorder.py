@@ -153,6 +153,21 @@ def test_the_per_outcome_pool_and_instance_series_exist_at_zero_before_any_reque
     pools = {dict(labels)["pool"] for (name, labels) in alone if name in mine}
     assert pools == {"base", "none"}
     assert not [name for (name, _) in alone if name == "specroute_decisions_total"]
+    # From the same probe: retries and failovers for a pool that is not configured.
+    assert [labels for (name, labels) in alone if name == "specroute_retries_total"] == [(("pool", "base"),)]
+    assert not [name for (name, _) in alone if name == "specroute_failovers_total"]
+
+
+def test_the_process_series_every_exporter_has_are_on_metrics() -> None:
+    """From an operator's probe: /metrics had no process series (memory, CPU, descriptors), so
+    a dashboard watching every service's showed nothing for the proxy."""
+    got = samples(telemetry(request_log=False))
+    names = {name for (name, _) in got}
+    for name in ("process_resident_memory_bytes", "process_cpu_seconds_total", "process_open_fds", "python_info"):
+        assert name in names, name
+    assert got[("process_resident_memory_bytes", ())] > 1_000_000
+    assert got[("process_open_fds", ())] >= 3
+    assert got[("process_start_time_seconds", ())] > 1_600_000_000
 
 
 def test_every_outcome_and_declared_decision_is_one_the_code_gives() -> None:
