@@ -26,6 +26,7 @@ from proxy.auth import warn_if_open
 from proxy.connection import Limits, guarded_protocol
 from proxy.settings import Settings, SettingsError
 from proxy.telemetry import SpecrouteTelemetry
+from proxy.telemetry.logs import JsonLogFormatter
 
 log = logging.getLogger("specroute")
 
@@ -114,7 +115,7 @@ def uvicorn_config(app: SpecrouteApp, settings: Settings) -> uvicorn.Config:
         timeout_keep_alive=keep_alive_s,
         lifespan="on",
         log_level=settings.log_level,
-        log_config=log_config(settings.log_level),
+        log_config=log_config(settings.log_level, settings.log_format),
         access_log=False,  # the telemetry's JSON request log replaces it
         server_header=False,
         # Clients that read it (Node's fetch, undici) close an idle connection before the proxy
@@ -140,11 +141,21 @@ class DrainEnd(logging.Filter):
         return True
 
 
-def log_config(level: str) -> dict[str, Any]:
+def log_config(level: str, fmt: str = "text") -> dict[str, Any]:
     """uvicorn's logging configuration, with the proxy's own "specroute" loggers written the
     same way at the same level (without a handler of their own only warnings reached stderr,
-    through Python's last-resort handler)."""
+    through Python's last-resort handler), each line with its time and logger (uvicorn's own
+    format has neither: beside the request log's timed JSON lines, an ejection or a drain could
+    not be placed in time), as text or as JSON (`fmt`, SPECROUTE_LOG_FORMAT)."""
     config = copy.deepcopy(LOGGING_CONFIG)
+    if fmt == "json":
+        config["formatters"]["default"] = {"()": JsonLogFormatter}
+    else:
+        config["formatters"]["default"] = {
+            "()": "logging.Formatter",
+            "fmt": "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
+            "datefmt": "%Y-%m-%dT%H:%M:%S",
+        }
     # Propagating too: the root logger has no handler of its own here (no line is written twice),
     # and whoever adds one (a test's log capture, an embedding application) still gets them.
     config["loggers"]["specroute"] = {"handlers": ["default"], "level": level.upper(), "propagate": True}

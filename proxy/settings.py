@@ -279,6 +279,12 @@ class Settings(_SettingsWithPolicies):
     log_level: str = Field(
         "info", description="Log level of uvicorn and of the proxy's own lines: critical, error, warning, info, debug."
     )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="How uvicorn's and the proxy's own lines are written to stderr (the request log is JSON "
+        "on stdout either way): text (time, level, logger, message) or json (one object per line: "
+        "ts, level, logger, message, exception).",
+    )
 
     # Telemetry (proxy/telemetry). The SDK reads the other OTEL_* variables itself.
     traces: bool | None = Field(

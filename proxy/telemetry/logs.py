@@ -1,4 +1,5 @@
-"""One JSON line per request on stdout. Never a prompt or a completion.
+"""One JSON line per request on stdout (`RequestLog`), never a prompt or a completion; and the
+JSON form of the other log lines, on stderr (`JsonLogFormatter`, SPECROUTE_LOG_FORMAT=json).
 
 Written straight to the stream, not through `logging`: a LogRecord per request (caller lookup,
 thread and process names, a lock, a flush) cost about ten times the line itself, a few percent
@@ -8,6 +9,7 @@ one process never interleave.
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any, BinaryIO
 
@@ -21,3 +23,19 @@ class RequestLog:
     def write(self, record: dict[str, Any]) -> None:
         self.stream.write(orjson.dumps(record, default=str, option=orjson.OPT_APPEND_NEWLINE))
         self.stream.flush()
+
+
+class JsonLogFormatter(logging.Formatter):
+    """A log record as one JSON object: `ts` (seconds since the epoch, as the request log's),
+    `level`, `logger`, `message`, and `exception` (its traceback) when there is one."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(line, default=str).decode()

@@ -10,6 +10,7 @@ process still exits within the timeout.
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import signal
 import threading
@@ -62,8 +63,10 @@ def test_sigterm_drains_a_running_stream_to_completion(slow_twin: RunningTwin, t
         assert stream.error is None and stream.finish_reason == "length"
         assert proxy.process.wait(30) is not None
         assert stopped_cleanly(proxy.process.returncode, proxy.log()), proxy.log()
-        # The proxy's own info lines are written (uvicorn's format), not only its warnings.
-        assert re.search(r"^INFO: +stop signal \d+: draining for up to 30 s$", proxy.log(), re.M), proxy.log()
+        # The proxy's own info lines are written, not only its warnings.
+        assert re.search(r"^\S+ INFO specroute: stop signal \d+: draining for up to 30 s$", proxy.log(), re.M), (
+            proxy.log()
+        )
 
 
 def test_a_stream_longer_than_the_drain_is_cut_and_freed(slow_twin: RunningTwin, tmp_path: Path) -> None:
@@ -80,10 +83,14 @@ def test_a_stream_longer_than_the_drain_is_cut_and_freed(slow_twin: RunningTwin,
         assert stream.error.code == "shutting_down", stream.error
         assert exited_after < 10, exited_after
         # The cut is the drain doing its job: a warning (uvicorn's own line said ERROR).
+        # Each line says when, how bad and who (uvicorn's own format said neither time nor logger).
         assert re.search(
-            r"^WARNING: +drain timeout \(SPECROUTE_DRAIN_TIMEOUT_S\) reached: 1 running", proxy.log(), re.M
-        )
-        assert not re.search(r"^ERROR", proxy.log(), re.M), proxy.log()
+            r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} WARNING uvicorn.error: "
+            r"drain timeout \(SPECROUTE_DRAIN_TIMEOUT_S\) reached: 1 running",
+            proxy.log(),
+            re.M,
+        ), proxy.log()
+        assert not re.search(r"^\S+ ERROR ", proxy.log(), re.M), proxy.log()
         # The cancelled request left the twin: its GPU slot is free again.
         poll(
             lambda: httpx.get(slow_twin.url + "/v1/loads", timeout=2).json()["loads"][0]["num_running_reqs"] == 0,
@@ -94,9 +101,14 @@ def test_a_stream_longer_than_the_drain_is_cut_and_freed(slow_twin: RunningTwin,
 
 def test_sigterm_turns_ready_503_while_the_listener_stays_open(slow_twin: RunningTwin, tmp_path: Path) -> None:
     """With SPECROUTE_DRAIN_DELAY_S, a load balancer sees /ready answer 503 (not a refused
-    connection) after SIGTERM, and only then the listener closes."""
+    connection) after SIGTERM, and only then the listener closes. With SPECROUTE_LOG_FORMAT=json
+    every line the proxy writes is a JSON object (stdout's request log and stderr's lines)."""
     proxy = start_proxy(
-        tmp_path, SPECROUTE_SPEC_URLS=slow_twin.url, SPECROUTE_POLICY="spec", SPECROUTE_DRAIN_DELAY_S="3"
+        tmp_path,
+        SPECROUTE_SPEC_URLS=slow_twin.url,
+        SPECROUTE_POLICY="spec",
+        SPECROUTE_DRAIN_DELAY_S="3",
+        SPECROUTE_LOG_FORMAT="json",
     )
     try:
         proxy.process.send_signal(signal.SIGTERM)
@@ -105,6 +117,10 @@ def test_sigterm_turns_ready_503_while_the_listener_stays_open(slow_twin: Runnin
         poll(lambda: ready_status(proxy) is None, 10, "the listener to close after the delay")
         assert proxy.process.wait(30) is not None
         assert stopped_cleanly(proxy.process.returncode, proxy.log()), proxy.log()
+        lines = [json.loads(line) for line in proxy.log().splitlines()]
+        said = [(line["level"], line["logger"], line["message"]) for line in lines if "logger" in line]
+        assert ("INFO", "specroute", "stop signal 15: draining for up to 30 s") in said, said
+        assert all(isinstance(line["ts"], float) and line["ts"] > 1.6e9 for line in lines), lines
     finally:
         proxy.stop()
 
