@@ -21,6 +21,16 @@ from policies.goodput import GoodputParams
 ENV_PREFIX = "SPECROUTE_"
 
 
+TRACES_SAMPLERS = (
+    "parentbased_always_on",
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+)
+"""OTEL_TRACES_SAMPLER's values the OpenTelemetry SDK knows (`sampling._KNOWN_SAMPLERS`)."""
+
 class SettingsError(Exception):
     """A wrong setting, phrased as one line that names the variable."""
 
@@ -309,6 +319,17 @@ class Settings(_SettingsWithPolicies):
         validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"),
         description="OTLP transport for traces: http/protobuf or grpc.",
     )
+    traces_sampler: str | None = Field(
+        None,
+        validation_alias=AliasChoices("OTEL_TRACES_SAMPLER"),
+        description="Which requests are traced (the SDK reads it; checked here): parentbased_always_on "
+        "(unset), always_on, always_off, traceidratio, parentbased_always_off, parentbased_traceidratio.",
+    )
+    traces_sampler_arg: str | None = Field(
+        None,
+        validation_alias=AliasChoices("OTEL_TRACES_SAMPLER_ARG"),
+        description="The ratio sampled by traceidratio and parentbased_traceidratio, 0 to 1 (the SDK reads it; checked here).",
+    )
 
     @field_validator("spec_urls", "base_urls", mode="before")
     @classmethod
@@ -401,6 +422,31 @@ class Settings(_SettingsWithPolicies):
     def _check_otlp_protocol(cls, value: str) -> str:
         if value.strip() not in ("http/protobuf", "grpc"):
             raise ValueError(f"{value!r} is not supported; use http/protobuf or grpc")
+        return value.strip()
+
+    @field_validator("traces_sampler")
+    @classmethod
+    def _check_traces_sampler(cls, value: str | None) -> str | None:
+        # The SDK only warns about a name it does not know and traces every request instead: a
+        # mistyped ratio sampler would trace everything.
+        if value is None or not value.strip():
+            return None
+        if value.strip().lower() not in TRACES_SAMPLERS:
+            raise ValueError(f"unknown sampler {value!r}; choose one of {', '.join(TRACES_SAMPLERS)}")
+        return value.strip().lower()
+
+    @field_validator("traces_sampler_arg")
+    @classmethod
+    def _check_traces_sampler_arg(cls, value: str | None) -> str | None:
+        # Unparsable, the SDK warns and samples everything; out of range, it raises at start-up.
+        if value is None or not value.strip():
+            return None
+        try:
+            ratio = float(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not a number; the sampled ratio is from 0 to 1") from None
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"{value!r} is not a ratio from 0 to 1")
         return value.strip()
 
     @property

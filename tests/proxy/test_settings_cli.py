@@ -103,6 +103,26 @@ def test_a_kubernetes_service_link_in_the_port_is_named_as_such(tmp_path: Path) 
     assert "SPECROUTE_PORT: 'tcp://10.96.0.12:8000' is a Kubernetes service link" in result.stderr
 
 
+def test_a_sampler_the_sdk_would_not_know_stops_the_proxy_with_one_line(tmp_path: Path) -> None:
+    """From an operator's probe: OTEL_TRACES_SAMPLER=bogus only warned, and every request was
+    traced (the SDK falls back to its default); a ratio out of range raised at start-up."""
+    base = {"SPECROUTE_BASE_URLS": "http://a:1"}
+    for env, said in (
+        ({"OTEL_TRACES_SAMPLER": "traceidraio"}, "OTEL_TRACES_SAMPLER: unknown sampler 'traceidraio'"),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.5"}, "OTEL_TRACES_SAMPLER_ARG: '1.5'"),
+        ({"OTEL_TRACES_SAMPLER_ARG": "ten percent"}, "OTEL_TRACES_SAMPLER_ARG: 'ten percent' is not a number"),
+    ):
+        result = run(["config"], {**base, **env}, tmp_path)
+        assert result.returncode == 2, result.stderr
+        assert said in result.stderr and "Traceback" not in result.stderr, result.stderr
+    fine = run(
+        ["config"],
+        {**base, "OTEL_TRACES_SAMPLER": "ParentBased_TraceIdRatio", "OTEL_TRACES_SAMPLER_ARG": "0.1"},
+        tmp_path,
+    )
+    assert fine.returncode == 0, fine.stderr
+
+
 def test_an_address_the_proxy_cannot_listen_on_stops_serve_with_one_line(tmp_path: Path) -> None:
     with socket.socket() as taken:  # a port in use; and a host that is not this machine's
         taken.bind(("127.0.0.1", 0))
