@@ -144,6 +144,14 @@ class OutlierDetector:
     def ejected(self, url: str) -> bool:
         return self.records[url].state == EJECTED
 
+    def ejected_for_s(self, url: str) -> float:
+        """Seconds left of the instance's ejection (0 when it is not ejected)."""
+        record = self.records[url]
+        if record.state != EJECTED:
+            return 0.0
+        self._expire(url, record)
+        return max(0.0, record.until - self.clock()) if record.state == EJECTED else 0.0
+
     # -- events ------------------------------------------------------------------------------
     def dispatched(self, instance: Instance) -> None:
         record = self.records[instance.url]

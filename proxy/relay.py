@@ -26,8 +26,7 @@ from proxy.connection import ABORT_EXTENSION
 from proxy.errors import ProxyError, normalise_upstream_error
 from proxy.holding import Held
 from proxy.hooks import RequestHooks, Telemetry
-from proxy.poller import found_again_within_s
-from proxy.pools import STREAM_OPTIONS_RECHECK_S, Instance
+from proxy.pools import STREAM_OPTIONS_RECHECK_S, Instance, other_pool
 from proxy.responses import HeadersFor, ResponseOwners
 from proxy.routing import Attempt, Router, RoutingInputError, read_overrides, read_session, read_workload
 from proxy.settings import Settings
@@ -735,7 +734,7 @@ class CompletionHandler:
                 break  # it may crash every server it is sent to
         if failure is None and not tried:
             where = f"in pool {pool!r}" if pinned else "in either pool"
-            retry_after = found_again_within_s(self.settings.poll_interval_ms / 1000)
+            retry_after = self.router.back_within_s([pool] if pinned else [pool, other_pool(pool)])
             failure = ProxyError(
                 503,
                 f"no upstream server is available {where}",

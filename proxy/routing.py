@@ -11,6 +11,7 @@ itself stays pure (policies/).
 from __future__ import annotations
 
 import hashlib
+import math
 import itertools
 import secrets
 import time
@@ -31,7 +32,7 @@ from policies.goodput import Goodput
 from policies.goodput_params import GoodputParams
 from proxy.holding import HoldQueue
 from proxy.outliers import OutlierDetector
-from proxy.poller import Pollers
+from proxy.poller import Pollers, found_again_within_s
 from proxy.pools import Instance, Pool, other_pool, pools_from_settings
 from proxy.settings import Settings
 from proxy.state import DecisionLog, fleet_state
@@ -562,6 +563,20 @@ class Router:
         return any(i.signals.ejected for i in self.pools[pool].instances) and all(
             i.signals.ejected or not i.signals.healthy for i in self.pools[pool].instances
         )
+
+    def back_within_s(self, pools: Collection[PoolName]) -> int:
+        """Whole seconds (at least 1) before an instance of `pools` may take requests again: the
+        `retry-after` of a 503 `no_upstream`. An ejected instance is back when its ejection
+        ends; any other (unreachable, or half-open with its one probe running) may be back as
+        soon as a poll finds it (`found_again_within_s`). Telling clients of a pool ejected for
+        five minutes to retry within a second only multiplied the 503s."""
+        polled = found_again_within_s(self.settings.poll_interval_ms / 1000)
+        soonest: float | None = None
+        for pool in pools:
+            for instance in self.pools[pool].instances:
+                left = self.outliers.ejected_for_s(instance.url) or polled
+                soonest = left if soonest is None or left < soonest else soonest
+        return polled if soonest is None else max(1, math.ceil(soonest))
 
     def pick(self, pool: PoolName, exclude: Collection[Instance] = (), prefer: str | None = None) -> Instance | None:
         """The healthy instance of `pool` not in `exclude` that the decision named (`prefer`, a

@@ -31,6 +31,7 @@ TRACES_SAMPLERS = (
 )
 """OTEL_TRACES_SAMPLER's values the OpenTelemetry SDK knows (`sampling._KNOWN_SAMPLERS`)."""
 
+
 class SettingsError(Exception):
     """A wrong setting, phrased as one line that names the variable."""
 

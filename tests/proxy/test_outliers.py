@@ -591,3 +591,24 @@ def test_a_pool_whose_servers_are_all_ejected_sends_its_requests_to_the_other_po
         raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2)
         assert raw.headers["x-specroute-pool"] == "base" and raw.headers["x-specroute-reason"] == "ejected"
         assert instance(proxy, "spec", 0).dispatched_total == 5
+
+
+def test_no_upstream_says_to_retry_when_the_ejection_ends(two_spec_twins: list[RunningTwin]) -> None:
+    """From an earlier note: requests pinned to a pool whose servers were all ejected for
+    minutes were answered 503 `no_upstream` with retry-after 1, and the SDKs asked again every
+    second to no avail."""
+    sick, _, base = two_spec_twins
+    make_sick(sick, error_rate=1.0)
+    with running_proxy(spec_urls=[sick.url], base_urls=[base.url], policy="spec", outlier_ejection_s=300.0) as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        for _ in range(5):  # five 5xx in a row eject it (each request fails over to base)
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(
+                model="m", messages=MESSAGES, max_tokens=2, extra_headers={"x-specroute-pool": "spec"}
+            )
+        assert refused.value.status_code == 503 and refused.value.code == "no_upstream", refused.value
+        assert 290 <= int(refused.value.response.headers["retry-after"]) <= 300
+        # Not pinned, the other pool serves it; with base unreachable too, its polls' retry would win.
+        raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2)
+        assert raw.headers["x-specroute-pool"] == "base"
