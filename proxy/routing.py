@@ -11,8 +11,8 @@ itself stays pure (policies/).
 from __future__ import annotations
 
 import hashlib
-import math
 import itertools
+import math
 import secrets
 import time
 from asyncio import Task, current_task
