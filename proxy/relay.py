@@ -161,6 +161,7 @@ class Exchange:
         "keeps_id",
         "body_bytes",
         "culprit",
+        "servers_tried",
         "held",
     )
 
@@ -212,6 +213,8 @@ class Exchange:
         from it) and not passed on."""
         self.dialect = scan.CHAT
         """How its API's answers are looked into (chat and completions, or the Responses API)."""
+        self.servers_tried = 0
+        """Servers its attempts went to (a second send to the same one does not count)."""
         self.owner: Instance | None = None
         """The server holding the stored response it continues (`previous_response_id`): the
         only one it can go to."""
@@ -223,12 +226,15 @@ class Exchange:
         """Its attempts' failures that it may have caused (`proxy.suspects`)."""
 
     def routing_headers(self) -> list[tuple[bytes, bytes]]:
-        """Where the request went: the pool and server of the last attempt, and why."""
+        """Where the request went: the pool and server of the last attempt, and why (`+failover`
+        when a failure moved it to the other pool, `+retry` to another server of the same)."""
         headers = [(b"x-request-id", self.request_id.encode())]
         if self.decision is not None:
             pool, reason = self.decision.pool, self.decision.reason
             if self.instance is not None and self.instance.pool != pool:
                 pool, reason = self.instance.pool, reason + "+failover"
+            elif self.servers_tried > 1:
+                reason += "+retry"
             headers.append((b"x-specroute-pool", pool.encode()))
             headers.append((b"x-specroute-reason", reason.encode()))
         if self.instance is not None:
@@ -697,6 +703,7 @@ class CompletionHandler:
                 break
             tried.append(instance)
             exchange.instance = instance
+            exchange.servers_tried = len(tried)
             number += 1
             failure = await self.attempt(exchange, instance, number, path, headers, body, deadline - loop.time())
             if (

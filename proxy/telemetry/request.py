@@ -89,6 +89,8 @@ class RequestRecorder(RequestHooks):
         self._decided_pool: str | None = None
         self._instance: str | None = None
         self._attempt = 0
+        self._servers = 0
+        """Servers its attempts went to (a second send to the same one does not count)."""
         self._reason: str | None = None
         self._stream = False
         self._model: str | None = None
@@ -165,10 +167,12 @@ class RequestRecorder(RequestHooks):
                 self._content = content_json(body)
 
     def _logged_reason(self) -> str | None:
-        """The decision's reason, with `+failover` when the request ended on the other pool, as
-        its x-specroute-reason header says."""
+        """The decision's reason, with `+failover` when the request ended on the other pool and
+        `+retry` on another server of the same, as its x-specroute-reason header says."""
         if self._reason is not None and self._pool is not None and self._pool != self._decided_pool:
             return self._reason + "+failover"
+        if self._reason is not None and self._servers > 1:
+            return self._reason + "+retry"
         return self._reason
 
     # -- attempts --------------------------------------------------------------------------
@@ -183,6 +187,8 @@ class RequestRecorder(RequestHooks):
                 metrics.retried(pool)
             else:
                 metrics.failed_over(self._pool or "none", pool)
+        if instance != self._instance:
+            self._servers += 1
         self._pool, self._instance, self._attempt = pool, instance, attempt
         self._t_attempt = time.perf_counter()
         self._in_flight = metrics.in_flight_child(pool, instance)

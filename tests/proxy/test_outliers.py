@@ -612,3 +612,19 @@ def test_no_upstream_says_to_retry_when_the_ejection_ends(two_spec_twins: list[R
         # Not pinned, the other pool serves it; with base unreachable too, its polls' retry would win.
         raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2)
         assert raw.headers["x-specroute-pool"] == "base"
+
+
+def test_a_request_retried_on_another_server_of_its_pool_says_so(two_spec_twins: list[RunningTwin]) -> None:
+    """From an earlier note: a request whose first server failed and whose second, in the same
+    pool, answered said only the decision's reason, as if it had gone where the decision sent it."""
+    sick, well, base = two_spec_twins
+    make_sick(sick, error_rate=1.0)
+    with running_proxy(spec_urls=[sick.url, well.url], base_urls=[base.url], policy="spec") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        answers = [
+            client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2).headers
+            for _ in range(4)  # the first attempts rotate over both servers: some start on the sick one
+        ]
+        said = {(h["x-specroute-reason"], h["x-specroute-backend"]) for h in answers}
+        assert ("static+retry", "spec-1") in said, said
+        assert said <= {("static+retry", "spec-1"), ("static", "spec-1")}, said
