@@ -338,10 +338,15 @@ def test_goodput_checks_the_tpot_target_on_spec_as_its_requests_came_out_against
     assert (p.tpot_s + p.tpot_spread_s) * 1000 == pytest.approx(tpot_ms * 1.15, rel=1e-6)
     decision = policy.decide(SHORT, slow)
     assert decision.scores["slo_spec"] == 0.0 and decision.reason != "slo-spec"
+    assert decision.scores["tpot_checked_spec_ms"] == pytest.approx(tpot_ms * 1.15, rel=1e-6)  # what it compared
     # Predictions found pessimistic do not take the check below the mean predicted.
     fast = replace(even, pools={**even.pools, "spec": replace(even.pools["spec"], tpot_bias=0.8)})
     spec = fast.pools["spec"]
     assert policy.predict(spec, spec.least_loaded(), SHORT, cost, 256).tpot_spread_s == 0.0
-    # A plain pool's bias is shown, not applied (docs/routing.md, "SLO targets").
+    # A plain pool's bias is shown, not applied (docs/routing.md, "SLO targets")...
     base = replace(even.pools["base"], tpot_bias=2.0)
     assert policy.predict(base, base.least_loaded(), SHORT, cost, 256).tpot_spread_s == 0.0
+    # ... but where flow control holds what would push it past its targets.
+    held = replace(base, load_held=True)
+    p = policy.predict(held, held.least_loaded(), SHORT, cost, 256)
+    assert p.tpot_spread_s == pytest.approx(p.tpot_s, rel=1e-9)
