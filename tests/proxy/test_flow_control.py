@@ -154,3 +154,16 @@ def test_a_quiet_fleet_holds_nothing(twin_pair) -> None:
 def test_flow_control_needs_an_slo_target() -> None:
     with pytest.raises(SettingsError, match="SPECROUTE_HOLD_MAX_S needs an SLO target"):
         load_settings(hold_max_s=30, spec_urls=["http://127.0.0.1:1"])
+
+
+def test_with_flow_control_the_pools_are_marked_held_to_their_targets() -> None:
+    """With flow control the proxy keeps a plain pool near its TPOT target, so the policy checks
+    it at the TPOT its requests came out at (`PoolState.load_held`, `Goodput.tpot_spread`);
+    without, the marks stay off and routing alone is unchanged."""
+    from proxy.routing import Router
+
+    urls = {"spec_urls": ["http://127.0.0.1:1"], "base_urls": ["http://127.0.0.1:2"]}
+    held = Router.from_settings(load_settings(hold_max_s=30, **SLO, **urls)).snapshot()
+    assert held.pools and all(p.load_held for p in held.pools.values())
+    alone = Router.from_settings(load_settings(**SLO, **urls)).snapshot()
+    assert alone.pools and not any(p.load_held for p in alone.pools.values())
