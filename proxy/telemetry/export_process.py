@@ -89,6 +89,13 @@ class ProcessExport:
         return self._loop is not None
 
     @property
+    def dropped_requests(self) -> int:
+        """Requests whose spans were dropped on this side of the pipe (the child behind, gone or
+        not started, or a batch that could not be pickled); the child's own drops (its
+        exporter's queue full, the collector unreachable) are in its log lines."""
+        return self._dropped
+
+    @property
     def lost(self) -> bool:
         """The child ended unexpectedly and was not replaced yet."""
         return self._lost
@@ -128,6 +135,7 @@ class ProcessExport:
             data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # whatever a value's pickling raises: the batch's spans, not the request
             log.exception("could not hand the spans of %d requests to the export process; dropped", len(batch))
+            self._dropped += len(batch)
             return
         if self._buffered + len(data) > MAX_BUFFER_BYTES:
             self._drop(len(batch))

@@ -16,9 +16,21 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from fleet.types import Snapshot
 from proxy.telemetry import names as n
+
+
+class CountedElsewhere(Collector):
+    """A counter whose value something else keeps (read at every scrape)."""
+
+    def __init__(self, name: str, documentation: str, source: Callable[[], int]) -> None:
+        self.name, self.documentation, self.source = name, documentation, source
+
+    def collect(self) -> Any:
+        yield CounterMetricFamily(self.name, self.documentation, value=self.source())
 
 
 class Metrics:
@@ -154,6 +166,15 @@ class Metrics:
         )
         for rule in n.HOLD_RELEASE_RULES:
             self.hold_released.labels(rule)
+        self._dropped_source: Callable[[], int] = lambda: 0
+        r.register(
+            CountedElsewhere(
+                n.M_TRACE_DROPPED,
+                "Sampled requests whose spans the proxy dropped before export (the span export "
+                "process behind, gone or not started, or spans that could not be written).",
+                lambda: self._dropped_source(),
+            )
+        )
         self._snapshot_source: Callable[[], Snapshot | None] | None = None
         self._held_source: Callable[[], int] | None = None
         # Label children by label values: prometheus_client's labels() takes a lock and builds
@@ -253,6 +274,10 @@ class Metrics:
 
     def released(self, rule: str, held_s: float) -> None:
         self._child(self.hold_released, rule).observe(held_s)
+
+    def watch_dropped(self, source: Callable[[], int]) -> None:
+        """Read the requests whose spans were dropped from `source` at every scrape."""
+        self._dropped_source = source
 
     def watch_held(self, source: Callable[[], int]) -> None:
         """Refresh the held-requests gauge from `source` at every scrape."""

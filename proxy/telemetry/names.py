@@ -97,6 +97,7 @@ M_PREFIX_CACHED = "specroute_prefix_cached_tokens"
 M_UNKNOWN_PATH = "specroute_unknown_path_requests"
 MAX_LOGGED_PATH_CHARS = 200
 """An unknown path's log line keeps this much of it (a client or a scanner chooses it)."""
+M_TRACE_DROPPED = "specroute_trace_dropped_requests"
 M_HELD = "specroute_held_requests"
 M_HOLD_RELEASED = "specroute_hold_released_seconds"
 HOLD_RELEASE_RULES = ("release-room", "release-bound", "release-drain")

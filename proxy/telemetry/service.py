@@ -43,6 +43,8 @@ class SpecrouteTelemetry(Telemetry):
             settings.policy,
             registry.decisions_of(settings.policy),
         )
+        if tracing is not None:
+            self.metrics.watch_dropped(lambda: tracing.dropped_requests)
         self.request_log = RequestLog() if settings.request_log else None
 
     def install(self, app: FastAPI) -> None:

@@ -66,6 +66,11 @@ def make_resource(version: str) -> Resource:
 class SpanExport(Protocol):
     """Where batches of finished requests go to become OTLP spans and leave."""
 
+    @property
+    def dropped_requests(self) -> int:
+        """Requests whose spans it dropped instead of exporting, so far."""
+        ...
+
     def start(self) -> None: ...
 
     def send(self, batch: Sequence[RequestTrace]) -> None: ...
@@ -85,6 +90,13 @@ class LocalExport:
     def __init__(self, exporter: SpanExporter) -> None:
         self.writer = SpanWriter()
         self.processor = BatchSpanProcessor(exporter)
+        self._dropped = 0
+
+    @property
+    def dropped_requests(self) -> int:
+        """Requests whose spans could not be written (the SDK's queue drops what it cannot hold
+        and says so in its log, uncounted here)."""
+        return self._dropped
 
     def start(self) -> None:
         pass
@@ -102,6 +114,7 @@ class LocalExport:
                 failed += 1
         if failed > 1:
             log.error("could not write the spans of %d requests of one batch; dropped", failed)
+        self._dropped += failed
         if parts:
             self.processor.on_end(EncodedSpans(SAMPLED_CONTEXT, parts))  # type: ignore[arg-type]
 
@@ -209,6 +222,11 @@ class Tracing:
         pending, self._pending = self._pending, []
         if pending:
             self.export.send(pending)
+
+    @property
+    def dropped_requests(self) -> int:
+        """Sampled requests whose spans were dropped before export, so far."""
+        return self.export.dropped_requests
 
     def start(self) -> None:
         """Start the export (its child process): called once the server starts."""

@@ -34,8 +34,10 @@ def test_a_full_pipe_waits_on_the_loop_and_a_dead_reader_is_noticed_there() -> N
                 break
             await asyncio.sleep(0.01)
         assert export.lost and not export.watching and export.waiting_bytes == 0
+        dropped = export.dropped_requests
+        assert dropped > 0 and dropped % len(BATCH) == 0  # the batches that waited for the pipe
         export.send(BATCH)  # within RESTART_S of the start: dropped, no new child
-        assert export.lost
+        assert export.lost and export.dropped_requests == dropped + len(BATCH)
 
     uvloop.run(fill_then_kill())
     export.shutdown(5)

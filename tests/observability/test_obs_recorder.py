@@ -698,3 +698,14 @@ def test_a_request_to_a_path_the_proxy_does_not_serve_is_logged_and_counted_with
     assert (line["request_id"], line["status"], line["outcome"]) == ("req-9", 404, "unknown_url")
     assert line["endpoint"].startswith("POST /v1/embeddings") and len(line["endpoint"]) <= 5 + 200
     assert "specroute_unknown_path_requests_total 1.0" in t.metrics.render().decode()
+
+
+def test_requests_whose_spans_were_dropped_are_counted_from_zero() -> None:
+    """From earlier notes: spans the proxy dropped (its export process behind or gone) were only
+    logged. The count is the tracing's, read at every scrape."""
+    t = telemetry(request_log=False)
+    assert samples(t)[("specroute_trace_dropped_requests_total", ())] == 0
+    dropped = [0]
+    t.metrics.watch_dropped(lambda: dropped[0])
+    dropped[0] = 7
+    assert samples(t)[("specroute_trace_dropped_requests_total", ())] == 7
