@@ -511,10 +511,11 @@ class Goodput:
         if c.slo_checked:
             c.meets_spec, c.meets_base = self.meets_slo(on_spec), self.meets_slo(on_base)
             scores["slo_spec"], scores["slo_base"] = float(c.meets_spec), float(c.meets_base)
-            # What the check compared with the TPOT target: the prediction corrected by the pool's
-            # measured bias and spread (`tpot_spread`), traced so a decision can be followed.
-            scores["tpot_checked_spec_ms"] = (on_spec.tpot_s + on_spec.tpot_spread_s) * 1000
-            scores["tpot_checked_base_ms"] = (on_base.tpot_s + on_base.tpot_spread_s) * 1000
+            if self.slo_tpot_ms > 0:
+                # What the check compared with the TPOT target: the prediction corrected by the
+                # pool's measured bias and spread (`tpot_spread`), traced so a decision can be followed.
+                scores["tpot_checked_spec_ms"] = (on_spec.tpot_s + on_spec.tpot_spread_s) * 1000
+                scores["tpot_checked_base_ms"] = (on_base.tpot_s + on_base.tpot_spread_s) * 1000
         return c
 
     def prefill_iteration(self, prompt_tokens: int) -> int:

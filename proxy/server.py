@@ -26,7 +26,7 @@ from proxy.auth import warn_if_open
 from proxy.connection import Limits, guarded_protocol
 from proxy.settings import Settings, SettingsError
 from proxy.telemetry import SpecrouteTelemetry
-from proxy.telemetry.logs import JsonLogFormatter
+from proxy.telemetry.logs import log_formatter
 
 log = logging.getLogger("specroute")
 
@@ -141,6 +141,9 @@ class DrainEnd(logging.Filter):
         return True
 
 
+THIRD_PARTY_LOGGERS = ("opentelemetry", "httpx", "httpcore", "asyncio")
+
+
 def log_config(level: str, fmt: str = "text") -> dict[str, Any]:
     """uvicorn's logging configuration, with the proxy's own "specroute" loggers written the
     same way at the same level (without a handler of their own only warnings reached stderr,
@@ -148,17 +151,14 @@ def log_config(level: str, fmt: str = "text") -> dict[str, Any]:
     format has neither: beside the request log's timed JSON lines, an ejection or a drain could
     not be placed in time), as text or as JSON (`fmt`, SPECROUTE_LOG_FORMAT)."""
     config = copy.deepcopy(LOGGING_CONFIG)
-    if fmt == "json":
-        config["formatters"]["default"] = {"()": JsonLogFormatter}
-    else:
-        config["formatters"]["default"] = {
-            "()": "logging.Formatter",
-            "fmt": "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s",
-            "datefmt": "%Y-%m-%dT%H:%M:%S",
-        }
+    config["formatters"]["default"] = {"()": log_formatter, "fmt": fmt}
     # Propagating too: the root logger has no handler of its own here (no line is written twice),
     # and whoever adds one (a test's log capture, an embedding application) still gets them.
     config["loggers"]["specroute"] = {"handlers": ["default"], "level": level.upper(), "propagate": True}
+    # The libraries' warnings (the OpenTelemetry SDK's, the HTTP client's, the event loop's)
+    # went out bare through Python's last-resort handler: written the same way here.
+    for library in THIRD_PARTY_LOGGERS:
+        config["loggers"][library] = {"handlers": ["default"], "level": "WARNING", "propagate": True}
     config.setdefault("filters", {})["drain_end"] = {"()": DrainEnd}
     config["loggers"]["uvicorn.error"]["filters"] = ["drain_end"]
     return config

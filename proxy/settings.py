@@ -292,9 +292,9 @@ class Settings(_SettingsWithPolicies):
     )
     log_format: Literal["text", "json"] = Field(
         "text",
-        description="How uvicorn's and the proxy's own lines are written to stderr (the request log is JSON "
-        "on stdout either way): text (time, level, logger, message) or json (one object per line: "
-        "ts, level, logger, message, exception).",
+        description="How the proxy's log lines (its own, uvicorn's, its libraries' warnings, the span export "
+        "process's) are written to stderr; the request log is JSON on stdout either way: text (UTC time, "
+        "level, logger, message) or json (one object per line: ts, level, logger, message, exception).",
     )
 
     # Telemetry (proxy/telemetry). The SDK reads the other OTEL_* variables itself.
@@ -429,17 +429,18 @@ class Settings(_SettingsWithPolicies):
     @classmethod
     def _check_traces_sampler(cls, value: str | None) -> str | None:
         # The SDK only warns about a name it does not know and traces every request instead: a
-        # mistyped ratio sampler would trace everything.
-        if value is None or not value.strip():
+        # mistyped ratio sampler would trace everything. It reads the variable itself, lowered
+        # but not stripped: a space around the name is a name it does not know.
+        if value is None or value == "":
             return None
-        if value.strip().lower() not in TRACES_SAMPLERS:
+        if value.lower() not in TRACES_SAMPLERS:
             raise ValueError(f"unknown sampler {value!r}; choose one of {', '.join(TRACES_SAMPLERS)}")
-        return value.strip().lower()
+        return value.lower()
 
     @field_validator("traces_sampler_arg")
     @classmethod
     def _check_traces_sampler_arg(cls, value: str | None) -> str | None:
-        # Unparsable, the SDK warns and samples everything; out of range, it raises at start-up.
+        # Unparsable or out of range, the SDK warns and samples every request.
         if value is None or not value.strip():
             return None
         try:

@@ -138,6 +138,8 @@ def fleet_state(
             # Its recent requests' TPOT over the TPOT predicted for them (median, last minute;
             # in proportion below `tpot_outcomes_min`), and how many finished in that minute.
             "tpot_bias": round(pool.tpot_bias, 3),
+            # Whether the SLO check applies that bias on a plain pool too (flow control on).
+            "load_held": pool.load_held,
             "tpot_outcomes": fleet.pools[name].outcomes.samples(now),
             "tpot_outcomes_min": fleet.pools[name].outcomes.min_samples,
             # Its requests finished within the SLO targets in the last minute: per second, and

@@ -34,6 +34,7 @@ from typing import Any
 
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
+from proxy.telemetry.logs import log_formatter
 from proxy.telemetry.spans import RequestTrace
 from proxy.telemetry.tracing import LocalExport, make_exporter, make_resource
 
@@ -57,9 +58,9 @@ class ProcessExport:
     loop (what the pipe does not take waits in a bounded queue of chunks, written when there is
     room)."""
 
-    def __init__(self, protocol: str, version: str) -> None:
+    def __init__(self, protocol: str, version: str, log_format: str = "text") -> None:
         # -P: not the working directory's `proxy` package, the one this process runs (below).
-        self.command = [sys.executable, "-P", "-m", "proxy.telemetry.export_process", protocol, version]
+        self.command = [sys.executable, "-P", "-m", "proxy.telemetry.export_process", protocol, version, log_format]
         self._child: subprocess.Popen[bytes] | None = None
         self._fd = -1
         self._started_at = -math.inf
@@ -279,8 +280,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Only the end of stdin stops it (see the module's docstring).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=logging.WARNING, format="specroute export process: %(levelname)s %(name)s: %(message)s")
-    protocol, version = argv if argv is not None else sys.argv[1:]
+    protocol, version, *rest = argv if argv is not None else sys.argv[1:]
+    # Its lines as the proxy's own (SPECROUTE_LOG_FORMAT), marked as this process's.
+    handler = logging.StreamHandler()
+    handler.setFormatter(log_formatter(rest[0] if rest else "text", source="span-export-process"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     export = LocalExport(make_exporter(protocol, make_resource(version), InstrumentationScope("specroute", version)))
     stdin = sys.stdin.buffer
     try:

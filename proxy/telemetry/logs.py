@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any, BinaryIO
 
 import orjson
@@ -25,9 +26,28 @@ class RequestLog:
         self.stream.flush()
 
 
+LOG_FORMATS = ("text", "json")
+
+
+class TextLogFormatter(logging.Formatter):
+    """A log record as `2026-12-06T15:24:17.123Z LEVEL logger: message` (UTC, as the request
+    log's `ts`), with `source` before the logger when given (the span export process's lines)."""
+
+    converter = time.gmtime
+
+    def __init__(self, source: str = "") -> None:
+        where = f"{source} " if source else ""
+        super().__init__(f"%(asctime)s.%(msecs)03dZ %(levelname)s {where}%(name)s: %(message)s", "%Y-%m-%dT%H:%M:%S")
+
+
 class JsonLogFormatter(logging.Formatter):
     """A log record as one JSON object: `ts` (seconds since the epoch, as the request log's),
-    `level`, `logger`, `message`, and `exception` (its traceback) when there is one."""
+    `level`, `logger`, `message`, `exception` (its traceback) when there is one, and `source`
+    when given (the span export process's lines)."""
+
+    def __init__(self, source: str = "") -> None:
+        super().__init__()
+        self.source = source
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
@@ -36,6 +56,13 @@ class JsonLogFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if self.source:
+            line["source"] = self.source
         if record.exc_info:
             line["exception"] = self.formatException(record.exc_info)
         return orjson.dumps(line, default=str).decode()
+
+
+def log_formatter(fmt: str, source: str = "") -> logging.Formatter:
+    """The formatter of SPECROUTE_LOG_FORMAT `fmt` (text or json)."""
+    return JsonLogFormatter(source) if fmt == "json" else TextLogFormatter(source)

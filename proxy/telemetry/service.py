@@ -33,7 +33,12 @@ class SpecrouteTelemetry(Telemetry):
         self.policy = settings.policy
         self.trace_content = settings.trace_content
         if tracing is None and settings.traces_enabled:
-            tracing = Tracing(settings.otlp_protocol, version, export_process=settings.trace_export == "process")
+            tracing = Tracing(
+                settings.otlp_protocol,
+                version,
+                export_process=settings.trace_export == "process",
+                log_format=settings.log_format,
+            )
         if tracing is not None and not tracing.enabled:  # OTEL_SDK_DISABLED=true
             tracing.shutdown()
             tracing = None

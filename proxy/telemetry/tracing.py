@@ -147,8 +147,15 @@ class Tracing:
     child process (`export_process`, the default outside tests) or this process."""
 
     def __init__(
-        self, protocol: str, version: str, exporter: SpanExporter | None = None, *, export_process: bool = False
+        self,
+        protocol: str,
+        version: str,
+        exporter: SpanExporter | None = None,
+        *,
+        export_process: bool = False,
+        log_format: str = "text",
     ) -> None:
+        """`log_format`: how the export process writes its log lines (SPECROUTE_LOG_FORMAT)."""
         # The sampler comes from OTEL_TRACES_SAMPLER(_ARG); atexit is replaced by shutdown().
         self.provider = TracerProvider(resource=make_resource(version), shutdown_on_exit=False)
         # OTEL_SDK_DISABLED=true: the provider hands out no-op tracers; so does nothing here.
@@ -162,7 +169,7 @@ class Tracing:
         if export_process and exporter is None and self.enabled:
             from proxy.telemetry.export_process import ProcessExport  # imports tracing: not at the top
 
-            self.export = ProcessExport(protocol, version)
+            self.export = ProcessExport(protocol, version, log_format)
         else:
             self.export = LocalExport(
                 exporter or (make_exporter(protocol, self.resource, self.scope) if self.enabled else SpanExporter())

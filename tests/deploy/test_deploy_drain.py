@@ -85,7 +85,7 @@ def test_a_stream_longer_than_the_drain_is_cut_and_freed(slow_twin: RunningTwin,
         # The cut is the drain doing its job: a warning (uvicorn's own line said ERROR).
         # Each line says when, how bad and who (uvicorn's own format said neither time nor logger).
         assert re.search(
-            r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} WARNING uvicorn.error: "
+            r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z WARNING uvicorn.error: "
             r"drain timeout \(SPECROUTE_DRAIN_TIMEOUT_S\) reached: 1 running",
             proxy.log(),
             re.M,
@@ -102,7 +102,8 @@ def test_a_stream_longer_than_the_drain_is_cut_and_freed(slow_twin: RunningTwin,
 def test_sigterm_turns_ready_503_while_the_listener_stays_open(slow_twin: RunningTwin, tmp_path: Path) -> None:
     """With SPECROUTE_DRAIN_DELAY_S, a load balancer sees /ready answer 503 (not a refused
     connection) after SIGTERM, and only then the listener closes. With SPECROUTE_LOG_FORMAT=json
-    every line the proxy writes is a JSON object (stdout's request log and stderr's lines)."""
+    every line the proxy writes after start-up is a JSON object (stdout's request log and
+    stderr's lines)."""
     proxy = start_proxy(
         tmp_path,
         SPECROUTE_SPEC_URLS=slow_twin.url,

@@ -709,3 +709,29 @@ def test_requests_whose_spans_were_dropped_are_counted_from_zero() -> None:
     t.metrics.watch_dropped(lambda: dropped[0])
     dropped[0] = 7
     assert samples(t)[("specroute_trace_dropped_requests_total", ())] == 7
+
+
+def test_log_lines_say_when_in_utc_and_where_from_as_text_or_json() -> None:
+    """SPECROUTE_LOG_FORMAT: text lines start with their UTC time; JSON lines are one object; the
+    span export process's say so (`source`)."""
+    import json
+    import logging
+    import re
+
+    from proxy.telemetry.logs import log_formatter
+
+    record = logging.LogRecord("specroute.outliers", logging.WARNING, __file__, 1, "ejected %s", ("spec-0",), None)
+    record.created = 0.5  # 1970-01-01T00:00:00.500 UTC, whatever the machine's time zone
+    record.msecs = 500.0
+    text = log_formatter("text").format(record)
+    assert text == "1970-01-01T00:00:00.500Z WARNING specroute.outliers: ejected spec-0", text
+    marked = log_formatter("text", source="span-export-process").format(record)
+    assert re.match(r"^\S+Z WARNING span-export-process specroute.outliers: ejected spec-0$", marked), marked
+    line = json.loads(log_formatter("json", source="span-export-process").format(record))
+    assert line == {
+        "ts": 0.5,
+        "level": "WARNING",
+        "logger": "specroute.outliers",
+        "message": "ejected spec-0",
+        "source": "span-export-process",
+    }

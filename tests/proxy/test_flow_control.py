@@ -163,7 +163,9 @@ def test_with_flow_control_the_pools_are_marked_held_to_their_targets() -> None:
     from proxy.routing import Router
 
     urls = {"spec_urls": ["http://127.0.0.1:1"], "base_urls": ["http://127.0.0.1:2"]}
-    held = Router.from_settings(load_settings(hold_max_s=30, **SLO, **urls)).snapshot()
+    router = Router.from_settings(load_settings(hold_max_s=30, **SLO, **urls))
+    held = router.snapshot()
     assert held.pools and all(p.load_held for p in held.pools.values())
+    assert all(router.state()["pools"][name]["load_held"] for name in ("spec", "base"))  # shown
     alone = Router.from_settings(load_settings(**SLO, **urls)).snapshot()
     assert alone.pools and not any(p.load_held for p in alone.pools.values())

@@ -105,10 +105,11 @@ def test_a_kubernetes_service_link_in_the_port_is_named_as_such(tmp_path: Path) 
 
 def test_a_sampler_the_sdk_would_not_know_stops_the_proxy_with_one_line(tmp_path: Path) -> None:
     """From an operator's probe: OTEL_TRACES_SAMPLER=bogus only warned, and every request was
-    traced (the SDK falls back to its default); a ratio out of range raised at start-up."""
+    traced (the SDK falls back to its default); so did a ratio out of range or not a number."""
     base = {"SPECROUTE_BASE_URLS": "http://a:1"}
     for env, said in (
         ({"OTEL_TRACES_SAMPLER": "traceidraio"}, "OTEL_TRACES_SAMPLER: unknown sampler 'traceidraio'"),
+        ({"OTEL_TRACES_SAMPLER": " traceidratio"}, "OTEL_TRACES_SAMPLER: unknown sampler ' traceidratio'"),
         ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "1.5"}, "OTEL_TRACES_SAMPLER_ARG: '1.5'"),
         ({"OTEL_TRACES_SAMPLER_ARG": "ten percent"}, "OTEL_TRACES_SAMPLER_ARG: 'ten percent' is not a number"),
     ):
