@@ -33,7 +33,7 @@ class TextLogFormatter(logging.Formatter):
     """A log record as `2026-12-06T15:24:17.123Z LEVEL logger: message` (UTC, as the request
     log's `ts`), with `source` before the logger when given (the span export process's lines)."""
 
-    converter = time.gmtime
+    converter = staticmethod(time.gmtime)
 
     def __init__(self, source: str = "") -> None:
         where = f"{source} " if source else ""
