@@ -81,11 +81,13 @@ class RequestHooks:
         client_disconnected: bool,
         upstream_wait_s: float = 0.0,
         cached_tokens: int | None = None,
+        events: int | None = None,
     ) -> None:
         """The response to the client is complete (or abandoned); called exactly once.
         `upstream_wait_s`: all the request's time spent waiting on upstream servers;
         `cached_tokens`: the prompt tokens the server found in its prefix cache, as its usage
-        reported them (usage.prompt_tokens_details.cached_tokens), if it did."""
+        reported them (usage.prompt_tokens_details.cached_tokens), if it did; `events`: a
+        stream's data events relayed to the client (None: no stream)."""
 
 
 NO_HOOKS = RequestHooks()

@@ -162,6 +162,7 @@ class Exchange:
         "body_bytes",
         "culprit",
         "servers_tried",
+        "events",
         "held",
     )
 
@@ -215,6 +216,9 @@ class Exchange:
         """How its API's answers are looked into (chat and completions, or the Responses API)."""
         self.servers_tried = 0
         """Servers its attempts went to (a second send to the same one does not count)."""
+        self.events = 0
+        """A stream's data events relayed to the client: how far one closed early got (its usage,
+        and so its token count, never comes)."""
         self.owner: Instance | None = None
         """The server holding the stored response it continues (`previous_response_id`): the
         only one it can go to."""
@@ -590,6 +594,7 @@ class CompletionHandler:
                 client_disconnected=exchange.client_gone,
                 upstream_wait_s=exchange.upstream_wait_s,
                 cached_tokens=summary.cached_tokens,
+                events=exchange.events if exchange.streaming else None,
             )
 
     async def find_owner(self, exchange: Exchange, payload: dict[str, Any], headers: dict[str, str]) -> None:
@@ -1050,6 +1055,7 @@ class CompletionHandler:
                     await send({"type": "http.response.body", "body": passed, "more_body": True})
                 if is_stream:
                     events = dialect.count(chunk)
+                    exchange.events += events
                     attempt.chunk(events)
                     if per_chunk:
                         hooks.chunk(size=len(chunk), events=events, tokens=events)

@@ -270,6 +270,7 @@ class RequestRecorder(RequestHooks):
         client_disconnected: bool,
         upstream_wait_s: float = 0.0,
         cached_tokens: int | None = None,
+        events: int | None = None,
     ) -> None:
         end = time.perf_counter()
         duration_s = end - self._t0
@@ -323,6 +324,7 @@ class RequestRecorder(RequestHooks):
                     "ttft_ms": None if ttft_s is None else round(ttft_s * 1000, 3),
                     "prompt_tokens": prompt_tokens,
                     "completion_tokens": completion_tokens,
+                    "events": events,
                     "cached_tokens": cached_tokens,
                     "credited_tokens": self._credited,
                     "duration_ms": round(duration_s * 1000, 3),

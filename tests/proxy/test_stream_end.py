@@ -41,3 +41,47 @@ def test_a_client_that_leaves_at_done_does_not_cut_the_response_short():
         # Every outcome's series exists from the start (at 0): this one's stays there.
         assert 'outcome="client_disconnected",policy="goodput",pool="spec"} 0.0' in metrics
         assert 'outcome="ok",policy="goodput",pool="spec"} 1.0' in metrics
+
+
+def test_a_stream_closed_early_says_how_far_it_got(twin_pair, capfd) -> None:  # type: ignore[no-untyped-def]
+    """From earlier notes: a stream its client closed early carried no token count (its usage
+    never comes); its log line now counts the data events relayed, and one read to its end too."""
+    import json
+
+    spec, base = twin_pair
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url], request_log=True) as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=30)
+        stream = client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=2000,
+            stream=True,
+            extra_headers={"x-request-id": "left-early"},
+        )
+        read = 0
+        for _ in stream:
+            read += 1
+            if read == 5:
+                break
+        stream.close()
+        whole = list(
+            client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=8,
+                stream=True,
+                extra_headers={"x-request-id": "read-whole"},
+            )
+        )
+        seen: list[str] = []
+
+        def logged() -> dict[str, dict]:
+            seen.append(capfd.readouterr().out)
+            lines = [json.loads(line) for line in "".join(seen).splitlines() if line.startswith("{")]
+            return {line["request_id"]: line for line in lines if line["request_id"] in ("left-early", "read-whole")}
+
+        lines = wait_for(lambda: len(logged()) == 2 and logged(), timeout=10, what="both log lines")
+        left, done = lines["left-early"], lines["read-whole"]
+        assert left["outcome"] == "client_disconnected" and left["completion_tokens"] is None, left
+        assert 5 <= left["events"] < 2000, left
+        assert done["outcome"] == "ok" and done["events"] >= len(whole) - 1, (done, len(whole))
