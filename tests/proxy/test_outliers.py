@@ -614,12 +614,15 @@ def test_no_upstream_says_to_retry_when_the_ejection_ends(two_spec_twins: list[R
         assert raw.headers["x-specroute-pool"] == "base"
 
 
-def test_a_request_retried_on_another_server_of_its_pool_says_so(two_spec_twins: list[RunningTwin]) -> None:
+def test_a_request_retried_on_another_server_of_its_pool_says_so(two_spec_twins: list[RunningTwin], capfd) -> None:  # type: ignore[no-untyped-def]
     """From an earlier note: a request whose first server failed and whose second, in the same
-    pool, answered said only the decision's reason, as if it had gone where the decision sent it."""
+    pool, answered said only the decision's reason, as if it had gone where the decision sent it.
+    Its header and its log line say `+retry` alike."""
+    import json
+
     sick, well, base = two_spec_twins
     make_sick(sick, error_rate=1.0)
-    with running_proxy(spec_urls=[sick.url, well.url], base_urls=[base.url], policy="spec") as proxy:
+    with running_proxy(spec_urls=[sick.url, well.url], base_urls=[base.url], policy="spec", request_log=True) as proxy:
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
         answers = [
             client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2).headers
@@ -628,3 +631,12 @@ def test_a_request_retried_on_another_server_of_its_pool_says_so(two_spec_twins:
         said = {(h["x-specroute-reason"], h["x-specroute-backend"]) for h in answers}
         assert ("static+retry", "spec-1") in said, said
         assert said <= {("static+retry", "spec-1"), ("static", "spec-1")}, said
+        header = {h["x-request-id"]: h["x-specroute-reason"] for h in answers}
+        seen: list[str] = []
+
+        def logged() -> dict[str, str]:
+            seen.append(capfd.readouterr().out)
+            lines = [json.loads(line) for line in "".join(seen).splitlines() if line.startswith("{")]
+            return {line["request_id"]: line["reason"] for line in lines if line["request_id"] in header}
+
+        wait_for(lambda: logged() == header, timeout=10, what="log lines with the headers' reasons")
