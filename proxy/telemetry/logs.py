@@ -1,5 +1,5 @@
 """One JSON line per request on stdout (`RequestLog`), never a prompt or a completion; and the
-JSON form of the other log lines, on stderr (`JsonLogFormatter`, SPECROUTE_LOG_FORMAT=json).
+formats of the other log lines, on stderr (`log_formatter`: text or JSON, SPECROUTE_LOG_FORMAT).
 
 Written straight to the stream, not through `logging`: a LogRecord per request (caller lookup,
 thread and process names, a lock, a flush) cost about ten times the line itself, a few percent
@@ -24,9 +24,6 @@ class RequestLog:
     def write(self, record: dict[str, Any]) -> None:
         self.stream.write(orjson.dumps(record, default=str, option=orjson.OPT_APPEND_NEWLINE))
         self.stream.flush()
-
-
-LOG_FORMATS = ("text", "json")
 
 
 class TextLogFormatter(logging.Formatter):
