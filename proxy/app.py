@@ -109,6 +109,7 @@ class SpecrouteApp:
         await self.upstream.start()
         await self.telemetry.start()
         await self.router.start()
+        self.completions.bodies.start()
         reloads_on_sighup = self.access.keys.path is not None and threading.current_thread() is threading.main_thread()
         if reloads_on_sighup:
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self.access.keys.reload)

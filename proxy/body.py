@@ -252,6 +252,12 @@ compiled (or the other way round: each process decides alone, fleet/native.py), 
 one class does not unpickle as the other."""
 
 
+def warmed(future: asyncio.Future[None]) -> None:
+    """A worker that failed to start is started again by the next large body (BrokenProcessPool)."""
+    if not future.cancelled() and future.exception() is not None:
+        log.error("the body parsing process did not start: %s", future.exception())
+
+
 def read_in_worker(
     body: bytes, max_items: int, max_values: int, given: Given = Given()
 ) -> Parts | tuple[int, str, str | None, str | None]:
@@ -266,16 +272,36 @@ def read_in_worker(
     return payload, features, tuple(parsed.blocks), parsed.session, parsed.body
 
 
+def warm() -> None:
+    """Nothing: run once in a new worker process, it has the worker import this module before
+    the first large body needs it."""
+
+
 class BodyReader:
     """Parses completion bodies: small ones on the event loop, bigger ones in a worker process
-    (started at the first such body). With prompts on traces (SPECROUTE_TRACE_CONTENT) the whole
-    body is needed here, so bigger ones go to a worker thread instead."""
+    (started with the proxy, `start`: spawning it and importing this module took ~300 ms, which
+    the first large body paid). With prompts on traces (SPECROUTE_TRACE_CONTENT) the whole body
+    is needed here, so bigger ones go to a worker thread instead."""
 
     def __init__(self, max_items: int, max_values: int, keep_content: bool = False) -> None:
         self.max_items = max_items
         self.max_values = max_values
         self.keep_content = keep_content
         self.pool: ProcessPoolExecutor | None = None
+        self.warming: asyncio.Future[None] | None = None
+
+    def start(self) -> None:
+        """Start the worker process in the background (the proxy serves meanwhile: a large body
+        sent before it is up waits for it, as it did when the first one started it)."""
+        if self.keep_content or self.pool is not None:
+            return
+        self.pool = self.new_pool()
+        self.warming = asyncio.get_running_loop().run_in_executor(self.pool, warm)
+        self.warming.add_done_callback(warmed)
+
+    @staticmethod
+    def new_pool() -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
 
     async def parse(self, body: bytes, given: Given = Given()) -> Parsed:
         """The parsed body, its routing features, its prompt's block hashes and its session key;
@@ -288,7 +314,7 @@ class BodyReader:
         if len(body) <= PROCESS_BYTES or self.keep_content:
             return await asyncio.to_thread(read_hashed, *args)
         if self.pool is None:
-            self.pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            self.pool = self.new_pool()
         try:
             result = await asyncio.get_running_loop().run_in_executor(self.pool, read_in_worker, *args)
         except BrokenProcessPool:
@@ -306,5 +332,6 @@ class BodyReader:
     async def close(self) -> None:
         """End the worker process (in a thread: the loop keeps serving while it exits)."""
         pool, self.pool = self.pool, None
+        self.warming = None
         if pool is not None:
             await asyncio.to_thread(pool.shutdown, True, cancel_futures=True)

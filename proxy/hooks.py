@@ -87,7 +87,7 @@ class RequestHooks:
         `upstream_wait_s`: all the request's time spent waiting on upstream servers;
         `cached_tokens`: the prompt tokens the server found in its prefix cache, as its usage
         reported them (usage.prompt_tokens_details.cached_tokens), if it did; `events`: a
-        stream's data events relayed to the client (None: no stream)."""
+        stream's text-carrying events relayed to the client (None: no stream)."""
 
 
 NO_HOOKS = RequestHooks()

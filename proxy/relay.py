@@ -217,7 +217,7 @@ class Exchange:
         self.servers_tried = 0
         """Servers its attempts went to (a second send to the same one does not count)."""
         self.events = 0
-        """A stream's data events relayed to the client: how far one closed early got (its usage,
+        """A stream's text-carrying events relayed to the client: how far one closed early got (its usage,
         and so its token count, never comes)."""
         self.owner: Instance | None = None
         """The server holding the stored response it continues (`previous_response_id`): the

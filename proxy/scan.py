@@ -15,6 +15,7 @@ from proxy.errors import response_error_event, stream_error_event
 
 EVENT = b"data:"
 DONE = b"data: [DONE]"
+NO_CHOICES = b'"choices":[]'
 
 # A count of more than nine digits (a billion tokens) is no count an upstream means: it is not
 # taken (a 400-digit one overflowed the float arithmetic of the fleet model's means).
@@ -47,10 +48,14 @@ TEXTLESS = (
 
 
 def content_events(chunk: bytes) -> int:
-    """SSE data events in a chunk, the closing [DONE] and chat events without text not counted."""
+    """SSE data events in a chunk, the closing [DONE] and chat events without text (or without a
+    choice) not counted."""
     events = chunk.count(EVENT)
     if events and DONE in chunk:
         events -= 1
+    # A stream's usage event and SGLang's spec_tokens_details one have no choice at all.
+    if events and NO_CHOICES in chunk:
+        events = max(events - chunk.count(NO_CHOICES), 0)
     # Every TEXTLESS prefix has "r" or "}" after the brace; a text delta as msgspec writes it
     # ("delta":{"content":...) has neither, so most chunks pass with two scans, not five.
     if events and (b'"delta":{"r' in chunk or b'"delta":{}' in chunk):

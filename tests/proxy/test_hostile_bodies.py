@@ -202,3 +202,19 @@ def test_a_dead_body_worker_costs_no_request(proxy: RunningProxy) -> None:
     wait_for(lambda: all(not p.is_alive() for p in pool._processes.values()), what="the worker to die")
     assert served() and served()
     assert proxy.app.completions.bodies.pool not in (None, pool)
+
+
+def test_the_body_worker_starts_with_the_proxy_not_with_the_first_large_body(twin_pair) -> None:  # type: ignore[no-untyped-def]
+    """From a review: the first body over 256 KiB paid ~300 ms (the worker spawned and imported
+    on its request path). The worker now starts with the proxy and the first large body finds it
+    up."""
+    spec, base = twin_pair
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url]) as fresh:
+        bodies = fresh.app.completions.bodies
+        pool = bodies.pool
+        assert pool is not None and bodies.warming is not None
+        wait_for(lambda: bodies.warming.done(), timeout=30, what="the body worker up")
+        assert bodies.warming.exception() is None
+        big = json.dumps({**CHAT, "messages": [{"role": "user", "content": "word " * 100_000}]}).encode()
+        assert post(fresh, big).status_code == 400  # parsed, routed, refused by the twin as too long
+        assert bodies.pool is pool and len(pool._processes) == 1  # noqa: SLF001

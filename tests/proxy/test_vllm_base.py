@@ -245,17 +245,29 @@ def test_the_role_only_opening_and_the_closing_event_count_as_no_token(
 ) -> None:
     # The relay counts a stream's tokens (and step gaps) by its content events: the opening event
     # (vLLM's, SGLang's) carries the role and no text, SGLang's closing one an empty delta and the
-    # finish reason: each must count for none.
+    # finish reason, the usage event (and SGLang's spec_tokens_details) no choice: each must count
+    # for none.
     from proxy.scan import content_events
 
     spec, base = sglang_spec_and_vllm_base
     for twin, n in ((base, 1), (base, 2), (spec, 1)):
-        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "n": n, "stream": True}
+        body = {
+            "model": MODEL,
+            "messages": MESSAGES,
+            "max_tokens": 4,
+            "n": n,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_spec_tokens_details": twin is spec,
+        }
         with httpx.stream("POST", twin.base_url + "/chat/completions", json=body, timeout=30) as response:
             events = [event + b"\n\n" for event in response.read().split(b"\n\n") if event]
         counted = [content_events(event) for event in events]
+        no_choice = sum(b'"choices":[]' in event for event in events)
+        assert no_choice == (1 if twin is base else 2), (twin.url, events)
         # spec's events carry a verify step's tokens each; SGLang opens and closes each choice
-        assert sum(counted) == 4 * n if twin is base else sum(counted) == len(events) - 1 - 2 * n, (twin.url, counted)
+        expected = 4 * n if twin is base else len(events) - 1 - 2 * n - no_choice
+        assert sum(counted) == expected, (twin.url, counted)
         assert content_events(b"".join(events)) == sum(counted)
 
 
