@@ -186,7 +186,9 @@ class _Curve:
             xs = self.xs
             x = math.log(max(size, 1.0))
             i = bisect.bisect_left(xs, x)
-            found = tuple((j, 1.0 + abs(x - xs[j]) / math.log(2.0)) for j in (i - 1, i) if 0 <= j < len(xs))
+            # At a learned bucket, both its neighbours are near it too (`_corrected`).
+            around = (i - 1, i, i + 1) if i < len(xs) and xs[i] == x else (i - 1, i)
+            found = tuple((j, 1.0 + abs(x - xs[j]) / math.log(2.0)) for j in around if 0 <= j < len(xs))
             if len(self.nearby) >= POINT_MEMO:
                 self.nearby.clear()
             self.nearby[size] = found
@@ -509,26 +511,31 @@ def _corrected(curve: _Curve, weights: list[float], size: float, prior: float, a
         return 1.0 if anchor is None or anchor > 1.0 else anchor
     i, t = curve.point(size)
     if t < 0:  # past either end: the nearest bucket, its inner neighbour informing its target
-        return _shrunk(curve, weights, i, i - 1 if i > 0 else i + 1, prior, anchor)
-    return (
-        _shrunk(curve, weights, i - 1, i, prior, anchor) * (1 - t)
-        + _shrunk(curve, weights, i, i - 1, prior, anchor) * t
-    )
+        return _shrunk(curve, weights, i, prior, anchor)
+    return _shrunk(curve, weights, i - 1, prior, anchor) * (1 - t) + _shrunk(curve, weights, i, prior, anchor) * t
 
 
-def _shrunk(curve: _Curve, weights: list[float], j: int, k: int, prior: float, anchor: float | None) -> float:
+def _shrunk(curve: _Curve, weights: list[float], j: int, prior: float, anchor: float | None) -> float:
     """Bucket j's correction: its ratio, `weights[j]` observations' worth, against `prior` of its
-    target (`_corrected`), which its neighbour k (if learned) moves toward its own ratio by k's
-    trust, discounted by the doublings between them. A bucket whose trust has faded then returns
-    toward a fresh neighbour before the seed: each shrunk toward the target alone, spec's prefill
-    at 4,096 tokens (its bucket aged) fell to 147 ms against a true 280 while its neighbour at
-    2,048 tokens was fresh at 2.4x the seed (a helper's probe, no profile)."""
+    target (`_corrected`), which its learned neighbours on either side move toward their own
+    ratios by their trust, discounted by the doublings between them. A bucket whose trust has
+    faded then returns toward a fresh neighbour before the seed: each shrunk toward the target
+    alone, spec's prefill at 4,096 tokens (its bucket aged) fell to 147 ms against a true 280
+    while its neighbour at 2,048 tokens was fresh at 2.4x the seed (a helper's probe, no
+    profile). Both neighbours count, whichever side of j the size lies: with only the one toward
+    the size, an aged bucket at batch 8 beside a fresh one at 16 predicted 8.0 ms at batch 8 and
+    24.4 at batch 9 (a review), the curve 3x apart one batch apart."""
     learned = curve.learned
     ratio = learned[j].ratio
     target = 1.0 if anchor is None else ratio if ratio < anchor else anchor
-    if 0 <= k < len(learned):
-        near = weights[k] / (1.0 + abs(curve.xs[j] - curve.xs[k]) / LOG_2)
-        target = (prior * target + near * learned[k].ratio) / (prior + near)
+    pulled = prior * target
+    weighed = prior
+    for k in (j - 1, j + 1):
+        if 0 <= k < len(learned):
+            near = weights[k] / (1.0 + abs(curve.xs[j] - curve.xs[k]) / LOG_2)
+            pulled += near * learned[k].ratio
+            weighed += near
+    target = pulled / weighed
     weight = weights[j]
     return (prior * target + ratio * weight) / (prior + weight)
 

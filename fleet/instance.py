@@ -22,12 +22,18 @@ PREFILL_MEMORY_TOKENS = 65_536
 RATE_WINDOW_S = 2.0
 
 
+# The window over which a server's counted prefill tokens are compared with the uncached tokens
+# this router sent it: long beside the lag between a dispatch and its prefill being counted.
+PREFILLED_WINDOW_S = 30.0
+
+
 @dataclass(slots=True)
 class EventRate:
-    """Events (or amounts) per second, exponentially weighted over RATE_WINDOW_S."""
+    """Events (or amounts) per second, exponentially weighted over `window_s`."""
 
     weighted: float = 0.0
     at: float = 0.0
+    window_s: float = RATE_WINDOW_S
 
     def add(self, now: float, amount: float = 1.0) -> None:
         self.weighted = self._decayed(now) + amount
@@ -35,15 +41,19 @@ class EventRate:
 
     def remove(self, added_at: float, now: float, amount: float = 1.0) -> None:
         """Take back an amount added at `added_at` (what is left of it at `now`)."""
-        left = amount * math.exp(-max(now - added_at, 0.0) / RATE_WINDOW_S)
+        left = amount * math.exp(-max(now - added_at, 0.0) / self.window_s)
         self.weighted = max(self._decayed(now) - left, 0.0)
         self.at = max(now, self.at)
 
     def per_s(self, now: float) -> float:
-        return self._decayed(now) / RATE_WINDOW_S
+        return self._decayed(now) / self.window_s
 
     def _decayed(self, now: float) -> float:
-        return self.weighted * math.exp(-max(now - self.at, 0.0) / RATE_WINDOW_S)
+        return self.weighted * math.exp(-max(now - self.at, 0.0) / self.window_s)
+
+
+def long_rate() -> EventRate:
+    return EventRate(window_s=PREFILLED_WINDOW_S)
 
 
 @dataclass(slots=True)
@@ -85,6 +95,10 @@ class InstanceSignals:
     """Prompt tokens this router sent here per second (their prefill stalls the decode)."""
     sent: EventRate = field(default_factory=EventRate)
     """Requests this router sent here per second."""
+    uncached_sent: EventRate = field(default_factory=long_rate)
+    """`prompt_tokens_sent` over PREFILLED_WINDOW_S, beside `prefilled`."""
+    prefilled: EventRate = field(default_factory=long_rate)
+    """Prompt tokens its prefill counters counted, over PREFILLED_WINDOW_S."""
     cache_tokens: int | None = None
     """Its KV capacity in tokens as last read (the prefix index's cap for it)."""
     cache: CacheStats = field(default_factory=CacheStats)
@@ -100,7 +114,10 @@ class InstanceSignals:
         """Difference the cumulative counters: (uncached tokens, busy microseconds) since the
         previous reading, or None (the first reading, a reset, or no prefill since)."""
         delta = self.prefill_counters.add(tokens_total, busy_us_total)
-        if delta is None or delta[0] <= 0:
+        if delta is None:  # the first reading or a restarted server: both counts start again here
+            self.uncached_sent, self.prefilled = long_rate(), long_rate()
+            return None
+        if delta[0] <= 0:
             return None
         tokens, busy_us = delta
         rate = busy_us / 1000 / tokens
@@ -108,6 +125,15 @@ class InstanceSignals:
         mean = self.prefill_ms_per_token if self.prefill_ms_per_token is not None else rate
         self.prefill_ms_per_token = mean + (rate - mean) * tokens / self.prefill_tokens_measured
         return delta
+
+    def prefilled_share(self, now: float) -> float:
+        """The tokens its counters prefilled over the uncached tokens this router sent it, at
+        most 1: under 1, it held in its prefix cache more of our prompts than the router credited
+        (another proxy replica's or a restarted router's turns); 1 while either is unknown."""
+        ours = self.uncached_sent.per_s(now)
+        if ours <= 0 or self.prefilled.weighted <= 0:
+            return 1.0
+        return min(self.prefilled.per_s(now) / ours, 1.0)
 
     recent_dispatches: deque[float] = field(default_factory=lambda: deque(maxlen=64))
     """When our latest requests were sent here (kept across readings): a request sent while

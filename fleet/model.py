@@ -215,6 +215,7 @@ class FleetModel:
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:
             work = signals.on_prefill_counters(reading.prefill_tokens_total, reading.prefill_busy_us_total)
             if work is not None:
+                signals.prefilled.add(reading.at, work[0])
                 self._on_prefill_work(signals, reading.at, *work, queued=queued)
         if reading.cache_tokens and reading.cache_tokens != signals.cache_tokens:
             signals.cache_tokens = reading.cache_tokens
@@ -368,6 +369,7 @@ class FleetModel:
         signals.recent_dispatches.append(now)
         signals.local_in_flight += 1
         signals.prompt_tokens_sent.add(now, uncached)
+        signals.uncached_sent.add(now, uncached)
         signals.sent.add(now)
         if signals.polled:
             signals.events.append((now, +1, uncached))
@@ -411,6 +413,7 @@ class FleetModel:
         signals = self.instances[url]
         signals.local_in_flight = max(signals.local_in_flight - 1, 0)
         signals.prompt_tokens_sent.remove(dispatched_at, now, prompt_tokens)
+        signals.uncached_sent.remove(dispatched_at, now, prompt_tokens)
         signals.sent.remove(dispatched_at, now)
         if signals.polled:
             try:
@@ -540,7 +543,10 @@ class FleetModel:
         sent here lately, or more prompt tokens prefilled since the last reading than twice what
         we sent in the last seconds (another client's prompts, of a size we do not know: taken
         as ours, a profiler's 1,024-token prompts taught base's prefill at a third of its time):
-        no step size to attribute, no evidence."""
+        no step size to attribute, no evidence. Fewer prefilled over the last half-minute than
+        we sent uncached (`prefilled_share`): the server had cached what the router did not
+        credit (after a restart, or another replica's turns), and each prompt's prefill is that
+        share of ours (taken as ours, a review saw spec's prefill learned 3-20x too slow)."""
         if busy_us <= 0:
             return
         if queued:
@@ -552,7 +558,7 @@ class FleetModel:
             ours = signals.prompt_tokens_sent.per_s(now)
             if tokens > 2 * ours * RATE_WINDOW_S:  # the rate's window holds what we sent lately
                 return
-            step = min(ours / per_s, PREFILL_CHUNK_TOKENS)
+            step = min(ours / per_s * signals.prefilled_share(now), PREFILL_CHUNK_TOKENS)
         if step < 1:
             return
         steps = tokens / step

@@ -230,6 +230,36 @@ def test_another_clients_prompts_in_the_counters_teach_no_prefill_and_break_noth
         assert model.cost.prefill_ms("base", size, now) == pytest.approx(seed.prefill_ms(size), rel=0.05)
 
 
+def test_prompts_the_server_had_cached_unknown_to_the_router_teach_their_true_prefill() -> None:
+    """After a restart (or behind another proxy replica) the router credits no cached prefix, but
+    the server holds it and prefills only each turn's new tokens: its counters count those. Read
+    as iterations of the prompts the router sent, a review saw spec's prefill learned 3-20x too
+    slow (~150x the seed per iteration, at tiny weights). Each prompt's prefill is now the share
+    the counters prefilled of what was sent."""
+    from fleet.costmodel import AffineSeed
+
+    seed = AffineSeed()
+    prompt, new = 2048, 64  # what we send each turn; what the server did not have cached
+
+    def learned(cached_on_server: bool) -> float:
+        model = FleetModel(seed=seed)
+        model.add_instance("b", "base", 64)
+        tokens = busy_us = 0.0
+        for i in range(300):  # 30 s: a turn every 0.2 s, a reading every 0.1 s, no queue
+            now = 0.1 * i
+            if i % 2 == 0:
+                model.on_dispatch("b", now, prompt)
+                prefilled = new if cached_on_server else prompt
+                tokens, busy_us = tokens + prefilled, busy_us + 1000 * seed.prefill_ms(prefilled)
+            model.on_reading(
+                "b", Reading(now, running=1, waiting=0, prefill_tokens_total=tokens, prefill_busy_us_total=busy_us)
+            )
+        return max(model.cost.prefill_ms("base", size, now) / seed.prefill_ms(size) for size in (new, 1024, prompt))
+
+    assert learned(cached_on_server=False) == pytest.approx(1.0, rel=0.05)
+    assert learned(cached_on_server=True) == pytest.approx(1.0, rel=0.1)
+
+
 def test_no_observation_outweighs_a_buckets_memory() -> None:
     from fleet.costmodel import AffineSeed, StepCostModel
 

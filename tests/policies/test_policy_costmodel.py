@@ -179,6 +179,27 @@ def test_an_aged_bucket_returns_toward_a_fresh_neighbour_before_the_seed():
     assert model.prefill_correction("spec", 4096, 600.0) == pytest.approx(1.0, abs=0.05)
 
 
+def test_an_aged_bucket_between_fresh_and_aged_ones_is_pulled_by_the_fresh_one_at_its_own_size():
+    """A review: 3x the seed learned at batches 1-32, then only 16 and 32 fed for 120 s. At batch 8
+    exactly (its bucket aged) the prediction heard only its lower neighbour (aged too): 8.0 ms,
+    against 24.4 at batch 9 and the truth of ~24; the evidence at 8 showed 0 beside 25 at 9."""
+    model = StepCostModel(AffineSeed(), num_draft_tokens=3, half_life_s=HALF_LIFE_S)
+    now = 0.0
+    for _ in range(200):
+        now += 0.25
+        for batch in (1, 2, 4, 8, 16, 32):
+            model.observe("spec", batch, 3 * model.seed_step_ms(batch, 4), now=now)
+    for _ in range(480):
+        now += 0.25
+        for batch in (16, 32):
+            model.observe("spec", batch, 3 * model.seed_step_ms(batch, 4), now=now)
+    at_8, at_9 = model.correction("spec", 8, now), model.correction("spec", 9, now)
+    assert at_9 > 2.5
+    assert at_8 == pytest.approx(at_9, rel=0.05)
+    assert model.correction("spec", 7, now) > 0.8 * at_8  # and no cliff just below it either
+    assert model.evidence("spec", 8, now) > 0.5 * model.evidence("spec", 9, now)
+
+
 def test_prefill_evidence_is_asked_where_a_long_prompt_is_learned():
     """A prompt past a chunk is prefilled, and learned, chunk by chunk: its decision shows the
     evidence at its tokens per iteration, not at its whole length (three chunks showed 0)."""
