@@ -312,66 +312,100 @@ def count(value: Any, field: str, least: int) -> int:
     return int(number)
 
 
+def section(value: Any, field: str) -> dict[str, Any]:
+    """A profile's JSON object at `field` (absent: empty); ValueError naming it otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError(f"bad profile file: {field} is {type(value).__name__} {value!r:.40}; it must be a JSON object")
+    return value
+
+
+def required(doc: dict[str, Any], key: str, where: str) -> Any:
+    """`doc[key]`; ValueError naming the field's path when it is missing."""
+    if key not in doc:
+        raise ValueError(f"bad profile file: {where}{key} is missing")
+    return doc[key]
+
+
 def parse_profile(doc: dict[str, Any], folder: Path) -> Profile:
     """The profile `doc` describes (its table file, if any, read from `folder`); ValueError naming
-    the field when one is missing or out of bounds: every time and cost finite and >= 0, a target
-    step of one token > 0 (a free step makes the twin spin and every prediction zero)."""
-    try:
-        step_doc = doc["step"]
-        kind = step_doc["kind"]
-        draft = cost_ms(doc.get("draft_step_ms", DEFAULT_DRAFT_STEP_MS), "draft_step_ms")
-        step: StepModel
-        if kind == "table":
-            step = read_step_table(folder / step_doc["file"])
-        elif kind == "affine":
-            step = AffineStep(
-                cost_ms(step_doc["fixed_ms"], "step.fixed_ms"),
-                cost_ms(step_doc["per_token_ms"], "step.per_token_ms"),
-                draft,
-            )
-        elif kind == "moe":
-            experts = count(step_doc["experts"], "step.experts", 1)
-            active = count(step_doc["active_experts"], "step.active_experts", 0)
-            if active > experts:
-                raise ValueError(f"bad profile file: step.active_experts ({active}) exceeds step.experts ({experts})")
-            step = MoeStep(
-                cost_ms(step_doc["fixed_ms"], "step.fixed_ms"),
-                cost_ms(step_doc["expert_ms"], "step.expert_ms"),
-                experts,
-                active,
-                cost_ms(step_doc["per_token_ms"], "step.per_token_ms"),
-                draft,
-            )
-        else:
-            raise ValueError(f"unknown step kind {kind!r} (table, affine, moe)")
-        if not step.target_ms(1, 1, 0.0) > 0:
-            raise ValueError(f"bad profile file: the {kind} step of one token costs 0 ms; a step takes time")
-        prefill = doc.get("prefill", {})
-        uses_step = prefill.get("kind") == "step"
-        return Profile(
-            name=str(doc["name"]),
-            description=str(doc.get("description", "")),
-            step=step,
-            prefill_fixed_ms=0.0 if uses_step else cost_ms(prefill["fixed_ms"], "prefill.fixed_ms"),
-            prefill_per_token_ms=0.0 if uses_step else cost_ms(prefill["per_token_ms"], "prefill.per_token_ms"),
-            prefill_uses_step=uses_step,
-            spec_prefill_factor=cost_ms(doc.get("spec_prefill_factor", 1.0), "spec_prefill_factor", positive=True),
-            defaults=dict(doc.get("defaults", {})),
-            spec_overheads=Overheads.parse(doc.get("overheads", {}).get("spec"), "overheads.spec"),
-            base_overheads=Overheads.parse(doc.get("overheads", {}).get("base"), "overheads.base"),
-            measured_alpha=_measured_alpha(doc.get("measured")),
+    the field when one is missing, of the wrong type or out of bounds: every time and cost finite
+    and >= 0, a target step of one token > 0 (a free step makes the twin spin and every
+    prediction zero)."""
+    step_doc = section(required(doc, "step", ""), "step")
+    kind = required(step_doc, "kind", "step.")
+    draft = cost_ms(doc.get("draft_step_ms", DEFAULT_DRAFT_STEP_MS), "draft_step_ms")
+    step: StepModel
+    if kind == "table":
+        table = required(step_doc, "file", "step.")
+        if not isinstance(table, str):
+            raise ValueError(f"bad profile file: step.file is {table!r}; it must be a file name")
+        step = read_step_table(folder / table)
+    elif kind == "affine":
+        step = AffineStep(
+            cost_ms(required(step_doc, "fixed_ms", "step."), "step.fixed_ms"),
+            cost_ms(required(step_doc, "per_token_ms", "step."), "step.per_token_ms"),
+            draft,
         )
-    except (KeyError, TypeError, AttributeError) as exc:  # AttributeError: an object's place holds a list
-        raise ValueError(f"bad profile file: missing or wrong field {exc}") from None
+    elif kind == "moe":
+        experts = count(required(step_doc, "experts", "step."), "step.experts", 1)
+        active = count(required(step_doc, "active_experts", "step."), "step.active_experts", 0)
+        if active > experts:
+            raise ValueError(f"bad profile file: step.active_experts ({active}) exceeds step.experts ({experts})")
+        step = MoeStep(
+            cost_ms(required(step_doc, "fixed_ms", "step."), "step.fixed_ms"),
+            cost_ms(required(step_doc, "expert_ms", "step."), "step.expert_ms"),
+            experts,
+            active,
+            cost_ms(required(step_doc, "per_token_ms", "step."), "step.per_token_ms"),
+            draft,
+        )
+    else:
+        raise ValueError(f"bad profile file: unknown step.kind {kind!r} (table, affine, moe)")
+    if not step.target_ms(1, 1, 0.0) > 0:
+        raise ValueError(f"bad profile file: the {kind} step of one token costs 0 ms; a step takes time")
+    prefill = section(doc.get("prefill"), "prefill")
+    uses_step = prefill.get("kind") == "step"
+    overheads = section(doc.get("overheads"), "overheads")
+    return Profile(
+        name=str(required(doc, "name", "")),
+        description=str(doc.get("description", "")),
+        step=step,
+        prefill_fixed_ms=0.0 if uses_step else cost_ms(required(prefill, "fixed_ms", "prefill."), "prefill.fixed_ms"),
+        prefill_per_token_ms=0.0
+        if uses_step
+        else cost_ms(required(prefill, "per_token_ms", "prefill."), "prefill.per_token_ms"),
+        prefill_uses_step=uses_step,
+        spec_prefill_factor=cost_ms(doc.get("spec_prefill_factor", 1.0), "spec_prefill_factor", positive=True),
+        defaults=_defaults(section(doc.get("defaults"), "defaults")),
+        spec_overheads=Overheads.parse(section(overheads.get("spec"), "overheads.spec"), "overheads.spec"),
+        base_overheads=Overheads.parse(section(overheads.get("base"), "overheads.base"), "overheads.base"),
+        measured_alpha=_measured_alpha(section(doc.get("measured"), "measured")),
+    )
 
 
-def _measured_alpha(measured: Any) -> float | None:
-    value = measured.get("alpha") if isinstance(measured, dict) else None
+def _defaults(defaults: dict[str, Any]) -> dict[str, Any]:
+    """The twin's defaults, the two it reads checked (`specroute sim` refused a bad one with a
+    message naming no field, where the proxy took the file)."""
+    checked = dict(defaults)
+    if "mean_alpha" in checked:
+        alpha = cost_ms(checked["mean_alpha"], "defaults.mean_alpha")
+        if alpha > 1.0:
+            raise ValueError(f"bad profile file: defaults.mean_alpha is {alpha!r}; it must be within [0, 1]")
+        checked["mean_alpha"] = alpha
+    if "num_steps" in checked:
+        checked["num_steps"] = count(checked["num_steps"], "defaults.num_steps", 1)
+    return checked
+
+
+def _measured_alpha(measured: dict[str, Any]) -> float | None:
+    value = measured.get("alpha")
     if value is None:
         return None
-    alpha = float(value)
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"bad profile file: measured alpha {alpha} is not within [0, 1]")
+    alpha = cost_ms(value, "measured.alpha")
+    if alpha > 1.0:
+        raise ValueError(f"bad profile file: measured.alpha is {alpha!r}; it must be within [0, 1]")
     return alpha
 
 

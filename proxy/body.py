@@ -26,11 +26,12 @@ import asyncio
 import json
 import logging
 import multiprocessing
-from collections.abc import Sequence
+import signal
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -41,6 +42,7 @@ from proxy.errors import ProxyError
 from proxy.routing import features_of, session_of
 
 log = logging.getLogger("specroute")
+T = TypeVar("T")
 
 MAX_JSON_DEPTH = 128
 """Deepest nesting of JSON objects and arrays a body may have. orjson parses 1,024 levels, but
@@ -272,6 +274,18 @@ def read_in_worker(
     return payload, features, tuple(parsed.blocks), parsed.session, parsed.body
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+def ignore_stop_signals() -> None:
+    """In the worker: a terminal's Ctrl-C (or a TERM sent to the process group) reaches it too,
+    and it printed a KeyboardInterrupt traceback beside the proxy's clean stop; the proxy ends it
+    when it stops (`BodyReader.close`). They are blocked from its start (`BodyReader.submit`), so
+    one sent while it imports is dropped here, not raised."""
+    for stop in STOP_SIGNALS:
+        signal.signal(stop, signal.SIG_IGN)
+
+
 def warm() -> None:
     """Nothing: run once in a new worker process, it has the worker import this module before
     the first large body needs it."""
@@ -296,12 +310,24 @@ class BodyReader:
         if self.keep_content or self.pool is not None:
             return
         self.pool = self.new_pool()
-        self.warming = asyncio.get_running_loop().run_in_executor(self.pool, warm)
+        self.warming = self.submit(self.pool, warm)
         self.warming.add_done_callback(warmed)
 
     @staticmethod
+    def submit(pool: ProcessPoolExecutor, work: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        """`work(*args)` in the worker; the worker, if this starts it, starts with the stop
+        signals blocked (a mask is inherited through fork and exec)."""
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            return asyncio.get_running_loop().run_in_executor(pool, work, *args)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+    @staticmethod
     def new_pool() -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        return ProcessPoolExecutor(
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=ignore_stop_signals
+        )
 
     async def parse(self, body: bytes, given: Given = Given()) -> Parsed:
         """The parsed body, its routing features, its prompt's block hashes and its session key;
@@ -316,7 +342,7 @@ class BodyReader:
         if self.pool is None:
             self.pool = self.new_pool()
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self.pool, read_in_worker, *args)
+            result = await self.submit(self.pool, read_in_worker, *args)
         except BrokenProcessPool:
             # The worker died (killed, out of memory): this body is parsed in a thread, the next
             # big one starts a new worker.

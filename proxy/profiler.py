@@ -880,6 +880,8 @@ def cannot_write(out: Path) -> str | None:
     folder is created if missing, as the write would."""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # a file where a folder of the path should be
+        return f"{out.parent} is not a folder"
     except OSError as exc:
         return exc.strerror or str(exc)
     if not out.parent.is_dir():

@@ -192,6 +192,13 @@ def serve(settings: Settings, on_ready: Callable[[int], None] | None = None) -> 
     app = build_app(settings)
     config = uvicorn_config(app, settings)  # configures logging
     warn_if_open(settings, app.access)
+    if settings.profile:
+        log.info("the router's step costs start from profile %s, then are learned", settings.profile)
+    else:
+        log.info(
+            "the router's step costs start from the generic prior (no SPECROUTE_PROFILE), then are learned;"
+            " `specroute profile` measures a seed for this fleet"
+        )
     path = native.status()
     if path.compiled:
         log.info("the routing decision runs compiled (%s)", path.reason)

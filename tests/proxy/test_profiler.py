@@ -303,7 +303,10 @@ def test_an_out_path_that_cannot_be_written_stops_the_run_before_it_measures(
     out = blocker / "p.json"
     # An unreachable server: asked at all, the run would fail otherwise (exit 1), and later.
     assert main(["profile", "--url", "http://127.0.0.1:1", "--out", str(out), "--quiet"]) == 2
-    assert f"cannot write {out}" in capsys.readouterr().err
+    # The reason names the path's part that is a file (a review saw "File exists").
+    assert f"cannot write {out}" in (said := capsys.readouterr().err) and f"{blocker} is not a folder" in said, said
+    assert main(["profile", "--url", "http://127.0.0.1:1", "--out", str(blocker / "deeper" / "p.json"), "--quiet"]) == 2
+    assert f"{blocker / 'deeper'} is not a folder" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

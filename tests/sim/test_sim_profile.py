@@ -162,6 +162,21 @@ MOE = {"kind": "moe", "fixed_ms": 1, "expert_ms": 3, "experts": 8, "active_exper
         ({"spec_prefill_factor": 0}, "spec_prefill_factor"),
         ({"spec_prefill_factor": float("nan")}, "spec_prefill_factor"),
         ({"overheads": {"base": {"per_request_ms": float("nan")}}}, "overheads.base.per_request_ms"),
+        # From a review: refused with Python's words and no field, or taken silently.
+        ({"defaults": "abc"}, "defaults is str"),
+        ({"overheads": [1]}, "overheads is list"),
+        ({"overheads": {"spec": [1]}}, "overheads.spec is list"),
+        ({"prefill": [1, 2]}, "prefill is list"),
+        ({"prefill": {"per_token_ms": 0.01}}, "prefill.fixed_ms is missing"),
+        ({"step": {"kind": "affine", "fixed_ms": 5}}, "step.per_token_ms is missing"),
+        ({"step": {"fixed_ms": 5}}, "step.kind is missing"),
+        ({"step": {"kind": "linear"}}, "unknown step.kind 'linear'"),
+        ({"measured": {"alpha": "abc"}}, "measured.alpha"),
+        ({"measured": {"alpha": 1.5}}, "measured.alpha"),
+        ({"measured": [1, 2]}, "measured is list"),
+        ({"defaults": {"num_steps": -3}}, "defaults.num_steps"),
+        ({"defaults": {"mean_alpha": -0.5}}, "defaults.mean_alpha"),
+        ({"defaults": {"mean_alpha": 2}}, "defaults.mean_alpha"),
     ],
 )
 def test_a_profile_with_nonsense_numbers_is_refused_naming_the_field(tmp_path, change, named):
