@@ -394,8 +394,8 @@ def _defaults(defaults: dict[str, Any]) -> dict[str, Any]:
         if alpha > 1.0:
             raise ValueError(f"bad profile file: defaults.mean_alpha is {alpha!r}; it must be within [0, 1]")
         checked["mean_alpha"] = alpha
-    if "num_steps" in checked:
-        checked["num_steps"] = count(checked["num_steps"], "defaults.num_steps", 1)
+    if "num_steps" in checked:  # 0: not known (`specroute profile` on a server that did not say)
+        checked["num_steps"] = count(checked["num_steps"], "defaults.num_steps", 0)
     return checked
 
 

@@ -161,11 +161,11 @@ class ResponseEvidence:
         """A relayed response: `events` content events, `gaps_s` the gaps between the reads that
         carried them, and what its usage tail said (tokens; verify steps with SGLang's spec
         details). Without verify steps a spec stream's events stand for them: one event per
-        verify step, less the first token's (from prefill) and the usage one. `decode_s`: from the
-        first data event to the last (a usage event follows the last token at once), measured
-        by the caller: the gaps kept are capped, their sum would cut a long stream short."""
-        if verify_steps is None and completion_tokens and events >= 3:
-            verify_steps = events - 2
+        verify step, less the first token's (from prefill; `proxy.scan.content_events` counts
+        no usage event). `decode_s`: from the first token's event to the last, measured by the
+        caller: the gaps kept are capped, their sum would cut a long stream short."""
+        if verify_steps is None and completion_tokens and events >= 2:
+            verify_steps = events - 1
         return cls(
             tokens=completion_tokens,
             verify_steps=verify_steps,

@@ -26,7 +26,10 @@ import asyncio
 import json
 import logging
 import multiprocessing
+import multiprocessing.connection
+import os
 import signal
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -274,16 +277,26 @@ def read_in_worker(
     return payload, features, tuple(parsed.blocks), parsed.session, parsed.body
 
 
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+INTERRUPT = {signal.SIGINT}
 
 
-def ignore_stop_signals() -> None:
-    """In the worker: a terminal's Ctrl-C (or a TERM sent to the process group) reaches it too,
-    and it printed a KeyboardInterrupt traceback beside the proxy's clean stop; the proxy ends it
-    when it stops (`BodyReader.close`). They are blocked from its start (`BodyReader.submit`), so
-    one sent while it imports is dropped here, not raised."""
-    for stop in STOP_SIGNALS:
-        signal.signal(stop, signal.SIG_IGN)
+def worker_started() -> None:
+    """In the worker, first. A terminal's Ctrl-C reaches it too (the process group), and it
+    printed a KeyboardInterrupt traceback beside the proxy's clean stop: it ignores SIGINT (blocked
+    from its start, `BodyReader.submit`, so one sent while it imports is dropped here); the proxy
+    ends it when it stops (`BodyReader.close`). And it ends with the proxy however that ends: it
+    holds its own call queue's write end, so a proxy killed (OOM, SIGKILL) left it waiting for
+    work forever (a review)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        threading.Thread(target=exit_with, args=(parent.sentinel,), name="parent-watch", daemon=True).start()
+
+
+def exit_with(parent_sentinel: int) -> None:
+    """Wait for the proxy's end (its sentinel becomes readable), then end at once."""
+    multiprocessing.connection.wait([parent_sentinel])
+    os._exit(0)
 
 
 def warm() -> None:
@@ -315,9 +328,9 @@ class BodyReader:
 
     @staticmethod
     def submit(pool: ProcessPoolExecutor, work: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        """`work(*args)` in the worker; the worker, if this starts it, starts with the stop
-        signals blocked (a mask is inherited through fork and exec)."""
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        """`work(*args)` in the worker; the worker, if this starts it, starts with SIGINT blocked
+        (a mask is inherited through fork and exec)."""
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, INTERRUPT)
         try:
             return asyncio.get_running_loop().run_in_executor(pool, work, *args)
         finally:
@@ -326,7 +339,7 @@ class BodyReader:
     @staticmethod
     def new_pool() -> ProcessPoolExecutor:
         return ProcessPoolExecutor(
-            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=ignore_stop_signals
+            max_workers=1, mp_context=multiprocessing.get_context("spawn"), initializer=worker_started
         )
 
     async def parse(self, body: bytes, given: Given = Given()) -> Parsed:

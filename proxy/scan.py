@@ -16,6 +16,7 @@ from proxy.errors import response_error_event, stream_error_event
 EVENT = b"data:"
 DONE = b"data: [DONE]"
 NO_CHOICES = b'"choices":[]'
+NO_CHOICES_SPACED = b'"choices": []'
 
 # A count of more than nine digits (a billion tokens) is no count an upstream means: it is not
 # taken (a 400-digit one overflowed the float arithmetic of the fleet model's means).
@@ -53,9 +54,10 @@ def content_events(chunk: bytes) -> int:
     events = chunk.count(EVENT)
     if events and DONE in chunk:
         events -= 1
-    # A stream's usage event and SGLang's spec_tokens_details one have no choice at all.
-    if events and NO_CHOICES in chunk:
-        events = max(events - chunk.count(NO_CHOICES), 0)
+    # A stream's usage event and SGLang's spec_tokens_details one have no choice at all (SGLang
+    # and vLLM write JSON without spaces; a server that puts one after the colon is read too).
+    if events and (NO_CHOICES in chunk or NO_CHOICES_SPACED in chunk):
+        events = max(events - chunk.count(NO_CHOICES) - chunk.count(NO_CHOICES_SPACED), 0)
     # Every TEXTLESS prefix has "r" or "}" after the brace; a text delta as msgspec writes it
     # ("delta":{"content":...) has neither, so most chunks pass with two scans, not five.
     if events and (b'"delta":{"r' in chunk or b'"delta":{}' in chunk):

@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -218,3 +219,48 @@ def test_the_body_worker_starts_with_the_proxy_not_with_the_first_large_body(twi
         big = json.dumps({**CHAT, "messages": [{"role": "user", "content": "word " * 100_000}]}).encode()
         assert post(fresh, big).status_code == 400  # parsed, routed, refused by the twin as too long
         assert bodies.pool is pool and len(pool._processes) == 1  # noqa: SLF001
+
+
+def test_the_body_worker_ends_with_a_proxy_that_was_killed(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """From a review: started with the proxy, the worker outlived a SIGKILLed (or OOM-killed)
+    proxy, waiting for work on a queue it holds open itself, and ignored TERM and INT."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "killed.py"
+    script.write_text(
+        "import asyncio, os, signal\n"
+        "from proxy.body import BodyReader\n"
+        "async def main():\n"
+        "    reader = BodyReader(10, 10)\n"
+        "    reader.start()\n"
+        "    await reader.warming\n"
+        "    print(*reader.pool._processes, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGKILL)\n"
+        "if __name__ == '__main__':\n"
+        "    asyncio.run(main())\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert done.returncode == -9, done.stderr
+    (worker,) = (int(pid) for pid in done.stdout.split())
+
+    def gone() -> bool:
+        try:
+            return "Z" in Path(f"/proc/{worker}/stat").read_text().split()[2]
+        except FileNotFoundError:
+            return True
+
+    try:
+        wait_for(gone, timeout=20, what="the orphaned body worker to end")
+    finally:
+        if not gone():
+            os.kill(worker, 9)

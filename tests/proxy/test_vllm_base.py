@@ -3,6 +3,7 @@ polled and routed to by the proxy beside an SGLang spec twin, with the real open
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 
@@ -268,7 +269,21 @@ def test_the_role_only_opening_and_the_closing_event_count_as_no_token(
         # spec's events carry a verify step's tokens each; SGLang opens and closes each choice
         expected = 4 * n if twin is base else len(events) - 1 - 2 * n - no_choice
         assert sum(counted) == expected, (twin.url, counted)
+        if twin is spec:
+            # What the fleet model reads of a spec stream without SGLang's details (the proxy
+            # does not ask for them): its verify steps, from the events counted. A review found
+            # them one short once the usage event was no longer counted.
+            from fleet.readings import ResponseEvidence
+
+            details = json.loads(next(e for e in events if b"spec_verify_ct" in e)[len(b"data: ") :])
+            verify_ct = details["sglext"]["spec_tokens_details"]["spec_verify_ct"]
+            read = ResponseEvidence.from_stream(sum(counted), [], completion_tokens=4)
+            assert read.verify_steps == verify_ct, (counted, details)
         assert content_events(b"".join(events)) == sum(counted)
+    # A server writing a space after the colon: its usage event is no token either.
+    spaced = b'data: {"id": "x", "choices": [], "usage": {"completion_tokens": 4}}\n\n'
+    assert content_events(spaced) == 0
+    assert content_events(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n' + spaced) == 1
 
 
 def test_a_model_name_only_sglang_accepts_gets_vllms_404_through_the_proxy(proxy: RunningProxy) -> None:

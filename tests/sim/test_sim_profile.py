@@ -175,6 +175,7 @@ MOE = {"kind": "moe", "fixed_ms": 1, "expert_ms": 3, "experts": 8, "active_exper
         ({"measured": {"alpha": 1.5}}, "measured.alpha"),
         ({"measured": [1, 2]}, "measured is list"),
         ({"defaults": {"num_steps": -3}}, "defaults.num_steps"),
+        ({"defaults": {"num_steps": 1.5}}, "defaults.num_steps"),
         ({"defaults": {"mean_alpha": -0.5}}, "defaults.mean_alpha"),
         ({"defaults": {"mean_alpha": 2}}, "defaults.mean_alpha"),
     ],
