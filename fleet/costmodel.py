@@ -120,7 +120,7 @@ class _Bucket:
     weight: float = 0.0
     """Observations' worth of trust as of `at`; it halves every half-life after."""
     at: float = 0.0
-    """When the bucket was last fed."""
+    """When the bucket was last fed, in observed time (`StepCostModel.clock`)."""
     recent: float = 1.0
     """A short-memory mean of the same ratios (about FAST_MEMORY observations): when it leaves
     the long mean by more than CHANGE_RATIO, the server changed, and the long mean restarts from
@@ -212,7 +212,11 @@ class StepCostModel:
     (its weight is capped at `memory` observations) so a changed server is followed. Between
     learned buckets the correction is interpolated in log-size; past them the nearest one holds.
     `prior_weight` observations' worth of trust stays with the seed; a bucket's own trust halves
-    every `half_life_s` without observations, so its correction returns toward 1 (the seed).
+    every `half_life_s` of observed time without observations of its own, so its correction
+    returns toward 1 (the seed). Observed time (`clock`) is the time the model is being fed: a
+    gap between two observations counts up to one half-life, no more, so a lull (no traffic at
+    all) ages a correction by at most one half-life, while a pool avoided as the others are
+    served ages as before.
 
     Nothing here reads a clock: `observe(..., now=)` stamps the bucket it feeds, and `at(now)`
     (called by the snapshot builder) gives the model as it predicts at that time. Calls without
@@ -236,6 +240,10 @@ class StepCostModel:
         self.half_life_s = half_life_s
         self.now = 0.0
         """The latest time the model was told (by `observe` or `at`)."""
+        self._fed_at = 0.0
+        """The latest time an observation carried."""
+        self._fed_clock = 0.0
+        """`_fed_at` on the observed-time clock (`clock`)."""
         self._pools: dict[str, _PoolModel] = {}
         self._seed_steps: dict[tuple[int, int], float] = {}
         self._memo_seed: Seed | None = None
@@ -280,10 +288,10 @@ class StepCostModel:
         """One observed engine step (or a mean of `weight` steps) at this batch size, at `now`."""
         if batch < 1 or step_ms <= 0 or not math.isfinite(step_ms) or weight <= 0:
             return
-        now = self._tell(now)
+        clock = self._feed(self._tell(now))
         model = self._pools[pool]
         ratio = step_ms / self.seed_step_ms(batch, model.tokens_per_seq)
-        self._learn(model.decode.bucket(_nearest(BUCKETS, batch), now), ratio, weight, now)
+        self._learn(model.decode.bucket(_nearest(BUCKETS, batch), clock), ratio, weight, clock)
 
     def observe_prefill(
         self, pool: str, tokens: float, prefill_ms: float, now: float | None = None, weight: float = 1.0
@@ -293,12 +301,28 @@ class StepCostModel:
         `weight` iterations, at `now`."""
         if tokens < 1 or prefill_ms <= 0 or not math.isfinite(prefill_ms) or weight <= 0:
             return
-        now = self._tell(now)
+        clock = self._feed(self._tell(now))
         model = self._pools[pool]
         ratio = prefill_ms / self.seed.prefill_ms(max(int(round(tokens)), 1), model.tokens_per_seq > 1)
-        self._learn(model.prefill.bucket(_nearest(PREFILL_BUCKETS, tokens), now), ratio, weight, now)
+        self._learn(model.prefill.bucket(_nearest(PREFILL_BUCKETS, tokens), clock), ratio, weight, clock)
+
+    def clock(self, now: float) -> float:
+        """`now` in observed time, the time a learned correction ages by: seconds since the
+        latest observation count up to one half-life (`_feed` adds the same between two
+        observations). Before the latest observation, seconds count as they are."""
+        if now >= self._fed_at:
+            return self._fed_clock + min(now - self._fed_at, self.half_life_s)
+        return self._fed_clock - (self._fed_at - now)
+
+    def _feed(self, now: float) -> float:
+        """An observation carried `now`: the observed-time clock moves to it; its reading there."""
+        clock = self.clock(now)
+        if now > self._fed_at:
+            self._fed_at, self._fed_clock = now, clock
+        return clock
 
     def _learn(self, bucket: _Bucket, ratio: float, weight: float, now: float) -> None:
+        """Feed `bucket` an observed ratio at `now` on the observed-time clock."""
         self.version += 1
         # No observation outweighs the bucket's whole memory: past it, the update below would
         # overshoot the observed ratio (to below zero: a server's prefill counters once weighed
@@ -343,7 +367,7 @@ class StepCostModel:
 
     def _weigher(self, now: float | None) -> Callable[[_Curve], list[float]]:
         """Each learned bucket's trust at `now`, per curve (what `StepCostAt` remembers)."""
-        at = self.now if now is None else now
+        at = self.clock(self.now if now is None else now)
         half_life_s = self.half_life_s
         return lambda curve: [bucket.trust(at, half_life_s) for bucket in curve.learned]
 
@@ -421,11 +445,13 @@ class StepCostAt:
     is each learned bucket's trust at `now`, while the model's `version` stays the same (it
     learned nothing since): the same floats as the model's own methods, computed once."""
 
-    __slots__ = ("model", "now", "_version", "_steps", "_prefills", "_evidence", "_curves")
+    __slots__ = ("model", "now", "_clock", "_version", "_steps", "_prefills", "_evidence", "_curves")
 
     def __init__(self, model: StepCostModel, now: float):
         self.model = model
         self.now = now
+        self._clock = model.clock(now)
+        """`now` in the model's observed time (an observation fed since may move it)."""
         self._version = model.version
         self._steps: dict[tuple[str, int, int], float] = {}
         self._prefills: dict[tuple[str, int], float] = {}
@@ -437,6 +463,7 @@ class StepCostAt:
     def _check(self) -> None:
         if self._version != self.model.version:
             self._version = self.model.version
+            self._clock = self.model.clock(self.now)
             self._steps.clear()
             self._prefills.clear()
             self._evidence.clear()
@@ -445,8 +472,8 @@ class StepCostAt:
     def _weights(self, curve: _Curve) -> list[float]:
         found = self._curves.get(id(curve))
         if found is None:
-            now, half_life_s = self.now, self.model.half_life_s
-            found = self._curves[id(curve)] = [bucket.trust(now, half_life_s) for bucket in curve.learned]
+            clock, half_life_s = self._clock, self.model.half_life_s
+            found = self._curves[id(curve)] = [bucket.trust(clock, half_life_s) for bucket in curve.learned]
         return found
 
     def decode_step_ms(self, pool: str, batch: int, tokens_per_seq: int) -> float:

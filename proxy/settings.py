@@ -125,7 +125,7 @@ class _SettingsHead(BaseSettings):
     costmodel_half_life_s: float = Field(
         COSTMODEL_HALF_LIFE_S,
         gt=0,
-        description="Half-life in seconds of a learned step-time correction's trust without new observations (it returns to the profile's).",
+        description="Half-life in seconds of a learned step-time correction's trust without new observations while others arrive (it returns to the profile's; a lull with no traffic ages it one half-life at most).",
     )
     state_decisions: int = Field(
         64, ge=1, le=10_000, description="Recent routing decisions kept for GET /v1/specroute/state."

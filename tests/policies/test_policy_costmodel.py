@@ -87,11 +87,23 @@ def inflated_spec(model, factor=3.0, n=300, until=10.0):
         model.observe("spec", 1, factor * seed, now=until * (i + 1) / n)
 
 
+def served_base(model, start, until):
+    """Base observed at its seed once a second from `start` to `until`: the fleet is being
+    served, so what spec learned ages (observed time runs)."""
+    t = start
+    while t <= until:
+        model.observe("base", 1, model.seed_step_ms(1, 1), now=t)
+        t += 1.0
+
+
 def test_an_unobserved_bucket_returns_to_the_seed():
     model = StepCostModel(AffineSeed(), num_draft_tokens=3, half_life_s=HALF_LIFE_S)
     inflated_spec(model)
     assert model.at(10.0).decode_step_ms("spec", 1, 4) == pytest.approx(3 * model.seed_step_ms(1, 4), rel=0.02)
-    corrections = [model.correction("spec", 1, 10.0 + n * HALF_LIFE_S) for n in (1, 4, 8, 12)]
+    corrections = []
+    for n in (1, 4, 8, 12):
+        served_base(model, 10.0 + (corrections and 1.0 or 0.0), 10.0 + n * HALF_LIFE_S)
+        corrections.append(model.correction("spec", 1, 10.0 + n * HALF_LIFE_S))
     assert corrections == sorted(corrections, reverse=True)  # it only returns
     assert corrections[0] > 2.9  # one half-life: still trusted
     assert corrections[2] < 1.6  # 200 observations' worth at 3x, after 8 half-lives: 0.8 left
@@ -102,6 +114,30 @@ def test_an_unobserved_bucket_returns_to_the_seed():
     # reading at a time does not move the learning: a later observation re-learns from there
     model.observe("spec", 1, 3 * model.seed_step_ms(1, 4), now=10.0 + 12 * HALF_LIFE_S)
     assert 1.5 < model.correction("spec", 1, 10.0 + 12 * HALF_LIFE_S) < 2.0  # 1 observation vs prior_weight 2
+
+
+def test_a_lull_ages_what_was_learned_by_one_half_life_at_most():
+    """No profile on a fleet 3x slower than the generic prior: a minute of traffic, then none
+    for ten minutes. Nothing observed in the lull says the fleet changed, so the first request
+    after it is predicted as the fleet was learned, not at the seed (docs/routing.md, "Step-cost
+    model"); observed time runs again with the traffic."""
+    model = StepCostModel(AffineSeed(), num_draft_tokens=3, half_life_s=HALF_LIFE_S)
+    for i in range(60):
+        model.observe("spec", 1, 3.0 * model.seed_step_ms(1, 4), now=float(i))
+        model.observe("base", 8, 3.0 * model.seed_step_ms(8, 1), now=i + 0.5)
+        model.observe_prefill("base", 1024, 3.0 * model.seed.prefill_ms(1024), now=i + 0.5)
+    fed = {"spec": model.correction("spec", 1, 59.5), "base": model.correction("base", 8, 59.5)}
+    assert fed["spec"] > 2.8 and fed["base"] > 2.8
+    after = 59.5 + 600.0
+    assert model.clock(after) - model.clock(59.5) == HALF_LIFE_S
+    assert model.correction("spec", 1, after) > 2.7
+    assert model.correction("base", 8, after) > 2.7
+    # 11 observations' worth (one a second), halved once, against the seed's 2: 2.5 of 3
+    assert model.prefill_correction("base", 1024, after) > 2.4
+    assert model.evidence("base", 8, after) == pytest.approx(model.evidence("base", 8, 59.5) / 2, rel=0.01)
+    # the traffic that resumes runs observed time again: spec, now avoided, ages as before
+    served_base(model, after, after + 12 * HALF_LIFE_S)
+    assert model.correction("spec", 1, after + 12 * HALF_LIFE_S) < 1.2 * model.correction("base", 1, after)
 
 
 def test_a_bucket_being_fed_keeps_its_learned_value():
@@ -125,7 +161,7 @@ def test_aging_without_a_clock_changes_nothing():
 
 
 def test_goodput_returns_to_an_avoided_spec_pool_once_its_inflated_steps_age():
-    """Spec's steps were observed 3x slow (CPU contention): goodput sends a quiet request to
+    """Spec's steps were observed 3x slow (CPU contention): goodput sends quiet requests to
     base, and spec gets no observations; some half-lives later it is tried again."""
     fleet = FleetModel(
         {"spec": 3, "base": 0},
@@ -143,7 +179,14 @@ def test_goodput_returns_to_an_avoided_spec_pool_once_its_inflated_steps_age():
     policy = Goodput()
     request = Features(prompt_tokens=500)
 
+    served = [6.0]
+
     def quiet(now):
+        """The fleet idle at `now`, base having served a request a second until then (spec,
+        avoided, ages as the fleet is observed; a lull would age nothing)."""
+        while served[0] + 1.0 <= now:
+            served[0] += 1.0
+            fleet.on_response("http://base", served[0], ResponseEvidence(step_ms=cost.seed_step_ms(1, 1)))
         for url in ("http://spec", "http://base"):
             fleet.on_reading(url, Reading(at=now, running=0, waiting=0))
         return fleet.snapshot(now)
@@ -175,8 +218,11 @@ def test_an_aged_bucket_returns_toward_a_fresh_neighbour_before_the_seed():
         model.observe_prefill("spec", 1600, truth * model.seed.prefill_ms(1600, True), now=20.0 + i * 0.25)
     assert model.prefill_correction("spec", 1600, 30.0) == pytest.approx(truth, rel=0.05)
     assert model.prefill_correction("spec", 4096, 30.0) == pytest.approx(truth, rel=0.15)
-    # Nothing fresh anywhere: the seed again (the other pool knows nothing either).
-    assert model.prefill_correction("spec", 4096, 600.0) == pytest.approx(1.0, abs=0.05)
+    # Nothing observed since: a lull ages what was learned by one half-life, no more, so the long
+    # prompt is still predicted near the truth rather than at the seed (0.42x the truth).
+    last = 20.0 + 39 * 0.25
+    assert model.prefill_correction("spec", 4096, 600.0) == model.prefill_correction("spec", 4096, last + HALF_LIFE_S)
+    assert model.prefill_correction("spec", 4096, 600.0) > 0.8 * truth
 
 
 def test_an_aged_bucket_between_fresh_and_aged_ones_is_pulled_by_the_fresh_one_at_its_own_size():
