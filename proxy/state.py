@@ -125,6 +125,9 @@ def fleet_state(
                     "server_info": poller.info,
                     "prefix": prefix_state(fleet, i.url, now),
                     "prefill_ms_per_1k_tokens": _per_1k(fleet.instances[i.url].prefill_ms_per_token),
+                    # What its counters prefilled of the uncached prompt tokens we sent it (30 s;
+                    # under 1: it held prompts the router did not credit; routing.md).
+                    "prefilled_share": round(fleet.instances[i.url].prefilled_share(now), 3),
                 }
             )
         pools[name] = {
