@@ -332,6 +332,13 @@ class Settings(_SettingsWithPolicies):
         description="The ratio sampled by traceidratio and parentbased_traceidratio, 0 to 1 (the SDK reads it; checked here).",
     )
 
+    resource_attributes: str | None = Field(
+        None,
+        validation_alias=AliasChoices("OTEL_RESOURCE_ATTRIBUTES"),
+        description="Attributes of every span's resource, key=value pairs separated by commas (the SDK "
+        "reads it; checked here).",
+    )
+
     @field_validator("spec_urls", "base_urls", mode="before")
     @classmethod
     def _split_urls(cls, value: Any) -> Any:
@@ -450,6 +457,22 @@ class Settings(_SettingsWithPolicies):
         if not 0.0 <= ratio <= 1.0:
             raise ValueError(f"{value!r} is not a ratio from 0 to 1")
         return value.strip()
+
+    @field_validator("resource_attributes")
+    @classmethod
+    def _check_resource_attributes(cls, value: str | None) -> str | None:
+        # The SDK skips a pair without "=" (a blank one too: a comma too many) with a warning
+        # of its own in every process that builds a resource, written before the proxy's log
+        # format is set: the attribute would be missing from every span, said only in passing.
+        if value is None or value == "":
+            return None
+        for pair in value.split(","):
+            key, equals, _ = pair.partition("=")
+            if not pair.strip():
+                raise ValueError("an empty pair (a comma too many); write key=value pairs separated by commas")
+            if not equals or not key.strip():
+                raise ValueError(f"{pair!r} is not key=value; write key=value pairs separated by commas")
+        return value
 
     @property
     def traces_enabled(self) -> bool:

@@ -124,6 +124,25 @@ def test_a_sampler_the_sdk_would_not_know_stops_the_proxy_with_one_line(tmp_path
     assert fine.returncode == 0, fine.stderr
 
 
+def test_resource_attributes_the_sdk_would_skip_stop_the_proxy_with_one_line(tmp_path: Path) -> None:
+    """From earlier notes: a pair without "=" in OTEL_RESOURCE_ATTRIBUTES was skipped by the SDK
+    with its own warning, written bare, several times (each process that builds a resource, one
+    of them at import), and the attribute was missing from every span."""
+    base = {"SPECROUTE_BASE_URLS": "http://a:1"}
+    for value, said in (
+        ("team=ml,deployment.environment", "'deployment.environment' is not key=value"),
+        ("team=ml,", "an empty pair (a comma too many)"),
+        ("=ml", "'=ml' is not key=value"),
+    ):
+        result = run(["serve"], {**base, "OTEL_RESOURCE_ATTRIBUTES": value}, tmp_path)
+        assert result.returncode == 2, result.stderr
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("specroute: invalid setting OTEL_RESOURCE_ATTRIBUTES: ") and said in line, line
+    fine = run(["config"], {**base, "OTEL_RESOURCE_ATTRIBUTES": "team=ml, deployment.environment=prod%20eu"}, tmp_path)
+    assert fine.returncode == 0, fine.stderr
+    assert "OTEL_RESOURCE_ATTRIBUTES" in fine.stdout and fine.stderr == ""
+
+
 def test_an_address_the_proxy_cannot_listen_on_stops_serve_with_one_line(tmp_path: Path) -> None:
     with socket.socket() as taken:  # a port in use; and a host that is not this machine's
         taken.bind(("127.0.0.1", 0))
