@@ -244,6 +244,9 @@ class StepCostModel:
         """The latest time an observation carried."""
         self._fed_clock = 0.0
         """`_fed_at` on the observed-time clock (`clock`)."""
+        self._prev_at = 0.0
+        self._prev_clock = 0.0
+        """The observation before the latest one, likewise."""
         self._pools: dict[str, _PoolModel] = {}
         self._seed_steps: dict[tuple[int, int], float] = {}
         self._memo_seed: Seed | None = None
@@ -288,8 +291,8 @@ class StepCostModel:
         """One observed engine step (or a mean of `weight` steps) at this batch size, at `now`."""
         if batch < 1 or step_ms <= 0 or not math.isfinite(step_ms) or weight <= 0:
             return
-        clock = self._feed(self._tell(now))
         model = self._pools[pool]
+        clock = self._feed(self._tell(now))
         ratio = step_ms / self.seed_step_ms(batch, model.tokens_per_seq)
         self._learn(model.decode.bucket(_nearest(BUCKETS, batch), clock), ratio, weight, clock)
 
@@ -301,23 +304,29 @@ class StepCostModel:
         `weight` iterations, at `now`."""
         if tokens < 1 or prefill_ms <= 0 or not math.isfinite(prefill_ms) or weight <= 0:
             return
-        clock = self._feed(self._tell(now))
         model = self._pools[pool]
+        clock = self._feed(self._tell(now))
         ratio = prefill_ms / self.seed.prefill_ms(max(int(round(tokens)), 1), model.tokens_per_seq > 1)
         self._learn(model.prefill.bucket(_nearest(PREFILL_BUCKETS, tokens), clock), ratio, weight, clock)
 
     def clock(self, now: float) -> float:
         """`now` in observed time, the time a learned correction ages by: seconds since the
         latest observation count up to one half-life (`_feed` adds the same between two
-        observations). Before the latest observation, seconds count as they are."""
+        observations). Between the two latest observations the same rule holds (a reading
+        stamped just before the one that ended a lull is in observed time just before it too);
+        before them, seconds count as they are."""
         if now >= self._fed_at:
             return self._fed_clock + min(now - self._fed_at, self.half_life_s)
-        return self._fed_clock - (self._fed_at - now)
+        if now >= self._prev_at:
+            clock = self._prev_clock + min(now - self._prev_at, self.half_life_s)
+            return clock if clock < self._fed_clock else self._fed_clock
+        return self._prev_clock - (self._prev_at - now)
 
     def _feed(self, now: float) -> float:
         """An observation carried `now`: the observed-time clock moves to it; its reading there."""
         clock = self.clock(now)
         if now > self._fed_at:
+            self._prev_at, self._prev_clock = self._fed_at, self._fed_clock
             self._fed_at, self._fed_clock = now, clock
         return clock
 

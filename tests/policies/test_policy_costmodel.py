@@ -100,9 +100,10 @@ def test_an_unobserved_bucket_returns_to_the_seed():
     model = StepCostModel(AffineSeed(), num_draft_tokens=3, half_life_s=HALF_LIFE_S)
     inflated_spec(model)
     assert model.at(10.0).decode_step_ms("spec", 1, 4) == pytest.approx(3 * model.seed_step_ms(1, 4), rel=0.02)
-    corrections = []
+    corrections, served = [], 10.0
     for n in (1, 4, 8, 12):
-        served_base(model, 10.0 + (corrections and 1.0 or 0.0), 10.0 + n * HALF_LIFE_S)
+        served_base(model, served, 10.0 + n * HALF_LIFE_S)
+        served = 10.0 + n * HALF_LIFE_S + 1.0
         corrections.append(model.correction("spec", 1, 10.0 + n * HALF_LIFE_S))
     assert corrections == sorted(corrections, reverse=True)  # it only returns
     assert corrections[0] > 2.9  # one half-life: still trusted
@@ -135,6 +136,11 @@ def test_a_lull_ages_what_was_learned_by_one_half_life_at_most():
     # 11 observations' worth (one a second), halved once, against the seed's 2: 2.5 of 3
     assert model.prefill_correction("base", 1024, after) > 2.4
     assert model.evidence("base", 8, after) == pytest.approx(model.evidence("base", 8, 59.5) / 2, rel=0.01)
+    # A reading stamped just before the observation that ended the lull (a poll processed late)
+    # is in observed time just before it too, not ten minutes earlier.
+    model.observe("base", 8, 3.0 * model.seed_step_ms(8, 1), now=after + 1.0)
+    assert model.clock(after - 5.0) == model.clock(after) == model.clock(after + 1.0)
+    assert model.clock(59.5 + 3.0) == model.clock(59.5) + 3.0
     # the traffic that resumes runs observed time again: spec, now avoided, ages as before
     served_base(model, after, after + 12 * HALF_LIFE_S)
     assert model.correction("spec", 1, after + 12 * HALF_LIFE_S) < 1.2 * model.correction("base", 1, after)
