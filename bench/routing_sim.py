@@ -84,6 +84,10 @@ class Setup:
     """The profile the router's cost model is seeded with: "" the fleet's own (`profile`), None
     none (the generic prior, as the proxy without SPECROUTE_PROFILE), else another profile's
     name or path (a wrong one: bench/learning.py)."""
+    router_lull_s: float | None = None
+    """The longest gap between observations the router's cost model ages its corrections by
+    (`StepCostModel.lull_s`): None one half-life, as the proxy runs; math.inf the wall clock
+    (bench/lull.py)."""
 
     def pools(self) -> tuple[PoolName, ...]:
         """The pool of each engine, in `engines()` order."""
@@ -232,6 +236,7 @@ class VirtualRouter:
             stale_after_s=self.stale_s,
             half_life_s=self.half_life_s,
             seed=self.setup.router_seed(),
+            costmodel_lull_s=self.setup.router_lull_s,
             prefix_block_tokens=self.setup.index_block_tokens(),
             # Measured attainment, as the proxy told the SLO measures it (flow control reads it).
             slo_ttft_s=self.setup.slo.ttft_s,

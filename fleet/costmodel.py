@@ -231,6 +231,7 @@ class StepCostModel:
         prior_weight: float = 2.0,
         half_life_s: float = DEFAULT_HALF_LIFE_S,
         pools: Mapping[str, int] | None = None,
+        lull_s: float | None = None,
     ):
         if not half_life_s > 0:
             raise ValueError(f"half_life_s must be positive, not {half_life_s!r}")
@@ -238,6 +239,10 @@ class StepCostModel:
         self.memory = memory
         self.prior_weight = prior_weight
         self.half_life_s = half_life_s
+        self.lull_s = half_life_s if lull_s is None else lull_s
+        """The longest gap between observations that observed time counts (`clock`): one
+        half-life as served; math.inf ages by the wall clock, as before 2026-12-06 (bench/lull.py
+        compares the two)."""
         self.now = 0.0
         """The latest time the model was told (by `observe` or `at`)."""
         self._fed_at = 0.0
@@ -311,14 +316,14 @@ class StepCostModel:
 
     def clock(self, now: float) -> float:
         """`now` in observed time, the time a learned correction ages by: seconds since the
-        latest observation count up to one half-life (`_feed` adds the same between two
+        latest observation count up to `lull_s`, one half-life (`_feed` adds the same between two
         observations). Between the two latest observations the same rule holds (a reading
         stamped just before the one that ended a lull is in observed time just before it too);
         before them, seconds count as they are."""
         if now >= self._fed_at:
-            return self._fed_clock + min(now - self._fed_at, self.half_life_s)
+            return self._fed_clock + min(now - self._fed_at, self.lull_s)
         if now >= self._prev_at:
-            clock = self._prev_clock + min(now - self._prev_at, self.half_life_s)
+            clock = self._prev_clock + min(now - self._prev_at, self.lull_s)
             return clock if clock < self._fed_clock else self._fed_clock
         return self._prev_clock - (self._prev_at - now)
 

@@ -116,6 +116,7 @@ class FleetModel:
         half_life_s: float = DEFAULT_HALF_LIFE_S,
         seed: Seed | None = None,
         costmodel_half_life_s: float = COST_HALF_LIFE_S,
+        costmodel_lull_s: float | None = None,
         workload_keys: int = WORKLOAD_KEYS,
         prefix_block_tokens: int = BLOCK_TOKENS,
         prefix_max_blocks: int = DEFAULT_MAX_BLOCKS,
@@ -140,7 +141,7 @@ class FleetModel:
         """The acceptance estimate's half-life."""
         self.pools: dict[str, PoolSignals] = {}
         self.instances: dict[str, InstanceSignals] = {}
-        self.cost = StepCostModel(seed, pools=pools, half_life_s=costmodel_half_life_s)
+        self.cost = StepCostModel(seed, pools=pools, half_life_s=costmodel_half_life_s, lull_s=costmodel_lull_s)
         self.mean_output_tokens: float | None = None
         self.output_samples = 0
         """Running mean of finished requests' output tokens (the traffic's typical length)."""
