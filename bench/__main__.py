@@ -29,6 +29,7 @@ BENCHMARKS = {
     "prefix_decision": "one routing decision in the served path (hash + match, snapshot, goodput) at 10,000 prefixes (docs/routing.md)",
     "decisions": "fingerprints of every routing decision, to show a refactor changed none (no doc)",
     "profile_seed": "a profile specroute profile measured, as the router's seed, against the built-in file (docs/learning.md)",
+    "lull": "a burst after three quiet minutes, no profile: trust aged by observed time against the wall clock (docs/learning.md)",
     "twin_curve": "the twin's spec/base ratio with and without engine overheads, PNG (docs/twin.md)",
 }
 
