@@ -252,6 +252,9 @@ class StepCostModel:
         self._prev_at = 0.0
         self._prev_clock = 0.0
         """The observation before the latest one, likewise."""
+        self.last_observed_at: float | None = None
+        """The latest time an observation carried (None: none yet); more than `lull_s` before
+        now, what was learned has stopped aging (the state endpoint shows it)."""
         self._pools: dict[str, _PoolModel] = {}
         self._seed_steps: dict[tuple[int, int], float] = {}
         self._memo_seed: Seed | None = None
@@ -333,6 +336,8 @@ class StepCostModel:
         if now > self._fed_at:
             self._prev_at, self._prev_clock = self._fed_at, self._fed_clock
             self._fed_at, self._fed_clock = now, clock
+        if self.last_observed_at is None or now > self.last_observed_at:
+            self.last_observed_at = now
         return clock
 
     def _learn(self, bucket: _Bucket, ratio: float, weight: float, now: float) -> None:

@@ -108,6 +108,8 @@ def test_a_load_ramp_moves_traffic_to_base_and_back(fleet):
     last = state["decisions"][-1]
     assert last["pool"] == "spec" and "t_spec_s" in last["scores"] and "spec.load" in last["scores"]
     assert state["cost_model"]["decode_step_ms"]["spec"]["1"] > 0
+    # The streams just served taught it: its latest observation is seconds old, not a lull's.
+    assert 0 <= state["cost_model"]["observed_age_s"] < state["cost_model"]["half_life_s"]
     # Every stream's TPOT against the TPOT its decision predicted (the proxy asked for the
     # usage these clients did not): spec's are counted, and base's.
     spec_pool, base_pool = state["pools"]["spec"], state["pools"]["base"]
