@@ -4,9 +4,11 @@ A seed curve (from the profile SPECROUTE_PROFILE names, else a generic dense-mod
 the shape; observed step times (inter-token latency of the streams, one chunk per engine step)
 correct it per pool and batch-size bucket. A policy only reads this object (the `StepCost`
 protocol, through `at(now)`: what the model predicts at that moment); the proxy and the
-simulator feed it. A learned correction loses trust with its age (a half-life), so a pool that
-stopped being observed returns toward its seed, but no further than the other pools' correction
-(one seed describes every pool's hardware, so its error is mostly shared), and is tried again.
+simulator feed it. A learned correction loses trust with its age in observed time (a half-life;
+a lull, when nothing is observed at all, counts one half-life at most), so a pool that stopped
+being observed while the others were returns toward its seed, but no further than the other
+pools' correction (one seed describes every pool's hardware, so its error is mostly shared), and
+is tried again.
 
 A spec step drafts k tokens and verifies k+1: step(B, T=k+1) = k * draft(B) + target(B, k+1).
 """
@@ -109,8 +111,9 @@ SEED_MEMO = 4096
 """(batch, width) points of the seed's step curve `seed_step_ms` remembers (then it starts over)."""
 POINT_MEMO = 4096
 """Sizes whose place among a curve's buckets the curve remembers (then it starts over)."""
-# Seconds after which a learned correction that got no new observation keeps half its trust
-# (SPECROUTE_COSTMODEL_HALF_LIFE_S; docs/routing.md, "Step-cost model", says why 8 s).
+# Seconds of observed time (`StepCostModel.clock`) after which a learned correction that got no
+# new observation keeps half its trust (SPECROUTE_COSTMODEL_HALF_LIFE_S; docs/routing.md,
+# "Step-cost model", says why 8 s).
 DEFAULT_HALF_LIFE_S = 8.0
 
 
@@ -235,26 +238,25 @@ class StepCostModel:
     ):
         if not half_life_s > 0:
             raise ValueError(f"half_life_s must be positive, not {half_life_s!r}")
+        if lull_s is not None and not lull_s > 0:  # NaN too
+            raise ValueError(f"lull_s must be positive (math.inf: the wall clock), not {lull_s!r}")
         self.seed: Seed = seed or AffineSeed()
         self.memory = memory
         self.prior_weight = prior_weight
         self.half_life_s = half_life_s
         self.lull_s = half_life_s if lull_s is None else lull_s
         """The longest gap between observations that observed time counts (`clock`): one
-        half-life as served; math.inf ages by the wall clock, as before 2026-12-06 (bench/lull.py
-        compares the two)."""
+        half-life by default (SPECROUTE_COSTMODEL_LULL_S); math.inf ages by the wall clock, as
+        before 2026-12-06 (bench/lull.py compares the two)."""
         self.now = 0.0
         """The latest time the model was told (by `observe` or `at`)."""
-        self._fed_at = 0.0
-        """The latest time an observation carried."""
+        self._fed_at = -math.inf
+        """The latest time an observation carried (-inf: none yet)."""
         self._fed_clock = 0.0
         """`_fed_at` on the observed-time clock (`clock`)."""
-        self._prev_at = 0.0
+        self._prev_at = -math.inf
         self._prev_clock = 0.0
         """The observation before the latest one, likewise."""
-        self.last_observed_at: float | None = None
-        """The latest time an observation carried (None: none yet); more than `lull_s` before
-        now, what was learned has stopped aging (the state endpoint shows it)."""
         self._pools: dict[str, _PoolModel] = {}
         self._seed_steps: dict[tuple[int, int], float] = {}
         self._memo_seed: Seed | None = None
@@ -299,6 +301,8 @@ class StepCostModel:
         """One observed engine step (or a mean of `weight` steps) at this batch size, at `now`."""
         if batch < 1 or step_ms <= 0 or not math.isfinite(step_ms) or weight <= 0:
             return
+        if now is not None and not math.isfinite(now):
+            return
         model = self._pools[pool]
         clock = self._feed(self._tell(now))
         ratio = step_ms / self.seed_step_ms(batch, model.tokens_per_seq)
@@ -312,10 +316,18 @@ class StepCostModel:
         `weight` iterations, at `now`."""
         if tokens < 1 or prefill_ms <= 0 or not math.isfinite(prefill_ms) or weight <= 0:
             return
+        if now is not None and not math.isfinite(now):
+            return
         model = self._pools[pool]
         clock = self._feed(self._tell(now))
         ratio = prefill_ms / self.seed.prefill_ms(max(int(round(tokens)), 1), model.tokens_per_seq > 1)
         self._learn(model.prefill.bucket(_nearest(PREFILL_BUCKETS, tokens), clock), ratio, weight, clock)
+
+    @property
+    def last_observed_at(self) -> float | None:
+        """The latest time an observation carried (None: none yet); more than `lull_s` before
+        now, what was learned has stopped aging (the state endpoint shows it)."""
+        return None if self._fed_at == -math.inf else self._fed_at
 
     def clock(self, now: float) -> float:
         """`now` in observed time, the time a learned correction ages by: seconds since the
@@ -323,21 +335,23 @@ class StepCostModel:
         observations). Between the two latest observations the same rule holds (a reading
         stamped just before the one that ended a lull is in observed time just before it too);
         before them, seconds count as they are."""
+        if self._fed_at == -math.inf:  # nothing observed yet: no gap to count
+            return now
         if now >= self._fed_at:
             return self._fed_clock + min(now - self._fed_at, self.lull_s)
-        if now >= self._prev_at:
-            clock = self._prev_clock + min(now - self._prev_at, self.lull_s)
-            return clock if clock < self._fed_clock else self._fed_clock
+        if now >= self._prev_at:  # at most `_fed_clock`: `_feed` added the same gap, capped alike
+            return self._prev_clock + min(now - self._prev_at, self.lull_s)
         return self._prev_clock - (self._prev_at - now)
 
     def _feed(self, now: float) -> float:
         """An observation carried `now`: the observed-time clock moves to it; its reading there."""
         clock = self.clock(now)
         if now > self._fed_at:
-            self._prev_at, self._prev_clock = self._fed_at, self._fed_clock
+            if self._fed_at == -math.inf:  # the first: both points at it (earlier times count as they are)
+                self._prev_at, self._prev_clock = now, clock
+            else:
+                self._prev_at, self._prev_clock = self._fed_at, self._fed_clock
             self._fed_at, self._fed_clock = now, clock
-        if self.last_observed_at is None or now > self.last_observed_at:
-            self.last_observed_at = now
         return clock
 
     def _learn(self, bucket: _Bucket, ratio: float, weight: float, now: float) -> None:

@@ -411,6 +411,7 @@ class Router:
             seed=seed,
             prior_alpha=seed.profile.measured_alpha if seed is not None else None,
             costmodel_half_life_s=settings.costmodel_half_life_s,
+            costmodel_lull_s=settings.costmodel_lull_s,
             prefix_max_blocks=settings.prefix_max_blocks,
             max_sessions=settings.max_sessions,
             session_ttl_s=settings.session_ttl_s,

@@ -127,6 +127,14 @@ class _SettingsHead(BaseSettings):
         gt=0,
         description="Half-life in seconds of a learned step-time correction's trust without new observations while others arrive (it returns to the profile's; a lull with no traffic ages it one half-life at most).",
     )
+    costmodel_lull_s: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=True,  # inf is a value here (NaN fails gt=0)
+        description="Longest gap in seconds between the cost model's observations that ages what it learned (unset: "
+        "the half-life, so a lull without traffic ages it by one half-life at most; inf: the wall clock,"
+        " every correction back at the profile's about a minute after traffic stops).",
+    )
     state_decisions: int = Field(
         64, ge=1, le=10_000, description="Recent routing decisions kept for GET /v1/specroute/state."
     )
@@ -469,7 +477,9 @@ class Settings(_SettingsWithPolicies):
         for pair in value.split(","):
             key, equals, _ = pair.partition("=")
             if not pair.strip():
-                raise ValueError("an empty pair (a comma too many); write key=value pairs separated by commas")
+                raise ValueError(
+                    "an empty pair (a comma too many, or spaces alone); write key=value pairs separated by commas"
+                )
             if not equals or not key.strip():
                 raise ValueError(f"{pair!r} is not key=value; write key=value pairs separated by commas")
         return value

@@ -265,3 +265,33 @@ def test_prefill_evidence_is_asked_where_a_long_prompt_is_learned():
     assert cost.evidence("spec", 24_000, prefill=True) == 0.0  # nothing learned near the whole length
     assert decision.scores["prefill_evidence_spec"] == cost.evidence("spec", 8000, prefill=True) > 0
     assert decision.scores["prefill_evidence_base"] == 0.0  # base learned nothing
+
+
+def test_a_snapshot_predicts_as_the_model_across_lulls_and_late_observations():
+    """A snapshot (`StepCostAt`, which remembers its answers and each bucket's trust) predicts what
+    the model predicts at its moment, also when a lull lies between observations and when an
+    observation stamped earlier than the latest one (a poll processed late) arrives after it."""
+    import random
+
+    rng = random.Random(7)
+    model = StepCostModel(AffineSeed(), num_draft_tokens=3, half_life_s=HALF_LIFE_S)
+    now = 0.0
+    for _ in range(400):
+        now += rng.choice((0.05, 0.5, 3.0, 30.0, 400.0))  # lulls among the gaps
+        stamped = now - rng.choice((0.0, 0.0, 0.2, 2.0))  # some carry an earlier time
+        if rng.random() < 0.5:
+            model.observe(rng.choice(("spec", "base")), rng.choice((1, 4, 32, 200)), rng.uniform(5, 60), now=stamped)
+        else:
+            model.observe_prefill(
+                rng.choice(("spec", "base")), rng.choice((64, 1000, 5000)), rng.uniform(5, 300), now=stamped
+            )
+        at = now + rng.choice((0.0, 1.0, 100.0))
+        snapshot = model.at(at)
+        for late in (False, True):
+            if late:  # the model learns after the snapshot was taken: the snapshot follows it
+                model.observe("base", 16, rng.uniform(5, 60), now=now - 1.0)
+            for pool, width in (("spec", 4), ("base", 1)):
+                for batch in (1, 7, 64):
+                    assert snapshot.decode_step_ms(pool, batch, width) == model.decode_step_ms(pool, batch, width, at)
+                    assert snapshot.evidence(pool, batch) == model.evidence(pool, batch, at)
+                assert snapshot.prefill_ms(pool, 3000) == model.prefill_ms(pool, 3000, at)

@@ -131,7 +131,7 @@ def test_resource_attributes_the_sdk_would_skip_stop_the_proxy_with_one_line(tmp
     base = {"SPECROUTE_BASE_URLS": "http://a:1"}
     for value, said in (
         ("team=ml,deployment.environment", "'deployment.environment' is not key=value"),
-        ("team=ml,", "an empty pair (a comma too many)"),
+        ("team=ml,", "an empty pair (a comma too many, or spaces alone)"),
         ("=ml", "'=ml' is not key=value"),
     ):
         result = run(["serve"], {**base, "OTEL_RESOURCE_ATTRIBUTES": value}, tmp_path)
@@ -397,3 +397,26 @@ def test_a_profile_with_negative_step_costs_stops_start_up_naming_the_field(tmp_
         "specroute: invalid setting SPECROUTE_PROFILE: bad profile file: step.fixed_ms is -5.0;"
         " it must be a finite number >= 0"
     ]
+
+
+def test_the_cost_models_lull_is_a_setting_inf_the_wall_clock(tmp_path: Path) -> None:
+    """SPECROUTE_COSTMODEL_LULL_S reaches the router's cost model: unset, a lull ages what was
+    learned by one half-life at most; inf, by the wall clock (as before 2026-12-06)."""
+    import math
+
+    from proxy.server import build_app
+
+    base = {"SPECROUTE_BASE_URLS": "http://a:1"}
+    for value, ok in (("inf", True), ("30", True), ("0", False), ("nan", False), ("-1", False)):
+        result = run(["config"], {**base, "SPECROUTE_COSTMODEL_LULL_S": value}, tmp_path)
+        assert (result.returncode == 0) is ok, result.stderr
+        if not ok:
+            assert "SPECROUTE_COSTMODEL_LULL_S" in result.stderr
+    served, wall = (
+        build_app(load_settings(base_urls=["http://a:1"], **lull)).router.fleet.cost
+        for lull in ({}, {"costmodel_lull_s": math.inf})
+    )
+    assert served.lull_s == served.half_life_s and wall.lull_s == math.inf
+    for cost in (served, wall):
+        cost.observe("base", 4, 10.0, now=0.0)
+    assert served.clock(600.0) == served.half_life_s and wall.clock(600.0) == 600.0
