@@ -186,8 +186,9 @@ def fleet_state(
             # prediction (observations' worth; 0 = the profile's or the prior's guess alone).
             "learned": fleet.cost.confidence(now=now),
             "half_life_s": settings.costmodel_half_life_s,
-            # Seconds since the model last learned anything (null: never); past the half-life,
-            # what it learned stops aging until traffic returns (a lull; routing.md).
+            # Seconds since the model last learned anything (null: never); past the lull
+            # (SPECROUTE_COSTMODEL_LULL_S, the half-life unless set), what it learned stops aging
+            # until traffic returns (routing.md).
             "observed_age_s": _age(now - fleet.cost.last_observed_at)
             if fleet.cost.last_observed_at is not None
             else None,
