@@ -8,7 +8,14 @@ pool's others' is found from the requests themselves, as Envoy's outlier detecti
   attempt abandoned because its server stopped answering, `upstream_unresponsive`, counts);
 - `slow-first-token`: its first-token time (a moving average over its streams) is more than
   SPECROUTE_OUTLIER_SLOW_FACTOR times the median of its pool's other instances (at least
-  SLOW_MIN_SAMPLES streams each, and SLOW_FLOOR_S above them).
+  SLOW_MIN_SAMPLES streams each, and SLOW_FLOOR_S above them);
+- `no-progress`: it answers its load polls but sent no byte to any of our requests for
+  SPECROUTE_NO_PROGRESS_S while a stream waited on it (`proxy.routing.stalled`: a hung engine
+  behind a live HTTP front). The requests it left waiting fail over (`upstream_no_progress`).
+
+Attempts that fail while their server is ejected do not count again: requests in flight when it
+failed all fail with it (a stall breaks every stream at once), and counted one by one they
+would eject it again, for twice as long.
 
 Either ejects it for SPECROUTE_OUTLIER_EJECTION_S times the number of times it was ejected (at
 most SPECROUTE_OUTLIER_MAX_EJECTION_S); that count falls by one for every
@@ -42,7 +49,14 @@ from proxy.pools import Instance, Pool
 from proxy.suspects import Culprit, Suspects
 
 FAILURES = frozenset(
-    {"connect", "upstream_disconnected", "first_token_timeout", "chunk_timeout", "upstream_unresponsive"}
+    {
+        "connect",
+        "upstream_disconnected",
+        "first_token_timeout",
+        "chunk_timeout",
+        "upstream_unresponsive",
+        "upstream_no_progress",
+    }
 )
 """Attempt failures that count against a server, besides any 5xx (status_5xx). A total timeout
 does not: a long generation can meet it on a healthy server."""
@@ -55,7 +69,7 @@ noise in a quiet pool (10 ms against 2 ms) is not sickness."""
 
 OK, EJECTED, PROBING = "ok", "ejected", "probing"
 
-RULES = ("consecutive-failures", "slow-first-token", "probe-failed", "probe-slow-first-token")
+RULES = ("consecutive-failures", "slow-first-token", "no-progress", "probe-failed", "probe-slow-first-token")
 """Every rule that ejects (a reason's part before any `:kind`): the ejection counter's `reason`
 label, whose series exist at 0 from the start (proxy.telemetry.names.EJECTION_REASONS)."""
 
@@ -188,6 +202,8 @@ class OutlierDetector:
         record = self.records[instance.url]
         if culprit is not None:
             culprit.failed(instance.url, kind)
+        if record.state == EJECTED and self.clock() < record.until:
+            return  # in flight when it was ejected: the same failure, counted already
         record.consecutive += 1
         if culprit is not None and self.consecutive_failures:
             record.run.append(culprit)
@@ -198,6 +214,31 @@ class OutlierDetector:
             self._eject(instance.url, record, f"probe-failed:{kind}", probe_failed=True, culprit=culprit)
         elif self.consecutive_failures and record.consecutive >= self.consecutive_failures:
             self._eject(instance.url, record, f"consecutive-failures:{kind}", culprit=culprit)
+
+    def answering(self, url: str) -> None:
+        """Its load polls are answered again: an ejection its silence completed (the failure that
+        ejected it was `upstream_unresponsive`: a stopped process, a paused host) ends now,
+        half-open, rather than keeping a server that stalled for 20 s out for 30 s more (a
+        server restarted is back at once too, `restarted`)."""
+        record = self.records.get(url)
+        if record is None or record.state != EJECTED or not (record.reason or "").endswith(":upstream_unresponsive"):
+            return
+        record.state, record.probe_in_flight = PROBING, False
+        self.fleet.set_ejected(url, False)
+        log.info("upstream %s let back half-open (one request at a time): it answers its polls again", url)
+
+    def hung(self, instance: Instance) -> None:
+        """Its engine is stuck behind a live HTTP front (`proxy.routing.Router.check_progress`):
+        ejected at once, or, half-open, again."""
+        record = self.records[instance.url]
+        self._expire(instance.url, record)
+        if record.state == EJECTED:
+            return
+        if record.state == PROBING:
+            record.probe_in_flight = False
+            self._eject(instance.url, record, "probe-failed:upstream_no_progress", probe_failed=True)
+        else:
+            self._eject(instance.url, record, "no-progress")
 
     def absolve(self, culprit: Culprit) -> list[str]:
         """A request ended unanswered: when it failed on enough servers to be judged their

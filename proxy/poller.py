@@ -85,6 +85,7 @@ class InstancePoller:
         on_back: Callable[[str], None] | None = None,
         on_unresponsive: Callable[[str], None] | None = None,
         unresponsive_after_s: float = 0.0,
+        on_polled: Callable[[str], None] | None = None,
     ) -> None:
         self.instance = instance
         self.url = instance.url
@@ -110,6 +111,9 @@ class InstancePoller:
         another instance's is fresh (`FleetModel.unresponsive`): it accepts connections but has
         stopped answering."""
         self.unresponsive_after_s = unresponsive_after_s
+        self.on_polled = on_polled
+        """Told the URL after each poll of a server that is not silent (`Router.check_progress`:
+        one that answers while its engine is stuck)."""
         self.said_unreachable = False
         """A warning said it cannot be reached, and no line since that it answers."""
 
@@ -142,8 +146,13 @@ class InstancePoller:
                 self.url, self.clock(), self.unresponsive_after_s
             ):
                 self.on_unresponsive(self.url)
-        elif self.polls % LIVENESS_EVERY == 0:
-            await self.liveness()
+            elif self.on_polled is not None:
+                self.on_polled(self.url)
+        else:
+            if self.polls % LIVENESS_EVERY == 0:
+                await self.liveness()
+            if self.on_polled is not None:
+                self.on_polled(self.url)
 
     # -- learning -------------------------------------------------------------------------------
 
@@ -334,11 +343,12 @@ class Pollers:
         on_back: Callable[[str], None] | None = None,
         on_unresponsive: Callable[[str], None] | None = None,
         unresponsive_after_s: float = 0.0,
+        on_polled: Callable[[str], None] | None = None,
     ) -> None:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.by_url = {
-            i.url: InstancePoller(i, fleet, self._get, clock, on_back, on_unresponsive, unresponsive_after_s)
+            i.url: InstancePoller(i, fleet, self._get, clock, on_back, on_unresponsive, unresponsive_after_s, on_polled)
             for i in instances
         }
         self._client: httpx.AsyncClient | None = None

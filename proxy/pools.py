@@ -37,6 +37,9 @@ class Instance:
     attempts: set[Any] = field(default_factory=set)
     """Its open attempts (proxy.routing.Attempt): when the server stops answering, those it left
     silent fail over, or end if bytes reached their clients."""
+    progress_at: float = float("-inf")
+    """When (time.monotonic) the server last sent bytes to any of our requests: what
+    `Router.check_progress` judges a hung server by."""
     refused_stream_options_at: float | None = None
     """When (time.monotonic) the server last refused the `stream_options` the proxy adds to learn a
     stream's usage (proxy/relay.py, `refuses_stream_options`); None: never, or it was learned

@@ -28,7 +28,15 @@ from proxy.holding import Held
 from proxy.hooks import RequestHooks, Telemetry
 from proxy.pools import STREAM_OPTIONS_RECHECK_S, Instance, other_pool
 from proxy.responses import HeadersFor, ResponseOwners
-from proxy.routing import Attempt, Router, RoutingInputError, read_overrides, read_session, read_workload
+from proxy.routing import (
+    NO_PROGRESS,
+    Attempt,
+    Router,
+    RoutingInputError,
+    read_overrides,
+    read_session,
+    read_workload,
+)
 from proxy.settings import Settings
 from proxy.state import dispatched
 from proxy.suspects import Culprit, Suspects, request_key
@@ -103,8 +111,6 @@ RETRYABLE = frozenset({CONNECT, DISCONNECTED})
 ERROR_BODY_LIMIT = 64 * 1024
 MAX_MODEL_CHARS = 256
 """The longest model name the log line and the spans carry (the body goes upstream whole)."""
-UNRESPONSIVE = "upstream_unresponsive"
-"""An attempt its server left silent while it stopped answering its load polls."""
 RETRY_AFTER = frozenset({b"retry-after", b"retry-after-ms"})
 RATE_LIMIT_PREFIX = b"x-ratelimit-"
 """An upstream error's headers the client gets besides RETRY_AFTER: OpenAI's x-ratelimit-* (an
@@ -909,23 +915,20 @@ class CompletionHandler:
                 return ProxyError(502, f"upstream {instance.pool} server failed ({kind})", code=kind, retryable=True)
             return ProxyError(504, f"upstream {instance.pool} server timed out ({kind})", code=kind, retryable=False)
         except asyncio.CancelledError:
-            if not attempt.abandoned or exchange.client_gone:
+            why = attempt.abandoned
+            if why is None or exchange.client_gone:
                 raise  # the client left, or the proxy is stopping
-            # Cancelled by Router.abandon_silent: its server stopped answering and left it silent.
+            # Cancelled by Router.abandon_silent or Router.check_progress: its server left it silent.
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()
-            attempt.failed(UNRESPONSIVE)
-            hooks.attempt_failed(error=UNRESPONSIVE, retryable=not exchange.started)
+            attempt.failed(why)
+            hooks.attempt_failed(error=why, retryable=not exchange.started)
             if exchange.started:
-                await self.end_with_error(exchange, UNRESPONSIVE)
+                await self.end_with_error(exchange, why)
                 return None
-            return ProxyError(
-                502,
-                f"upstream {instance.pool} server stopped answering ({UNRESPONSIVE})",
-                code=UNRESPONSIVE,
-                retryable=True,
-            )
+            what = "sent nothing while answering its load polls" if why == NO_PROGRESS else "stopped answering"
+            return ProxyError(502, f"upstream {instance.pool} server {what} ({why})", code=why, retryable=True)
         finally:
             # Waiting on the upstream until it answered, failed or this task was cancelled (the
             # client left, the drain ended) is not the proxy's overhead.
@@ -1066,13 +1069,14 @@ class CompletionHandler:
                         exchange.done = True
                 tail.add(chunk)
             began = perf_counter()
-            if is_stream:  # waiting on the server: a silence Router.abandon_silent may end
+            if is_stream:  # waiting on the server: a silence the router may end (Router.abandon)
                 attempt.reading_since = monotonic()
             try:
                 chunk = await content.readany()
             finally:  # cancelled while waiting (client gone, drain over): still upstream time
                 attempt.reading_since = None
                 exchange.upstream_wait_s += perf_counter() - began
+            attempt.heard()
         exchange.done = True
         # The upstream ended cleanly after an unterminated event: it goes on as it came.
         partial = splitter.rest() if splitter is not None else b""

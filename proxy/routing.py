@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import math
 import secrets
 import time
@@ -37,6 +38,8 @@ from proxy.pools import Instance, Pool, other_pool, pools_from_settings
 from proxy.settings import Settings
 from proxy.state import DecisionLog, fleet_state
 from proxy.suspects import Culprit, Suspects, request_may_cause
+
+log = logging.getLogger("specroute.routing")
 
 if TYPE_CHECKING:
     from proxy.scan import Summary
@@ -164,10 +167,31 @@ def running_task() -> Task[Any] | None:
 
 OWNER_REASON = "response-owner"
 """Why a request continuing a stored response went where it did: the server holding it."""
+UNRESPONSIVE = "upstream_unresponsive"
+"""An attempt its server left silent while it stopped answering its load polls."""
+NO_PROGRESS = "upstream_no_progress"
+"""An attempt left silent by a server that answers its load polls but sent no byte to any of our
+requests for SPECROUTE_NO_PROGRESS_S (`Router.check_progress`)."""
 UNRESPONSIVE_MIN_S = 5.0
 """The shortest silence of a server's load endpoint (with another server answering) after which
 requests left silent there as long fail over or end (`Router.abandon_silent`). SGLang answers
 /v1/loads between scheduler steps, and a prefill chunk takes well under a second."""
+
+
+def stalled(attempts: Collection[Attempt], progress_at: float, now: float, grace_s: float) -> bool:
+    """Whether a server's `attempts` show it hung: no byte from it to any of them for `grace_s`
+    (`progress_at`: its latest), and a stream among them waiting on it at least as long, either
+    one under way (a running stream gets a token every step) or one still waiting for its first
+    while every attempt there is a stream waiting on it: a JSON request is silent until it ends,
+    a stream whose relay is blocked on a slow client is not read, and a batch of either can hold
+    a queued stream back on a healthy server."""
+    since = now - grace_s
+    if progress_at > since:
+        return False
+    waiting = [a for a in attempts if a.stream and a.reading_since is not None and a.reading_since <= since]
+    if not waiting:
+        return False
+    return any(a.started for a in waiting) or all(a.stream and a.reading_since is not None for a in attempts)
 
 
 class Attempt:
@@ -252,10 +276,12 @@ class Attempt:
         if outliers is not None:
             outliers.dispatched(instance)
         self.task = running_task()
-        """The request's task, which `Router.abandon_silent` cancels when its server went silent."""
-        self.abandoned = False
-        """Its server stopped answering and left it silent: the task was cancelled for that (the
-        relay fails it over, or ends its stream with an error event), not because the client left."""
+        """The request's task, which `Router.abandon_silent` and `Router.check_progress` cancel
+        when its server left it silent."""
+        self.abandoned: str | None = None
+        """Why its server was judged to have left it silent (UNRESPONSIVE, NO_PROGRESS): the task
+        was cancelled for that (the relay fails it over, or ends its stream with an error event),
+        not because the client left."""
         self.reading_since: float | None = self.dispatched_at
         """Since when its task has been waiting on the server (for its first byte, or a stream's
         next bytes), or None while it is not (relaying to the client, or done). Only a wait on the
@@ -269,8 +295,13 @@ class Attempt:
             self.answered_ok = True
             self.fleet.on_answered(self.sent)
 
-    def first_byte(self) -> None:
+    def heard(self) -> None:
+        """Bytes came from the server: it is making progress (`Router.check_progress`)."""
         self.reading_since = None
+        self.instance.progress_at = time.monotonic()
+
+    def first_byte(self) -> None:
+        self.heard()
         if self.open and not self.started:
             self.started = True
             self.instance.streaming += 1
@@ -390,6 +421,7 @@ class Router:
             on_back=outliers.restarted,
             on_unresponsive=self.abandon_silent,
             unresponsive_after_s=self.unresponsive_after_s,
+            on_polled=self.check_progress,
         )
         self.decisions = DecisionLog(settings.state_decisions)
         self.holding = None if flow is None else HoldQueue(flow, self.snapshot, poll_s)
@@ -625,12 +657,54 @@ class Router:
         instance = self.by_url.get(url)
         if instance is None:
             return
-        since = time.monotonic() - self.unresponsive_after_s
+        self.abandon(instance, time.monotonic() - self.unresponsive_after_s, UNRESPONSIVE)
+
+    def abandon(self, instance: Instance, since: float, why: str) -> int:
+        """Cancel `instance`'s attempts that have waited on it since `since` or longer, for `why`;
+        how many."""
+        count = 0
         for attempt in list(instance.attempts):
             waiting = attempt.reading_since
-            if waiting is not None and waiting <= since and attempt.task is not None and not attempt.abandoned:
-                attempt.abandoned = True
+            if waiting is not None and waiting <= since and attempt.task is not None and attempt.abandoned is None:
+                attempt.abandoned = why
                 attempt.task.cancel()
+                count += 1
+        return count
+
+    def check_progress(self, url: str) -> None:
+        """Called after each poll of the server at `url` that is not silent. One whose reading is
+        fresh again is told to outlier detection (`OutlierDetector.answering`). A server that answers its polls while its
+        engine is stuck (a scheduler hung in a forward pass: SGLang's /v1/loads reads shared
+        memory and vLLM's /metrics its front process, so both answer) holds every request sent to
+        it for the first-token timeout, and every stream under way for the chunk timeout. Judged
+        hung (`stalled`), it is ejected (rule no-progress) and the requests waiting on it are
+        cancelled: those with no byte yet fail over, streams under way end with an error event."""
+        instance = self.by_url.get(url)
+        if instance is None:
+            return
+        now = time.monotonic()
+        signals = instance.signals
+        if signals.healthy and signals.age(now) <= self.fleet.stale_after_s:
+            self.outliers.answering(url)
+        limit_s = self.settings.no_progress_s
+        if limit_s <= 0 or not instance.attempts:
+            return
+        unanswered = sum(a.prompt_tokens - a.sent.cached_tokens for a in instance.attempts if not a.started)
+        grace_s = limit_s + self.fleet.cost.prefill_ms(instance.pool, max(unanswered, 0), now) / 1000.0
+        if not stalled(instance.attempts, instance.progress_at, now, grace_s):
+            return
+        waiting = sum(1 for a in instance.attempts if a.reading_since is not None)
+        log.warning(
+            "upstream %s (%s pool) answers its load polls but sent no byte to any of its %d requests for %.0f s"
+            " (%d waiting on it): judged hung; the waiting ones fail over, or their streams end",
+            instance.url,
+            instance.pool,
+            len(instance.attempts),
+            now - max(instance.progress_at, min(a.dispatched_at for a in instance.attempts)),
+            waiting,
+        )
+        self.outliers.hung(instance)
+        self.abandon(instance, now - grace_s, NO_PROGRESS)
 
     def unreachable(self, instance: Instance) -> None:
         """A connection to `instance` failed: skip it until a load poll reaches it again."""

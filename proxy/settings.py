@@ -276,6 +276,11 @@ class Settings(_SettingsWithPolicies):
         30.0, gt=0, description="Seconds an instance stays ejected, times the number of times it was ejected."
     )
     outlier_max_ejection_s: float = Field(300.0, gt=0, description="Longest ejection in seconds.")
+    no_progress_s: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds a server that answers its load polls may leave every request sent to it without a byte, with a stream among them waiting, before it is judged hung (its engine stuck behind a live HTTP front): it is ejected (rule no-progress) and its waiting requests fail over, or their streams end with an error event. The predicted prefill of the prompts waiting there is added; 0: never.",
+    )
     query_of_death_servers: int = Field(
         2,
         ge=0,

@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fault-load-delay-ms", type=float, default=0.0, help="answer /v1/loads this late (completions run on)"
     )
+    p.add_argument(
+        "--fault-wedged",
+        action="store_true",
+        help="the engine stops stepping (a hung scheduler) while its HTTP front and /v1/loads answer",
+    )
     return p
 
 
@@ -185,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.fault_hang_after_chunks,
             args.fault_drop_after_chunks,
             args.fault_load_delay_ms,
+            args.fault_wedged,
         )
         faults.check()
         if args.server == "vllm" and args.mode != "base":

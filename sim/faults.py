@@ -11,7 +11,11 @@ object heals the twin.
   leaves);
 - `drop_after_chunks`: a stream's connection is cut after that many chunks;
 - `load_delay_ms`: its load endpoint (`/v1/loads`) answers this late while completions run on
-  (a scheduler too busy to answer polls, or a slow tokenizer process in front of a live engine).
+  (a scheduler too busy to answer polls, or a slow tokenizer process in front of a live engine);
+- `wedged`: the engine stops stepping (a scheduler hung inside a forward pass, an NCCL hang):
+  requests are taken and queued but no token comes, while `/v1/loads` answers the snapshot last
+  published (SGLang's is read from shared memory, never from the scheduler) and `/metrics`
+  answers too. Healed, the engine goes on where it stopped.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ class Faults:
     hang_after_chunks: int | None = None
     drop_after_chunks: int | None = None
     load_delay_ms: float = 0.0
+    wedged: bool = False
 
     @classmethod
     def parse(cls, doc: Any) -> Faults:
@@ -55,6 +60,8 @@ class Faults:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ValueError(f"{name} must be a whole number >= 0 or null")
+        if not isinstance(self.wedged, bool):
+            raise ValueError("wedged must be true or false")
 
     def fails(self, rng: random.Random) -> bool:
         return self.error_rate > 0 and rng.random() < self.error_rate

@@ -6,6 +6,9 @@ and the mean decode rate of a stream stays exact: after a stall (a busy CPU, a l
 the loop catches up by running the overdue steps back to back. Only if it falls more than
 `max_lag_s` (wall) behind is the timeline re-anchored, so a long stall does not turn into a
 long burst.
+
+A wedged loop (`wedge`, the twin's `wedged` fault) takes no step until it is healed; a step
+under way when it wedged ends only then, as a forward pass stuck in a collective does.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class EngineLoop:
         self._t0 = time.monotonic()
         self._epoch0 = time.time()
         self._wake = asyncio.Event()
+        self._unwedged = asyncio.Event()
+        self._unwedged.set()
         self._task: asyncio.Task | None = None
         self.steps = 0
 
@@ -43,6 +48,17 @@ class EngineLoop:
 
     def abort(self, rid: str) -> bool:
         return self.engine.abort(rid, self.now())
+
+    def wedge(self, wedged: bool) -> None:
+        """Stop stepping (True) or go on (False)."""
+        if wedged:
+            self._unwedged.clear()
+        else:
+            self._unwedged.set()
+
+    @property
+    def wedged(self) -> bool:
+        return not self._unwedged.is_set()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="twin-engine")
@@ -64,6 +80,9 @@ class EngineLoop:
         engine = self.engine
         t = self.now()
         while True:
+            if not self._unwedged.is_set():
+                await self._unwedged.wait()
+                t = self.now()  # the hang's time is lost, not caught up
             step = engine.begin_step(t)
             if step is None:
                 self._wake.clear()
@@ -78,6 +97,9 @@ class EngineLoop:
                 end = self.now()  # too far behind to catch up: re-anchor
             else:
                 await asyncio.sleep(0)  # let request handlers run between back-to-back steps
+            if not self._unwedged.is_set():  # hung mid-step: it ends once healed
+                await self._unwedged.wait()
+                end = self.now()
             engine.finish_step(step, end)
             self.steps += 1
             t = end

@@ -859,6 +859,7 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
             twin.faults = Faults.parse(await request.json())
         except (ValueError, TypeError) as exc:
             raise TwinError(f"Send a JSON object of faults: {exc}", err_type="Bad Request") from None
+        twin.running_loop.wedge(twin.faults.wedged)
         return JSONResponse(twin.faults.as_dict())
 
     async def root(request: HttpRequest) -> Response:
@@ -867,6 +868,7 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         twin.loop = EngineLoop(twin.engine, options.time_scale)
+        twin.loop.wedge(twin.faults.wedged)
         twin.loop.start()
         try:
             yield

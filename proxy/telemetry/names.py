@@ -90,7 +90,13 @@ UNATTEMPTED_OUTCOMES = ("client_error", "refused", "error", "client_disconnected
 """The `outcome`s of a request refused before any attempt (pool `none`): never `ok`."""
 M_EJECTED = "specroute_upstream_ejected"
 M_EJECTIONS = "specroute_upstream_ejections"
-EJECTION_REASONS = ("consecutive-failures", "slow-first-token", "probe-failed", "probe-slow-first-token")
+EJECTION_REASONS = (
+    "consecutive-failures",
+    "slow-first-token",
+    "no-progress",
+    "probe-failed",
+    "probe-slow-first-token",
+)
 """Every rule proxy.outliers ejects by (its RULES): their series exist at 0 per instance."""
 M_PREFIX_CREDITED = "specroute_prefix_credited_tokens"
 M_PREFIX_CACHED = "specroute_prefix_cached_tokens"

@@ -77,6 +77,7 @@ UPSTREAM_FAILURES = {
     "upstream_event_too_large",
     "upstream_auth",
     "upstream_unresponsive",
+    "upstream_no_progress",
 }
 """Codes of the gateway errors the proxy answers for an upstream that failed (502/503/504)."""
 

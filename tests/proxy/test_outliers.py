@@ -245,6 +245,64 @@ def test_a_restarted_server_is_back_at_once_and_its_ejection_count_stays() -> No
     assert outliers.state_of(sick.url)["ejected_for_s"] == 60.0
 
 
+def test_failures_of_requests_in_flight_when_a_server_was_ejected_do_not_eject_it_again() -> None:
+    """A stall breaks every stream on a server at once: six broken streams are one failure of
+    the server, not six in a row (which ejected it a second time, for twice as long)."""
+    clock = Clock()
+    fleet, pools = fleet_of(2, 1)
+    outliers = detector(pools, fleet, clock)
+    sick = pools[0].instances[0]
+    for _ in range(11):
+        outliers.failed(sick, "upstream_disconnected")
+    state = outliers.state_of(sick.url)
+    assert (state["ejections"], state["ejected_for_s"], state["consecutive_failures"]) == (1, 30.0, 0)
+    clock.now += 30.0  # half-open: its probe fails, and it is out for twice as long
+    assert outliers.admits(sick)
+    outliers.dispatched(sick)
+    outliers.failed(sick, "upstream_disconnected")
+    assert outliers.state_of(sick.url)["ejections"] == 2 and outliers.state_of(sick.url)["ejected_for_s"] == 60.0
+
+
+def test_a_server_ejected_for_its_silence_is_let_back_half_open_once_it_answers_its_polls() -> None:
+    """A paused process (SIGSTOP, a host stall) fails every request waiting on it at once; once
+    its polls are answered again it is on probation, not out for the rest of its 30 s."""
+    clock = Clock()
+    fleet, pools = fleet_of(2, 1)
+    outliers = detector(pools, fleet, clock)
+    paused, sick = pools[0].instances[0], pools[1].instances[0]
+    for _ in range(5):
+        outliers.failed(paused, "upstream_unresponsive")
+    outliers.failed(sick, "upstream_unresponsive")
+    for _ in range(4):
+        outliers.failed(sick, "status_500")  # the failure that ejects it is an answer, not silence
+    assert outliers.ejected(paused.url) and outliers.ejected(sick.url)
+    outliers.answering(paused.url)
+    assert outliers.state_of(paused.url)["state"] == "probing" and paused.healthy
+    outliers.answering(sick.url)  # answering polls says nothing of its 500s
+    assert outliers.ejected(sick.url) and not sick.healthy
+
+
+def test_a_hung_server_is_ejected_at_once_and_again_if_its_probe_hangs() -> None:
+    clock = Clock()
+    fleet, pools = fleet_of(2, 1)
+    outliers = detector(pools, fleet, clock)
+    hung = pools[0].instances[0]
+    outliers.hung(hung)
+    assert outliers.state_of(hung.url)["reason"] == "no-progress" and not hung.healthy
+    outliers.hung(hung)  # judged again while out: nothing more
+    assert outliers.state_of(hung.url)["ejections"] == 1
+    clock.now += 30.0
+    assert outliers.admits(hung)
+    outliers.dispatched(hung)  # the probe
+    outliers.hung(hung)
+    state = outliers.state_of(hung.url)
+    assert (state["reason"], state["ejections"], state["ejected_for_s"]) == (
+        "probe-failed:upstream_no_progress",
+        2,
+        60.0,
+    )
+
+
 # -- over HTTP, with the twin's fault modes ------------------------------------------------------
 
 
@@ -464,8 +522,11 @@ def test_requests_waiting_on_a_server_that_stopped_answering_fail_over(two_spec_
 
 
 @contextlib.contextmanager
-def streams_on_spec_0(time_scale: float = 1.0) -> Iterator[tuple[RunningProxy, RunningTwin, list[openai.Stream]]]:
-    """Two spec twins and the proxy; long streams under way on spec-0 (the others closed)."""
+def streams_on_spec_0(
+    time_scale: float = 1.0, **overrides: float
+) -> Iterator[tuple[RunningProxy, RunningTwin, list[openai.Stream]]]:
+    """Two spec twins and the proxy (`overrides`: its settings); long streams under way on
+    spec-0 (the others closed)."""
     common = ("--output-len", "fixed:4096")  # at real speed a stream lasts about ten seconds
     with (
         twins(
@@ -474,7 +535,10 @@ def streams_on_spec_0(time_scale: float = 1.0) -> Iterator[tuple[RunningProxy, R
             TwinSpec("base", seed=23),
         ) as (first, second, base),
         running_proxy(
-            spec_urls=[first.url, second.url], base_urls=[base.url], policy="spec", chunk_timeout_s=60
+            spec_urls=[first.url, second.url],
+            base_urls=[base.url],
+            policy="spec",
+            **({"chunk_timeout_s": 60} | overrides),
         ) as proxy,
     ):
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=90)
@@ -549,7 +613,7 @@ def test_only_attempts_waiting_on_a_silent_server_are_abandoned() -> None:
     router = Router.from_settings(load_settings(spec_urls=url, base_urls="http://127.0.0.1:10"))
     instance = router.by_url[url]
 
-    async def scenario() -> dict[str, bool]:
+    async def scenario() -> dict[str, str | None]:
         ready: dict[str, asyncio.Event] = {}
         attempts = {}
 
@@ -576,7 +640,7 @@ def test_only_attempts_waiting_on_a_silent_server_are_abandoned() -> None:
         assert not instance.attempts  # every attempt released
         return abandoned
 
-    assert asyncio.run(scenario()) == {"silent": True, "heard-lately": False, "relaying": False}
+    assert asyncio.run(scenario()) == {"silent": "upstream_unresponsive", "heard-lately": None, "relaying": None}
 
 
 def test_a_pool_whose_servers_are_all_ejected_sends_its_requests_to_the_other_pool(
@@ -640,3 +704,84 @@ def test_a_request_retried_on_another_server_of_its_pool_says_so(two_spec_twins:
             return {line["request_id"]: line["reason"] for line in lines if line["request_id"] in header}
 
         wait_for(lambda: logged() == header, timeout=10, what="log lines with the headers' reasons")
+
+
+# -- a server that answers its polls while its engine is stuck ---------------------------------
+
+
+def test_a_request_sent_to_a_hung_engine_behind_a_live_front_fails_over_long_before_its_timeout() -> None:
+    """SGLang's /v1/loads and vLLM's /metrics answer while the engine is stuck (an NCCL hang):
+    polls look fine, and each request sent there waited the first-token timeout (120 s) for a
+    504. Now the server is judged hung once nothing came from it for SPECROUTE_NO_PROGRESS_S,
+    and the request is served by the other pool."""
+    with twins(TwinSpec("spec", time_scale=TIME_SCALE, seed=31), TwinSpec("base", time_scale=TIME_SCALE, seed=32)) as (
+        hung,
+        base,
+    ):
+        with running_proxy(spec_urls=[hung.url], base_urls=[base.url], policy="spec", no_progress_s=1.0) as proxy:
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=30)
+            make_sick(hung, wedged=True)
+            # Bounded by the client's 30 s, a quarter of the first-token timeout.
+            stream = client.chat.completions.with_raw_response.create(
+                model="m", messages=MESSAGES, max_tokens=4, stream=True
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in stream.parse() if c.choices)
+            assert text
+            assert stream.headers["x-specroute-backend"] == "base-0"
+            assert stream.headers["x-specroute-reason"].endswith("+failover")
+            assert state_of(proxy, "spec-0")["outlier"]["state"] == "ejected"
+            assert state_of(proxy, "spec-0")["outlier"]["reason"] == "no-progress"
+            assert state_of(proxy, "spec-0")["outlier"]["ejections"] == 1  # its abandoned request not counted again
+            metrics = httpx.get(proxy.url + "/metrics").text
+            assert (
+                f'specroute_upstream_ejections_total{{instance="{hung.url}",pool="spec",reason="no-progress"}} 1.0'
+                in metrics
+            )
+            for _ in range(3):  # the next ones go to base at once
+                answer = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2)
+                assert answer.headers["x-specroute-backend"] == "base-0"
+            make_sick(hung)
+            wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_streams_under_way_on_a_hung_engine_end_with_an_error_event_before_their_chunk_timeout() -> None:
+    with streams_on_spec_0(no_progress_s=1.0) as (proxy, hung, on_hung):
+        make_sick(hung, wedged=True)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(len(on_hung)) as pool:
+                # Bounded below the 60 s chunk timeout: the rule ends them first.
+                ended = [f.result(timeout=45) for f in [pool.submit(read_to_the_end, s) for s in on_hung]]
+        finally:
+            make_sick(hung)
+        assert all(isinstance(e, openai.APIError) and e.code == "upstream_no_progress" for e in ended), ended
+        assert state_of(proxy, "spec-0")["outlier"]["reason"] == "no-progress"
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+class Waiting:
+    """An attempt as `stalled` sees it."""
+
+    def __init__(self, stream: bool, started: bool, reading_since: float | None) -> None:
+        self.stream, self.started, self.reading_since = stream, started, reading_since
+
+
+@pytest.mark.parametrize(
+    ("attempts", "progress_at", "hung"),
+    [
+        ([Waiting(True, True, 0.0)], 0.0, True),  # a stream under way, nothing for 10 s
+        ([Waiting(True, True, 0.0)], 6.0, False),  # bytes 4 s ago (another request's)
+        ([Waiting(True, True, 6.0)], 0.0, False),  # waiting only 4 s
+        ([Waiting(True, False, 0.0)], 0.0, True),  # a stream waiting for its first token alone
+        ([Waiting(True, False, 0.0), Waiting(False, False, 0.0)], 0.0, False),  # a JSON request may hold it back
+        ([Waiting(True, True, 0.0), Waiting(False, False, 0.0)], 0.0, True),  # not one under way
+        ([Waiting(False, False, 0.0)], 0.0, False),  # JSON requests alone are silent until they end
+        ([Waiting(True, True, None)], 0.0, False),  # relaying to its client, not waiting on the server
+        ([Waiting(True, False, 0.0), Waiting(True, True, None)], 0.0, False),  # a slow client's stream unread
+    ],
+)
+def test_a_server_is_judged_hung_only_on_a_silence_no_healthy_server_shows(
+    attempts: list[Waiting], progress_at: float, hung: bool
+) -> None:
+    from proxy.routing import stalled
+
+    assert stalled(attempts, progress_at, now=10.0, grace_s=5.0) is hung  # type: ignore[arg-type]

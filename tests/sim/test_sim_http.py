@@ -540,6 +540,28 @@ def test_a_storm_of_clients_that_leave_leaks_no_slot():
         assert chat(t, max_tokens=3).usage.completion_tokens == 3  # and the server still serves
 
 
+def test_a_wedged_twin_takes_requests_and_answers_its_polls_but_sends_nothing_until_healed(spec):
+    """Twin only: an engine hung in a forward pass behind a live HTTP front. SGLang's /v1/loads
+    reads the snapshot its scheduler last published to shared memory, so it answers, unchanged."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    assert httpx.post(spec.url + "/specroute/twin/faults", json={"wedged": "yes"}, timeout=5).status_code == 400
+    before = loads(spec)
+    with httpx.Client(base_url=spec.url, timeout=httpx.Timeout(10, read=1.0)) as http:
+        try:
+            assert http.post("/specroute/twin/faults", json={"wedged": True}).json()["wedged"] is True
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200  # taken: the headers go out at once, as SGLang's
+                with pytest.raises(httpx.ReadTimeout):
+                    response.read()  # no token while wedged (the twin runs 20x: a token takes ms)
+            assert loads(spec) == before  # the load snapshot is not republished
+            assert http.get("/health").status_code == 200 and metric(spec, "sglang:num_running_reqs") is not None
+        finally:
+            http.post("/specroute/twin/faults", json={})
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:  # healed: served again
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+
+
 async def _storm(t):
     body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 20000, "ignore_eos": True}
     limits = httpx.Limits(max_connections=200)
@@ -595,6 +617,7 @@ def test_faults_make_a_twin_sick_on_purpose_and_heal_it(spec):
         "hang_after_chunks": None,
         "drop_after_chunks": None,
         "load_delay_ms": 0.0,
+        "wedged": False,
     }
     ok = httpx.post(
         spec.url + "/v1/chat/completions",
