@@ -128,6 +128,10 @@ def fleet_state(
                     # What its counters prefilled of the uncached prompt tokens we sent it (30 s;
                     # under 1: it held prompts the router did not credit; routing.md).
                     "prefilled_share": round(fleet.instances[i.url].prefilled_share(now), 3),
+                    # Seconds since it last sent bytes to a request of ours (null: never), and
+                    # how many of ours it holds: what the no-progress rule judges (routing.md).
+                    "last_byte_age_s": _age(now - poller.instance.progress_at),
+                    "attempts": len(poller.instance.attempts),
                 }
             )
         pools[name] = {

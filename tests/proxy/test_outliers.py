@@ -754,7 +754,9 @@ def test_streams_under_way_on_a_hung_engine_end_with_an_error_event_before_their
         finally:
             make_sick(hung)
         assert all(isinstance(e, openai.APIError) and e.code == "upstream_no_progress" for e in ended), ended
-        assert state_of(proxy, "spec-0")["outlier"]["reason"] == "no-progress"
+        shown = state_of(proxy, "spec-0")
+        assert shown["outlier"]["reason"] == "no-progress"
+        assert shown["last_byte_age_s"] >= 1.0 and shown["attempts"] == 0  # silent past the limit; none left
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
