@@ -254,8 +254,8 @@ class FleetModel:
     def unresponsive(self, url: str, now: float, after_s: float) -> bool:
         """The instance is reachable and polled, its load reading is older than `after_s`, and
         another instance's is fresh (so the silence is the server's, not this process's nor the
-        network's): it accepts connections but has stopped answering (a stopped process, a hung
-        engine behind a live HTTP front)."""
+        network's): it accepts connections but has stopped answering (a stopped process or
+        host)."""
         signals = self.instances[url]
         if not (signals.healthy and signals.polled) or signals.age(now) <= after_s:
             return False

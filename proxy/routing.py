@@ -174,8 +174,10 @@ NO_PROGRESS = "upstream_no_progress"
 requests for SPECROUTE_NO_PROGRESS_S (`Router.check_progress`)."""
 UNRESPONSIVE_MIN_S = 5.0
 """The shortest silence of a server's load endpoint (with another server answering) after which
-requests left silent there as long fail over or end (`Router.abandon_silent`). SGLang answers
-/v1/loads between scheduler steps, and a prefill chunk takes well under a second."""
+requests left silent there as long fail over or end (`Router.abandon_silent`). SGLang's
+/v1/loads reads a snapshot in shared memory and vLLM's /metrics its API process, so a live
+server answers within milliseconds however busy its engine; a silence this long is a stopped
+process or host (an engine hung behind a live front answers: `Router.check_progress`)."""
 
 
 def stalled(attempts: Collection[Attempt], progress_at: float, now: float, grace_s: float) -> bool:
@@ -652,8 +654,8 @@ class Router:
         """The server at `url` stopped answering (`FleetModel.unresponsive`, told by its poller):
         its attempts that have waited on it for `unresponsive_after_s` are cancelled. One still
         waiting for its first byte fails over; a stream under way ends with an error event (bytes
-        reached its client). A hung server, an NCCL hang behind a live HTTP front, would hold
-        each for the first-token timeout, the chunk timeout, or a JSON request's total one."""
+        reached its client). A stopped process or host would hold each for the first-token
+        timeout, the chunk timeout, or a JSON request's total one."""
         instance = self.by_url.get(url)
         if instance is None:
             return

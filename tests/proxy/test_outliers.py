@@ -489,7 +489,7 @@ def test_a_stopped_server_gets_no_new_requests_while_its_pool_mate_answers(two_s
 
 
 def test_requests_waiting_on_a_server_that_stopped_answering_fail_over(two_spec_twins: list[RunningTwin]) -> None:
-    """Sent to a server just before it stopped (SIGSTOP, a hung engine), requests waited for their
+    """Sent to a server just before it stopped (SIGSTOP, a paused host), requests waited for their
     first byte until the first-token timeout (streams) or the total one (JSON)."""
     stopped, well, base = two_spec_twins
     with running_proxy(
@@ -566,7 +566,7 @@ def read_to_the_end(stream: openai.Stream) -> BaseException | None:
 
 def test_a_stream_under_way_on_a_server_that_stopped_answering_ends_before_its_chunk_timeout() -> None:
     """Bytes reached the client, so the stream cannot fail over; it waited out the chunk timeout
-    (60 s) for a server that had stopped (SIGSTOP, a hung engine). Now it ends with an error event
+    (60 s) for a server that had stopped (SIGSTOP, a paused host). Now it ends with an error event
     once the server is known to be silent while its pool-mate answers."""
     with streams_on_spec_0() as (proxy, stopped, on_stopped):
         os.kill(stopped.process.pid, signal.SIGSTOP)
