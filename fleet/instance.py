@@ -89,6 +89,13 @@ class InstanceSignals:
     counters_at: float | None = None
     """When its acceptance counters (generation tokens, verify calls) were last read (None: never)."""
     last_gauge: float | None = None
+    engine_mark: float | None = None
+    """Its latest reading's engine mark (Reading.engine_mark), None before one."""
+    engine_mark_at: float = -math.inf
+    """The time of the reading whose engine mark changed, or was first seen."""
+    engine_moved: bool = False
+    """Its engine mark has been seen to change: one that never does (vLLM's stats turned off)
+    says nothing of its engine."""
     polled: bool = True
     """False when the server answers no load endpoint: its load is our own in-flight count."""
     prompt_tokens_sent: EventRate = field(default_factory=EventRate)
@@ -207,6 +214,20 @@ class InstanceSignals:
     def adjusted_load(self) -> float:
         running, waiting = self.adjusted()
         return running + waiting
+
+    def on_engine_mark(self, mark: float | None, at: float) -> None:
+        if mark is None:
+            return  # not reported this time: the last one stands
+        if mark != self.engine_mark:
+            self.engine_moved = self.engine_moved or self.engine_mark is not None
+            self.engine_mark, self.engine_mark_at = mark, at
+
+    def engine_still_s(self, now: float) -> float | None:
+        """Seconds since its engine mark last moved (None: not known to move). An idle engine's
+        mark holds still too; a busy one's moves within a step or a prefill chunk."""
+        if not self.engine_moved:
+            return None
+        return max(now - self.engine_mark_at, 0.0)
 
     def age(self, now: float) -> float:
         if not self.polled:

@@ -211,6 +211,7 @@ class FleetModel:
         queued = signals.reading is not None and signals.reading.waiting > 0
         signals.reading = reading
         signals.polled = True
+        signals.on_engine_mark(reading.engine_mark, reading.at)
         if reading.max_running:
             signals.max_running = reading.max_running
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:

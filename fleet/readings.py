@@ -34,6 +34,11 @@ class Reading:
     """Monotonic counters of the uncached prompt tokens it prefilled and the microseconds its
     prefill steps took (SGLang's /v1/loads total_prefill_uncached_tokens, total_prefill_busy_us),
     if it reports them: its prefill speed under any load."""
+    engine_mark: float | None = None
+    """A number its engine changes as it works, if it reports one: SGLang's /v1/loads snapshot
+    time (published every few decode steps and after each prefill, by the scheduler alone), or
+    the prompt and generation token counters of vLLM's /metrics (its engine's iteration stats).
+    Unchanged long after a request reached the server, the engine is stuck."""
 
     def check(self) -> Reading:
         """This reading, if every number in it is one a server can mean; else ValueError naming
@@ -62,6 +67,7 @@ _READING_NUMBERS = (
     "cache_tokens",
     "prefill_tokens_total",
     "prefill_busy_us_total",
+    "engine_mark",
 )
 
 

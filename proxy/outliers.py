@@ -13,9 +13,9 @@ pool's others' is found from the requests themselves, as Envoy's outlier detecti
   SPECROUTE_NO_PROGRESS_S while a stream waited on it (`proxy.routing.stalled`: a hung engine
   behind a live HTTP front). The requests it left waiting fail over (`upstream_no_progress`).
 
-Attempts that fail while their server is ejected do not count again: requests in flight when it
-failed all fail with it (a stall breaks every stream at once), and counted one by one they
-would eject it again, for twice as long.
+Attempts sent before a server's latest ejection do not count when they fail after it: requests
+in flight when it failed all fail with it (a stall breaks every stream at once), and counted
+one by one they would eject it again, or fail its half-open probe, for twice as long.
 
 Either ejects it for SPECROUTE_OUTLIER_EJECTION_S times the number of times it was ejected (at
 most SPECROUTE_OUTLIER_MAX_EJECTION_S); that count falls by one for every
@@ -92,6 +92,8 @@ class Record:
     run: deque[Culprit] = field(default_factory=deque)
     """The requests behind the failures of its current count that a request may have caused
     (the latest `consecutive_failures` of them)."""
+    ejected_at: float = float("-inf")
+    """When it was last ejected: the failures of attempts sent before are that ejection's."""
     ejected_by: Culprit | None = None
     """The request whose failure completed its ejection, when a request may have caused it."""
 
@@ -194,15 +196,18 @@ class OutlierDetector:
             if self.slow_factor > 0 and self._slow(instance.url, record):
                 self._eject(instance.url, record, "slow-first-token")
 
-    def failed(self, instance: Instance, kind: str, culprit: Culprit | None = None) -> None:
+    def failed(
+        self, instance: Instance, kind: str, culprit: Culprit | None = None, dispatched_at: float | None = None
+    ) -> None:
         """An attempt failed; `culprit`: its request's failures, when the request may have
-        caused this one (`proxy.suspects.request_may_cause`)."""
+        caused this one (`proxy.suspects.request_may_cause`); `dispatched_at`: when it was sent
+        (on this detector's clock): one sent before the server's last ejection is not counted."""
         if kind not in FAILURES and not kind.startswith("status_5"):
             return
         record = self.records[instance.url]
         if culprit is not None:
             culprit.failed(instance.url, kind)
-        if record.state == EJECTED and self.clock() < record.until:
+        if dispatched_at is not None and dispatched_at < record.ejected_at:
             return  # in flight when it was ejected: the same failure, counted already
         record.consecutive += 1
         if culprit is not None and self.consecutive_failures:
@@ -217,13 +222,14 @@ class OutlierDetector:
 
     def answering(self, url: str) -> None:
         """Its load polls are answered again: an ejection its silence completed (the failure that
-        ejected it was `upstream_unresponsive`: a stopped process, a paused host) ends now,
+        ejected it, a probe's included, was `upstream_unresponsive`: a stopped process, a paused
+        host) ends now,
         half-open, rather than keeping a server that stalled for 20 s out for 30 s more (a
         server restarted is back at once too, `restarted`)."""
         record = self.records.get(url)
         if record is None or record.state != EJECTED or not (record.reason or "").endswith(":upstream_unresponsive"):
             return
-        record.state, record.probe_in_flight = PROBING, False
+        record.state, record.probe_in_flight, record.ejected_by = PROBING, False, None
         self.fleet.set_ejected(url, False)
         log.info("upstream %s let back half-open (one request at a time): it answers its polls again", url)
 
@@ -326,6 +332,7 @@ class OutlierDetector:
             return
         record.ejections += 1
         record.state = EJECTED
+        record.ejected_at = self.clock()
         period = min(self.ejection_s * record.ejections, self.max_ejection_s)
         record.until = self.clock() + period
         record.reason = reason

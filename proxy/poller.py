@@ -112,8 +112,9 @@ class InstancePoller:
         stopped answering."""
         self.unresponsive_after_s = unresponsive_after_s
         self.on_polled = on_polled
-        """Told the URL after each poll of a server that is not silent (`Router.check_progress`:
-        one that answers while its engine is stuck)."""
+        """Told the URL after each poll it answered (each tick while its liveness checks pass, for
+        a server with no load endpoint): `Router.check_progress`, a server that answers while its
+        engine is stuck."""
         self.said_unreachable = False
         """A warning said it cannot be reached, and no line since that it answers."""
 
@@ -146,12 +147,12 @@ class InstancePoller:
                 self.url, self.clock(), self.unresponsive_after_s
             ):
                 self.on_unresponsive(self.url)
-            elif self.on_polled is not None:
+            elif self.on_polled is not None and self.error is None:
                 self.on_polled(self.url)
         else:
             if self.polls % LIVENESS_EVERY == 0:
                 await self.liveness()
-            if self.on_polled is not None:
+            if self.on_polled is not None and self.error is None and self.failures == 0:
                 self.on_polled(self.url)
 
     # -- learning -------------------------------------------------------------------------------

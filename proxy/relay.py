@@ -927,7 +927,7 @@ class CompletionHandler:
             if exchange.started:
                 await self.end_with_error(exchange, why)
                 return None
-            what = "sent nothing while answering its load polls" if why == NO_PROGRESS else "stopped answering"
+            what = "made no progress" if why == NO_PROGRESS else "stopped answering"
             return ProxyError(502, f"upstream {instance.pool} server {what} ({why})", code=why, retryable=True)
         finally:
             # Waiting on the upstream until it answered, failed or this task was cancelled (the
@@ -983,6 +983,7 @@ class CompletionHandler:
         """An upstream 4xx/5xx: 5xx may go to another instance; 4xx is the client's to see
         (with the upstream's retry-after, which the SDKs honour)."""
         retryable = response.status >= 500
+        attempt.reading_since = None  # answered: not a silence to end while its body is read
         if response.status == 500:  # before any await: its connection may be in the pool already
             not_reused(response)
         if not retryable:
@@ -1076,7 +1077,8 @@ class CompletionHandler:
             finally:  # cancelled while waiting (client gone, drain over): still upstream time
                 attempt.reading_since = None
                 exchange.upstream_wait_s += perf_counter() - began
-            attempt.heard()
+            if not is_stream or scan.EVENT in chunk or (splitter is not None and splitter.pending):
+                attempt.heard()  # data, not a keep-alive comment: the server is making progress
         exchange.done = True
         # The upstream ended cleanly after an unterminated event: it goes on as it came.
         partial = splitter.rest() if splitter is not None else b""

@@ -180,20 +180,32 @@ server answers within milliseconds however busy its engine; a silence this long 
 process or host (an engine hung behind a live front answers: `Router.check_progress`)."""
 
 
-def stalled(attempts: Collection[Attempt], progress_at: float, now: float, grace_s: float) -> bool:
+PREFILL_MARGIN = 3.0
+"""The no-progress rule allows this many times the predicted prefill of the prompts waiting on a
+server: the generic prior can be several times fast, and a long lone prefill moves no counter
+on vLLM until it ends."""
+
+
+def stalled(
+    attempts: Collection[Attempt], progress_at: float, now: float, grace_s: float, engine_still_s: float | None
+) -> bool:
     """Whether a server's `attempts` show it hung: no byte from it to any of them for `grace_s`
-    (`progress_at`: its latest), and a stream among them waiting on it at least as long, either
-    one under way (a running stream gets a token every step) or one still waiting for its first
-    while every attempt there is a stream waiting on it: a JSON request is silent until it ends,
-    a stream whose relay is blocked on a slow client is not read, and a batch of either can hold
-    a queued stream back on a healthy server."""
+    (`progress_at`: its latest) while one has waited on it at least as long, and
+
+    - its engine mark has not moved for as long (`engine_still_s`: SGLang's load snapshot time,
+      vLLM's token counters; a server given a request moves it within a prefill chunk, whatever
+      other proxies send it), whatever waits: a JSON request is silent until it ends;
+    - or, with no engine mark known to move (None), every attempt there is a stream waiting on
+      it: a JSON request ahead, or a stream whose relay is blocked on a slow client (unread),
+      can hold a stream back on a healthy server."""
     since = now - grace_s
     if progress_at > since:
         return False
-    waiting = [a for a in attempts if a.stream and a.reading_since is not None and a.reading_since <= since]
-    if not waiting:
+    if not any(a.reading_since is not None and a.reading_since <= since for a in attempts):
         return False
-    return any(a.started for a in waiting) or all(a.stream and a.reading_since is not None for a in attempts)
+    if engine_still_s is not None:
+        return engine_still_s >= grace_s
+    return all(a.stream and a.reading_since is not None for a in attempts)
 
 
 class Attempt:
@@ -374,7 +386,7 @@ class Attempt:
             self.instance.failed_total += 1
             if self.outliers is not None:
                 culprit = self.culprit if self.culprit is not None and request_may_cause(error) else None
-                self.outliers.failed(self.instance, error, culprit)
+                self.outliers.failed(self.instance, error, culprit, dispatched_at=self.dispatched_at)
         self._release(refused=refused)
 
     def _release(self, refused: bool = False) -> None:
@@ -674,13 +686,16 @@ class Router:
         return count
 
     def check_progress(self, url: str) -> None:
-        """Called after each poll of the server at `url` that is not silent. One whose reading is
-        fresh again is told to outlier detection (`OutlierDetector.answering`). A server that answers its polls while its
-        engine is stuck (a scheduler hung in a forward pass: SGLang's /v1/loads reads shared
-        memory and vLLM's /metrics its front process, so both answer) holds every request sent to
-        it for the first-token timeout, and every stream under way for the chunk timeout. Judged
-        hung (`stalled`), it is ejected (rule no-progress) and the requests waiting on it are
-        cancelled: those with no byte yet fail over, streams under way end with an error event."""
+        """Called after each poll the server at `url` answered. One whose reading is fresh again
+        is told to outlier detection (`OutlierDetector.answering`). A server that answers its
+        polls while its engine is stuck (a scheduler hung in a forward pass: SGLang's /v1/loads
+        reads shared memory and vLLM's /metrics its front process, so both answer) held every
+        request sent to it for the first-token timeout, every stream under way for the chunk
+        timeout and a JSON request for the total one. Judged hung (`stalled`, after
+        SPECROUTE_NO_PROGRESS_S plus PREFILL_MARGIN times the predicted prefill of what waits
+        there; without an engine mark, the chunk timeout at least), it is ejected (rule
+        no-progress) and every request waiting on it is cancelled: those with no byte yet fail
+        over, streams under way end with an error event."""
         instance = self.by_url.get(url)
         if instance is None:
             return
@@ -692,21 +707,24 @@ class Router:
         if limit_s <= 0 or not instance.attempts:
             return
         unanswered = sum(a.prompt_tokens - a.sent.cached_tokens for a in instance.attempts if not a.started)
-        grace_s = limit_s + self.fleet.cost.prefill_ms(instance.pool, max(unanswered, 0), now) / 1000.0
-        if not stalled(instance.attempts, instance.progress_at, now, grace_s):
+        prefill_s = self.fleet.cost.prefill_ms(instance.pool, max(unanswered, 0), now) / 1000.0
+        grace_s = limit_s + PREFILL_MARGIN * prefill_s
+        still_s = signals.engine_still_s(now)
+        if still_s is None:
+            grace_s = max(grace_s, self.settings.chunk_timeout_s)
+        if not stalled(instance.attempts, instance.progress_at, now, grace_s, still_s):
             return
-        waiting = sum(1 for a in instance.attempts if a.reading_since is not None)
         log.warning(
-            "upstream %s (%s pool) answers its load polls but sent no byte to any of its %d requests for %.0f s"
-            " (%d waiting on it): judged hung; the waiting ones fail over, or their streams end",
+            "upstream %s (%s pool) sent nothing to any of its %d requests for %.0f s%s: judged hung; those"
+            " waiting on it fail over, or their streams end",
             instance.url,
             instance.pool,
             len(instance.attempts),
             now - max(instance.progress_at, min(a.dispatched_at for a in instance.attempts)),
-            waiting,
+            "" if still_s is None else f" and its engine's progress mark has not moved for {still_s:.0f} s",
         )
         self.outliers.hung(instance)
-        self.abandon(instance, now - grace_s, NO_PROGRESS)
+        self.abandon(instance, now, NO_PROGRESS)
 
     def unreachable(self, instance: Instance) -> None:
         """A connection to `instance` failed: skip it until a load poll reaches it again."""

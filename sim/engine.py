@@ -247,6 +247,10 @@ class Engine:
         self.finished_requests = 0
         self.finished_prompt_tokens = 0
         self.finished_generation_tokens = 0  # sglang:generation_tokens_total (on finish)
+        # vLLM's iteration counters (vllm:prompt_tokens, vllm:generation_tokens): a request's
+        # prompt once its prefill ends, and every token as a step emits it.
+        self.prefilled_prompt_tokens = 0
+        self.emitted_tokens = 0
         self.finished_verify_ct = 0  # sglang:spec_verify_calls_total (on finish)
         self.aborted_requests = 0
         # Interval counters behind the gauges refreshed every decode_log_interval iterations
@@ -486,6 +490,7 @@ class Engine:
                 continue
             if self.prefilling is req:
                 self.prefilling = None
+            self.prefilled_prompt_tokens += req.prompt_tokens
             # The prefill forward samples the first token.
             n = 1 if req.target_len > 0 else 0
             req.first_token_time = now
@@ -558,6 +563,7 @@ class Engine:
         req.last_emitted = n
         req.updated = now
         req.output_tokens += n
+        self.emitted_tokens += n
         if req.text is not None and req.text.stopped:
             req.matched_stop = req.text.matched_stop
             self._finish(req, "stop", now)

@@ -5,8 +5,9 @@ The engine (scheduling, step times) is the same; what a client or a router sees 
 - `/metrics` always on, with vLLM's names and labels (`model_name`, `engine`): the gauges
   `vllm:num_requests_running`, `vllm:num_requests_waiting`,
   `vllm:num_requests_waiting_by_reason{reason}`, `vllm:kv_cache_usage_perc`, updated every step
-  (not on SGLang's publishing cadence); the counters `vllm:prompt_tokens_total`,
-  `vllm:generation_tokens_total`, `vllm:request_success_total{finished_reason}`,
+  (not on SGLang's publishing cadence); the counters `vllm:prompt_tokens_total` and
+  `vllm:generation_tokens_total` (iteration stats: every step, a prompt as its prefill ends),
+  `vllm:request_success_total{finished_reason}`,
   `vllm:num_preemptions_total`; the histograms of time to first token, inter-token latency
   and end-to-end latency;
 - `/health` (200, empty), `/ping`, `/version`, `/load` (`{"server_load": 0}`: vLLM only counts
@@ -167,8 +168,11 @@ class VllmCollector:
         preemptions.add_metric(values, 0.0)
         yield preemptions
         # Prefix caching is on by default in vLLM V1: prompt tokens looked up at scheduling and
-        # those found cached, counted as the scheduler admits each request.
+        # those found cached, counted as the scheduler admits each request. The token counters
+        # are iteration stats: a prompt counted as its prefill ends, each token as it is made.
         for name, doc, count in (
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", engine.prefilled_prompt_tokens),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", engine.emitted_tokens),
             (
                 "vllm:prefix_cache_queries",
                 "Prefix cache queries, in terms of number of queried tokens.",
@@ -194,12 +198,6 @@ class VllmMetrics:
         self.registry.register(VllmCollector(engine, model_name))
         labels = ["model_name", "engine"]
         self.values = [model_name, "0"]
-        self.prompt_tokens = Counter(
-            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels, registry=self.registry
-        ).labels(*self.values)
-        self.generation_tokens = Counter(
-            "vllm:generation_tokens", "Number of generation tokens processed.", labels, registry=self.registry
-        ).labels(*self.values)
         self.success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -244,8 +242,6 @@ class VllmMetrics:
         finish_reason: str = "stop",
         cached_tokens: int = 0,
     ) -> None:
-        self.prompt_tokens.inc(prompt_tokens)
-        self.generation_tokens.inc(completion_tokens)
         self.success.labels(*self.values, finish_reason).inc()
         self.e2e.observe(e2e_s)
 

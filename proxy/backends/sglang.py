@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from fleet.cadence import gauge_steps, reads_counters
-from fleet.readings import Reading, ServerDescription, count_or_none
+from fleet.readings import MAX_COUNT, Reading, ServerDescription, count_or_none
 from proxy.backends.base import Backend
 from proxy.backends.prometheus import parse_prometheus
 
@@ -69,12 +70,9 @@ class SGLang(Backend):
         m = parse_prometheus(text, METRIC_NAMES, means=RATIO_NAMES)
         if "sglang:num_running_reqs" not in m and "sglang:generation_tokens_total" not in m:
             return reading  # not SGLang's metrics (or no metrics at all): no counters to read
-        return Reading(
-            at=reading.at,
-            running=reading.running,
-            waiting=reading.waiting,
-            max_running=reading.max_running,
-            waiting_tokens=reading.waiting_tokens,
+        # The rest as the load reading had it (its engine mark too: one source per server).
+        return replace(
+            reading,
             accept_length=m.get("sglang:spec_accept_length") or None,
             accept_steps=gauge_steps(reading.running),
             tokens_total=m.get("sglang:generation_tokens_total", 0.0),
@@ -115,7 +113,20 @@ def reading_from_loads(doc: Mapping[str, Any], at: float) -> Reading:
         cache_tokens=int(_sum(loads, "max_total_num_tokens")) or None,
         prefill_tokens_total=_total(loads, "total_prefill_uncached_tokens"),
         prefill_busy_us_total=_total(loads, "total_prefill_busy_us"),
+        engine_mark=_snapshot_times(loads),
     )
+
+
+def _snapshot_times(loads: list[Mapping[str, Any]]) -> float | None:
+    """The ranks' snapshot times (epoch seconds, to the fraction: a snapshot is republished within
+    a second), summed: it moves while any rank's scheduler publishes. None when a rank has none."""
+    total = 0.0
+    for entry in loads:
+        value = entry.get("timestamp")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_COUNT:
+            return None
+        total += float(value)
+    return total
 
 
 def _sum(loads: list[Mapping[str, Any]], field: str) -> float:
@@ -155,6 +166,7 @@ def reading_from_metrics(text: str, at: float) -> Reading:
         # with_counters; only a speculative pool's counters are used).
         tokens_total=m.get("sglang:generation_tokens_total", 0.0),
         verify_total=m.get("sglang:spec_verify_calls_total", 0.0),
+        # No engine mark: SGLang's token counters are its front's, counted as requests finish.
     )
 
 

@@ -7,9 +7,16 @@ from __future__ import annotations
 from fleet.cadence import gauge_steps
 from fleet.readings import Reading, ServerDescription
 from proxy.backends.base import Backend
-from proxy.backends.prometheus import parse_prometheus
+from proxy.backends.prometheus import parse_prometheus, token_mark
 
-METRIC_NAMES = frozenset({"vllm:num_requests_running", "vllm:num_requests_waiting"})
+METRIC_NAMES = frozenset(
+    {
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+    }
+)
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
 """A vLLM server's running cap until it is seen saturated: vLLM exposes no --max-num-seqs, so
 requests kept waiting while the running count holds tell the cap in force (see vllm_cap). 256 is
@@ -53,6 +60,7 @@ class VLLM(Backend):
             waiting=reading.waiting,
             max_running=self.cap,
             accept_steps=reading.accept_steps,
+            engine_mark=token_mark(m, "vllm:"),
         )
 
 

@@ -252,14 +252,17 @@ def test_failures_of_requests_in_flight_when_a_server_was_ejected_do_not_eject_i
     fleet, pools = fleet_of(2, 1)
     outliers = detector(pools, fleet, clock)
     sick = pools[0].instances[0]
+    sent = clock.now - 1.0  # eleven requests in flight on it
     for _ in range(11):
-        outliers.failed(sick, "upstream_disconnected")
+        outliers.failed(sick, "upstream_disconnected", dispatched_at=sent)
     state = outliers.state_of(sick.url)
     assert (state["ejections"], state["ejected_for_s"], state["consecutive_failures"]) == (1, 30.0, 0)
-    clock.now += 30.0  # half-open: its probe fails, and it is out for twice as long
+    clock.now += 30.0  # half-open: a late failure of one of them is not its probe's
     assert outliers.admits(sick)
     outliers.dispatched(sick)
-    outliers.failed(sick, "upstream_disconnected")
+    outliers.failed(sick, "upstream_disconnected", dispatched_at=sent)
+    assert outliers.state_of(sick.url)["state"] == "probing"
+    outliers.failed(sick, "upstream_disconnected", dispatched_at=clock.now)  # the probe fails: out for twice as long
     assert outliers.state_of(sick.url)["ejections"] == 2 and outliers.state_of(sick.url)["ejected_for_s"] == 60.0
 
 
@@ -720,6 +723,9 @@ def test_a_request_sent_to_a_hung_engine_behind_a_live_front_fails_over_long_bef
     ):
         with running_proxy(spec_urls=[hung.url], base_urls=[base.url], policy="spec", no_progress_s=1.0) as proxy:
             client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=30)
+            # A request served first: its engine mark moves (a mark is trusted once seen to move).
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+            wait_for(lambda: state_of(proxy, "spec-0")["engine_still_s"] is not None, what="the engine mark moving")
             make_sick(hung, wedged=True)
             # Bounded by the client's 30 s, a quarter of the first-token timeout.
             stream = client.chat.completions.with_raw_response.create(
@@ -731,7 +737,7 @@ def test_a_request_sent_to_a_hung_engine_behind_a_live_front_fails_over_long_bef
             assert stream.headers["x-specroute-reason"].endswith("+failover")
             assert state_of(proxy, "spec-0")["outlier"]["state"] == "ejected"
             assert state_of(proxy, "spec-0")["outlier"]["reason"] == "no-progress"
-            assert state_of(proxy, "spec-0")["outlier"]["ejections"] == 1  # its abandoned request not counted again
+            assert state_of(proxy, "spec-0")["outlier"]["ejections"] == 1
             metrics = httpx.get(proxy.url + "/metrics").text
             assert (
                 f'specroute_upstream_ejections_total{{instance="{hung.url}",pool="spec",reason="no-progress"}} 1.0'
@@ -760,6 +766,93 @@ def test_streams_under_way_on_a_hung_engine_end_with_an_error_event_before_their
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
+@pytest.mark.parametrize("server", ["sglang", "vllm"])
+def test_a_json_request_on_a_hung_engine_fails_over_long_before_its_total_timeout(server: str) -> None:
+    """A JSON request is silent until it ends, so its own silence says nothing; the engine's
+    progress marks in the server's load answers do (SGLang's /v1/loads snapshot time, published
+    by the scheduler alone; vLLM's token counters, its engine's iteration stats). Held still
+    long after a request reached it (whether the engine stopped before or after taking it), the
+    engine is stuck: the request fails over instead of waiting out the total timeout (600 s)."""
+    hung_pool, other_pool = ("spec", "base") if server == "sglang" else ("base", "spec")
+    long = ("--output-len", "fixed:4096")
+    specs = {
+        hung_pool: TwinSpec(hung_pool, time_scale=1.0, seed=41, args=long, server=server),
+        other_pool: TwinSpec(other_pool, time_scale=TIME_SCALE, seed=42),
+    }
+    with twins(specs["spec"], specs["base"]) as (spec, base):
+        hung = spec if hung_pool == "spec" else base
+        with running_proxy(spec_urls=[spec.url], base_urls=[base.url], policy=hung_pool, no_progress_s=1.0) as proxy:
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=30)
+            # A request served first: its engine mark moves (a mark is trusted once seen to move).
+            client.chat.completions.create(model="specroute/twin", messages=MESSAGES, max_tokens=2)
+            wait_for(lambda: state_of(proxy, f"{hung_pool}-0")["engine_still_s"] is not None, what="the mark moving")
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                call = pool.submit(
+                    client.chat.completions.with_raw_response.create,
+                    model="specroute/twin",  # vLLM serves only its own model name
+                    messages=MESSAGES,
+                    max_tokens=2000,
+                )
+                # Taken there (the proxy counts it), then the engine stuck.
+                wait_for(lambda: state_of(proxy, f"{hung_pool}-0")["running"] >= 1, what="the request sent")
+                make_sick(hung, wedged=True)
+                answer = call.result(timeout=40)  # bounded: the client's own 30 s
+            assert answer.headers["x-specroute-backend"] == f"{other_pool}-0"
+            assert answer.headers["x-specroute-reason"].endswith("+failover")
+            assert answer.parse().choices[0].message.content
+            shown = state_of(proxy, f"{hung_pool}-0")
+            assert shown["outlier"]["reason"] == "no-progress" and shown["engine_still_s"] >= 1.0  # still wedged
+            make_sick(hung)
+            wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_a_busy_healthy_server_is_not_judged_hung_however_long_its_queue_keeps_requests_silent() -> None:
+    """One request at a time on spec, JSON requests and streams queued behind each other: each
+    waits seconds with no byte, past a no-progress limit of 1 s, while the engine works (the limit must
+    exceed the engine mark's cadence: SGLang publishes every 15 decode steps)."""
+    with twins(
+        TwinSpec("spec", seed=51, args=("--max-running-requests", "1", "--output-len", "fixed:4096")),
+        TwinSpec("base", time_scale=TIME_SCALE, seed=52),
+    ) as (spec, base):
+        with running_proxy(spec_urls=[spec.url], base_urls=[base.url], policy="spec", no_progress_s=1.0) as proxy:
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=60)
+
+            def one(stream: bool) -> str:
+                answer = client.chat.completions.with_raw_response.create(
+                    model="m", messages=MESSAGES, max_tokens=150, stream=stream
+                )
+                if stream:
+                    "".join(c.choices[0].delta.content or "" for c in answer.parse() if c.choices)
+                else:
+                    answer.parse()
+                return answer.headers["x-specroute-backend"] + " " + answer.headers["x-specroute-reason"]
+
+            with concurrent.futures.ThreadPoolExecutor(6) as pool:
+                served = [f.result(timeout=90) for f in [pool.submit(one, i % 2 == 0) for i in range(6)]]
+            assert served == ["spec-0 static"] * 6  # none failed over
+            shown = state_of(proxy, "spec-0")
+            assert shown["outlier"]["state"] == "ok" and shown["outlier"]["ejections"] == 0
+            assert shown["engine_still_s"] is not None  # judged by its engine mark, which moved
+
+
+def test_a_server_its_silence_ejected_is_half_open_at_its_first_fresh_reading() -> None:
+    from fleet.readings import Reading
+    from proxy.routing import Router
+    from proxy.settings import load_settings
+
+    url = "http://127.0.0.1:9"
+    router = Router.from_settings(load_settings(spec_urls=url, base_urls="http://127.0.0.1:10"))
+    instance = router.by_url[url]
+    for _ in range(5):
+        router.outliers.failed(instance, "upstream_unresponsive")
+    assert router.outliers.ejected(url)
+    router.check_progress(url)  # no reading yet: still out
+    assert router.outliers.ejected(url)
+    router.fleet.on_reading(url, Reading(at=time.monotonic(), running=0.0, waiting=0.0))
+    router.check_progress(url)
+    assert router.outliers.state_of(url)["state"] == "probing"
+
+
 class Waiting:
     """An attempt as `stalled` sees it."""
 
@@ -775,15 +868,34 @@ class Waiting:
         ([Waiting(True, True, 6.0)], 0.0, False),  # waiting only 4 s
         ([Waiting(True, False, 0.0)], 0.0, True),  # a stream waiting for its first token alone
         ([Waiting(True, False, 0.0), Waiting(False, False, 0.0)], 0.0, False),  # a JSON request may hold it back
-        ([Waiting(True, True, 0.0), Waiting(False, False, 0.0)], 0.0, True),  # not one under way
+        ([Waiting(True, True, 0.0), Waiting(False, False, 0.0)], 0.0, False),  # likewise
         ([Waiting(False, False, 0.0)], 0.0, False),  # JSON requests alone are silent until they end
         ([Waiting(True, True, None)], 0.0, False),  # relaying to its client, not waiting on the server
         ([Waiting(True, False, 0.0), Waiting(True, True, None)], 0.0, False),  # a slow client's stream unread
     ],
 )
-def test_a_server_is_judged_hung_only_on_a_silence_no_healthy_server_shows(
+def test_without_an_engine_mark_a_server_is_judged_hung_only_by_streams_all_waiting_on_it(
     attempts: list[Waiting], progress_at: float, hung: bool
 ) -> None:
     from proxy.routing import stalled
 
-    assert stalled(attempts, progress_at, now=10.0, grace_s=5.0) is hung  # type: ignore[arg-type]
+    assert stalled(attempts, progress_at, 10.0, 5.0, None) is hung  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("attempts", "progress_at", "still_s", "hung"),
+    [
+        ([Waiting(False, False, 0.0)], 0.0, 10.0, True),  # a JSON request: the engine says what it cannot
+        ([Waiting(False, False, 0.0)], 0.0, 4.0, False),  # the engine moved 4 s ago (another proxy's work)
+        ([Waiting(True, True, 0.0)], 0.0, 4.0, False),  # a quiet stream on a working engine (buffered tool call)
+        ([Waiting(False, False, 6.0)], 0.0, 10.0, False),  # sent 4 s ago
+        ([Waiting(False, False, 0.0)], 6.0, 10.0, False),  # bytes 4 s ago
+        ([Waiting(True, True, None)], 0.0, 10.0, False),  # nothing waiting on the server
+    ],
+)
+def test_with_an_engine_mark_a_server_is_judged_hung_when_it_held_still_whatever_waits(
+    attempts: list[Waiting], progress_at: float, still_s: float, hung: bool
+) -> None:
+    from proxy.routing import stalled
+
+    assert stalled(attempts, progress_at, 10.0, 5.0, still_s) is hung  # type: ignore[arg-type]

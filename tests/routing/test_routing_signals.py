@@ -11,7 +11,7 @@ import pytest
 
 from fleet.acceptance import accept_length, alpha_from_accept_length
 from fleet.types import Features
-from proxy.backends import VLLM
+from proxy.backends import VLLM, SGLang
 from proxy.backends.prometheus import parse_prometheus
 from proxy.backends.sglang import reading_from_get_load, reading_from_loads, reading_from_metrics
 from proxy.routing import Router
@@ -229,3 +229,39 @@ def test_parsers_cover_each_probe():
     with pytest.raises(ValueError):
         reading_from_metrics("up 1\n", 0)
     assert accept_length(0.7, 3) > 2.5
+
+
+def test_each_server_kind_reports_an_engine_mark_that_moves_only_with_its_engine():
+    """The no-progress rule's evidence (proxy/routing.py `stalled`): SGLang's snapshot times to
+    the fraction (republished within a second), vLLM's token counters (iteration stats); kept
+    across the acceptance counters' extra read; none where a rank reports no time."""
+    entry = {"num_running_reqs": 1, "num_waiting_reqs": 0, "max_running_requests": 8}
+    ranks = {"loads": [dict(entry, timestamp=1_700_000_000.25), dict(entry, timestamp=1_700_000_000.5)]}
+    assert reading_from_loads(ranks, 1.0).engine_mark == 3_400_000_000.75
+    assert reading_from_loads({"loads": [entry]}, 1.0).engine_mark is None
+    assert reading_from_loads({"loads": [dict(entry, timestamp="soon")]}, 1.0).engine_mark is None
+    reading = reading_from_loads({"loads": [dict(entry, timestamp=5.5)]}, 1.0)
+    counted = SGLang("/v1/loads").with_counters(reading, "sglang:generation_tokens_total 10\n")
+    assert (counted.engine_mark, counted.tokens_total) == (5.5, 10)
+    # SGLang's token counters are its front's, counted as requests finish: no mark.
+    assert reading_from_metrics("sglang:num_running_reqs 1\nsglang:prompt_tokens_total 30\n", 0).engine_mark is None
+    vllm = (
+        'vllm:num_requests_running{model_name="m"} 1.0\nvllm:prompt_tokens_total{model_name="m"} 40.0\n'
+        'vllm:generation_tokens_total{model_name="m"} 2.0\n'
+    )
+    assert VLLM("/metrics").read(vllm, 0).engine_mark == 42
+    assert VLLM("/metrics").read('vllm:num_requests_running{model_name="m"} 1.0\n', 0).engine_mark is None
+
+
+def test_an_engine_mark_counts_as_still_only_once_it_has_been_seen_to_move():
+    from fleet.instance import InstanceSignals
+
+    signals = InstanceSignals("http://s", "spec", 8)
+    signals.on_engine_mark(7.0, at=10.0)
+    assert signals.engine_still_s(100.0) is None  # never moved: vLLM with its stats off looks the same
+    signals.on_engine_mark(7.0, at=11.0)
+    signals.on_engine_mark(None, at=12.0)  # not read this time: the last one stands
+    signals.on_engine_mark(8.0, at=13.0)
+    assert signals.engine_still_s(20.0) == 7.0
+    signals.on_engine_mark(8.0, at=19.0)
+    assert signals.engine_still_s(20.0) == 7.0

@@ -99,6 +99,29 @@ def test_metrics_have_vllms_names_types_and_labels(vllm_twin):
     assert [s.value for s in got["vllm:generation_tokens"].samples if s.name.endswith("_total")][0] >= 3
 
 
+def counter(t, name: str) -> float:
+    return sum(s.value for s in families(t)[name].samples if s.name == name + "_total")
+
+
+def test_token_counters_move_with_every_step_not_at_a_request_s_end(vllm_twin):
+    """vLLM counts prompt and generation tokens from each engine iteration's stats: a long
+    request under way moves them (what a router reads to see the engine is working)."""
+    finished = finished_requests(vllm_twin)
+    before = counter(vllm_twin, "vllm:generation_tokens"), counter(vllm_twin, "vllm:prompt_tokens")
+    client = openai.OpenAI(base_url=vllm_twin.base_url, api_key="none", max_retries=0, timeout=30)
+    stream = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3000, stream=True)
+    try:
+        chunks = iter(stream)
+        for _ in range(20):
+            next(chunks)
+        generated = counter(vllm_twin, "vllm:generation_tokens") - before[0]
+        assert generated >= 18  # the opening chunk carries no token
+        assert counter(vllm_twin, "vllm:prompt_tokens") > before[1]
+        assert finished_requests(vllm_twin) == finished  # still running
+    finally:
+        stream.close()
+
+
 def test_running_and_waiting_are_live_on_metrics(vllm_twin):
     # Three long streams on a server that runs two at a time: 2 running, 1 waiting, while held open.
     streams = [
