@@ -3,6 +3,7 @@
     python -m bench.chaos kill      # kill -9 a spec server under 64 live streams and 200 req/s, then restart it
     python -m bench.chaos soak      # 100,000 requests, 10 % of clients leaving mid-stream: leaks?
     python -m bench.chaos sigterm   # SIGTERM under load: is any admitted request lost?
+    python -m bench.chaos hang      # a spec engine hangs behind its live HTTP front under load
     python -m bench.chaos all [--quick]
 
 Every process is its own on 127.0.0.1; the clients are httpx (async) in this process. Each run
@@ -74,6 +75,7 @@ def proxy_process(
 class Outcome:
     started: float
     backend: str = ""
+    reason: str = ""
     status: int = 0
     first_at: float | None = None
     ended_at: float | None = None
@@ -97,6 +99,7 @@ async def stream(
         async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as response:
             outcome.status = response.status_code
             outcome.backend = response.headers.get("x-specroute-backend", "")
+            outcome.reason = response.headers.get("x-specroute-reason", "")
             if response.status_code != 200:
                 await response.aread()
                 outcome.error_code = response.json()["error"]["code"]
@@ -115,6 +118,26 @@ async def stream(
                 events += 1
                 if leave_after is not None and events >= leave_after:
                     return outcome  # the client leaves mid-stream
+    except httpx.HTTPError as exc:
+        outcome.transport_error = type(exc).__name__
+    finally:
+        outcome.ended_at = time.monotonic()
+    return outcome
+
+
+async def complete(client: httpx.AsyncClient, url: str, max_tokens: int) -> Outcome:
+    """A JSON (non-streamed) request."""
+    outcome = Outcome(started=time.monotonic())
+    body = {"model": "m", "messages": MESSAGES, "max_tokens": max_tokens}
+    try:
+        response = await client.post(url + "/v1/chat/completions", json=body)
+        outcome.status = response.status_code
+        outcome.backend = response.headers.get("x-specroute-backend", "")
+        outcome.reason = response.headers.get("x-specroute-reason", "")
+        if response.status_code == 200:
+            outcome.done = bool(response.json()["choices"])
+        else:
+            outcome.error_code = response.json()["error"]["code"]
     except httpx.HTTPError as exc:
         outcome.transport_error = type(exc).__name__
     finally:
@@ -339,7 +362,94 @@ async def sigterm_run(quick: bool) -> dict[str, Any]:
     return result
 
 
-RUNS = {"kill": kill_run, "soak": soak_run, "sigterm": sigterm_run}
+# -- a spec engine hangs behind its live front ------------------------------------------------------------
+
+
+async def hang_run(quick: bool) -> dict[str, Any]:
+    """One spec and one base twin behind the proxy (the static spec policy: every request goes
+    to spec and may fail over to base). Long streams run and short requests (JSON and streams,
+    alternately) arrive; 5 s in, spec's engine hangs (the twin's `wedged` fault: its HTTP front,
+    /v1/loads and /metrics answer on); it is healed once judged hung, plus 5 s. What was waiting
+    on it must fail over (or, under way, end with an error event) at SPECROUTE_NO_PROGRESS_S
+    (the default, 30 s; 5 s with --quick), not at the first-token timeout (120 s) or a JSON
+    request's total one (600 s); nothing is judged hung before the hang."""
+    limit_s = 5.0 if quick else 30.0
+    streams_n, rate = (4, 5) if quick else (16, 20)
+    log = Path("/tmp/specroute-chaos-hang.log")
+    common = ("--output-len", "fixed:4096")
+    with twins(TwinSpec("spec", seed=1, args=common), TwinSpec("base", seed=3, args=common)) as (spec, base):
+        with proxy_process(
+            [spec.url], [base.url], log, SPECROUTE_POLICY="spec", SPECROUTE_NO_PROGRESS_S=f"{limit_s:g}"
+        ) as (proc, url):
+            limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
+            async with httpx.AsyncClient(timeout=httpx.Timeout(limit_s + 60), limits=limits) as client:
+                long = [asyncio.create_task(stream(client, url, 3000)) for _ in range(streams_n)]
+                short: list[asyncio.Task[Outcome]] = []
+                started = time.monotonic()
+                wedged_at = judged_at = healed_at = None
+                ejected_before_hang = 0
+                sent = 0
+                while healed_at is None or time.monotonic() < healed_at + 5:
+                    now = time.monotonic()
+                    assert now - started < limit_s + 60, "never judged hung"
+                    sent += 1
+                    make = stream(client, url, 32) if sent % 2 else complete(client, url, 32)
+                    short.append(asyncio.create_task(make))
+                    if sent % rate == 0:  # once a second: the proxy's view of spec
+                        shown = (await asyncio.to_thread(state, url))["pools"]["spec"]["instances"][0]["outlier"]
+                        if wedged_at is None:
+                            ejected_before_hang = shown["ejections"]
+                        elif judged_at is None and shown["reason"] == "no-progress":
+                            judged_at = time.monotonic()
+                    if wedged_at is None and now - started >= 5:
+                        await client.post(spec.url + "/specroute/twin/faults", json={"wedged": True})
+                        wedged_at = time.monotonic()
+                    if judged_at is not None and healed_at is None and now >= judged_at + 5:
+                        await client.post(spec.url + "/specroute/twin/faults", json={})
+                        healed_at = time.monotonic()
+                    await asyncio.sleep(max(0.0, started + sent / rate - time.monotonic()))  # the arrival schedule
+                outcomes_long = await asyncio.wait_for(asyncio.gather(*long), 120)
+                outcomes_short = await asyncio.wait_for(asyncio.gather(*short), limit_s + 120)
+    assert wedged_at is not None and judged_at is not None
+    # Waiting on the hung engine when it was judged: sent on to base.
+    failed_over = [o for o in outcomes_short if o.reason.endswith("+failover")]
+    cut = [o for o in outcomes_long if o.error_code == "upstream_no_progress"]
+    # A short stream under way on spec at the hang ends like the long ones (bytes reached its client).
+    cut_short = [o for o in outcomes_short if o.error_code == "upstream_no_progress" and o.first_at is not None]
+    lost = [o for o in outcomes_short if not o.done and o not in cut_short]
+    waits = [o.ended_at - o.started for o in failed_over if o.ended_at is not None]
+    result = {
+        "no_progress_s": limit_s,
+        "long_streams": streams_n,
+        "short_sent": len(outcomes_short),
+        "ejected_before_the_hang": ejected_before_hang,
+        "judged_hung_after_s": round(judged_at - wedged_at, 1),
+        "short_failed_over_to_base": len(failed_over),
+        "of_them_json": sum(1 for o in failed_over if o.first_at is None),
+        "longest_wait_of_a_failed_over_request_s": round(max(waits), 1) if waits else None,
+        "long_streams_ended_with_upstream_no_progress": f"{len(cut)}/{streams_n}",
+        "long_streams_cut_after_the_hang_s": round(max(o.ended_at - wedged_at for o in cut if o.ended_at), 1)
+        if cut
+        else None,
+        "short_streams_under_way_cut": len(cut_short),
+        "short_requests_failed_otherwise": len(lost),
+        "their_errors": sorted({o.error_code or o.transport_error or str(o.status) for o in lost}),
+        "clients_hung": 0,  # every task above finished inside its bounded wait
+    }
+    result["met"] = bool(
+        ejected_before_hang == 0
+        and judged_at - wedged_at <= limit_s + 3
+        and len(cut) == streams_n
+        and len(lost) == 0
+        and waits
+        # The limit, the poll, and base taking the burst of what piled up on spec meanwhile (20
+        # a second for 30 s land on it at once): well inside the 120 s first-token timeout.
+        and max(waits) <= limit_s + 15
+    )
+    return result
+
+
+RUNS = {"kill": kill_run, "soak": soak_run, "sigterm": sigterm_run, "hang": hang_run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
