@@ -693,7 +693,7 @@ class Router:
         request sent to it for the first-token timeout, every stream under way for the chunk
         timeout and a JSON request for the total one. Judged hung (`stalled`, after
         SPECROUTE_NO_PROGRESS_S plus PREFILL_MARGIN times the predicted prefill of what waits
-        there; without an engine mark, the chunk timeout at least), it is ejected (rule
+        there; without an engine mark or with vLLM's, the chunk timeout at least), it is ejected (rule
         no-progress) and every request waiting on it is cancelled: those with no byte yet fail
         over, streams under way end with an error event."""
         instance = self.by_url.get(url)
@@ -710,7 +710,9 @@ class Router:
         prefill_s = self.fleet.cost.prefill_ms(instance.pool, max(unanswered, 0), now) / 1000.0
         grace_s = limit_s + PREFILL_MARGIN * prefill_s
         still_s = signals.engine_still_s(now)
-        if still_s is None:
+        if still_s is None or instance.kind != "sglang":
+            # Without a mark, or with vLLM's token counters (a prompt counts as its prefill ends:
+            # another client's long prefill, alone on the server, holds them still throughout).
             grace_s = max(grace_s, self.settings.chunk_timeout_s)
         if not stalled(instance.attempts, instance.progress_at, now, grace_s, still_s):
             return

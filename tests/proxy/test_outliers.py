@@ -781,7 +781,10 @@ def test_a_json_request_on_a_hung_engine_fails_over_long_before_its_total_timeou
     }
     with twins(specs["spec"], specs["base"]) as (spec, base):
         hung = spec if hung_pool == "spec" else base
-        with running_proxy(spec_urls=[spec.url], base_urls=[base.url], policy=hung_pool, no_progress_s=1.0) as proxy:
+        # vLLM's marks (token counters) are judged after the chunk timeout at least.
+        with running_proxy(
+            spec_urls=[spec.url], base_urls=[base.url], policy=hung_pool, no_progress_s=1.0, chunk_timeout_s=2.0
+        ) as proxy:
             client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=30)
             # A request served first: its engine mark moves (a mark is trusted once seen to move).
             client.chat.completions.create(model="specroute/twin", messages=MESSAGES, max_tokens=2)
