@@ -711,8 +711,8 @@ class Router:
         grace_s = limit_s + PREFILL_MARGIN * prefill_s
         still_s = signals.engine_still_s(now)
         if still_s is None or instance.kind != "sglang":
-            # Without a mark, or with vLLM's token counters (a prompt counts as its prefill ends:
-            # another client's long prefill, alone on the server, holds them still throughout).
+            # Without a mark; or vLLM's, as a margin: its counters count a prompt as its prefill
+            # ends, and only its KV usage moves through another client's long lone prefill.
             grace_s = max(grace_s, self.settings.chunk_timeout_s)
         if not stalled(instance.attempts, instance.progress_at, now, grace_s, still_s):
             return

@@ -133,7 +133,7 @@ def fleet_state(
                     "last_byte_age_s": _age(now - poller.instance.progress_at),
                     "attempts": len(poller.instance.attempts),
                     # Seconds since its engine's progress mark (SGLang's load snapshot time,
-                    # vLLM's token counters) last moved; null: none known to move. An idle
+                    # vLLM's token counters and KV usage) last moved; null: none known to move. An idle
                     # engine's holds still too.
                     "engine_still_s": _rounded(fleet.instances[i.url].engine_still_s(now)),
                 }

@@ -15,8 +15,11 @@ METRIC_NAMES = frozenset(
         "vllm:num_requests_waiting",
         "vllm:prompt_tokens_total",
         "vllm:generation_tokens_total",
+        "vllm:kv_cache_usage_perc",
     }
 )
+MARK_BITS = (1 << 49) - 1
+"""An engine mark is a count (fleet.readings.MAX_COUNT bounds it): the hash is cut to 49 bits."""
 VLLM_DEFAULT_MAX_NUM_SEQS = 256
 """A vLLM server's running cap until it is seen saturated: vLLM exposes no --max-num-seqs, so
 requests kept waiting while the running count holds tell the cap in force (see vllm_cap). 256 is
@@ -60,8 +63,19 @@ class VLLM(Backend):
             waiting=reading.waiting,
             max_running=self.cap,
             accept_steps=reading.accept_steps,
-            engine_mark=token_mark(m, "vllm:"),
+            engine_mark=vllm_mark(m),
         )
+
+
+def vllm_mark(m: dict[str, float]) -> float | None:
+    """vLLM's engine mark (fleet.readings.Reading.engine_mark): its token counters, which move as
+    a step decodes or a prefill ends, with its KV usage, which moves with each chunk of a long
+    prefill (its engine allocates blocks for every chunk it schedules). Any of them moving moves
+    the mark; None without the counters (its stats turned off)."""
+    tokens = token_mark(m, "vllm:")
+    if tokens is None:
+        return None
+    return float(hash((tokens, m.get("vllm:kv_cache_usage_perc", 0.0))) & MARK_BITS)
 
 
 def vllm_cap(

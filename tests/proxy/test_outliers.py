@@ -838,6 +838,42 @@ def test_a_busy_healthy_server_is_not_judged_hung_however_long_its_queue_keeps_r
             assert shown["engine_still_s"] is not None  # judged by its engine mark, which moved
 
 
+def test_a_vllm_server_prefilling_another_clients_long_prompt_is_not_judged_hung() -> None:
+    """vLLM counts a prompt's tokens only when its prefill ends, and nothing else moves its token
+    counters while one long prompt is prefilled alone; its KV usage grows with every chunk."""
+    with twins(
+        TwinSpec("spec", time_scale=TIME_SCALE, seed=61),
+        TwinSpec("base", "kimi-linear-vllm", seed=62, server="vllm", args=("--context-length", "200000")),
+    ) as (spec, base):
+        with running_proxy(
+            spec_urls=[spec.url], base_urls=[base.url], policy="base", no_progress_s=1.0, chunk_timeout_s=2.0
+        ) as proxy:
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=60)
+            client.chat.completions.create(model="specroute/twin", messages=MESSAGES, max_tokens=2)
+            wait_for(lambda: state_of(proxy, "base-0")["engine_still_s"] is not None, what="the mark moving")
+            long = {"model": "specroute/twin", "messages": [{"role": "user", "content": "word " * 64_000}]}
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                # Another client (another proxy replica) straight to the server: seconds of prefill.
+                other = pool.submit(
+                    httpx.post, base.url + "/v1/chat/completions", json=long | {"max_tokens": 2}, timeout=60
+                )
+                wait_for(
+                    lambda: (
+                        "vllm:num_requests_running" in httpx.get(base.url + "/metrics").text
+                        and state_of(proxy, "base-0")["running"] >= 1
+                    ),
+                    what="the long prompt running",
+                )
+                answer = client.chat.completions.with_raw_response.create(
+                    model="specroute/twin", messages=MESSAGES, max_tokens=4, stream=True
+                )
+                text = "".join(c.choices[0].delta.content or "" for c in answer.parse() if c.choices)
+                assert other.result(timeout=60).status_code == 200
+            assert text and answer.headers["x-specroute-backend"] == "base-0"
+            assert answer.headers["x-specroute-reason"] == "static"  # waited behind the prefill, no failover
+            assert state_of(proxy, "base-0")["outlier"]["ejections"] == 0
+
+
 def test_a_server_its_silence_ejected_is_half_open_at_its_first_fresh_reading() -> None:
     from fleet.readings import Reading
     from proxy.routing import Router

@@ -249,7 +249,11 @@ def test_each_server_kind_reports_an_engine_mark_that_moves_only_with_its_engine
         'vllm:num_requests_running{model_name="m"} 1.0\nvllm:prompt_tokens_total{model_name="m"} 40.0\n'
         'vllm:generation_tokens_total{model_name="m"} 2.0\n'
     )
-    assert VLLM("/metrics").read(vllm, 0).engine_mark == 42
+    marked = VLLM("/metrics").read(vllm, 0).engine_mark
+    assert marked is not None and marked == VLLM("/metrics").read(vllm, 5).engine_mark
+    # A long prefill alone: its counters hold still, its KV usage grows with each chunk.
+    prefilling = VLLM("/metrics").read(vllm + 'vllm:kv_cache_usage_perc{model_name="m"} 0.25\n', 0).engine_mark
+    assert prefilling != marked
     assert VLLM("/metrics").read('vllm:num_requests_running{model_name="m"} 1.0\n', 0).engine_mark is None
 
 
