@@ -9,13 +9,15 @@ pool's others' is found from the requests themselves, as Envoy's outlier detecti
 - `slow-first-token`: its first-token time (a moving average over its streams) is more than
   SPECROUTE_OUTLIER_SLOW_FACTOR times the median of its pool's other instances (at least
   SLOW_MIN_SAMPLES streams each, and SLOW_FLOOR_S above them);
-- `no-progress`: it answers its load polls but sent no byte to any of our requests for
-  SPECROUTE_NO_PROGRESS_S while a stream waited on it (`proxy.routing.stalled`: a hung engine
-  behind a live HTTP front). The requests it left waiting fail over (`upstream_no_progress`).
+- `no-progress`: it answers its load polls but sent no byte to the requests waiting on it for
+  SPECROUTE_NO_PROGRESS_S while its engine mark held still (`proxy.routing.stalled`: a hung
+  engine behind a live HTTP front). The requests it left waiting fail over
+  (`upstream_no_progress`).
 
-Attempts sent before a server's latest ejection do not count when they fail after it: requests
+Attempts sent before a server's latest ejection do not count when they end after it: requests
 in flight when it failed all fail with it (a stall breaks every stream at once), and counted
-one by one they would eject it again, or fail its half-open probe, for twice as long.
+one by one they would eject it again, or fail its half-open probe, for twice as long; nor does
+one that succeeds end its probation.
 
 Either ejects it for SPECROUTE_OUTLIER_EJECTION_S times the number of times it was ejected (at
 most SPECROUTE_OUTLIER_MAX_EJECTION_S); that count falls by one for every
@@ -175,8 +177,12 @@ class OutlierDetector:
         if record.state == PROBING:
             record.probe_in_flight = True
 
-    def succeeded(self, instance: Instance, ttft_s: float | None) -> None:
+    def succeeded(self, instance: Instance, ttft_s: float | None, dispatched_at: float | None = None) -> None:
+        """`dispatched_at`: when the attempt was sent; one sent before the server's latest
+        ejection says nothing of it since (it is no half-open probe)."""
         record = self.records[instance.url]
+        if dispatched_at is not None and dispatched_at < record.ejected_at:
+            return
         record.consecutive = 0
         record.run.clear()
         now = self.clock()
@@ -290,9 +296,12 @@ class OutlierDetector:
         record.ttft_s, record.ttft_samples = None, 0
         record.ok_since = self.clock()
 
-    def released(self, instance: Instance) -> None:
-        """An attempt ended neither way (the client left): a half-open probe may be tried again."""
+    def released(self, instance: Instance, dispatched_at: float | None = None) -> None:
+        """An attempt ended neither way (the client left): a half-open probe may be tried again
+        (not for one sent before the server's latest ejection: that was no probe)."""
         record = self.records[instance.url]
+        if dispatched_at is not None and dispatched_at < record.ejected_at:
+            return
         if record.state == PROBING:
             record.probe_in_flight = False
 

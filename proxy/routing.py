@@ -193,7 +193,7 @@ def stalled(
     (`progress_at`: its latest) while one has waited on it at least as long, and
 
     - its engine mark has not moved for as long (`engine_still_s`: SGLang's load snapshot time,
-      vLLM's token counters; a server given a request moves it within a prefill chunk, whatever
+      vLLM's token counters and KV usage; a server given a request moves it within a prefill chunk, whatever
       other proxies send it), whatever waits: a JSON request is silent until it ends;
     - or, with no engine mark known to move (None), every attempt there is a stream waiting on
       it: a JSON request ahead, or a stream whose relay is blocked on a slow client (unread),
@@ -357,9 +357,9 @@ class Attempt:
             self.admission.observe(self.met_targets(self.admission, tokens), time.monotonic())
         if self.open and self.outliers is not None:
             if complete and self.started:
-                self.outliers.succeeded(self.instance, self.ttft_s)
+                self.outliers.succeeded(self.instance, self.ttft_s, dispatched_at=self.dispatched_at)
             else:  # says nothing of the server
-                self.outliers.released(self.instance)
+                self.outliers.released(self.instance, dispatched_at=self.dispatched_at)
         self._release()
 
     def met_targets(self, admission: Admission, tokens: int) -> bool:
@@ -376,7 +376,7 @@ class Attempt:
     def refused(self) -> None:
         """The upstream refused the request (a 4xx): it never ran there; undo its dispatch."""
         if self.open and self.outliers is not None:
-            self.outliers.released(self.instance)
+            self.outliers.released(self.instance, dispatched_at=self.dispatched_at)
         self._release(refused=True)
 
     def failed(self, error: str, refused: bool = False) -> None:
@@ -692,8 +692,9 @@ class Router:
         reads shared memory and vLLM's /metrics its front process, so both answer) held every
         request sent to it for the first-token timeout, every stream under way for the chunk
         timeout and a JSON request for the total one. Judged hung (`stalled`, after
-        SPECROUTE_NO_PROGRESS_S plus PREFILL_MARGIN times the predicted prefill of what waits
-        there; without an engine mark or with vLLM's, the chunk timeout at least), it is ejected (rule
+        SPECROUTE_NO_PROGRESS_S plus PREFILL_MARGIN times the predicted prefill of the longest
+        prompt waiting there; without an engine mark or with vLLM's, the chunk timeout at least),
+        it is ejected (rule
         no-progress) and every request waiting on it is cancelled: those with no byte yet fail
         over, streams under way end with an error event."""
         instance = self.by_url.get(url)
@@ -706,8 +707,10 @@ class Router:
         limit_s = self.settings.no_progress_s
         if limit_s <= 0 or not instance.attempts:
             return
-        unanswered = sum(a.prompt_tokens - a.sent.cached_tokens for a in instance.attempts if not a.started)
-        prefill_s = self.fleet.cost.prefill_ms(instance.pool, max(unanswered, 0), now) / 1000.0
+        # The longest prompt waiting for its first byte: a healthy server sends some byte within
+        # one such prefill; the sum would grow with every request sent to a hung one.
+        longest = max((a.prompt_tokens - a.sent.cached_tokens for a in instance.attempts if not a.started), default=0)
+        prefill_s = self.fleet.cost.prefill_ms(instance.pool, max(longest, 0), now) / 1000.0
         grace_s = limit_s + PREFILL_MARGIN * prefill_s
         still_s = signals.engine_still_s(now)
         if still_s is None or instance.kind != "sglang":

@@ -279,7 +279,7 @@ class Settings(_SettingsWithPolicies):
     no_progress_s: float = Field(
         30.0,
         ge=0,
-        description="Seconds a server that answers its load polls may leave the requests waiting on it without a byte while its engine's progress mark (SGLang's load snapshot time, vLLM's token counters and KV usage) holds still, before it is judged hung (an engine stuck behind a live HTTP front): it is ejected (rule no-progress) and every request waiting on it fails over, or its stream ends with an error event. Three times the predicted prefill of the prompts waiting there is added; a vLLM server is judged after the chunk timeout at least, and one with no mark known to move by streams alone, likewise. 0: never.",
+        description="Seconds a server that answers its load polls may leave the requests waiting on it without a byte while its engine's progress mark (SGLang's load snapshot time, vLLM's token counters and KV usage) holds still, before it is judged hung (an engine stuck behind a live HTTP front): it is ejected (rule no-progress) and every request waiting on it fails over, or its stream ends with an error event. Three times the predicted prefill of the longest prompt waiting there is added; a vLLM server is judged after the chunk timeout at least, and one with no mark known to move by streams alone, likewise. 0: never.",
     )
     query_of_death_servers: int = Field(
         2,

@@ -874,6 +874,45 @@ def test_a_vllm_server_prefilling_another_clients_long_prompt_is_not_judged_hung
             assert state_of(proxy, "base-0")["outlier"]["ejections"] == 0
 
 
+def test_a_hung_server_is_judged_however_many_requests_keep_arriving_there() -> None:
+    """The prefill allowed is the longest waiting prompt's, not the sum of them all: a hung server
+    that kept getting long prompts put its own judgement off for as long as they came."""
+    from fleet.readings import Reading
+    from proxy.routing import Router
+    from proxy.settings import load_settings
+
+    url = "http://127.0.0.1:9"
+    router = Router.from_settings(load_settings(spec_urls=url, base_urls="http://127.0.0.1:10", no_progress_s=1.0))
+    instance = router.by_url[url]
+    long_ago = time.monotonic() - 100.0
+    router.fleet.on_reading(url, Reading(at=long_ago, running=1.0, waiting=0.0, engine_mark=1.0))
+    router.fleet.on_reading(url, Reading(at=long_ago + 0.1, running=1.0, waiting=0.0, engine_mark=2.0))  # moved
+    waiting = [router.dispatch(instance, 100_000, True) for _ in range(200)]  # 20 M prompt tokens in all
+    for attempt in waiting:
+        attempt.dispatched_at = attempt.reading_since = time.monotonic() - 60.0
+    router.check_progress(url)
+    assert router.outliers.state_of(url)["reason"] == "no-progress"
+    for attempt in waiting:
+        attempt.failed("upstream_no_progress")
+
+
+def test_a_request_sent_before_an_ejection_that_succeeds_during_probation_does_not_end_it() -> None:
+    clock = Clock()
+    fleet, pools = fleet_of(2, 1)
+    outliers = detector(pools, fleet, clock)
+    sick = pools[0].instances[0]
+    sent = clock.now - 1.0
+    outliers.hung(sick)
+    clock.now += 30.0
+    assert outliers.admits(sick)
+    outliers.dispatched(sick)  # the probe
+    outliers.succeeded(sick, 0.05, dispatched_at=sent)  # a stream from before the ejection ends well
+    outliers.released(sick, dispatched_at=sent)
+    assert outliers.state_of(sick.url)["state"] == "probing" and not outliers.admits(sick)  # the probe is out
+    outliers.succeeded(sick, 0.05, dispatched_at=clock.now)
+    assert outliers.state_of(sick.url)["state"] == "ok"
+
+
 def test_a_server_its_silence_ejected_is_half_open_at_its_first_fresh_reading() -> None:
     from fleet.readings import Reading
     from proxy.routing import Router
