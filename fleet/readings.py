@@ -38,8 +38,8 @@ class Reading:
     """A number its engine changes as it works, if it reports one: SGLang's /v1/loads snapshot
     time (published every few decode steps and after each prefill, by the scheduler alone), or
     the prompt and generation token counters and KV usage of vLLM's /metrics (its engine's
-    iteration and scheduler stats).
-    Unchanged long after a request reached the server, the engine is stuck."""
+    iteration and scheduler stats). Unchanged long after a request reached the server, the
+    engine is stuck."""
 
     def check(self) -> Reading:
         """This reading, if every number in it is one a server can mean; else ValueError naming

@@ -1037,12 +1037,16 @@ class CompletionHandler:
         while chunk:
             if is_stream:
                 # Comments and blank lines keep the socket busy, not the stream: the chunk timeout
-                # is held between data (or a data event still arriving), not between reads.
+                # is held between data (or a data event still arriving), not between reads, and
+                # only data is the server's progress (Router.check_progress).
                 now = perf_counter()
                 if scan.EVENT in chunk or (splitter is not None and splitter.pending):
                     heard = now
+                    attempt.heard()
                 elif now - heard > self.settings.chunk_timeout_s:
                     raise aiohttp.SocketTimeoutError("no data event within the chunk timeout")
+            else:
+                attempt.heard()
             if splitter is not None:
                 try:
                     chunk = splitter.feed(chunk)
@@ -1077,8 +1081,6 @@ class CompletionHandler:
             finally:  # cancelled while waiting (client gone, drain over): still upstream time
                 attempt.reading_since = None
                 exchange.upstream_wait_s += perf_counter() - began
-            if not is_stream or scan.EVENT in chunk or (splitter is not None and splitter.pending):
-                attempt.heard()  # data, not a keep-alive comment: the server is making progress
         exchange.done = True
         # The upstream ended cleanly after an unterminated event: it goes on as it came.
         partial = splitter.rest() if splitter is not None else b""

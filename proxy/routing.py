@@ -181,9 +181,8 @@ process or host (an engine hung behind a live front answers: `Router.check_progr
 
 
 PREFILL_MARGIN = 3.0
-"""The no-progress rule allows this many times the predicted prefill of the prompts waiting on a
-server: the generic prior can be several times fast, and a long lone prefill moves no counter
-on vLLM until it ends."""
+"""The no-progress rule allows this many times the predicted prefill of the longest prompt
+waiting on a server: the generic prior can be several times fast."""
 
 
 def stalled(
@@ -193,8 +192,9 @@ def stalled(
     (`progress_at`: its latest) while one has waited on it at least as long, and
 
     - its engine mark has not moved for as long (`engine_still_s`: SGLang's load snapshot time,
-      vLLM's token counters and KV usage; a server given a request moves it within a prefill chunk, whatever
-      other proxies send it), whatever waits: a JSON request is silent until it ends;
+      vLLM's token counters and KV usage; a server given a request moves it within a prefill
+      chunk, whatever other proxies send it), whatever waits: a JSON request is silent until it
+      ends;
     - or, with no engine mark known to move (None), every attempt there is a stream waiting on
       it: a JSON request ahead, or a stream whose relay is blocked on a slow client (unread),
       can hold a stream back on a healthy server."""
@@ -673,17 +673,13 @@ class Router:
             return
         self.abandon(instance, time.monotonic() - self.unresponsive_after_s, UNRESPONSIVE)
 
-    def abandon(self, instance: Instance, since: float, why: str) -> int:
-        """Cancel `instance`'s attempts that have waited on it since `since` or longer, for `why`;
-        how many."""
-        count = 0
+    def abandon(self, instance: Instance, since: float, why: str) -> None:
+        """Cancel `instance`'s attempts that have waited on it since `since` or longer, for `why`."""
         for attempt in list(instance.attempts):
             waiting = attempt.reading_since
             if waiting is not None and waiting <= since and attempt.task is not None and attempt.abandoned is None:
                 attempt.abandoned = why
                 attempt.task.cancel()
-                count += 1
-        return count
 
     def check_progress(self, url: str) -> None:
         """Called after each poll the server at `url` answered. One whose reading is fresh again
@@ -694,9 +690,8 @@ class Router:
         timeout and a JSON request for the total one. Judged hung (`stalled`, after
         SPECROUTE_NO_PROGRESS_S plus PREFILL_MARGIN times the predicted prefill of the longest
         prompt waiting there; without an engine mark or with vLLM's, the chunk timeout at least),
-        it is ejected (rule
-        no-progress) and every request waiting on it is cancelled: those with no byte yet fail
-        over, streams under way end with an error event."""
+        it is ejected (rule no-progress) and every request waiting on it is cancelled: those with
+        no byte yet fail over, streams under way end with an error event."""
         instance = self.by_url.get(url)
         if instance is None:
             return

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 
 
 def parse_prometheus(text: str, wanted: frozenset[str], means: frozenset[str] = frozenset()) -> dict[str, float]:
@@ -33,13 +32,3 @@ def parse_prometheus(text: str, wanted: frozenset[str], means: frozenset[str] = 
         if name in totals:
             totals[name] /= counts[name]
     return totals
-
-
-def token_mark(m: Mapping[str, float], prefix: str) -> float | None:
-    """A server's prompt plus generation token counters (None without either), as an engine
-    mark (fleet.readings.Reading.engine_mark): they move with every step that prefills or
-    decodes."""
-    names = (prefix + "prompt_tokens_total", prefix + "generation_tokens_total")
-    if not any(name in m for name in names):
-        return None
-    return sum(m.get(name, 0.0) for name in names)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fleet.cadence import gauge_steps
 from fleet.readings import Reading, ServerDescription
 from proxy.backends.base import Backend
-from proxy.backends.prometheus import parse_prometheus, token_mark
+from proxy.backends.prometheus import parse_prometheus
 
 METRIC_NAMES = frozenset(
     {
@@ -72,10 +72,10 @@ def vllm_mark(m: dict[str, float]) -> float | None:
     a step decodes or a prefill ends, with its KV usage, which moves with each chunk of a long
     prefill (its engine allocates blocks for every chunk it schedules). Any of them moving moves
     the mark; None without the counters (its stats turned off)."""
-    tokens = token_mark(m, "vllm:")
-    if tokens is None:
+    prompt, generated = m.get("vllm:prompt_tokens_total"), m.get("vllm:generation_tokens_total")
+    if prompt is None and generated is None:
         return None
-    return float(hash((tokens, m.get("vllm:kv_cache_usage_perc", 0.0))) & MARK_BITS)
+    return float(hash((prompt, generated, m.get("vllm:kv_cache_usage_perc"))) & MARK_BITS)
 
 
 def vllm_cap(
