@@ -52,4 +52,6 @@ def test_prompts_cached_before_the_proxy_started_show_as_a_low_prefilled_share(
             ask(client, prompt(n), "base")  # uncached as far as the proxy knows
             ask(client, prompt(1000 + n), "spec")  # a new prompt: spec prefills all of it
         wait_for(lambda: share(proxy.url, "base") < 0.3, "base's counters to show its cached prompts", timeout=15)
-        assert share(proxy.url, "spec") > 0.8
+        # Spec's counters catch up with its last prefills at its next published snapshot and poll
+        # (asserted at once, the share read 0.33 on 3 of 6 runs).
+        wait_for(lambda: share(proxy.url, "spec") > 0.8, "spec's counters to show what it prefilled", timeout=15)
