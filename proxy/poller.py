@@ -117,6 +117,8 @@ class InstancePoller:
         engine is stuck."""
         self.said_unreachable = False
         """A warning said it cannot be reached, and no line since that it answers."""
+        self.said_unmarked = False
+        """A line said its readings carry no engine mark (once per learning)."""
 
     @property
     def reached(self) -> bool:
@@ -217,6 +219,7 @@ class InstancePoller:
 
     def _learned(self, backend: Backend, described: bool) -> None:
         self.backend = backend
+        self.said_unmarked = False
         self.instance.kind = backend.kind
         if self.lost:
             self.lost = False
@@ -269,6 +272,16 @@ class InstancePoller:
             return
         self.failures = 0
         self.error = None
+        if reading.engine_mark is None and not self.said_unmarked:
+            self.said_unmarked = True
+            # The no-progress rule then has only our own streams to go by (proxy/routing.py).
+            log.info(
+                "%s server %s: its %s answer carries no engine progress mark; a hung engine there is"
+                " judged by our streams alone, after the chunk timeout",
+                self.instance.pool,
+                self.url,
+                path,
+            )
         self.fleet.on_reading(self.url, reading)
 
     async def _optional(self, path: str) -> str | None:

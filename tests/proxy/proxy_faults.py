@@ -11,6 +11,7 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
     with FaultServer("stall:2") as bad:          # 200 SSE, 2 chunks, then silence
     with FaultServer("hang") as bad:             # reads the request, never answers
     with FaultServer("flood") as bad:            # 200 SSE, chunks as fast as they are read, never ending
+    with FaultServer("drip:30") as bad:          # 200 SSE, 30 events 0.1 s apart, then [DONE]; 2.5 s late to a body holding "slowstart"
     with FaultServer("echo") as bad:             # answers 200 JSON; bad.requests holds what came
     with FaultServer("trace500") as bad:         # 500 whose body is a traceback with paths and addresses
     with FaultServer("redirect") as bad:         # 307 to an internal address
@@ -393,6 +394,15 @@ class FaultServer:
             await writer.drain()
             await asyncio.sleep(float(arg))
             writer.write(b"0\r\n\r\n")
+        elif kind == "drip":  # a healthy slow stream: bytes keep coming, each after a gap
+            if b"slowstart" in self.requests[-1].body:  # queued behind others: silent a while
+                await asyncio.sleep(2.5)
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for i in range(int(arg)):
+                writer.write(sse_chunk(i))
+                await writer.drain()
+                await asyncio.sleep(0.1)
+            writer.write(http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         elif kind == "flood":
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             for i in itertools.count():

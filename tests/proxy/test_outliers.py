@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from proxy_faults import FaultServer
 from proxy_harness import TIME_SCALE, RunningProxy, running_proxy, wait_for
 
 from fleet.model import FleetModel
@@ -23,6 +24,7 @@ from proxy.pools import DEFAULT_MAX_RUNNING, Instance, Pool
 from sim.testing import RunningTwin, TwinSpec, twin, twins
 
 MESSAGES = [{"role": "user", "content": "Say hi."}]
+CHAT = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
 
 
 # -- the rules, on a clock the test moves ----------------------------------------------------
@@ -872,6 +874,46 @@ def test_a_vllm_server_prefilling_another_clients_long_prompt_is_not_judged_hung
             assert text and answer.headers["x-specroute-backend"] == "base-0"
             assert answer.headers["x-specroute-reason"] == "static"  # waited behind the prefill, no failover
             assert state_of(proxy, "base-0")["outlier"]["ejections"] == 0
+
+
+def test_a_server_with_no_engine_mark_sending_to_one_stream_is_not_judged_hung_for_another(caplog) -> None:
+    """A server whose load answer carries no engine mark (SGLang polled on /metrics) is judged by
+    our streams' bytes alone: one stream's bytes are the server's progress, and a stream queued
+    behind it, silent for longer than the limit, is not judged to be on a hung server. The log
+    says once that the server gives no mark (the rule's fallback is otherwise silent)."""
+    caplog.set_level("INFO", logger="specroute.poller")
+    with (
+        FaultServer("drip:40", probe="/metrics", load=(1, 0)) as slow,
+        running_proxy(
+            spec_urls=[slow.url], policy="spec", no_progress_s=0.5, chunk_timeout_s=1.0, log_level="info"
+        ) as proxy,
+        concurrent.futures.ThreadPoolExecutor(1) as pool,
+    ):
+
+        def read(content: str) -> bytes:
+            chat = {**CHAT, "stream": True, "messages": [{"role": "user", "content": content}]}
+            with httpx.stream("POST", proxy.base_url + "/chat/completions", json=chat, timeout=30) as response:
+                return b"".join(response.iter_bytes())
+
+        with httpx.stream(
+            "POST", proxy.base_url + "/chat/completions", json={**CHAT, "stream": True}, timeout=30
+        ) as response:
+            chunks = response.iter_bytes()
+            first = next(chunks)  # under way: 4 s of events, 0.1 s apart
+            queued = pool.submit(read, "slowstart")  # its first byte 2.5 s later
+            body = first + b"".join(chunks)
+        later = queued.result(timeout=30)
+        for answer in (body, later):
+            assert b"upstream_no_progress" not in answer and answer.endswith(b"data: [DONE]\n\n"), answer[-200:]
+            assert answer.count(b"data: {") == 40
+        assert state_of(proxy, "spec-0")["outlier"]["state"] == "ok"
+        assert state_of(proxy, "spec-0")["engine_still_s"] is None
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+    said = [r.getMessage() for r in caplog.records if "engine progress mark" in r.getMessage()]
+    assert said == [
+        f"spec server {slow.url}: its /metrics answer carries no engine progress mark; a hung engine there"
+        " is judged by our streams alone, after the chunk timeout"
+    ], said
 
 
 def test_a_hung_server_is_judged_however_many_requests_keep_arriving_there() -> None:
