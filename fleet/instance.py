@@ -80,6 +80,9 @@ class InstanceSignals:
     """Reachable: its load polls (or the last connection) succeed."""
     ejected: bool = False
     """Answering, but answering badly: out of rotation for a while (proxy/outliers.py)."""
+    unresponsive: bool = False
+    """Reachable, but its load polls go unanswered while another server's are answered
+    (FleetModel.unresponsive: a stopped process or host): out of rotation until one is."""
     reading: Reading | None = None
     local_in_flight: int = 0
     """Our requests on this instance now (the fallback load when it cannot be polled)."""
@@ -203,7 +206,7 @@ class InstanceSignals:
             running,
             waiting,
             self.max_running,
-            self.healthy and not self.ejected,
+            self.healthy and not self.ejected and not self.unresponsive,
             self.ejected,
             age,
             waiting_tokens,

@@ -211,6 +211,7 @@ class FleetModel:
         queued = signals.reading is not None and signals.reading.waiting > 0
         signals.reading = reading
         signals.polled = True
+        signals.unresponsive = False
         signals.on_engine_mark(reading.engine_mark, reading.at)
         if reading.max_running:
             signals.max_running = reading.max_running
@@ -266,6 +267,10 @@ class FleetModel:
             for key, other in self.instances.items()
             if key != url
         )
+
+    def set_unresponsive(self, url: str, unresponsive: bool) -> None:
+        """Its polls go unanswered while another's are (`unresponsive`), or it answers again."""
+        self.instances[url].unresponsive = unresponsive
 
     def set_ejected(self, url: str, ejected: bool) -> None:
         self.instances[url].ejected = ejected

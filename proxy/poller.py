@@ -145,9 +145,13 @@ class InstancePoller:
                 await self.learn()
         elif self.backend.load_path is not None:
             await self.poll()
-            if self.on_unresponsive is not None and self.fleet.unresponsive(
+            # A pool of one with a stopped server would otherwise stay "healthy" (its connections
+            # are still accepted) and keep getting requests, each given up on after seconds.
+            silent = self.on_unresponsive is not None and self.fleet.unresponsive(
                 self.url, self.clock(), self.unresponsive_after_s
-            ):
+            )
+            self.fleet.set_unresponsive(self.url, silent)
+            if silent and self.on_unresponsive is not None:
                 self.on_unresponsive(self.url)
             elif self.on_polled is not None and self.error is None:
                 self.on_polled(self.url)

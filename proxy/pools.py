@@ -58,8 +58,10 @@ class Instance:
 
     @property
     def healthy(self) -> bool:
-        """Reachable and not ejected by outlier detection."""
-        return self.signals.healthy and not self.signals.ejected
+        """Reachable, answering its polls (or none is answered), and not ejected by outlier
+        detection."""
+        signals = self.signals
+        return signals.healthy and not signals.ejected and not signals.unresponsive
 
 
 @dataclass(eq=False, slots=True)

@@ -608,7 +608,7 @@ class Router:
     def all_ejected(self, pool: PoolName) -> bool:
         """Whether outlier detection, not unreachability, left `pool` without an instance."""
         return any(i.signals.ejected for i in self.pools[pool].instances) and all(
-            i.signals.ejected or not i.signals.healthy for i in self.pools[pool].instances
+            i.signals.ejected or not i.healthy for i in self.pools[pool].instances
         )
 
     def back_within_s(self, pools: Collection[PoolName]) -> int:

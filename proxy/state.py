@@ -114,6 +114,9 @@ def fleet_state(
                     "healthy": i.healthy,
                     # Its polls went unanswered while a pool-mate's did not: no new requests.
                     "lagging": i.lagging,
+                    # Its polls went unanswered while another server's did not (a stopped
+                    # process or host): no requests until one is answered (routing.md).
+                    "unresponsive": fleet.instances[i.url].unresponsive,
                     "reached": poller.reached,
                     "age_s": _age(i.age_s),
                     "probe": poller.probe,

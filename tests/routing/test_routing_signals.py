@@ -119,9 +119,22 @@ def test_a_hung_instance_turns_stale_and_a_dead_one_unhealthy():
                     decision = router.choose(Features(prompt_tokens=100), None)
                     assert (decision.pool, decision.reason) == ("base", "stale")
                     assert decision.scores["spec.stale"] == 1.0 and decision.scores["spec.age_s"] > 0.3
+                    # Silent for longer, while base answers: out of rotation, and shown so (a pool
+                    # of one stayed "healthy" and took requests that each waited seconds).
+                    await wait_for(
+                        lambda: not router.snapshot().pool("spec").available, 20, "the silent server out of rotation"
+                    )
+                    shown = router.state()["pools"]["spec"]["instances"][0]
+                    assert (shown["healthy"], shown["unresponsive"]) == (False, True)
+                    assert not router.pools["spec"].available and router.ready
+                    decision = router.choose(Features(prompt_tokens=100), None)
+                    assert (decision.pool, decision.reason) == ("base", "spec-down")
                 finally:
                     spec.process.send_signal(signal.SIGCONT)
-                await wait_for(lambda: not router.snapshot().pool("spec").stale, 10, "fresh readings again")
+                await wait_for(lambda: router.pools["spec"].available, 10, "the server answering again")
+                shown = router.state()["pools"]["spec"]["instances"][0]
+                assert (shown["healthy"], shown["unresponsive"]) == (True, False)
+                assert not router.snapshot().pool("spec").stale
                 # Dead: connections are refused; after a few polls it is skipped.
                 spec.process.terminate()
                 await asyncio.to_thread(spec.process.wait, 10)
