@@ -7,13 +7,18 @@ second on aiohttp as on httpx, httpx2 or httpx over an aiohttp transport (docs/b
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 from collections.abc import Iterable
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 from yarl import URL
 
 from proxy.settings import Settings
+
+log = logging.getLogger("specroute.upstream")
 
 # Failures of an attempt, as short stable tokens (telemetry's error.type, the retry decision).
 CONNECT = "connect"
@@ -42,10 +47,44 @@ UPSTREAM_KEEPALIVE_S = 4.0
 """Seconds an idle upstream connection is kept for reuse: below the 5 s keep-alive of uvicorn (which SGLang and vLLM serve with) upstream."""
 
 
+class Sent:
+    """What one POST's trace saw (aiohttp's trace_request_ctx)."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+        """It went on a pooled keep-alive connection."""
+
+
+async def _on_reuse(_: aiohttp.ClientSession, context: SimpleNamespace, __: object) -> None:
+    sent = context.trace_request_ctx
+    if isinstance(sent, Sent):
+        sent.reused = True
+
+
+def closed_unanswered(exc: BaseException) -> bool:
+    """The connection ended before any byte of an answer: closed (EOF) or reset, as a server
+    closing an idle keep-alive connection does to a request that crossed its close (uvicorn
+    closes with the request unread, which resets it)."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return True
+    return (
+        isinstance(exc, aiohttp.ClientOSError)
+        and not isinstance(exc, aiohttp.ClientConnectorError)
+        and exc.errno in (errno.ECONNRESET, errno.EPIPE)
+    )
+
+
 class Upstream:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None
+        """A session whose every connection is new (and closed after its answer): a request
+        resent after its pooled connection turned out closed."""
+        self.resent = 0
+        """Requests sent again on a new connection after a pooled one ended unanswered."""
         self._urls: dict[str, URL] = {}
         """Parsed upstream URLs (instances x paths: a handful), so yarl parses each only once."""
 
@@ -58,18 +97,27 @@ class Upstream:
             # flight failed the request sent on it ("server disconnected", before any byte).
             keepalive_timeout=UPSTREAM_KEEPALIVE_S,
         )
-        self._session = aiohttp.ClientSession(
+        reuse = aiohttp.TraceConfig()
+        reuse.on_connection_reuseconn.append(_on_reuse)
+        self._session = self._new_session(connector, [reuse])
+        self._fresh = self._new_session(aiohttp.TCPConnector(limit=0, force_close=True), [])
+
+    @staticmethod
+    def _new_session(connector: aiohttp.BaseConnector, traces: list[aiohttp.TraceConfig]) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
             connector=connector,
             auto_decompress=False,  # bytes pass through as the upstream sent them
             cookie_jar=aiohttp.DummyCookieJar(),  # one client's upstream cookies must never reach another
             skip_auto_headers=("User-Agent", "Accept", "Accept-Encoding", "Content-Type"),
             timeout=aiohttp.ClientTimeout(total=None),
+            trace_configs=traces,
         )
 
     async def stop(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+        self._session = self._fresh = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -87,7 +135,14 @@ class Upstream:
     ) -> aiohttp.ClientResponse:
         """Send a POST; returns once the status line and headers are in (body unread).
         `first_byte_limited`: the wait for them is held to the first-token timeout (a stream);
-        otherwise only the total timeout bounds it (a JSON answer's headers come when it is done)."""
+        otherwise only the total timeout bounds it (a JSON answer's headers come when it is done).
+
+        Sent on a pooled connection that ends before any byte of an answer, it is sent once more
+        on a new one: the server closed that connection as the request crossed its close (its
+        keep-alive timer, late after a stall), unread. Counted against the server, and failed
+        over, it failed requests pinned to a pool of one and ejected a healthy server. Go's HTTP
+        client resends such a request whatever its method; a connection that was new is not
+        resent (a server that crashed on it would get it again)."""
         timeout = aiohttp.ClientTimeout(
             total=total_s,
             sock_connect=self.settings.connect_timeout_s,
@@ -99,7 +154,18 @@ class Upstream:
                 parsed = URL(url, encoded=True)
             else:
                 parsed = self._urls[url] = URL(url)
-        return await self.session.post(parsed, data=body, headers=list(headers), timeout=timeout, allow_redirects=False)
+        items = list(headers)
+        sent = Sent()
+        try:
+            return await self.session.post(
+                parsed, data=body, headers=items, timeout=timeout, allow_redirects=False, trace_request_ctx=sent
+            )
+        except aiohttp.ClientError as exc:
+            if not (sent.reused and closed_unanswered(exc)) or self._fresh is None:
+                raise
+        self.resent += 1
+        log.debug("%s closed a pooled connection unanswered: sent again on a new one", parsed.origin())
+        return await self._fresh.post(parsed, data=body, headers=items, timeout=timeout, allow_redirects=False)
 
     async def get_json(self, url: str, headers: Iterable[tuple[str, str]], timeout_s: float) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s)

@@ -27,6 +27,7 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
     with FaultServer("keepalive:2") as bad:      # 200 SSE, 2 events, then only `: keep-alive` comments
     with FaultServer("poison:WORD") as bad:      # a 500 to a request whose body holds WORD; 200 JSON to others
     with FaultServer("poisondrop:WORD") as bad:  # closes the connection of a request whose body holds WORD; 200 JSON to others
+    with FaultServer("staleconn:rst") as bad:    # 200 JSON to a connection's first POST; the next on it: reset unanswered ("fin": closed)
     with FaultServer("poison500close:WORD") as bad:  # as poison, then reads no more and resets that connection 0.3 s later (uvicorn after an exception)
 
 Load polls (GET) get 404, as from a server with no load endpoint, unless `probe` names the one
@@ -176,6 +177,11 @@ class FaultServer:
                 if method == "POST" and not posted:
                     posted = True
                     self.open_connections += 1
+                elif method == "POST" and self.behaviour.startswith("staleconn:"):
+                    # A server's keep-alive close crossing the request: never answered.
+                    if self.behaviour.endswith(":rst"):
+                        writer.transport.abort()
+                    return
                 if method == "GET" and path == self.probe:
                     writer.write(self._load_answer())
                     await writer.drain()
@@ -208,6 +214,8 @@ class FaultServer:
     async def _answer(self, method: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
         """Respond per the behaviour; False closes the connection."""
         kind, _, arg = self.behaviour.partition(":")
+        if kind == "staleconn":
+            kind = "echo"
         if kind in ("poison", "poisondrop", "poison500close"):  # an input the server's code cannot handle
             if arg.encode() not in self.requests[-1].body:
                 kind = "echo"

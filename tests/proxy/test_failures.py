@@ -54,6 +54,38 @@ def test_a_server_down_at_start_is_skipped_without_an_attempt(twin_pair) -> None
         assert 'specroute_snapshot_age_seconds{pool="spec"} +Inf' in metrics  # never read: an age alert fires
 
 
+@pytest.mark.parametrize("close", ["rst", "fin"])
+def test_a_request_on_a_pooled_connection_its_server_closed_is_sent_again_on_a_new_one(close: str) -> None:
+    """A server's keep-alive close can cross a request sent on the pooled connection (uvicorn's
+    timer runs late after a stall, and closes with the request unread: a reset). The request is
+    sent again on a new connection, to the same server: it got a 502 before (nowhere else to go
+    in a pool of one) and counted against a healthy server."""
+    with (
+        FaultServer(f"staleconn:{close}") as server,
+        running_proxy(spec_urls=[server.url], policy="spec") as proxy,
+    ):
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        for _ in range(2):  # the first opens the connection and leaves it pooled; the next meets it closed
+            raw = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2)
+            assert raw.parse().choices[0].message.content == "ok"
+            assert raw.headers["x-specroute-backend"] == "spec-0"
+        assert posts(server) == 3  # the first; the second on the closed connection, then on a new one
+        instance = proxy.app.router.pools["spec"].instances[0]
+        assert instance.failed_total == 0
+        assert proxy.app.upstream.resent == 1
+        state = httpx.get(proxy.url + "/v1/specroute/state").json()["pools"]["spec"]["instances"][0]
+        assert state["outlier"]["state"] == "ok"
+
+
+def test_a_request_whose_new_connection_is_closed_unanswered_is_not_sent_there_again() -> None:
+    """Only a pooled connection's close is the keep-alive race: a server that drops a request on a
+    new connection may have crashed on it (a query of death), and gets it once."""
+    with FaultServer("drop") as dropping, running_proxy(spec_urls=[dropping.url], policy="spec") as proxy:
+        answer = httpx.post(proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES})
+        assert answer.status_code == 502 and error_of(answer)["code"] == "upstream_disconnected"
+        assert posts(dropping) == 1 and proxy.app.upstream.resent == 0
+
+
 def test_ready_is_503_when_no_upstream_can_be_reached() -> None:
     with running_proxy(spec_urls=[dead_url()], base_urls=[dead_url()]) as proxy:
         ready = httpx.get(proxy.url + "/ready")
