@@ -80,6 +80,8 @@ class InstanceSignals:
     """Reachable: its load polls (or the last connection) succeed."""
     ejected: bool = False
     """Answering, but answering badly: out of rotation for a while (proxy/outliers.py)."""
+    time_scale: float = 1.0
+    """Its busy-time counters' units per wall-clock unit (ServerDescription.time_scale: a twin's)."""
     unresponsive: bool = False
     """Reachable, but its load polls go unanswered while another server's are answered
     (FleetModel.unresponsive: a stopped process or host): out of rotation until one is."""

@@ -188,6 +188,7 @@ class FleetModel:
         signals = self.instances[url]
         if description.max_running:
             signals.max_running = description.max_running
+        signals.time_scale = description.time_scale
         pool = self.pools[signals.pool]
         if description.speculative and pool.role and description.num_draft_tokens:
             self.set_draft_tokens(pool.name, description.num_draft_tokens)
@@ -216,7 +217,9 @@ class FleetModel:
         if reading.max_running:
             signals.max_running = reading.max_running
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:
-            work = signals.on_prefill_counters(reading.prefill_tokens_total, reading.prefill_busy_us_total)
+            work = signals.on_prefill_counters(
+                reading.prefill_tokens_total, reading.prefill_busy_us_total / signals.time_scale
+            )
             if work is not None:
                 signals.prefilled.add(reading.at, work[0])
                 self._on_prefill_work(signals, reading.at, *work, queued=queued)

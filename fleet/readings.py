@@ -91,6 +91,10 @@ class ServerDescription:
     """Tokens drafted per verify step (speculative_num_steps with a chain draft)."""
     max_running: int | None = None
     """Its running cap, when it says (SGLang's max_running_requests)."""
+    time_scale: float = 1.0
+    """A twin's --time-scale (its /server_info says; no real server does): it runs its GPU's
+    physics this many times faster than the GPU would and counts busy time in the GPU's units,
+    this many times the wall clock's that the router predicts in."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,6 +49,7 @@ class SGLang(Backend):
             speculative=facts["speculative"],
             num_draft_tokens=facts["num_draft_tokens"],
             max_running=count_or_none(facts["max_running_requests"]) or None,
+            time_scale=_twin_scale(doc),
         )
         return description, facts
 
@@ -78,6 +79,14 @@ class SGLang(Backend):
             tokens_total=m.get("sglang:generation_tokens_total", 0.0),
             verify_total=m.get("sglang:spec_verify_calls_total", 0.0),
         )
+
+
+def _twin_scale(doc: Mapping[str, Any]) -> float:
+    """A twin's time scale (1 for any other server, and for a value that is no positive number)."""
+    scale = doc.get("time_scale") if doc.get("twin") is True else None
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale < 1e6:
+        return 1.0
+    return float(scale)
 
 
 def _json(text: str) -> Any:

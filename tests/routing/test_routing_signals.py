@@ -282,3 +282,36 @@ def test_an_engine_mark_counts_as_still_only_once_it_has_been_seen_to_move():
     assert signals.engine_still_s(20.0) == 7.0
     signals.on_engine_mark(8.0, at=19.0)
     assert signals.engine_still_s(20.0) == 7.0
+
+
+def test_a_twins_prefill_busy_time_is_learned_in_wall_clock_units():
+    """A twin at time scale X counts its prefill busy time in its GPU's units (X times the wall
+    clock's) and says its scale in /server_info: the router divides it out, or it predicted
+    prefills X times too slow (a review's probe at scale 4: 429s for first tokens predicted
+    past the TTFT target that came in time)."""
+    from fleet.profile import load_profile
+
+    specs = (TwinSpec("spec", time_scale=TIME_SCALE, seed=5), TwinSpec("base", time_scale=TIME_SCALE, seed=6))
+    with twins(*specs) as (spec, base):
+        router = Router.from_settings(load_settings(spec_urls=spec.url, base_urls=base.url, poll_interval_ms=20))
+        signals = router.fleet.instances[base.url]
+
+        async def scenario():
+            await router.start()
+            try:
+                await wait_for(lambda: signals.reading is not None, 10, "a first reading of base")
+                words = " ".join(f"w{i}" for i in range(3000))[: 4 * 3000]  # 3,000 tokens of 4 characters
+                body = {"model": "twin", "messages": [{"role": "user", "content": words}], "max_tokens": 1}
+                async with httpx.AsyncClient(timeout=30) as client:
+                    assert (await client.post(base.url + "/v1/chat/completions", json=body)).status_code == 200
+                await wait_for(lambda: signals.prefill_ms_per_token is not None, 10, "the prefill counters to move")
+            finally:
+                await router.stop()
+
+        asyncio.run(scenario())
+        assert signals.reading is not None and signals.reading.prefill_tokens_total is not None
+        tokens = signals.reading.prefill_tokens_total  # all of it this one prompt's (about 3,000)
+        assert 2900 < tokens < 3100
+        gpu_ms_per_token = load_profile("h200-llama8b").prefill_ms(tokens) / tokens
+        assert signals.time_scale == TIME_SCALE
+        assert signals.prefill_ms_per_token == pytest.approx(gpu_ms_per_token / TIME_SCALE, rel=0.05)
