@@ -6,7 +6,9 @@ rules, top to bottom (docs/routing.md, "Admission control"):
 
 1. `predicted-ttft`: a request whose predicted time to first token on the pool the policy chose
    (its slow end: the wait for a slot at about its 90th percentile, plus the prefill of the
-   queue ahead and its own) is past the TTFT limit.
+   queue ahead and its own) is past the TTFT limit, or past its own prefill's time when that
+   alone is longer (`ttft_limit_for`): a long prompt is refused for what would be prefilled
+   ahead of it, never on an idle fleet for its own length, which no wait would shorten.
 2. `predicted-tpot`: a request that would push the pool's time per output token past the TPOT
    limit: the requests decoding there sit through every prompt queued ahead of their next
    token, so a pool can meet every first-token target while its running streams crawl.
@@ -107,9 +109,17 @@ class Admission:
         # The streams decoding there now sit through the prompts sent lately at their rate.
         return self.predictor.predict(pool, instance, features, snapshot.cost, n_out, now=True)
 
-    def past_limits(self, ttft_s: float, tpot_s: float, share: float) -> str | None:
+    def ttft_limit_for(self, own_prefill_s: float, share: float = 1.0) -> float:
+        """The TTFT limit a request is held to (0: none): the target at `share`, or its own
+        prefill alone when that is longer. Held to the target, a prompt whose own prefill takes
+        longer was refused (429, retry in a second) on an idle fleet, on every retry."""
+        if self.ttft_limit_s <= 0:
+            return 0.0
+        return max(self.ttft_limit_s * share, own_prefill_s)
+
+    def past_limits(self, ttft_s: float, tpot_s: float, share: float, own_prefill_s: float = 0.0) -> str | None:
         """The rule a prediction breaks with the limits at `share` of the targets, if any."""
-        if self.ttft_limit_s > 0 and ttft_s > self.ttft_limit_s * share:
+        if self.ttft_limit_s > 0 and ttft_s > self.ttft_limit_for(own_prefill_s, share):
             return "predicted-ttft"
         if self.tpot_limit_s > 0 and tpot_s > self.tpot_limit_s * share:
             return "predicted-tpot"
@@ -124,8 +134,13 @@ class Admission:
         ttft = p.ttft_s + p.wait_spread_s
         tpot = max(p.tpot_s, p.others_tpot_s)
         scale = self.scale_now(now)
-        rule = self.past_limits(ttft, tpot, scale)
-        if rule is None and features.request_class == "batch" and self.past_limits(ttft, tpot, scale * BATCH_SHARE):
+        own = p.own_prefill_s
+        rule = self.past_limits(ttft, tpot, scale, own)
+        if (
+            rule is None
+            and features.request_class == "batch"
+            and self.past_limits(ttft, tpot, scale * BATCH_SHARE, own)
+        ):
             rule, scale = "shed-batch", scale * BATCH_SHARE
         if rule is None:
             return None
@@ -137,6 +152,6 @@ class Admission:
             predicted_ttft_s=ttft,
             predicted_tpot_s=tpot,
             retry_after_s=retry,
-            ttft_limit_s=self.ttft_limit_s * scale,
+            ttft_limit_s=self.ttft_limit_for(own, scale),
             tpot_limit_s=self.tpot_limit_s * scale,
         )

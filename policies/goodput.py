@@ -138,6 +138,8 @@ class Prediction:
     tpot_spread_s: float = 0.0
     """How much slower than `tpot_s` this request's tokens may come (about the 90th percentile:
     on a speculative pool each request's own acceptance varies around the pool's)."""
+    own_prefill_s: float = 0.0
+    """The prefill of its own uncached prompt alone: its first token's floor, whatever the load."""
 
     @property
     def ttft_s(self) -> float:
@@ -396,7 +398,14 @@ class Goodput:
             spread_ms / 1000,
             others_tpot_ms / 1000,
             tpot_spread * tpot_ms / 1000,
+            self.alone_prefill_ms(pool, prompt, cost) / 1000,
         )
+
+    def alone_prefill_ms(self, pool: PoolName, prompt: int, cost: StepCost) -> float:
+        """The prefill of `prompt` uncached tokens with nothing queued ahead, in chunks as
+        `predict` costs the queue's."""
+        chunks = math.ceil(prompt / self.prefill_chunk_tokens)
+        return chunks * cost.prefill_ms(pool, math.ceil(prompt / chunks))
 
     # -- The decision: guards on the snapshot, then the rules on the predictions, in order. ----
     # Each returns a Decision, or None to pass on; docs/routing.md, "`goodput`'s rules, in order",

@@ -368,8 +368,15 @@ class Attempt:
         stream carried one; else its content events, which undercount a spec stream's tokens,
         so the pace errs slow)."""
         assert self.ttft_s is not None
-        ttft_limit, tpot_limit = admission.ttft_limit_s, admission.tpot_limit_s
-        decode_s = time.monotonic() - self.dispatched_at - self.ttft_s
+        now = time.monotonic()
+        # A prompt whose own prefill is past the TTFT target was admitted against that prefill
+        # (in chunks, as the admission predicted it).
+        uncached = max(self.prompt_tokens - self.sent.cached_tokens, 1)
+        chunks = math.ceil(uncached / admission.predictor.prefill_chunk_tokens)
+        chunk_ms = self.fleet.cost.prefill_ms(self.instance.pool, math.ceil(uncached / chunks), now)
+        own_prefill_s = chunks * chunk_ms / 1000
+        ttft_limit, tpot_limit = admission.ttft_limit_for(own_prefill_s), admission.tpot_limit_s
+        decode_s = now - self.dispatched_at - self.ttft_s
         tpot_s = decode_s / (tokens - 1) if tokens > 1 else 0.0
         return (ttft_limit <= 0 or self.ttft_s <= ttft_limit) and (tpot_limit <= 0 or tpot_s <= tpot_limit)
 

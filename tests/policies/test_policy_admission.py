@@ -25,6 +25,24 @@ def test_a_quiet_fleet_admits_everything_and_no_limit_means_no_admission() -> No
     assert Admission(0.0, 0.0).admit(LATENCY, snapshot(48, 2000, COST), TO_BASE, now=0.0) is None
 
 
+def test_a_prompt_whose_own_prefill_is_past_the_target_is_refused_only_for_what_is_ahead_of_it() -> None:
+    """Held to the target, a long prompt was refused (429, retry in a second) on an idle fleet,
+    on every retry: no wait would bring its first token in time. It is held to its own prefill."""
+    long_prompt = Features(prompt_tokens=30_000, max_tokens=64)
+    idle = snapshot(0, 0, COST)
+    p = Admission(1.0).predict(long_prompt, idle, TO_BASE)
+    assert p is not None and p.wait_s == 0 and p.own_prefill_s == pytest.approx(p.prefill_s)
+    target = p.own_prefill_s / 2  # its own prefill alone takes twice the target
+    admission = Admission(target)
+    assert admission.admit(long_prompt, idle, TO_BASE, now=0.0) is None
+    assert admission.admit(long_prompt, snapshot(0, 200, COST), TO_BASE, now=0.0) is None  # running, none queued
+    queued = admission.admit(long_prompt, snapshot(0, 256 + 2, COST), TO_BASE, now=0.0)  # two prompts ahead
+    assert queued is not None and queued.rule == "predicted-ttft"
+    assert queued.ttft_limit_s == pytest.approx(p.own_prefill_s)
+    # A short prompt is held to the target itself.
+    assert admission.ttft_limit_for(0.001) == target and admission.ttft_limit_for(0.001, 0.5) == target / 2
+
+
 def test_a_deep_queue_refuses_with_a_retry_after_from_its_drain() -> None:
     flooded = snapshot(48, 256 + 600, COST)  # 600 waiting past base's cap
     refusal = Admission(1.0, 0.0).admit(LATENCY, flooded, TO_BASE, now=0.0)
