@@ -53,9 +53,10 @@ class RequestHooks:
     def upstream_headers(self, *, status: int, headers: Mapping[str, str]) -> None:
         """The upstream answered with a status line and headers."""
 
-    def response_headers(self, *, upstream_wait_s: float) -> list[tuple[bytes, bytes]]:
-        """Extra headers for the response about to start; `upstream_wait_s` is the time spent so
-        far waiting on upstream servers (the rest is the proxy's own overhead)."""
+    def response_headers(self, *, waited_s: float) -> list[tuple[bytes, bytes]]:
+        """Extra headers for the response about to start; `waited_s` is the time spent so
+        far waiting on upstream servers, flow control or the client (the rest is the proxy's own
+        overhead)."""
         return []
 
     def first_chunk(self, data: bytes = b"") -> None:
@@ -79,12 +80,13 @@ class RequestHooks:
         completion_tokens: int | None,
         finish_reasons: tuple[str, ...],
         client_disconnected: bool,
-        upstream_wait_s: float = 0.0,
+        waited_s: float = 0.0,
         cached_tokens: int | None = None,
         events: int | None = None,
     ) -> None:
         """The response to the client is complete (or abandoned); called exactly once.
-        `upstream_wait_s`: all the request's time spent waiting on upstream servers;
+        `waited_s`: all the request's time spent waiting on upstream servers, flow control or
+        the client (its body, its reading);
         `cached_tokens`: the prompt tokens the server found in its prefix cache, as its usage
         reported them (usage.prompt_tokens_details.cached_tokens), if it did; `events`: a
         stream's text-carrying events relayed to the client (None: no stream)."""

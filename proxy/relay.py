@@ -148,7 +148,7 @@ class Exchange:
         "decision",
         "instance",
         "summary",
-        "upstream_wait_s",
+        "waited_s",
         "prompt_tokens",
         "streaming",
         "asked_stream",
@@ -187,9 +187,10 @@ class Exchange:
         self.held: Held | None = None
         """Its place in flow control's queue, when it was held (proxy/holding.py)."""
         self.summary = scan.Summary()
-        self.upstream_wait_s = 0.0
-        """Time spent awaiting upstream servers (connect, headers, chunks) or held by flow control:
-        the rest is ours (the overhead)."""
+        self.waited_s = 0.0
+        """Time spent awaiting upstream servers (connect, headers, chunks), held by flow control,
+        or awaiting the client (its body's bytes, room to write to it): the rest is ours (the
+        overhead). A slow upload or a client that stopped reading read as seconds of overhead."""
         self.prompt_tokens = 0
         self.streaming = False
         """Whether the response being relayed is an SSE stream (an error can still go in-band)."""
@@ -254,7 +255,7 @@ class Exchange:
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
         self.status = status
-        headers = headers + self.routing_headers() + self.hooks.response_headers(upstream_wait_s=self.upstream_wait_s)
+        headers = headers + self.routing_headers() + self.hooks.response_headers(waited_s=self.waited_s)
         await self.send({"type": "http.response.start", "status": status, "headers": headers})
 
     async def fail(self, error: ProxyError) -> None:
@@ -460,7 +461,9 @@ class CompletionHandler:
                 raise ProxyError(
                     405, f"use POST for {scope['path']}", code="method_not_allowed", headers=[(b"allow", b"POST")]
                 )
+            began = perf_counter()
             body = await self.read_body(headers, receive)
+            exchange.waited_s += perf_counter() - began
             exchange.body_bytes = len(body)
             try:
                 override, request_class = read_overrides(headers)
@@ -522,7 +525,7 @@ class CompletionHandler:
             exchange.decision, exchange.logged = router.decide(features, override, snapshot, exchange.owner)
             if held is not None:
                 held_s = round(monotonic() - held.since, 3)
-                exchange.upstream_wait_s += held_s  # waiting, not the proxy's own work (its overhead)
+                exchange.waited_s += held_s  # waiting, not the proxy's own work (its overhead)
                 decided = exchange.decision
                 exchange.decision = Decision(
                     decided.pool, decided.reason, {**decided.scores, "held_s": held_s}, decided.instance
@@ -598,7 +601,7 @@ class CompletionHandler:
                 completion_tokens=summary.completion_tokens,
                 finish_reasons=summary.finish_reasons,
                 client_disconnected=exchange.client_gone,
-                upstream_wait_s=exchange.upstream_wait_s,
+                waited_s=exchange.waited_s,
                 cached_tokens=summary.cached_tokens,
                 events=exchange.events if exchange.streaming else None,
             )
@@ -897,7 +900,7 @@ class CompletionHandler:
                     created = scan.response_id(first)
                     if created is not None:
                         self.responses.record(created, instance)
-                exchange.upstream_wait_s += perf_counter() - began
+                exchange.waited_s += perf_counter() - began
                 began = 0.0
                 attempt.first_byte()
                 await self.relay(exchange, response, attempt, first)
@@ -933,7 +936,7 @@ class CompletionHandler:
             # Waiting on the upstream until it answered, failed or this task was cancelled (the
             # client left, the drain ended) is not the proxy's overhead.
             if began:
-                exchange.upstream_wait_s += perf_counter() - began
+                exchange.waited_s += perf_counter() - began
             attempt.finished()  # no-op when the attempt already failed
             if response is not None:
                 if response.content.at_eof():
@@ -1060,7 +1063,9 @@ class CompletionHandler:
                 # stream with JSON (or anything else) goes on whole (its content-length says so).
                 passed = scan.without_usage_events(chunk) if hide_usage else chunk
                 if passed:
+                    sending = perf_counter()
                     await send({"type": "http.response.body", "body": passed, "more_body": True})
+                    exchange.waited_s += perf_counter() - sending  # a slow reader's back-pressure
                 if is_stream:
                     events = dialect.count(chunk)
                     exchange.events += events
@@ -1080,7 +1085,7 @@ class CompletionHandler:
                 chunk = await content.readany()
             finally:  # cancelled while waiting (client gone, drain over): still upstream time
                 attempt.reading_since = None
-                exchange.upstream_wait_s += perf_counter() - began
+                exchange.waited_s += perf_counter() - began
         exchange.done = True
         # The upstream ended cleanly after an unterminated event: it goes on as it came.
         partial = splitter.rest() if splitter is not None else b""

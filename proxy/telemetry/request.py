@@ -211,10 +211,10 @@ class RequestRecorder(RequestHooks):
     def upstream_headers(self, *, status: int, headers: Mapping[str, str]) -> None:
         self._attempt_status = status
 
-    def response_headers(self, *, upstream_wait_s: float) -> list[tuple[bytes, bytes]]:
+    def response_headers(self, *, waited_s: float) -> list[tuple[bytes, bytes]]:
         """x-specroute-overhead-ms: the proxy's own time before the response began; and, for a
         traced request, W3C `traceresponse` (Trace Context Level 2) naming its trace."""
-        overhead_ms = max(time.perf_counter() - self._t0 - upstream_wait_s, 0.0) * 1000
+        overhead_ms = max(time.perf_counter() - self._t0 - waited_s, 0.0) * 1000
         headers = [(n.OVERHEAD_HEADER_BYTES, b"%.3f" % overhead_ms)]
         if self._sampled:
             headers.append((n.TRACERESPONSE_HEADER_BYTES, b"00-%032x-%016x-01" % (self._trace_id, self._span_id)))
@@ -268,13 +268,13 @@ class RequestRecorder(RequestHooks):
         completion_tokens: int | None,
         finish_reasons: tuple[str, ...],
         client_disconnected: bool,
-        upstream_wait_s: float = 0.0,
+        waited_s: float = 0.0,
         cached_tokens: int | None = None,
         events: int | None = None,
     ) -> None:
         end = time.perf_counter()
         duration_s = end - self._t0
-        overhead_s = max(duration_s - upstream_wait_s, 0.0)
+        overhead_s = max(duration_s - waited_s, 0.0)
         self._release_instance()
         if client_disconnected:
             error_type = error_type or "client_disconnected"

@@ -72,7 +72,7 @@ def failover_then_stream(t: SpecrouteTelemetry, first: bytes = FIRST) -> None:
     outgoing: dict[str, str] = {}
     hooks.outgoing_headers(outgoing)
     hooks.upstream_headers(status=200, headers={})
-    extra = hooks.response_headers(upstream_wait_s=0.0)
+    extra = hooks.response_headers(waited_s=0.0)
     assert extra[0][0] == b"x-specroute-overhead-ms" and float(extra[0][1]) >= 0
     hooks.first_chunk(first)
     hooks.attempt_finished(status=200)
@@ -83,7 +83,7 @@ def failover_then_stream(t: SpecrouteTelemetry, first: bytes = FIRST) -> None:
         completion_tokens=5,
         finish_reasons=("stop",),
         client_disconnected=False,
-        upstream_wait_s=0.0,
+        waited_s=0.0,
     )
 
 
@@ -425,7 +425,7 @@ def test_numbers_beyond_int64_in_a_body_do_not_corrupt_the_export() -> None:
         completion_tokens=10**21,
         finish_reasons=("stop",),
         client_disconnected=False,
-        upstream_wait_s=0.0,
+        waited_s=0.0,
     )
     failover_then_stream(t)  # another request in the same batch
     t.tracing.flush()  # type: ignore[union-attr]
@@ -599,7 +599,7 @@ def one_request(t: SpecrouteTelemetry, *, status: int, error_type: str | None, s
     )
     hooks.attempt_started(pool="spec", instance="http://127.0.0.1:1", attempt=1)
     hooks.upstream_headers(status=status, headers={})
-    hooks.response_headers(upstream_wait_s=0.0)
+    hooks.response_headers(waited_s=0.0)
     hooks.first_chunk(FIRST)
     hooks.attempt_finished(status=status)
     hooks.finished(

@@ -182,3 +182,30 @@ def test_an_idle_keep_alive_connection_is_closed(guarded: RunningProxy) -> None:
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         data, took = read_until_closed(sock)
     assert data.startswith(b"HTTP/1.1 200 ") and took < WAIT_S
+
+
+def test_a_slow_upload_is_not_counted_as_the_proxys_overhead(twin_pair) -> None:
+    """x-specroute-overhead-ms and specroute_overhead_seconds are the proxy's own time: a body
+    that took the client a second and a half to send read as 1,500 ms of overhead, and a client
+    on a slow link paged someone about the proxy."""
+    spec, base = twin_pair
+
+    def slowly() -> Iterator[bytes]:
+        body = b'{"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}'
+        for i in range(0, len(body), 16):
+            yield body[i : i + 16]
+            time.sleep(0.25)  # the client's pace, not a synchronisation
+
+    with running_proxy(spec_urls=[spec.url], base_urls=[base.url]) as proxy:
+        began = time.monotonic()
+        answer = httpx.post(
+            proxy.base_url + "/chat/completions",
+            content=slowly(),
+            headers={"content-type": "application/json"},
+            timeout=WAIT_S,
+        )
+        took_s = time.monotonic() - began
+        assert answer.status_code == 200, answer.text
+        assert took_s > 1.2
+        overhead_s = float(answer.headers["x-specroute-overhead-ms"]) / 1000
+        assert overhead_s < took_s / 4, (overhead_s, took_s)
