@@ -492,7 +492,9 @@ class CompletionHandler:
             exchange.workload = features.workload
             exchange.blocks, exchange.session = parsed.blocks, parsed.session
             choices = payload.get("n")
-            exchange.choices = choices if isinstance(choices, int) and choices > 1 else 1
+            # An integral float (2.0) is taken as SGLang takes it (proxy/body.py lets it through).
+            many = isinstance(choices, int | float) and not isinstance(choices, bool) and choices > 1
+            exchange.choices = int(choices) if many and choices is not None else 1
             if (
                 self.settings.stream_usage
                 and exchange.dialect.stream_usage

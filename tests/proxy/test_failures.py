@@ -541,3 +541,56 @@ def test_a_huge_model_name_stays_out_of_the_log_line(capfd) -> None:
 
         line = wait_for(logged, timeout=10, what="the request's log line")[0]
         assert len(json.dumps(line)) < 4096 and line["model"] == "m" * 256
+
+
+class SilentServer:
+    """Accepts connections and reads what comes, never answers: a stopped process (its kernel
+    still accepts). `requests` holds the request lines it was sent."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests: list[bytes] = []
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        try:
+            while data := conn.recv(65536):
+                self.requests.extend(line for line in data.split(b"\r\n") if line.startswith((b"GET ", b"POST ")))
+        except OSError:
+            return
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+def test_models_are_asked_of_the_servers_that_take_requests(twin_pair) -> None:
+    """A stopped server (connections accepted, nothing answered) held every GET /v1/models for
+    the timeout once the cache expired; once it is out of rotation it is not asked."""
+    spec, base = twin_pair
+    silent = SilentServer()
+    try:
+        with running_proxy(spec_urls=[silent.url, spec.url], base_urls=[base.url], models_cache_s=0) as proxy:
+            stopped = proxy.app.router.pools["spec"].instances[0]
+            wait_for(lambda: not stopped.healthy, timeout=30, what="the silent server out of rotation")
+            asked = sum(1 for line in silent.requests if b"/v1/models" in line)
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+            for _ in range(3):
+                assert [m.id for m in client.models.list()] == ["specroute/twin"]
+            assert sum(1 for line in silent.requests if b"/v1/models" in line) == asked
+    finally:
+        silent.close()
