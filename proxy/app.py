@@ -129,8 +129,14 @@ class SpecrouteApp:
                     log.exception("stopping %s failed", getattr(stop, "__qualname__", stop))
 
     def readiness(self) -> dict[str, Any]:
+        # Each server's health as the state endpoint and the metrics show it (a lagging one,
+        # silent while a pool-mate answers, gets no requests: not healthy).
+        shown = {state.url: state.healthy for pool in self.router.snapshot().pools.values() for state in pool.instances}
         pools = {
-            name: [{"name": i.name, "healthy": i.healthy, "in_flight": i.in_flight} for i in pool.instances]
+            name: [
+                {"name": i.name, "healthy": shown.get(i.url, i.healthy), "in_flight": i.in_flight}
+                for i in pool.instances
+            ]
             for name, pool in self.router.pools.items()
         }
         return {"ready": self.router.ready and not self.draining, "draining": self.draining, "pools": pools}

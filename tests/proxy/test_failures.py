@@ -587,6 +587,8 @@ def test_models_are_asked_of_the_servers_that_take_requests(twin_pair) -> None:
         with running_proxy(spec_urls=[silent.url, spec.url], base_urls=[base.url], models_cache_s=0) as proxy:
             stopped = proxy.app.router.pools["spec"].instances[0]
             wait_for(lambda: not stopped.healthy, timeout=30, what="the silent server out of rotation")
+            ready = httpx.get(proxy.url + "/ready").json()
+            assert ready["ready"] and [i["healthy"] for i in ready["pools"]["spec"]] == [False, True]
             asked = sum(1 for line in silent.requests if b"/v1/models" in line)
             client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
             for _ in range(3):
