@@ -6,9 +6,9 @@ rules, top to bottom (docs/routing.md, "Admission control"):
 
 1. `predicted-ttft`: a request whose predicted time to first token on the pool the policy chose
    (its slow end: the wait for a slot at about its 90th percentile, plus the prefill of the
-   queue ahead and its own) is past the TTFT limit, or past its own prefill's time when that
-   alone is longer (`ttft_limit_for`): a long prompt is refused for what would be prefilled
-   ahead of it, never on an idle fleet for its own length, which no wait would shorten.
+   queue ahead and its own) is past the TTFT limit; a prompt whose own prefill alone is past
+   the limit, when the wait ahead of it is (`ttft_limit_for`): it is refused for what is ahead
+   of it, never on an idle fleet for its own length, which no wait would shorten.
 2. `predicted-tpot`: a request that would push the pool's time per output token past the TPOT
    limit: the requests decoding there sit through every prompt queued ahead of their next
    token, so a pool can meet every first-token target while its running streams crawl.
@@ -110,12 +110,14 @@ class Admission:
         return self.predictor.predict(pool, instance, features, snapshot.cost, n_out, now=True)
 
     def ttft_limit_for(self, own_prefill_s: float, share: float = 1.0) -> float:
-        """The TTFT limit a request is held to (0: none): the target at `share`, or its own
-        prefill alone when that is longer. Held to the target, a prompt whose own prefill takes
-        longer was refused (429, retry in a second) on an idle fleet, on every retry."""
+        """The TTFT limit a request is held to (0: none): the target at `share`; for a prompt
+        whose own prefill alone is past that, its own prefill plus as much wait. Held to the
+        target, such a prompt was refused (429, retry in a second) on an idle fleet, on every
+        retry; held to its own prefill alone, it was refused behind any queue at all."""
         if self.ttft_limit_s <= 0:
             return 0.0
-        return max(self.ttft_limit_s * share, own_prefill_s)
+        limit = self.ttft_limit_s * share
+        return limit if own_prefill_s <= limit else own_prefill_s + limit
 
     def past_limits(self, ttft_s: float, tpot_s: float, share: float, own_prefill_s: float = 0.0) -> str | None:
         """The rule a prediction breaks with the limits at `share` of the targets, if any."""

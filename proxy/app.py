@@ -63,9 +63,6 @@ class SpecrouteApp:
         self.models_cache: cachetools.TTLCache[str, list[dict[str, Any]]] = cachetools.TTLCache(
             maxsize=1, ttl=settings.models_cache_s or 1e-9
         )
-        self.models_fetch: asyncio.Future[list[dict[str, Any]]] | None = None
-        """The round of GET /v1/models under way, if one is (the requests that miss the cache
-        meanwhile wait for it)."""
         self.api = management_api(self)
         self.telemetry.install(self.api)
 
@@ -146,17 +143,6 @@ class SpecrouteApp:
         cached = self.models_cache.get("models")
         if cached is not None:
             return cached
-        if self.models_fetch is None:  # concurrent misses share one round of asking
-            self.models_fetch = asyncio.ensure_future(self.fetch_models())
-            self.models_fetch.add_done_callback(self.fetched_models)
-        return await asyncio.shield(self.models_fetch)
-
-    def fetched_models(self, task: asyncio.Future[list[dict[str, Any]]]) -> None:
-        self.models_fetch = None
-        if not task.cancelled():
-            task.exception()  # retrieved: its waiters got it
-
-    async def fetch_models(self) -> list[dict[str, Any]]:
         # The servers that take requests (a stopped one held every answer for the timeout), or
         # every one when none does.
         instances = [i for i in self.router.instances() if i.healthy] or self.router.instances()

@@ -156,6 +156,7 @@ class InstancePoller:
             elif self.on_polled is not None and self.error is None:
                 self.on_polled(self.url)
         else:
+            self.fleet.set_unresponsive(self.url, False)  # judged by load readings only
             if self.polls % LIVENESS_EVERY == 0:
                 await self.liveness()
             if self.on_polled is not None and self.error is None and self.failures == 0:
@@ -224,6 +225,7 @@ class InstancePoller:
     def _learned(self, backend: Backend, described: bool) -> None:
         self.backend = backend
         self.said_unmarked = False
+        self.fleet.set_unresponsive(self.url, False)  # learned again: judged afresh
         self.instance.kind = backend.kind
         if self.lost:
             self.lost = False

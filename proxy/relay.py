@@ -462,8 +462,10 @@ class CompletionHandler:
                     405, f"use POST for {scope['path']}", code="method_not_allowed", headers=[(b"allow", b"POST")]
                 )
             began = perf_counter()
-            body = await self.read_body(headers, receive)
-            exchange.waited_s += perf_counter() - began
+            try:
+                body = await self.read_body(headers, receive)
+            finally:  # a body refused (413) or left half sent took the client's time too
+                exchange.waited_s += perf_counter() - began
             exchange.body_bytes = len(body)
             try:
                 override, request_class = read_overrides(headers)

@@ -354,7 +354,9 @@ class Attempt:
             self.fleet.on_response(self.instance.url, time.monotonic(), evidence)
         if self.open and complete and self.admission is not None and self.ttft_s is not None:
             tokens = summary.completion_tokens if summary and summary.completion_tokens else self.tokens
-            self.admission.observe(self.met_targets(self.admission, tokens), time.monotonic())
+            met = self.met_targets(self.admission, tokens)
+            if met is not None:
+                self.admission.observe(met, time.monotonic())
         if self.open and self.outliers is not None:
             if complete and self.started:
                 self.outliers.succeeded(self.instance, self.ttft_s, dispatched_at=self.dispatched_at)
@@ -362,20 +364,23 @@ class Attempt:
                 self.outliers.released(self.instance, dispatched_at=self.dispatched_at)
         self._release()
 
-    def met_targets(self, admission: Admission, tokens: int) -> bool:
+    def met_targets(self, admission: Admission, tokens: int) -> bool | None:
         """Whether this stream met the admission targets: its first byte in time, and its
         `tokens` after the first at the target pace on average (the usage's count when the
         stream carried one; else its content events, which undercount a spec stream's tokens,
-        so the pace errs slow)."""
+        so the pace errs slow). None for a prompt whose own prefill alone is past the TTFT
+        target: it could not meet it however the fleet ran, and its miss would tighten the
+        limits the other requests are held to."""
         assert self.ttft_s is not None
         now = time.monotonic()
-        # A prompt whose own prefill is past the TTFT target was admitted against that prefill
-        # (in chunks, as the admission predicted it).
-        uncached = max(self.prompt_tokens - self.sent.cached_tokens, 1)
-        chunks = math.ceil(uncached / admission.predictor.prefill_chunk_tokens)
-        chunk_ms = self.fleet.cost.prefill_ms(self.instance.pool, math.ceil(uncached / chunks), now)
-        own_prefill_s = chunks * chunk_ms / 1000
-        ttft_limit, tpot_limit = admission.ttft_limit_for(own_prefill_s), admission.tpot_limit_s
+        ttft_limit, tpot_limit = admission.ttft_limit_s, admission.tpot_limit_s
+        if ttft_limit > 0:
+            # Its prefill with nothing ahead, in chunks, as the admission predicted it.
+            uncached = max(self.prompt_tokens - self.sent.cached_tokens, 1)
+            chunks = math.ceil(uncached / admission.predictor.prefill_chunk_tokens)
+            chunk_ms = self.fleet.cost.prefill_ms(self.instance.pool, math.ceil(uncached / chunks), now)
+            if chunks * chunk_ms / 1000 > ttft_limit:
+                return None
         decode_s = now - self.dispatched_at - self.ttft_s
         tpot_s = decode_s / (tokens - 1) if tokens > 1 else 0.0
         return (ttft_limit <= 0 or self.ttft_s <= ttft_limit) and (tpot_limit <= 0 or tpot_s <= tpot_limit)

@@ -45,6 +45,10 @@ def classify(exc: BaseException, started: bool) -> str:
 UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 UPSTREAM_KEEPALIVE_S = 4.0
 """Seconds an idle upstream connection is kept for reuse: below the 5 s keep-alive of uvicorn (which SGLang and vLLM serve with) upstream."""
+RESEND_WITHIN_S = UPSTREAM_KEEPALIVE_S
+"""A pooled connection closed unanswered this soon after the request went is resent (`post`):
+a keep-alive close crossing the request comes at once, or as a stalled server resumes; one that
+held the request longer may have run it (an idle timeout of a balancer between, a minute in)."""
 
 
 class Sent:
@@ -100,7 +104,8 @@ class Upstream:
         reuse = aiohttp.TraceConfig()
         reuse.on_connection_reuseconn.append(_on_reuse)
         self._session = self._new_session(connector, [reuse])
-        self._fresh = self._new_session(aiohttp.TCPConnector(limit=0, force_close=True), [])
+        fresh = aiohttp.TCPConnector(limit=0, limit_per_host=self.settings.max_connections, force_close=True)
+        self._fresh = self._new_session(fresh, [])
 
     @staticmethod
     def _new_session(connector: aiohttp.BaseConnector, traces: list[aiohttp.TraceConfig]) -> aiohttp.ClientSession:
@@ -137,12 +142,15 @@ class Upstream:
         `first_byte_limited`: the wait for them is held to the first-token timeout (a stream);
         otherwise only the total timeout bounds it (a JSON answer's headers come when it is done).
 
-        Sent on a pooled connection that ends before any byte of an answer, it is sent once more
-        on a new one: the server closed that connection as the request crossed its close (its
-        keep-alive timer, late after a stall), unread. Counted against the server, and failed
-        over, it failed requests pinned to a pool of one and ejected a healthy server. Go's HTTP
-        client resends such a request whatever its method; a connection that was new is not
-        resent (a server that crashed on it would get it again)."""
+        Sent on a pooled connection that ends before any byte of an answer within
+        RESEND_WITHIN_S, it is sent once more on a new one: the server closed that connection as
+        the request crossed its close (uvicorn's keep-alive timer, late after a stall), unread.
+        Counted against the server and failed over, it failed requests pinned to a pool of one
+        and ejected a healthy server. Go's HTTP client resends a POST only when nothing was
+        written, which bytes in a socket's buffer do not show; Envoy's `reset-before-request`
+        retry is the same trade. A server that crashed on the request is not asked twice: the
+        new connection is refused, and the first failure is what the request met (the query of
+        death guard counts it); a connection that was new is never resent."""
         timeout = aiohttp.ClientTimeout(
             total=total_s,
             sock_connect=self.settings.connect_timeout_s,
@@ -156,16 +164,22 @@ class Upstream:
                 parsed = self._urls[url] = URL(url)
         items = list(headers)
         sent = Sent()
+        began = asyncio.get_running_loop().time()
         try:
             return await self.session.post(
                 parsed, data=body, headers=items, timeout=timeout, allow_redirects=False, trace_request_ctx=sent
             )
         except aiohttp.ClientError as exc:
-            if not (sent.reused and closed_unanswered(exc)) or self._fresh is None:
+            soon = asyncio.get_running_loop().time() - began <= RESEND_WITHIN_S
+            if not (sent.reused and soon and closed_unanswered(exc)) or self._fresh is None:
                 raise
+            first = exc
         self.resent += 1
         log.debug("%s closed a pooled connection unanswered: sent again on a new one", parsed.origin())
-        return await self._fresh.post(parsed, data=body, headers=items, timeout=timeout, allow_redirects=False)
+        try:
+            return await self._fresh.post(parsed, data=body, headers=items, timeout=timeout, allow_redirects=False)
+        except aiohttp.ClientConnectorError:
+            raise first from None  # gone (crashed on it?): the request met the first close
 
     async def get_json(self, url: str, headers: Iterable[tuple[str, str]], timeout_s: float) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s)

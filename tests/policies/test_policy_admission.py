@@ -38,7 +38,7 @@ def test_a_prompt_whose_own_prefill_is_past_the_target_is_refused_only_for_what_
     assert admission.admit(long_prompt, snapshot(0, 200, COST), TO_BASE, now=0.0) is None  # running, none queued
     queued = admission.admit(long_prompt, snapshot(0, 256 + 2, COST), TO_BASE, now=0.0)  # two prompts ahead
     assert queued is not None and queued.rule == "predicted-ttft"
-    assert queued.ttft_limit_s == pytest.approx(p.own_prefill_s)
+    assert queued.ttft_limit_s == pytest.approx(p.own_prefill_s + target)
     # A short prompt is held to the target itself.
     assert admission.ttft_limit_for(0.001) == target and admission.ttft_limit_for(0.001, 0.5) == target / 2
 

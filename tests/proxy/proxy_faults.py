@@ -27,6 +27,7 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
     with FaultServer("keepalive:2") as bad:      # 200 SSE, 2 events, then only `: keep-alive` comments
     with FaultServer("poison:WORD") as bad:      # a 500 to a request whose body holds WORD; 200 JSON to others
     with FaultServer("poisondrop:WORD") as bad:  # closes the connection of a request whose body holds WORD; 200 JSON to others
+    with FaultServer("poisondie:WORD") as bad:   # as poisondrop, and stops listening (a server that crashed on it)
     with FaultServer("staleconn:rst") as bad:    # 200 JSON to a connection's first POST; the next on it: reset unanswered ("fin": closed)
     with FaultServer("poison500close:WORD") as bad:  # as poison, then reads no more and resets that connection 0.3 s later (uvicorn after an exception)
 
@@ -152,7 +153,7 @@ class FaultServer:
 
     async def _serve(self, ready: threading.Event) -> None:
         self._stop = asyncio.Event()
-        server = await asyncio.start_server(self._connection, "127.0.0.1", self.port)  # 0: any free port
+        server = self._listener = await asyncio.start_server(self._connection, "127.0.0.1", self.port)  # 0: any
         self.port = server.sockets[0].getsockname()[1]
         ready.set()
         async with server:
@@ -216,9 +217,12 @@ class FaultServer:
         kind, _, arg = self.behaviour.partition(":")
         if kind == "staleconn":
             kind = "echo"
-        if kind in ("poison", "poisondrop", "poison500close"):  # an input the server's code cannot handle
+        if kind in ("poison", "poisondrop", "poisondie", "poison500close"):  # an input its code cannot handle
             if arg.encode() not in self.requests[-1].body:
                 kind = "echo"
+            elif kind == "poisondie":  # the process gone: its connections reset, new ones refused
+                self._listener.close()
+                kind = "drop"
             elif kind == "poisondrop":
                 kind = "drop"
             elif kind == "poison500close":  # uvicorn: the 500 sent, it reads no more, then closes

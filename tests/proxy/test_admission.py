@@ -4,6 +4,7 @@ which the SDK knows, and never reaches a server; the proxy's own open requests a
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import openai
@@ -20,9 +21,11 @@ def dispatched(proxy: RunningProxy) -> int:
 
 def test_a_request_the_fleet_cannot_serve_in_time_gets_a_429_with_retry_after(twin_pair) -> None:
     spec, base = twin_pair
-    # A first token within 1 ms is beyond any prefill: every request is refused.
+    # A token every millisecond is beyond any decode step: every request is refused. (A first
+    # token target beyond any prefill refuses nothing on an idle fleet: a prompt whose own prefill
+    # is past it is held to its prefill plus as much wait, tests/policies/test_policy_admission.py.)
     with running_proxy(
-        spec_urls=[spec.url], base_urls=[base.url], profile="h200-llama8b", admission_ttft_s=0.001
+        spec_urls=[spec.url], base_urls=[base.url], profile="h200-llama8b", admission_tpot_ms=1.0
     ) as proxy:
         wait_for(lambda: proxy.app.router.snapshot().pools["spec"].age_s < 1, what="a load reading")
         client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
@@ -32,12 +35,12 @@ def test_a_request_the_fleet_cannot_serve_in_time_gets_a_429_with_retry_after(tw
         except openai.RateLimitError as refused:
             assert refused.status_code == 429 and refused.code == "fleet_overloaded"
             assert int(refused.response.headers["retry-after"]) >= 1
-            assert "predicted-ttft" in refused.message and "against 0.001 s now" in refused.message
+            assert "predicted-tpot" in refused.message and "against 1 ms now" in refused.message
             # What refused it, in its headers and the decision log (a user's probe: they showed
             # where the request would have gone and why, spec-sooner, not why it was refused).
-            assert refused.response.headers["x-specroute-reason"] == "predicted-ttft"
+            assert refused.response.headers["x-specroute-reason"] == "predicted-tpot"
             state = httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()
-            assert state["decisions"][-1]["refused"] == "predicted-ttft"
+            assert state["decisions"][-1]["refused"] == "predicted-tpot"
         raw = httpx.post(
             proxy.base_url + "/chat/completions",
             json={"model": "m", "messages": MESSAGES},
@@ -149,5 +152,18 @@ def test_a_streams_pace_is_judged_on_its_tokens_not_its_chunks() -> None:
     attempt.dispatched_at -= 1.0  # dispatched a second ago, first token at 0.1 s: 0.9 s of decoding
     attempt.ttft_s = 0.1
     targets = Admission(ttft_limit_s=1.0, tpot_limit_s=0.05)
-    assert not attempt.met_targets(targets, 10)  # 10 chunks: 100 ms apart
-    assert attempt.met_targets(targets, 30)  # 30 tokens in them: 31 ms each
+    assert attempt.met_targets(targets, 10) is False  # 10 chunks: 100 ms apart
+    assert attempt.met_targets(targets, 30) is True  # 30 tokens in them: 31 ms each
+    # A prompt whose own prefill alone is past the TTFT target says nothing of whether the fleet
+    # meets it: no verdict (its miss shrank the limits every other request is held to).
+    tight = Admission(ttft_limit_s=0.05, tpot_limit_s=0.05)
+    own_s = fleet.cost.prefill_ms("spec", 8192, time.monotonic()) / 1000
+    assert own_s > 0.05
+    long_prompt = Attempt(fleet, instance, prompt_tokens=8192, stream=True)
+    long_prompt.dispatched_at -= 1.0
+    long_prompt.ttft_s = own_s * 2
+    assert long_prompt.met_targets(tight, 30) is None
+    short_prompt = Attempt(fleet, instance, prompt_tokens=10, stream=True)
+    short_prompt.dispatched_at -= 1.0
+    short_prompt.ttft_s = 0.1
+    assert short_prompt.met_targets(tight, 30) is False

@@ -596,3 +596,23 @@ def test_models_are_asked_of_the_servers_that_take_requests(twin_pair) -> None:
             assert sum(1 for line in silent.requests if b"/v1/models" in line) == asked
     finally:
         silent.close()
+
+
+def test_ready_shows_a_lagging_server_unhealthy_as_the_state_endpoint_does() -> None:
+    """A server silent while its pool-mate answers gets no requests (lagging) before it is
+    judged unresponsive: /ready said healthy where the state endpoint and the metrics did not."""
+    import time
+
+    from fleet.readings import Reading
+    from proxy.app import create_app
+    from proxy.settings import load_settings
+
+    urls = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+    app = create_app(load_settings(spec_urls=",".join(urls), base_urls="http://127.0.0.1:11"))
+    now = time.monotonic()
+    app.router.fleet.on_reading(urls[0], Reading(at=now - 2.0, running=0.0, waiting=0.0))  # 2 s silent
+    for url in urls[1:] + ["http://127.0.0.1:11"]:
+        app.router.fleet.on_reading(url, Reading(at=now, running=0.0, waiting=0.0))
+    assert app.router.pools["spec"].instances[0].healthy  # neither unreachable, ejected nor unresponsive
+    assert [i["healthy"] for i in app.readiness()["pools"]["spec"]] == [False, True]
+    assert [i["healthy"] for i in app.router.state()["pools"]["spec"]["instances"]] == [False, True]

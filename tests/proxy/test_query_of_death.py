@@ -191,6 +191,29 @@ def test_a_request_that_drops_two_servers_is_not_sent_to_a_third_nor_taken_again
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
+def test_a_request_that_crashes_a_server_on_a_kept_alive_connection_is_not_taken_to_a_third() -> None:
+    """A request on a pooled connection its server closed unanswered is sent once more on a new
+    connection (a keep-alive close crossing it); a server that crashed on it refuses that one,
+    and the first failure is what counts: before, the refusal read as `connect`, no server was
+    counted as dropping the request, and it crashed every server of both pools."""
+    with (
+        FaultServer(f"poisondie:{POISON}") as a,
+        FaultServer(f"poisondie:{POISON}") as b,
+        FaultServer(f"poisondie:{POISON}") as c,
+        running_proxy(spec_urls=[a.url, b.url], base_urls=[c.url], policy="spec") as proxy,
+    ):
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        for _ in range(4):  # pooled connections to the spec servers
+            assert client.chat.completions.create(model="m", messages=ok_messages(), max_tokens=8).choices
+        with pytest.raises(openai.APIStatusError) as crashed:
+            client.chat.completions.create(model="m", messages=poison(0), max_tokens=8)
+        assert crashed.value.status_code == 502
+        received = [sum(1 for r in s.requests if POISON.encode() in r.body) for s in (a, b, c)]
+        assert received == [1, 1, 0], received
+        assert proxy.app.upstream.resent >= 1  # the warm connection's close was resent, and refused
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
 def test_a_request_another_server_serves_still_counts_against_the_server_that_failed_it() -> None:
     with (
         FaultServer("status:500") as sick,

@@ -315,3 +315,48 @@ def test_a_twins_prefill_busy_time_is_learned_in_wall_clock_units():
         gpu_ms_per_token = load_profile("h200-llama8b").prefill_ms(tokens) / tokens
         assert signals.time_scale == TIME_SCALE
         assert signals.prefill_ms_per_token == pytest.approx(gpu_ms_per_token / TIME_SCALE, rel=0.05)
+
+
+def test_a_server_marked_unresponsive_then_learned_again_without_a_load_endpoint_is_back_in_rotation():
+    """The flag is judged from load readings: a server relearned as one with none (its load
+    paths now refused, its liveness answered) is not left out of rotation for good."""
+    from fleet.readings import Reading
+
+    silent_url, other_url = "http://127.0.0.1:9", "http://127.0.0.1:10"
+    router = Router.from_settings(load_settings(spec_urls=silent_url, base_urls=other_url))
+    poller = router.pollers.by_url[silent_url]
+    loads = '{"loads": [{"num_running_reqs": 0, "num_waiting_reqs": 0, "timestamp": 1.0}]}'
+    answers: dict[str, httpx.Response | type[Exception]] = {
+        "/server_info": httpx.Response(404),
+        "/v1/loads": httpx.Response(200, text=loads),
+    }
+
+    async def get(url: str, path: str) -> httpx.Response:
+        answer = answers.get(path, httpx.Response(404))
+        if isinstance(answer, httpx.Response):
+            return answer
+        raise answer("no answer")
+
+    poller.get = get
+
+    async def scenario():
+        await poller.learn()
+        assert poller.probe == "/v1/loads"
+        now = time.monotonic()
+        router.fleet.on_reading(silent_url, Reading(at=now - 60.0, running=0.0, waiting=0.0))  # long silent
+        router.fleet.on_reading(other_url, Reading(at=now, running=0.0, waiting=0.0))  # another answers
+        answers["/v1/loads"] = httpx.ReadTimeout
+        await poller.tick()
+        assert router.fleet.instances[silent_url].unresponsive and not router.by_url[silent_url].healthy
+        # It answers again, but no longer on a load endpoint: learned as a server with none.
+        answers.update({path: httpx.Response(503) for path in ("/v1/loads", "/metrics", "/get_load")})
+        answers["/health"] = httpx.Response(200)
+        for _ in range(50):
+            await poller.tick()
+            if poller.reached and poller.probe is None:
+                break
+        assert poller.reached and poller.probe is None, poller.error
+        await poller.tick()
+        assert not router.fleet.instances[silent_url].unresponsive and router.by_url[silent_url].healthy
+
+    asyncio.run(scenario())
