@@ -47,8 +47,8 @@ MISS_S = 2.0
 REFUSED_S = 60.0
 """How long a server that refused a lookup (no store) is answered for without being asked."""
 RESPONSE_ID = re.compile(scan.RESPONSE_ID)
-"""What a response id may be to be asked for: one a server makes (asked of an id not opening with
-`resp`, SGLang answers a 400 that would read as "no store"); it goes into the servers' URL paths."""
+"""What a response id may be to be asked for: one a server makes (SGLang and vLLM refuse an id
+not opening with `resp_`); it goes into the servers' URL paths."""
 LOOKUP_ERRORS: tuple[type[BaseException], ...] = (*UPSTREAM_ERRORS, ValueError)
 """A server that could not be asked: unreachable, too slow, or its answer past the bound."""
 JSON = "application/json"
@@ -66,6 +66,16 @@ class Answer:
     content_type: str
     instance: Instance | None
     """Who answered (None: the proxy itself, for no server or several)."""
+
+
+def refuses_lookups(answer: Answer, response_id: str) -> bool:
+    """Whether a server's refusal is of every lookup (no store: SGLang's 400 "Response store is
+    disabled"; no Responses API: 405, 501), not of this one id. Kept for REFUSED_S and answered
+    for the server, a refusal of one id (its 400 quoting it) turned every client's lookups away
+    for a minute, with that id in their errors: any client could send one (a review's probe)."""
+    if answer.status in (405, 501):
+        return True
+    return answer.status == 400 and response_id.encode() not in answer.body
 
 
 def not_found(response_id: str) -> Answer:
@@ -185,12 +195,8 @@ class ResponseOwners:
             self.record(response_id, holders[0].instance)
             return holders[0]
         for answer in answers:
-            if answer.instance is not None and answer.status in (
-                400,
-                405,
-                501,
-            ):  # no store: not asked again for a while
-                self.refused[answer.instance.url] = (now + REFUSED_S, answer)
+            if answer.instance is not None and refuses_lookups(answer, response_id):
+                self.refused[answer.instance.url] = (now + REFUSED_S, answer)  # not asked for a while
         refusals += [a for a in answers if a.status not in (404, 502) and a.status < 500]
         if refusals:
             return refusals[0]

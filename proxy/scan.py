@@ -198,9 +198,9 @@ END_LINES = tuple(b"\n" + opening for opening in END_OPENINGS)
 PREAMBLE_EVENTS = 8
 """Data events held at most while waiting for a stream's first token: past them it is taken as
 started (a server whose events carry no `event:` line is relayed, not held to its end)."""
-RESPONSE_ID = r"resp[A-Za-z0-9_\-]{1,196}"
-"""What SGLang and vLLM make a response's id (`resp_` and hex digits; they refuse an id not
-opening with `resp`), at most 200 characters."""
+RESPONSE_ID = r"resp_[A-Za-z0-9_\-]{1,195}"
+"""What SGLang and vLLM make a response's id (`resp_` and hex digits; both refuse, with a 400, an
+id not opening with `resp_`), at most 200 characters."""
 _RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(' + RESPONSE_ID.encode() + rb')"')
 _EVENT_TYPE = re.compile(rb"event: response\.([a-z_.]+)\r?\n")
 _USAGE_KEY = re.compile(rb'"usage"\s*:\s*')

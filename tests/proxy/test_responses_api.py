@@ -217,10 +217,12 @@ def test_a_client_leaving_frees_its_server_whatever_its_text_says() -> None:
 
 
 def test_ids_no_server_makes_are_answered_without_asking(proxy: RunningProxy, fleet: list[RunningTwin]) -> None:
-    """SGLang answers an id not opening with `resp` 400: asked, it would read as "no store" for all."""
+    """SGLang and vLLM answer an id not opening with `resp_` 400: asked, it read as "no store" and
+    turned every client's lookups away for a minute, with that id in their errors (a review's
+    probe: `respATTACKER`)."""
     asked = "specroute_stored_response_upstream_requests_total"
     before = metric(proxy, asked)
-    for odd in ("x", "msg_123", "respect" + "0" * 200):
+    for odd in ("x", "msg_123", "respect" + "0" * 200, "respATTACKER", "resp_"):
         answer = httpx.get(f"{proxy.url}/v1/responses/{odd}", timeout=10)
         assert answer.status_code == 404 and answer.json()["error"]["code"] == "response_not_found"
     assert metric(proxy, asked) == before
@@ -228,6 +230,18 @@ def test_ids_no_server_makes_are_answered_without_asking(proxy: RunningProxy, fl
     with running_proxy(spec_urls=[fleet[0].url, fleet[1].url], base_urls=[fleet[2].url]) as other:
         assert httpx.get(f"{other.url}/v1/responses/x", timeout=10).status_code == 404
         assert client(other).responses.retrieve(made.id).id == made.id
+
+
+def test_only_a_refusal_of_every_lookup_stands_for_its_server() -> None:
+    from proxy.responses import Answer, refuses_lookups
+
+    store_off = b'{"error": {"message": "Response store is disabled. Stateful Responses require ..."}}'
+    assert refuses_lookups(Answer(400, store_off, "application/json", None), "resp_1")
+    assert refuses_lookups(Answer(405, b"", "text/plain", None), "resp_1")
+    assert refuses_lookups(Answer(501, b"", "text/plain", None), "resp_1")
+    about_the_id = b'{"error": {"message": "Invalid \'response_id\': \'resp_1\'."}}'
+    assert not refuses_lookups(Answer(400, about_the_id, "application/json", None), "resp_1")
+    assert not refuses_lookups(Answer(404, b"", "application/json", None), "resp_1")
 
 
 def test_an_id_two_servers_hold_is_refused_not_guessed(proxy: RunningProxy, fleet: list[RunningTwin]) -> None:
