@@ -36,6 +36,9 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json"})
 METRICS_PATH = "/metrics"
 STATE_PATH = "/v1/specroute/state"
 POOL_HEADER = b"x-specroute-pool"
+NOT_PINS = frozenset({b"auto", b""})
+"""Values of x-specroute-pool that pin nothing (`auto`: the policy decides; empty: refused as
+a bad header after the key is checked)."""
 
 Need = Literal["open", "keys", "operators"]
 """What a path needs: nothing, any known key, or an operator key."""
@@ -60,9 +63,19 @@ def digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogateescape")).digest()
 
 
-def file_keys(text: str) -> list[str]:
-    """Keys from a keys file's lines, '#' lines being comments."""
-    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+def file_keys(text: str) -> tuple[list[str], int]:
+    """Keys from a keys file's lines, '#' lines being comments; and how many lines were left out
+    for holding no key a client can send (printable ASCII without spaces, as inline keys are)."""
+    keys, bad = [], 0
+    for line in text.splitlines():
+        key = line.strip()
+        if not key or key.startswith("#"):
+            continue
+        if key.isascii() and key.isprintable() and " " not in key:
+            keys.append(key)
+        else:
+            bad += 1
+    return keys, bad
 
 
 class KeyRing:
@@ -95,7 +108,9 @@ class KeyRing:
         if self.path is not None:
             try:
                 stat = os.stat(self.path)
-                text = self.path.read_text("utf-8")
+                # utf-8-sig: a file saved with a byte order mark (Windows editors) kept it on its
+                # first key, which no client could then send (a review's probe).
+                text = self.path.read_text("utf-8-sig")
             except (OSError, UnicodeDecodeError) as exc:
                 log.error(
                     "cannot read SPECROUTE_API_KEYS_FILE %s (%s); keeping the %d keys read before",
@@ -105,8 +120,15 @@ class KeyRing:
                 )
             else:
                 self.file_stamp = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
-                self.file_keys = {digest(k): Role.CLIENT for k in file_keys(text)}
+                keys, bad = file_keys(text)
+                self.file_keys = {digest(k): Role.CLIENT for k in keys}
                 log.info("read %d keys from SPECROUTE_API_KEYS_FILE", len(self.file_keys))
+                if bad:
+                    log.warning(
+                        "SPECROUTE_API_KEYS_FILE: %d lines left out, holding no key a client can send"
+                        " (keys are printable ASCII without spaces)",
+                        bad,
+                    )
         merged = dict(self.file_keys)
         merged.update(self.inline)  # an operator key stays one if the file lists it too
         self.keys = list(merged.items())
@@ -176,7 +198,13 @@ class Access:
 
     def check(self, path: str, headers: list[tuple[bytes, bytes]]) -> AuthRefused | bytes | None:
         """The refusal to send; else the hash of the client's key (None when no key was needed)."""
-        pins = any(name.lower() == POOL_HEADER for name, _ in headers)
+        needed = self.needed(path)
+        # A pin is a pool named on a path that routes: `auto` (no pin) and the header on
+        # /health or /metrics, where nothing is routed, closed the open probes and refused
+        # clients' `auto` (a review's probe).
+        pins = needed == "keys" and any(
+            name.lower() == POOL_HEADER and value.strip().lower() not in NOT_PINS for name, value in headers
+        )
         if pins and self.pool_pin == "off":
             return AuthRefused(
                 403,
@@ -186,7 +214,6 @@ class Access:
             )
         if not self.enabled:
             return None
-        needed = self.needed(path)
         if pins and self.pool_pin == "operators":
             needed = "operators"
         if needed == "open":

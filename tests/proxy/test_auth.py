@@ -185,6 +185,10 @@ def test_who_may_pin_a_pool_is_a_setting(twin_pair) -> None:
         refused = httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=pin)
         assert refused.status_code == 403 and error_of(refused)["code"] == "pool_pin_not_allowed"
         assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT).status_code == 200
+        # `auto` pins nothing; the header on a path that routes nothing is no pin either.
+        auto = {"x-specroute-pool": "auto"}
+        assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=auto).status_code == 200
+        assert httpx.get(proxy.url + "/health", headers=pin).status_code == 200
     with running_proxy(
         spec_urls=[spec.url],
         base_urls=[base.url],
@@ -200,6 +204,11 @@ def test_who_may_pin_a_pool_is_a_setting(twin_pair) -> None:
         assert (
             httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=bearer("sk-client")).status_code == 200
         )
+        # `auto` is no pin (a client key may send it); /health and /ready stay open whatever it says.
+        auto = {"x-specroute-pool": "AUTO"} | bearer("sk-client")
+        assert httpx.post(proxy.base_url + "/chat/completions", json=CHAT, headers=auto).status_code == 200
+        for probe in ("/health", "/ready"):
+            assert httpx.get(proxy.url + probe, headers=pin).status_code == 200
 
 
 def test_the_keys_file_is_reread_when_it_changes_and_a_broken_edit_keeps_the_old_keys(
@@ -463,3 +472,17 @@ def test_a_keys_429_says_one_thing_of_its_connection() -> None:
                     assert (connection, keep_alive) == ([], [b"timeout=75"]), headers
                     sock.sendall(b"GET /health HTTP/1.1\r\nhost: p\r\n\r\n")  # and it stays open
                     assert read_response(sock)[1]
+
+
+def test_a_keys_file_saved_with_a_byte_order_mark_keeps_its_first_key(tmp_path: Path, caplog) -> None:
+    """Windows editors open a UTF-8 file with a byte order mark: it stuck to the first key, which
+    no client could send, while the log said every key was read. Lines no client could send as
+    a key are left out, and the log says so."""
+    from proxy.auth import KeyRing, Role
+
+    keys = tmp_path / "keys"
+    keys.write_bytes("\ufeffsk-first-key\nsk-second-key\nsk with space\nsk-caf\u00e9\n".encode())
+    ring = KeyRing([], [], str(keys))
+    assert ring.role_of("sk-first-key")[0] is Role.CLIENT
+    assert ring.role_of("sk-second-key")[0] is Role.CLIENT
+    assert any("2 lines left out" in r.getMessage() for r in caplog.records)
