@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -67,6 +67,8 @@ class SpecrouteApp:
         self.telemetry.install(self.api)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.draining:
+            send = closing(send)
         if scope["type"] == "http":
             checked = self.access.check(scope["path"], scope["headers"])
             if isinstance(checked, AuthRefused):
@@ -173,6 +175,19 @@ class SpecrouteApp:
         merged = list(models.values())
         self.models_cache["models"] = merged
         return merged
+
+
+def closing(send: Send) -> Send:
+    """`send` with `connection: close` on the response (uvicorn then closes the connection after
+    it): while the proxy drains, a kept-alive client would send its next request on a connection
+    the closing listener is about to drop."""
+
+    async def send_closing(message: MutableMapping[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+        await send(message)
+
+    return send_closing
 
 
 def process_state() -> dict[str, Any]:

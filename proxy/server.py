@@ -91,8 +91,9 @@ class DrainingServer(uvicorn.Server):
                 # Held requests go now, to be served within the drain rather than cut at its end.
                 self.loop.call_soon_threadsafe(holding.release_all, "release-drain")
             if settings.drain_delay_s > 0 and getattr(self, "loop", None) is not None:
-                # Keep listening (answering /ready with 503) so load balancers see not-ready
-                # before connections are refused; a second signal stops at once.
+                # Keep listening (answering /ready with 503, every answer closing its connection)
+                # so load balancers see not-ready before connections are refused; a second signal
+                # ends the delay (uvicorn's drain then, a third SIGINT its forced exit).
                 self.loop.call_soon_threadsafe(
                     self.loop.call_later, settings.drain_delay_s, super().handle_exit, sig, frame
                 )
