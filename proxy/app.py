@@ -334,8 +334,9 @@ def client_headers(app: SpecrouteApp, request: Request) -> tuple[str, HeadersFor
 
 def answered(app: SpecrouteApp, operation: str, answer: Answer, request_id: str, began: float) -> Response:
     """The answer about a stored response, counted and logged as such."""
-    name = answer.instance.name if answer.instance is not None else None
-    app.telemetry.stored_response(operation, request_id, answer.status, name, time.perf_counter() - began)
+    # Its URL, as a completion's log line names where it went.
+    url = answer.instance.url if answer.instance is not None else None
+    app.telemetry.stored_response(operation, request_id, answer.status, url, time.perf_counter() - began)
     headers = {"x-request-id": request_id}
     if answer.instance is not None:
         headers["x-specroute-backend"] = answer.instance.name

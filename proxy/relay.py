@@ -104,7 +104,21 @@ OWN_PREFIX = b"x-specroute-"
 MAX_EVENT_BYTES = 4 * 1024 * 1024
 """The longest SSE event relayed; an upstream that sends more without ending one is cut off."""
 FORWARDED = frozenset(
-    {"x-forwarded-for", "x-forwarded-host", "x-forwarded-proto", "x-forwarded-port", "forwarded", "x-real-ip"}
+    {
+        "x-forwarded-for",
+        "x-forwarded-host",
+        "x-forwarded-proto",
+        "x-forwarded-port",
+        "forwarded",
+        "x-real-ip",
+        # What other proxies and CDNs set for the client's address: a client sending them could
+        # claim any address to a server or sidecar that reads them (a review's probe).
+        "true-client-ip",
+        "cf-connecting-ip",
+        "x-client-ip",
+        "x-cluster-client-ip",
+        "fastly-client-ip",
+    }
 )
 RETRYABLE = frozenset({CONNECT, DISCONNECTED})
 """Attempt failures worth another instance. Timeouts are not: the next one would wait as long."""

@@ -86,6 +86,7 @@ def test_hop_by_hop_and_upstream_routing_headers_stay_on_their_hop() -> None:
                 b"content-length: %d\r\nconnection: keep-alive, x-secret-hop\r\nx-secret-hop: 1\r\n"
                 b"te: trailers\r\nproxy-connection: keep-alive\r\nproxy-authorization: Basic Zm9v\r\n"
                 b"x-forwarded-for: 6.6.6.6\r\nforwarded: for=6.6.6.6\r\nx-real-ip: 6.6.6.6\r\n"
+                b"true-client-ip: 6.6.6.6\r\ncf-connecting-ip: 6.6.6.6\r\n"
                 b"x-specroute-session: s1\r\nx-specroute-class: latency\r\n"
                 b"x-note: caf\xc3\xa9\r\nx-keep: yes\r\n\r\n%s" % (len(body), body)
             )
@@ -105,6 +106,8 @@ def test_hop_by_hop_and_upstream_routing_headers_stay_on_their_hop() -> None:
     sent = [r for r in upstream.requests if r.method == "POST"][0].headers
     for hop in ("x-secret-hop", "te", "proxy-connection", "proxy-authorization", "forwarded", "x-real-ip"):
         assert hop not in sent, hop
+    for claim in ("true-client-ip", "cf-connecting-ip"):
+        assert claim not in sent, claim
     for hint in ("x-specroute-session", "x-specroute-class"):  # the proxy's own
         assert hint not in sent, hint
     assert sent["x-forwarded-for"] == "127.0.0.1"  # the peer, not what the client claimed
