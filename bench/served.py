@@ -77,7 +77,7 @@ def report(results: list[dict[str, Any]], elapsed_s: float, quick: bool) -> str:
         f"`python -m bench.served{' --quick' if quick else ''}` ({when}, {elapsed_s:.0f} s; seeds "
         f"{', '.join(map(str, SEEDS[:1] if quick else SEEDS))} pooled; Poisson arrivals, bench.learning's "
         "warm-up and scored requests). SLO goodput of `goodput` with admission over the best fixed split "
-        "with the same admission (own / none / wrong), and over the best split without it; the share "
+        f"with the same admission ({' / '.join(WAYS)}), and over the best split without it; the share "
         "of the scored arrivals refused (own).",
         "",
         "| fleet | load | best split, no admission (rps) | best split, admission (rps) "
