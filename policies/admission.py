@@ -6,9 +6,10 @@ rules, top to bottom (docs/routing.md, "Admission control"):
 
 1. `predicted-ttft`: a request whose predicted time to first token on the pool the policy chose
    (its slow end: the wait for a slot at about its 90th percentile, plus the prefill of the
-   queue ahead and its own) is past the TTFT limit; a prompt whose own prefill alone is past
-   the limit, when the wait ahead of it is (`ttft_limit_for`): it is refused for what is ahead
-   of it, never on an idle fleet for its own length, which no wait would shorten.
+   queue ahead and its own) is past the TTFT limit; a prompt whose own prefill alone takes more
+   than LONG_PROMPT_WAIT of the limit, when the wait ahead of it is past that share
+   (`ttft_limit_for`): it is refused for what is ahead of it, never on an idle fleet for its own
+   length, which no wait would shorten.
 2. `predicted-tpot`: a request that would push the pool's time per output token past the TPOT
    limit: the requests decoding there sit through every prompt queued ahead of their next
    token, so a pool can meet every first-token target while its running streams crawl.
@@ -41,6 +42,11 @@ from policies.goodput import Goodput, Prediction
 BATCH_SHARE = 0.5
 """A batch request is shed when its predicted first token is past this share of the limit."""
 MIN_RETRY_AFTER_S = 1
+LONG_PROMPT_WAIT = 0.5
+"""The share of the TTFT limit a prompt may still wait whose own prefill takes more than the rest
+of it: the limit it is held to grows with its prefill from there (continuous), so a long prompt
+is never refused on an idle fleet, and a prompt a little longer gets no more wait than one a
+little shorter."""
 TARGET_ATTAINMENT = 0.97
 """The share of admitted requests the scale steers to meet their targets. A controller settles
 around its setpoint, below it about half the time, so the setpoint sits above the floor the
@@ -86,6 +92,13 @@ class Admission:
             return self.scale
         return min(1.0, self.scale ** (0.5 ** (elapsed / SCALE_HALF_LIFE_S)))
 
+    def counts(self, own_prefill_s: float) -> bool:
+        """Whether a finished request's outcome moves the scale: not one whose own prefill alone
+        (`Goodput.alone_prefill_ms`) may have been admitted to wait past the TTFT target
+        (`ttft_limit_for` past the target at any scale: its own prefill past 1 - LONG_PROMPT_WAIT
+        of it); its miss would tighten the limits every other request is held to."""
+        return self.ttft_limit_s <= 0 or own_prefill_s <= (1 - LONG_PROMPT_WAIT) * self.ttft_limit_s
+
     def observe(self, met: bool, now: float) -> None:
         """An admitted request finished at `now`; `met`: it met both targets. In expectation the
         scale stands still where a share 1 - TARGET_ATTAINMENT of them miss."""
@@ -110,14 +123,14 @@ class Admission:
         return self.predictor.predict(pool, instance, features, snapshot.cost, n_out, now=True)
 
     def ttft_limit_for(self, own_prefill_s: float, share: float = 1.0) -> float:
-        """The TTFT limit a request is held to (0: none): the target at `share`; for a prompt
-        whose own prefill alone is past that, its own prefill plus as much wait. Held to the
-        target, such a prompt was refused (429, retry in a second) on an idle fleet, on every
-        retry; held to its own prefill alone, it was refused behind any queue at all."""
+        """The TTFT limit a request is held to (0: none): the target at `share`, or its own
+        prefill plus LONG_PROMPT_WAIT of that when this is more. Held to the target, a prompt
+        whose own prefill is past it was refused (429, retry in a second) on an idle fleet, on
+        every retry; held to its own prefill alone, behind any queue at all."""
         if self.ttft_limit_s <= 0:
             return 0.0
         limit = self.ttft_limit_s * share
-        return limit if own_prefill_s <= limit else own_prefill_s + limit
+        return max(limit, own_prefill_s + LONG_PROMPT_WAIT * limit)
 
     def past_limits(self, ttft_s: float, tpot_s: float, share: float, own_prefill_s: float = 0.0) -> str | None:
         """The rule a prediction breaks with the limits at `share` of the targets, if any."""

@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -25,6 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from proxy import openapi
 from proxy.auth import Access, AuthRefused, KeyLimits, without_authorization
+from proxy.connection import CLOSE_EXTENSION
 from proxy.errors import ProxyError, error_object, error_type_for
 from proxy.hooks import Telemetry
 from proxy.poller import found_again_within_s
@@ -68,7 +69,11 @@ class SpecrouteApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.draining:
-            send = closing(send)
+            # Every answer closes its connection: a kept-alive client would send its next request
+            # on a connection the closing listener is about to drop.
+            close = scope.get("extensions", {}).get(CLOSE_EXTENSION)
+            if close is not None:
+                close()
         if scope["type"] == "http":
             checked = self.access.check(scope["path"], scope["headers"])
             if isinstance(checked, AuthRefused):
@@ -175,19 +180,6 @@ class SpecrouteApp:
         merged = list(models.values())
         self.models_cache["models"] = merged
         return merged
-
-
-def closing(send: Send) -> Send:
-    """`send` with `connection: close` on the response (uvicorn then closes the connection after
-    it): while the proxy drains, a kept-alive client would send its next request on a connection
-    the closing listener is about to drop."""
-
-    async def send_closing(message: MutableMapping[str, Any]) -> None:
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
-        await send(message)
-
-    return send_closing
 
 
 def process_state() -> dict[str, Any]:

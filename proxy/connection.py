@@ -38,6 +38,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 ABORT_EXTENSION = "specroute.abort"
 """The scope extension an app calls to end a response it cannot complete (`_abort`)."""
+CLOSE_EXTENSION = "specroute.close"
+"""A scope extension: called before the response starts, the connection closes after it (said
+with `connection: close`, the `keep-alive` header left out)."""
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,7 @@ class GuardedProtocol(HttpToolsProtocol):
         # Weak: the scope belongs to the cycle, and a closure holding the cycle and this protocol
         # would make a reference cycle per request for the collector to find.
         extensions[ABORT_EXTENSION] = partial(_abort, weakref.ref(self), weakref.ref(cycle))
+        extensions[CLOSE_EXTENSION] = partial(_close_after, weakref.ref(cycle))
         if not cycle.keep_alive:  # HTTP/1.0, or the client's `Connection: close`
             _closing(cycle)
         if cycle.scope.get("http_version") == "1.0":
@@ -243,6 +247,12 @@ async def _close_delimited(cycle: Any, send: Any, message: Any) -> None:
     elif message["type"] == "http.response.body" and getattr(cycle, "close_delimited", False):
         cycle.expected_content_length = len(message.get("body", b"")) + (1 if message.get("more_body") else 0)
     await send(message)
+
+
+def _close_after(cycle: weakref.ref[Any]) -> None:
+    live = cycle()
+    if live is not None and not live.response_started:
+        _closing(live)
 
 
 def _abort(protocol: weakref.ref[GuardedProtocol], cycle: weakref.ref[Any]) -> None:

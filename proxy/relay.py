@@ -44,6 +44,7 @@ from proxy.upstream import (
     CONNECT,
     DISCONNECTED,
     UPSTREAM_ERRORS,
+    ClosedThenGone,
     Upstream,
     classify,
     expect_chunk_gaps,
@@ -925,7 +926,7 @@ class CompletionHandler:
                 return None
         except UPSTREAM_ERRORS as exc:
             kind = classify(exc, attempt.started)
-            if kind == CONNECT:
+            if kind == CONNECT or isinstance(exc, ClosedThenGone):
                 self.router.unreachable(instance)
             attempt.failed(kind)
             hooks.attempt_failed(error=kind, retryable=kind in RETRYABLE and not exchange.started)

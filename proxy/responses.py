@@ -9,10 +9,11 @@ with `GET /v1/responses/{id}`: the one answering 200 holds it.
 
 What a client can make the proxy do here is bounded: at most LOOKUPS requests about stored
 responses run at once on each server (the rest wait their turn, within LOOKUP_TIMEOUT_S), an id
-that is no server's (not `resp...`) is answered by the proxy, an id found nowhere is not asked
-about again for MISS_S, a server that refused a lookup (SGLang without its store answers 400) is
-not asked again for REFUSED_S (its refusal is answered for it), and one that could not be
-reached, or did not answer in time, is not asked for DOWN_S.
+that is no server's (not `resp_...`) is answered by the proxy, an id found nowhere is not asked
+about again for MISS_S, a server that refused every lookup (SGLang without its store answers 400
+"Response store is disabled"; `refuses_lookups`) is not asked again for REFUSED_S (its refusal is
+answered for it), and one that could not be reached, or did not answer in time, is not asked for
+DOWN_S.
 """
 
 from __future__ import annotations
@@ -70,12 +71,14 @@ class Answer:
 
 def refuses_lookups(answer: Answer, response_id: str) -> bool:
     """Whether a server's refusal is of every lookup (no store: SGLang's 400 "Response store is
-    disabled"; no Responses API: 405, 501), not of this one id. Kept for REFUSED_S and answered
-    for the server, a refusal of one id (its 400 quoting it) turned every client's lookups away
-    for a minute, with that id in their errors: any client could send one (a review's probe)."""
+    disabled"; no Responses API: 405, 501), not of this one request. Kept for REFUSED_S and
+    answered for the server, a refusal of one request (a 400 quoting its id, or a front's 400
+    for its headers) turned every client's lookups away for a minute, with what it quoted in
+    their errors: any client could send one (a review's probe)."""
     if answer.status in (405, 501):
         return True
-    return answer.status == 400 and response_id.encode() not in answer.body
+    body = answer.body.lower()
+    return answer.status == 400 and b"store" in body and b"disabled" in body and response_id.encode() not in body
 
 
 def not_found(response_id: str) -> Answer:

@@ -374,13 +374,10 @@ class Attempt:
         assert self.ttft_s is not None
         now = time.monotonic()
         ttft_limit, tpot_limit = admission.ttft_limit_s, admission.tpot_limit_s
-        if ttft_limit > 0:
-            # Its prefill with nothing ahead, in chunks, as the admission predicted it.
-            uncached = max(self.prompt_tokens - self.sent.cached_tokens, 1)
-            chunks = math.ceil(uncached / admission.predictor.prefill_chunk_tokens)
-            chunk_ms = self.fleet.cost.prefill_ms(self.instance.pool, math.ceil(uncached / chunks), now)
-            if chunks * chunk_ms / 1000 > ttft_limit:
-                return None
+        uncached = max(self.prompt_tokens - self.sent.cached_tokens, 1)
+        own_ms = admission.predictor.alone_prefill_ms(self.instance.pool, uncached, self.fleet.cost.at(now))
+        if not admission.counts(own_ms / 1000):
+            return None
         decode_s = now - self.dispatched_at - self.ttft_s
         tpot_s = decode_s / (tokens - 1) if tokens > 1 else 0.0
         return (ttft_limit <= 0 or self.ttft_s <= ttft_limit) and (tpot_limit <= 0 or tpot_s <= tpot_limit)

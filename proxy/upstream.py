@@ -51,6 +51,13 @@ a keep-alive close crossing the request comes at once, or as a stalled server re
 held the request longer may have run it (an idle timeout of a balancer between, a minute in)."""
 
 
+class ClosedThenGone(aiohttp.ClientConnectionError):
+    """A pooled connection closed unanswered, and a new one could not be made (refused, or not
+    accepted in time): the server is gone, likely crashed on the request. It reads as that
+    request's close (`upstream_disconnected`, which the query-of-death guard counts), and the
+    server as unreachable."""
+
+
 class Sent:
     """What one POST's trace saw (aiohttp's trace_request_ctx)."""
 
@@ -149,8 +156,10 @@ class Upstream:
         and ejected a healthy server. Go's HTTP client resends a POST only when nothing was
         written, which bytes in a socket's buffer do not show; Envoy's `reset-before-request`
         retry is the same trade. A server that crashed on the request is not asked twice: the
-        new connection is refused, and the first failure is what the request met (the query of
-        death guard counts it); a connection that was new is never resent."""
+        new connection is refused (`ClosedThenGone`; the query-of-death guard counts it). Behind
+        one URL that balances over several processes (a Kubernetes Service) the new connection
+        may reach another, which then gets the request too. A connection that was new is never
+        resent; new connections for resends have a cap of their own (max_connections)."""
         timeout = aiohttp.ClientTimeout(
             total=total_s,
             sock_connect=self.settings.connect_timeout_s,
@@ -178,8 +187,8 @@ class Upstream:
         log.debug("%s closed a pooled connection unanswered: sent again on a new one", parsed.origin())
         try:
             return await self._fresh.post(parsed, data=body, headers=items, timeout=timeout, allow_redirects=False)
-        except aiohttp.ClientConnectorError:
-            raise first from None  # gone (crashed on it?): the request met the first close
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+            raise ClosedThenGone(f"{type(first).__name__}, then {type(exc).__name__}") from first
 
     async def get_json(self, url: str, headers: Iterable[tuple[str, str]], timeout_s: float) -> Any:
         timeout = aiohttp.ClientTimeout(total=timeout_s)

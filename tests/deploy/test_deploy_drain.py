@@ -118,7 +118,8 @@ def test_sigterm_turns_ready_503_while_the_listener_stays_open(slow_twin: Runnin
         # Every answer closes its connection: a kept-alive client's next request would meet the
         # listener's close.
         with httpx.Client(timeout=2) as client:
-            assert client.get(proxy.url + "/health").headers["connection"] == "close"
+            answer = client.get(proxy.url + "/health")
+            assert answer.headers["connection"] == "close" and "keep-alive" not in answer.headers
         poll(lambda: ready_status(proxy) is None, 10, "the listener to close after the delay")
         assert proxy.process.wait(30) is not None
         assert stopped_cleanly(proxy.process.returncode, proxy.log()), proxy.log()

@@ -38,9 +38,13 @@ def test_a_prompt_whose_own_prefill_is_past_the_target_is_refused_only_for_what_
     assert admission.admit(long_prompt, snapshot(0, 200, COST), TO_BASE, now=0.0) is None  # running, none queued
     queued = admission.admit(long_prompt, snapshot(0, 256 + 2, COST), TO_BASE, now=0.0)  # two prompts ahead
     assert queued is not None and queued.rule == "predicted-ttft"
-    assert queued.ttft_limit_s == pytest.approx(p.own_prefill_s + target)
-    # A short prompt is held to the target itself.
+    assert queued.ttft_limit_s == pytest.approx(p.own_prefill_s + target / 2)
+    # A short prompt is held to the target itself; the limit grows continuously with the prefill
+    # from half of it, and a request that may wait past the target does not move the scale.
     assert admission.ttft_limit_for(0.001) == target and admission.ttft_limit_for(0.001, 0.5) == target / 2
+    below, above = admission.ttft_limit_for(target / 2 - 1e-6), admission.ttft_limit_for(target / 2 + 1e-6)
+    assert below == pytest.approx(above, abs=1e-5)
+    assert admission.counts(target / 2) and not admission.counts(target / 2 + 1e-6)
 
 
 def test_a_deep_queue_refuses_with_a_retry_after_from_its_drain() -> None:

@@ -28,7 +28,7 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
     with FaultServer("poison:WORD") as bad:      # a 500 to a request whose body holds WORD; 200 JSON to others
     with FaultServer("poisondrop:WORD") as bad:  # closes the connection of a request whose body holds WORD; 200 JSON to others
     with FaultServer("poisondie:WORD") as bad:   # as poisondrop, and stops listening (a server that crashed on it)
-    with FaultServer("staleconn:rst") as bad:    # 200 JSON to a connection's first POST; the next on it: reset unanswered ("fin": closed)
+    with FaultServer("staleconn:rst") as bad:    # 200 JSON to a connection's first POST; the next on it: reset unanswered ("fin": closed; "late": reset 4.5 s later)
     with FaultServer("poison500close:WORD") as bad:  # as poison, then reads no more and resets that connection 0.3 s later (uvicorn after an exception)
 
 Load polls (GET) get 404, as from a server with no load endpoint, unless `probe` names the one
@@ -179,8 +179,11 @@ class FaultServer:
                     posted = True
                     self.open_connections += 1
                 elif method == "POST" and self.behaviour.startswith("staleconn:"):
-                    # A server's keep-alive close crossing the request: never answered.
-                    if self.behaviour.endswith(":rst"):
+                    # A server's keep-alive close crossing the request: never answered ("late":
+                    # an idle timeout between, long after the request went, which may have run).
+                    if self.behaviour.endswith(":late"):
+                        await asyncio.sleep(4.5)
+                    if not self.behaviour.endswith(":fin"):
                         writer.transport.abort()
                     return
                 if method == "GET" and path == self.probe:

@@ -77,6 +77,18 @@ def test_a_request_on_a_pooled_connection_its_server_closed_is_sent_again_on_a_n
         assert state["outlier"]["state"] == "ok"
 
 
+def test_a_pooled_connection_closed_long_after_the_request_went_is_not_resent() -> None:
+    """A close that comes seconds after the request (a balancer's idle timeout between) may end
+    a request the server ran: it is a failure, not resent."""
+    with FaultServer("staleconn:late") as server, running_proxy(spec_urls=[server.url], policy="spec") as proxy:
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=30)
+        assert client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2).choices
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=2)
+        assert failed.value.status_code == 502 and failed.value.code == "upstream_disconnected"
+        assert posts(server) == 2 and proxy.app.upstream.resent == 0
+
+
 def test_a_request_whose_new_connection_is_closed_unanswered_is_not_sent_there_again() -> None:
     """Only a pooled connection's close is the keep-alive race: a server that drops a request on a
     new connection may have crashed on it (a query of death), and gets it once."""
