@@ -406,8 +406,8 @@ class VirtualRouter:
             uncached = max(record.prompt_tokens - record.cached_tokens, 1)
             cost = self.fleet.cost.at(record.finish_time)
             own_ms = self.admission.predictor.alone_prefill_ms(self.pool_of_engine[record.engine], uncached, cost)
-            if self.admission.counts(own_ms / 1000):
-                self.admission.observe(self.setup.slo.met(record), record.finish_time)
+            met = self.admission.met(record.ttft, record.tpot, own_ms / 1000)
+            self.admission.observe(met, record.finish_time)
         url = self.urls[record.engine]
         spec = self.pool_of_engine[record.engine] == "spec"
         key = (record.arrival, record.prompt_tokens, record.engine)

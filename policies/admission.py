@@ -7,9 +7,9 @@ rules, top to bottom (docs/routing.md, "Admission control"):
 1. `predicted-ttft`: a request whose predicted time to first token on the pool the policy chose
    (its slow end: the wait for a slot at about its 90th percentile, plus the prefill of the
    queue ahead and its own) is past the TTFT limit; a prompt whose own prefill alone takes more
-   than LONG_PROMPT_WAIT of the limit, when the wait ahead of it is past that share
-   (`ttft_limit_for`): it is refused for what is ahead of it, never on an idle fleet for its own
-   length, which no wait would shorten.
+   than 1 - LONG_PROMPT_WAIT of the limit, when the wait ahead of it is past LONG_PROMPT_WAIT of
+   it (`ttft_limit_for`): it is refused for what is ahead of it, never on an idle fleet for its
+   own length, which no wait would shorten.
 2. `predicted-tpot`: a request that would push the pool's time per output token past the TPOT
    limit: the requests decoding there sit through every prompt queued ahead of their next
    token, so a pool can meet every first-token target while its running streams crawl.
@@ -92,12 +92,14 @@ class Admission:
             return self.scale
         return min(1.0, self.scale ** (0.5 ** (elapsed / SCALE_HALF_LIFE_S)))
 
-    def counts(self, own_prefill_s: float) -> bool:
-        """Whether a finished request's outcome moves the scale: not one whose own prefill alone
-        (`Goodput.alone_prefill_ms`) may have been admitted to wait past the TTFT target
-        (`ttft_limit_for` past the target at any scale: its own prefill past 1 - LONG_PROMPT_WAIT
-        of it); its miss would tighten the limits every other request is held to."""
-        return self.ttft_limit_s <= 0 or own_prefill_s <= (1 - LONG_PROMPT_WAIT) * self.ttft_limit_s
+    def met(self, ttft_s: float, tpot_s: float, own_prefill_s: float) -> bool:
+        """Whether a finished request met the limits it was held to at the targets themselves
+        (what `observe` is told): its first token within `ttft_limit_for` its own prefill alone
+        (`Goodput.alone_prefill_ms`) at scale 1, which no scale admits past; its tokens at the
+        TPOT target. Judged against the TTFT target itself, a long prompt admitted to wait was
+        a miss, and its misses tightened the limits every other request is held to."""
+        ttft_limit = self.ttft_limit_for(own_prefill_s)
+        return (ttft_limit <= 0 or ttft_s <= ttft_limit) and (self.tpot_limit_s <= 0 or tpot_s <= self.tpot_limit_s)
 
     def observe(self, met: bool, now: float) -> None:
         """An admitted request finished at `now`; `met`: it met both targets. In expectation the
@@ -159,9 +161,9 @@ class Admission:
             rule, scale = "shed-batch", scale * BATCH_SHARE
         if rule is None:
             return None
-        # About when the queue ahead will have drained: its prefill, or (for TPOT) the time the
-        # running requests need to get through what stalls them.
-        retry = max(MIN_RETRY_AFTER_S, math.ceil(p.prefill_s + p.wait_s))
+        # About when the queue ahead will have drained: its prefill (not the request's own), or
+        # (for TPOT) the time the running requests need to get through what stalls them.
+        retry = max(MIN_RETRY_AFTER_S, math.ceil(max(p.prefill_s - p.own_prefill_s, 0.0) + p.wait_s))
         return Refusal(
             rule=rule,
             predicted_ttft_s=ttft,

@@ -202,8 +202,10 @@ class Access:
         # A pin is a pool named on a path that routes: `auto` (no pin) and the header on
         # /health or /metrics, where nothing is routed, closed the open probes and refused
         # clients' `auto` (a review's probe).
-        pins = needed == "keys" and path not in (METRICS_PATH, STATE_PATH) and any(
-            name.lower() == POOL_HEADER and value.strip().lower() not in NOT_PINS for name, value in headers
+        pins = (
+            needed == "keys"
+            and path not in (METRICS_PATH, STATE_PATH)
+            and any(name.lower() == POOL_HEADER and value.strip().lower() not in NOT_PINS for name, value in headers)
         )
         if pins and self.pool_pin == "off":
             return AuthRefused(

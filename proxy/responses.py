@@ -77,8 +77,8 @@ def refuses_lookups(answer: Answer, response_id: str) -> bool:
     their errors: any client could send one (a review's probe)."""
     if answer.status in (405, 501):
         return True
-    body = answer.body.lower()
-    return answer.status == 400 and b"store" in body and b"disabled" in body and response_id.encode() not in body
+    body = answer.body.lower()  # the id too: a client's id could carry the phrase
+    return answer.status == 400 and b"store is disabled" in body and response_id.lower().encode() not in body
 
 
 def not_found(response_id: str) -> Answer:

@@ -354,9 +354,7 @@ class Attempt:
             self.fleet.on_response(self.instance.url, time.monotonic(), evidence)
         if self.open and complete and self.admission is not None and self.ttft_s is not None:
             tokens = summary.completion_tokens if summary and summary.completion_tokens else self.tokens
-            met = self.met_targets(self.admission, tokens)
-            if met is not None:
-                self.admission.observe(met, time.monotonic())
+            self.admission.observe(self.met_targets(self.admission, tokens), time.monotonic())
         if self.open and self.outliers is not None:
             if complete and self.started:
                 self.outliers.succeeded(self.instance, self.ttft_s, dispatched_at=self.dispatched_at)
@@ -364,23 +362,19 @@ class Attempt:
                 self.outliers.released(self.instance, dispatched_at=self.dispatched_at)
         self._release()
 
-    def met_targets(self, admission: Admission, tokens: int) -> bool | None:
-        """Whether this stream met the admission targets: its first byte in time, and its
-        `tokens` after the first at the target pace on average (the usage's count when the
-        stream carried one; else its content events, which undercount a spec stream's tokens,
-        so the pace errs slow). None for a prompt whose own prefill alone is past the TTFT
-        target: it could not meet it however the fleet ran, and its miss would tighten the
-        limits the other requests are held to."""
+    def met_targets(self, admission: Admission, tokens: int) -> bool:
+        """Whether this stream met the admission targets (`Admission.met`): its first byte in
+        time (for a long prompt, the time its own prefill allows), and its `tokens` after the
+        first at the target pace on average (the usage's count when the stream carried one;
+        else its content events, which undercount a spec stream's tokens, so the pace errs
+        slow)."""
         assert self.ttft_s is not None
         now = time.monotonic()
-        ttft_limit, tpot_limit = admission.ttft_limit_s, admission.tpot_limit_s
         uncached = max(self.prompt_tokens - self.sent.cached_tokens, 1)
         own_ms = admission.predictor.alone_prefill_ms(self.instance.pool, uncached, self.fleet.cost.at(now))
-        if not admission.counts(own_ms / 1000):
-            return None
         decode_s = now - self.dispatched_at - self.ttft_s
         tpot_s = decode_s / (tokens - 1) if tokens > 1 else 0.0
-        return (ttft_limit <= 0 or self.ttft_s <= ttft_limit) and (tpot_limit <= 0 or tpot_s <= tpot_limit)
+        return admission.met(self.ttft_s, tpot_s, own_ms / 1000)
 
     def refused(self) -> None:
         """The upstream refused the request (a 4xx): it never ran there; undo its dispatch."""

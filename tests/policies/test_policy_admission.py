@@ -44,7 +44,10 @@ def test_a_prompt_whose_own_prefill_is_past_the_target_is_refused_only_for_what_
     assert admission.ttft_limit_for(0.001) == target and admission.ttft_limit_for(0.001, 0.5) == target / 2
     below, above = admission.ttft_limit_for(target / 2 - 1e-6), admission.ttft_limit_for(target / 2 + 1e-6)
     assert below == pytest.approx(above, abs=1e-5)
-    assert admission.counts(target / 2) and not admission.counts(target / 2 + 1e-6)
+    # Judged at the limit the request was held to at scale 1, which no scale admits past.
+    assert admission.met(p.own_prefill_s + target / 2, 0.0, p.own_prefill_s)
+    assert not admission.met(p.own_prefill_s + target / 2 + 0.01, 0.0, p.own_prefill_s)
+    assert admission.met(target, 0.0, 0.001) and not admission.met(target + 0.01, 0.0, 0.001)
 
 
 def test_a_deep_queue_refuses_with_a_retry_after_from_its_drain() -> None:

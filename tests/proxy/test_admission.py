@@ -154,15 +154,17 @@ def test_a_streams_pace_is_judged_on_its_tokens_not_its_chunks() -> None:
     targets = Admission(ttft_limit_s=1.0, tpot_limit_s=0.05)
     assert attempt.met_targets(targets, 10) is False  # 10 chunks: 100 ms apart
     assert attempt.met_targets(targets, 30) is True  # 30 tokens in them: 31 ms each
-    # A prompt whose own prefill alone is past the TTFT target says nothing of whether the fleet
-    # meets it: no verdict (its miss shrank the limits every other request is held to).
+    # A prompt whose own prefill alone is past the TTFT target is judged against the time its
+    # prefill allows (judged against the target, its miss shrank every other request's limits).
     tight = Admission(ttft_limit_s=0.05, tpot_limit_s=0.05)
-    own_s = fleet.cost.prefill_ms("spec", 8192, time.monotonic()) / 1000
+    own_s = tight.predictor.alone_prefill_ms("spec", 8192, fleet.cost.at(time.monotonic())) / 1000
     assert own_s > 0.05
     long_prompt = Attempt(fleet, instance, prompt_tokens=8192, stream=True)
     long_prompt.dispatched_at -= 1.0
-    long_prompt.ttft_s = own_s * 2
-    assert long_prompt.met_targets(tight, 30) is None
+    long_prompt.ttft_s = own_s + 0.02  # within its prefill and half the target
+    assert long_prompt.met_targets(tight, 30) is True
+    long_prompt.ttft_s = own_s + 0.04
+    assert long_prompt.met_targets(tight, 30) is False
     short_prompt = Attempt(fleet, instance, prompt_tokens=10, stream=True)
     short_prompt.dispatched_at -= 1.0
     short_prompt.ttft_s = 0.1

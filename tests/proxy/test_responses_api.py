@@ -242,6 +242,8 @@ def test_only_a_refusal_of_every_lookup_stands_for_its_server() -> None:
     about_the_id = b'{"error": {"message": "Invalid \'response_id\': \'resp_1\'."}}'
     assert not refuses_lookups(Answer(400, about_the_id, "application/json", None), "resp_1")
     assert not refuses_lookups(Answer(404, b"", "application/json", None), "resp_1")
+    quoting = b'{"error": {"message": "Response with id \'resp_Store_is_Disabled\' not found."}}'  # older vLLM: 400
+    assert not refuses_lookups(Answer(400, quoting, "application/json", None), "resp_Store_is_Disabled")
     front = b"<html><head><title>400 Request Header Or Cookie Too Large</title></head></html>"
     assert not refuses_lookups(Answer(400, front, "text/html", None), "resp_1")  # one client's headers
 
