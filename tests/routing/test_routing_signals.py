@@ -310,7 +310,7 @@ def test_a_twins_prefill_busy_time_is_learned_in_wall_clock_units():
 
         asyncio.run(scenario())
         assert signals.reading is not None and signals.reading.prefill_tokens_total is not None
-        tokens = signals.reading.prefill_tokens_total  # all of it this one prompt's (about 3,000)
+        tokens = int(signals.reading.prefill_tokens_total)  # all of it this one prompt's (about 3,000)
         assert 2900 < tokens < 3100
         gpu_ms_per_token = load_profile("h200-llama8b").prefill_ms(tokens) / tokens
         assert signals.time_scale == TIME_SCALE
