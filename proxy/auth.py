@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from proxy.errors import ProxyError
+from proxy.scan import DIALECTS
 from proxy.settings import Settings, inline_keys
 
 log = logging.getLogger("specroute")
@@ -36,6 +37,8 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json"})
 METRICS_PATH = "/metrics"
 STATE_PATH = "/v1/specroute/state"
 POOL_HEADER = b"x-specroute-pool"
+ROUTED_PATHS = frozenset(DIALECTS)
+"""The paths a request is routed on, where x-specroute-pool pins a pool."""
 NOT_PINS = frozenset({b"auto", b""})
 """Values of x-specroute-pool that pin nothing (`auto`: the policy decides; empty: refused as
 a bad header after the key is checked)."""
@@ -199,13 +202,11 @@ class Access:
     def check(self, path: str, headers: list[tuple[bytes, bytes]]) -> AuthRefused | bytes | None:
         """The refusal to send; else the hash of the client's key (None when no key was needed)."""
         needed = self.needed(path)
-        # A pin is a pool named on a path that routes: `auto` (no pin) and the header on
-        # /health or /metrics, where nothing is routed, closed the open probes and refused
-        # clients' `auto` (a review's probe).
-        pins = (
-            needed == "keys"
-            and path not in (METRICS_PATH, STATE_PATH)
-            and any(name.lower() == POOL_HEADER and value.strip().lower() not in NOT_PINS for name, value in headers)
+        # A pin is a pool named on a path that routes (the completion paths): `auto` (no pin)
+        # and the header on /health or /metrics, where nothing is routed, closed the open probes
+        # and refused clients' `auto` (a review's probe).
+        pins = path in ROUTED_PATHS and any(
+            name.lower() == POOL_HEADER and value.strip().lower() not in NOT_PINS for name, value in headers
         )
         if pins and self.pool_pin == "off":
             return AuthRefused(

@@ -193,6 +193,7 @@ def test_who_may_pin_a_pool_is_a_setting(twin_pair) -> None:
         spec_urls=[spec.url], base_urls=[base.url], pool_pin="off", api_keys="sk-client", metrics_access="keys"
     ) as proxy:
         assert httpx.get(proxy.url + "/metrics", headers=pin | bearer("sk-client")).status_code == 200
+        assert httpx.get(proxy.base_url + "/models", headers=pin | bearer("sk-client")).status_code == 200
     with running_proxy(
         spec_urls=[spec.url],
         base_urls=[base.url],
