@@ -403,11 +403,10 @@ class VirtualRouter:
     def on_finish(self, record: RequestRecord) -> None:
         if self.admission is not None and record.request_class == "latency":
             # As the proxy judges it (proxy.routing.Attempt.met_targets).
-            uncached = max(record.prompt_tokens - record.cached_tokens, 1)
             cost = self.fleet.cost.at(record.finish_time)
-            own_ms = self.admission.predictor.alone_prefill_ms(self.pool_of_engine[record.engine], uncached, cost)
-            met = self.admission.met(record.ttft, record.tpot, own_ms / 1000)
-            self.admission.observe(met, record.finish_time)
+            pool = self.pool_of_engine[record.engine]
+            own_s = self.admission.alone_prefill_s(pool, record.prompt_tokens, record.cached_tokens, cost)
+            self.admission.observe(self.admission.met(record.ttft, record.tpot, own_s), record.finish_time)
         url = self.urls[record.engine]
         spec = self.pool_of_engine[record.engine] == "spec"
         key = (record.arrival, record.prompt_tokens, record.engine)

@@ -85,6 +85,12 @@ class InstanceSignals:
     unresponsive: bool = False
     """Reachable, but its load polls go unanswered while another server's are answered
     (FleetModel.unresponsive: a stopped process or host): out of rotation until one is."""
+
+    @property
+    def in_rotation(self) -> bool:
+        """Reachable, answering its polls (or none is answered), and not ejected."""
+        return self.healthy and not self.ejected and not self.unresponsive
+
     reading: Reading | None = None
     local_in_flight: int = 0
     """Our requests on this instance now (the fallback load when it cannot be polled)."""
@@ -208,7 +214,7 @@ class InstanceSignals:
             running,
             waiting,
             self.max_running,
-            self.healthy and not self.ejected and not self.unresponsive,
+            self.in_rotation,
             self.ejected,
             age,
             waiting_tokens,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from fleet.types import Decision, Features, Snapshot
+from fleet.types import Decision, Features, PoolName, Snapshot, StepCost
 from policies.goodput import Goodput, Prediction
 
 BATCH_SHARE = 0.5
@@ -91,6 +91,11 @@ class Admission:
         if elapsed <= 0 or self.scale >= 1.0:
             return self.scale
         return min(1.0, self.scale ** (0.5 ** (elapsed / SCALE_HALF_LIFE_S)))
+
+    def alone_prefill_s(self, pool: PoolName, prompt_tokens: int, cached_tokens: int, cost: StepCost) -> float:
+        """A finished request's own prefill with nothing ahead (its uncached tokens), as its
+        admission predicted it: what `met` is given."""
+        return self.predictor.alone_prefill_ms(pool, max(prompt_tokens - cached_tokens, 1), cost) / 1000
 
     def met(self, ttft_s: float, tpot_s: float, own_prefill_s: float) -> bool:
         """Whether a finished request met the limits it was held to at the targets themselves

@@ -68,13 +68,13 @@ class SpecrouteApp:
         self.telemetry.install(self.api)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.draining:
-            # Every answer closes its connection: a kept-alive client would send its next request
-            # on a connection the closing listener is about to drop.
-            close = scope.get("extensions", {}).get(CLOSE_EXTENSION)
-            if close is not None:
-                close()
         if scope["type"] == "http":
+            if self.draining:
+                # Every answer closes its connection: a kept-alive client would send its next
+                # request on a connection the closing listener is about to drop.
+                close = scope.get("extensions", {}).get(CLOSE_EXTENSION)
+                if close is not None:
+                    close()
             checked = self.access.check(scope["path"], scope["headers"])
             if isinstance(checked, AuthRefused):
                 await self.refuse(scope, send, checked)

@@ -60,8 +60,7 @@ class Instance:
     def healthy(self) -> bool:
         """Reachable, answering its polls (or none is answered), and not ejected by outlier
         detection."""
-        signals = self.signals
-        return signals.healthy and not signals.ejected and not signals.unresponsive
+        return self.signals.in_rotation
 
 
 @dataclass(eq=False, slots=True)

@@ -511,7 +511,7 @@ class CompletionHandler:
             choices = payload.get("n")
             # An integral float (2.0) is taken as SGLang takes it (proxy/body.py lets it through).
             many = isinstance(choices, int | float) and not isinstance(choices, bool) and choices > 1
-            exchange.choices = int(choices) if many and choices is not None else 1
+            exchange.choices = int(choices) if many and choices is not None else 1  # None: for mypy
             if (
                 self.settings.stream_usage
                 and exchange.dialect.stream_usage

@@ -370,11 +370,11 @@ class Attempt:
         slow)."""
         assert self.ttft_s is not None
         now = time.monotonic()
-        uncached = max(self.prompt_tokens - self.sent.cached_tokens, 1)
-        own_ms = admission.predictor.alone_prefill_ms(self.instance.pool, uncached, self.fleet.cost.at(now))
+        cost = self.fleet.cost.at(now)
+        own_s = admission.alone_prefill_s(self.instance.pool, self.prompt_tokens, self.sent.cached_tokens, cost)
         decode_s = now - self.dispatched_at - self.ttft_s
         tpot_s = decode_s / (tokens - 1) if tokens > 1 else 0.0
-        return admission.met(self.ttft_s, tpot_s, own_ms / 1000)
+        return admission.met(self.ttft_s, tpot_s, own_s)
 
     def refused(self) -> None:
         """The upstream refused the request (a 4xx): it never ran there; undo its dispatch."""
@@ -611,7 +611,7 @@ class Router:
     def all_ejected(self, pool: PoolName) -> bool:
         """Whether outlier detection, not unreachability, left `pool` without an instance."""
         return any(i.signals.ejected for i in self.pools[pool].instances) and all(
-            i.signals.ejected or not i.healthy for i in self.pools[pool].instances
+            not i.healthy for i in self.pools[pool].instances
         )
 
     def back_within_s(self, pools: Collection[PoolName]) -> int:

@@ -180,11 +180,12 @@ class Upstream:
             )
         except aiohttp.ClientError as exc:
             soon = asyncio.get_running_loop().time() - began <= RESEND_WITHIN_S
-            if not (sent.reused and soon and closed_unanswered(exc)) or self._fresh is None:
+            if not (sent.reused and soon and closed_unanswered(exc)):
                 raise
             first = exc
         self.resent += 1
         log.debug("%s closed a pooled connection unanswered: sent again on a new one", parsed.origin())
+        assert self._fresh is not None  # started with the pooled session
         try:
             return await self._fresh.post(parsed, data=body, headers=items, timeout=timeout, allow_redirects=False)
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
