@@ -67,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="azure-conv",
         help="natural output lengths: azure-conv, azure-code, fixed:N, exp:MEAN, uniform:LO,HI",
     )
+    p.add_argument(
+        "--dp-size",
+        "--data-parallel-size",
+        dest="dp_size",
+        type=int,
+        default=1,
+        help="data-parallel ranks: whole replicas behind one HTTP front, dealt requests in turn "
+        "(SGLang spelling; without DP attention)",
+    )
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--context-length", type=int, default=32768)
     p.add_argument(
@@ -130,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the engine stops stepping (a hung scheduler) while its HTTP front and /v1/loads answer",
     )
+    p.add_argument(
+        "--fault-wedged-rank",
+        type=int,
+        default=None,
+        help="the same for one data-parallel rank (with --dp-size): the others serve on",
+    )
     return p
 
 
@@ -191,10 +206,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.fault_drop_after_chunks,
             args.fault_load_delay_ms,
             args.fault_wedged,
+            args.fault_wedged_rank,
         )
         faults.check()
+        if args.dp_size < 1:
+            raise ValueError("--dp-size must be >= 1")
+        faults.check_ranks(args.dp_size)
         if args.server == "vllm" and args.mode != "base":
             raise ValueError("--server vllm imitates a plain vLLM server: use it with --mode base")
+        if args.server == "vllm" and args.dp_size != 1:
+            raise ValueError("--server vllm runs one engine: --dp-size is SGLang's")
     except ValueError as exc:
         print(f"specroute sim: {exc}", file=sys.stderr)
         return 2
@@ -232,6 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server=args.server,
         enable_cache_report=args.enable_cache_report or args.enable_prompt_tokens_details,
         enable_response_store=args.enable_response_store,
+        dp_size=args.dp_size,
     )
     app = create_app(options, config)
     server = uvicorn.Server(

@@ -216,10 +216,12 @@ class Step:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, name: str = "engine"):
+    def __init__(self, config: EngineConfig, name: str = "engine", dp_rank: int = 0):
         self.config = config
         self.name = name
-        self.rng = random.Random(config.seed)
+        self.dp_rank = dp_rank
+        """Its data-parallel rank in a server of several (SGLang --dp-size): its own draws."""
+        self.rng = random.Random(config.seed if dp_rank == 0 else f"{config.seed}:{dp_rank}")
         self.mean_alpha = config.mean_alpha
         self.waiting: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
@@ -308,7 +310,8 @@ class Engine:
         if stop is not None:
             seed = text_seed if text_seed is not None else self.config.seed * 1_000_003 + self._seq
             text = TextStream(seed, stop)
-        req = Request(rid or f"{self.name}-{self._seq}", prompt_tokens, target, by_length, max_new_tokens, now, text)
+        own = f"{self.name}-{self._seq}" if self.dp_rank == 0 else f"{self.name}-r{self.dp_rank}-{self._seq}"
+        req = Request(rid or own, prompt_tokens, target, by_length, max_new_tokens, now, text)
         if cache_key is not None and self.cache is not None:
             req.cache_key = tuple(cache_key)
         req.workload = workload
@@ -614,7 +617,7 @@ class Engine:
         used = self.num_used_tokens
         snapshot: dict[str, Any] = {
             "timestamp": now,
-            "dp_rank": 0,
+            "dp_rank": self.dp_rank,
             "num_running_reqs": self.num_running,
             "num_waiting_reqs": self.num_waiting,
             "num_waiting_uncached_tokens": self.waiting_uncached_tokens(),

@@ -16,6 +16,9 @@ object heals the twin.
   requests are taken and queued but no token comes, while `/v1/loads` answers the snapshot last
   published (SGLang's is read from shared memory, never from the scheduler) and `/metrics`
   answers too. Healed, the engine goes on where it stopped.
+- `wedged_rank`: the same for one data-parallel rank of a server started with --dp-size (a
+  scheduler process hung while the others serve): requests dealt to it wait, the rest are
+  served, and `/health_generate` passes while another rank works.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class Faults:
     drop_after_chunks: int | None = None
     load_delay_ms: float = 0.0
     wedged: bool = False
+    wedged_rank: int | None = None
 
     @classmethod
     def parse(cls, doc: Any) -> Faults:
@@ -62,6 +66,13 @@ class Faults:
                 raise ValueError(f"{name} must be a whole number >= 0 or null")
         if not isinstance(self.wedged, bool):
             raise ValueError("wedged must be true or false")
+        rank = self.wedged_rank
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+            raise ValueError("wedged_rank must be a whole number >= 0 or null")
+
+    def check_ranks(self, dp_size: int) -> None:
+        if self.wedged_rank is not None and self.wedged_rank >= dp_size:
+            raise ValueError(f"wedged_rank {self.wedged_rank}: the server has {dp_size} data-parallel rank(s)")
 
     def fails(self, rng: random.Random) -> bool:
         return self.error_rate > 0 and rng.random() < self.error_rate

@@ -15,12 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from sim.engine import Engine, Request
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, time_scale: float = 1.0, max_lag_s: float = 2.0):
+    def __init__(
+        self,
+        engine: Engine,
+        time_scale: float = 1.0,
+        max_lag_s: float = 2.0,
+        on_step: Callable[[], None] | None = None,
+    ):
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
         self.engine = engine
@@ -33,6 +40,8 @@ class EngineLoop:
         self._unwedged.set()
         self._task: asyncio.Task | None = None
         self.steps = 0
+        self.on_step = on_step
+        """Called after each step (the server hears its scheduler's output)."""
 
     def now(self) -> float:
         """Simulated seconds since the server started."""
@@ -102,4 +111,6 @@ class EngineLoop:
                 end = self.now()
             engine.finish_step(step, end)
             self.steps += 1
+            if self.on_step is not None:
+                self.on_step()
             t = end

@@ -10,7 +10,7 @@ seconds (wall seconds times --time-scale), which is what the GPU server would re
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -48,44 +48,51 @@ E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 
 
 
 class EngineCollector:
-    """Scheduler gauges and request counters, read from the engine at scrape time."""
+    """Scheduler gauges (one series per data-parallel rank, labelled `dp_rank` when there are
+    several, as SGLang's) and request counters, read from the engines at scrape time."""
 
-    def __init__(self, engine: Engine, model_name: str):
-        self.engine = engine
-        self.labels = {"model_name": model_name, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
+    def __init__(self, engines: Sequence[Engine], model_name: str):
+        self.engines = list(engines)
+        self.model_name = model_name
+
+    def _labels(self, engine: Engine) -> dict[str, str]:
+        labels = {"model_name": self.model_name, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
+        if len(self.engines) > 1:
+            labels["dp_rank"] = str(engine.dp_rank)
+        return labels
 
     def collect(self) -> Iterator[Metric]:
-        engine, labels = self.engine, self.labels
-        names, values = list(labels), list(labels.values())
-        gauges = engine.gauges
-        for name, doc in (
+        names = list(self._labels(self.engines[0]))
+        speculative = self.engines[0].config.speculative
+        gauge_docs = [
             ("num_running_reqs", "The number of running requests."),
             ("num_queue_reqs", "The number of requests in the waiting queue."),
             ("token_usage", "The token usage."),
             ("gen_throughput", "The generation throughput (token/s)."),
             ("cache_hit_rate", "The prefix cache hit rate."),
-        ):
-            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=names)
-            g.add_metric(values, float(gauges.get(name, 0.0)))
-            yield g
-        if engine.config.speculative:
-            for name, doc in (
+        ]
+        if speculative:
+            gauge_docs += [
                 ("spec_accept_length", "The average acceptance length of speculative decoding."),
                 ("spec_accept_rate", "The average acceptance rate of speculative decoding."),
-            ):
-                g = GaugeMetricFamily(f"sglang:{name}", doc, labels=names)
-                g.add_metric(values, float(gauges.get(name, 0.0)))
-                yield g
-            g = GaugeMetricFamily("sglang:spec_num_steps", "Speculative draft steps.", labels=names)
-            g.add_metric(values, float(engine.config.num_steps))
+            ]
+        for name, doc in gauge_docs:
+            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=names)
+            for engine in self.engines:
+                g.add_metric(list(self._labels(engine).values()), float(engine.gauges.get(name, 0.0)))
             yield g
-        tok_names, tok_values = ["model_name"], [labels["model_name"]]
+        if speculative:
+            g = GaugeMetricFamily("sglang:spec_num_steps", "Speculative draft steps.", labels=names)
+            for engine in self.engines:
+                g.add_metric(list(self._labels(engine).values()), float(engine.config.num_steps))
+            yield g
+        tok_names, tok_values = ["model_name"], [self.model_name]
         for name, doc, value in (
-            ("num_aborted_requests", "Number of requests aborted.", engine.aborted_requests),
+            ("num_aborted_requests", "Number of requests aborted.", sum(e.aborted_requests for e in self.engines)),
             (
                 "spec_verify_calls",
                 "The number of verification forward calls in speculative decoding.",
-                engine.finished_verify_ct,
+                sum(e.finished_verify_ct for e in self.engines),
             ),
         ):
             # SGLang counts these only when there is something to count (a labelled counter has no
@@ -99,10 +106,10 @@ class EngineCollector:
 class TwinMetrics:
     """Tokenizer-side metrics, labelled `is_streaming` where SGLang labels them."""
 
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, engines: Sequence[Engine], model_name: str):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(EngineCollector(engine, model_name))
+        self.registry.register(EngineCollector(engines, model_name))
         by_stream = ["model_name", "is_streaming"]
         self.prompt_tokens = Counter(
             "sglang:prompt_tokens", "Number of prefill tokens processed.", by_stream, registry=self.registry

@@ -1,8 +1,11 @@
-"""The twin's HTTP face: SGLang's OpenAI-compatible and native endpoints over one engine.
+"""The twin's HTTP face: SGLang's OpenAI-compatible and native endpoints over its engines.
 
-One engine loop task per server (sim/loop.py); each request owns an asyncio queue the loop
-fills once per engine step, so a stream gets one SSE chunk per step carrying every token that
-step produced. A client that goes away aborts its request in the engine at once.
+One engine loop task per data-parallel rank (sim/loop.py; one rank unless --dp-size says more,
+each a whole replica with its own batch, queue and cache, requests dealt to them in turn as
+SGLang's round_robin load balancing does, or to the rank an `x-data-parallel-rank` header
+names); each request owns an asyncio queue its rank's loop fills once per engine step, so a
+stream gets one SSE chunk per step carrying every token that step produced. A client that goes
+away aborts its request in the engine at once.
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ Headers = Sequence[tuple[bytes, bytes]]
 SGLANG_VERSION = "0.5.23"
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
 
+RANK_HEADER = "x-data-parallel-rank"
+"""The request header SGLang routes to one data-parallel rank by."""
+
 WORKLOAD_HEADER = "x-specroute-workload"
 """The request header whose value the twin matches against its --workload-alpha table."""
 
@@ -85,6 +91,9 @@ class TwinOptions:
     enable_response_store: bool = False
     """Keep /v1/responses answers for GET by id, previous_response_id and background (SGLang
     --enable-response-store; off by default, as in SGLang)."""
+    dp_size: int = 1
+    """Data-parallel ranks (SGLang --dp-size without DP attention): whole replicas behind one
+    HTTP front, each with its own scheduler, batch and load snapshot."""
 
     @property
     def vllm(self) -> bool:
@@ -162,25 +171,84 @@ class Generation:
 
 
 class Twin:
-    """Everything one twin server holds: options, engine, loop and metrics (no globals)."""
+    """Everything one twin server holds: options, engines, loops and metrics (no globals)."""
 
     def __init__(self, options: TwinOptions, config: EngineConfig):
         self.options = options
         self.config = config
-        self.engine = Engine(config, name=options.mode)
-        self.loop: EngineLoop | None = None
-        metrics = vllm.VllmMetrics if options.vllm else TwinMetrics
-        self.metrics = metrics(self.engine, options.model_name)
+        self.engines = [Engine(config, name=options.mode, dp_rank=rank) for rank in range(options.dp_size)]
+        self.engine = self.engines[0]
+        """Rank 0's engine: what every rank shares (its configuration) is read from it."""
+        self.loops: list[EngineLoop] = []
+        """One per rank while the server runs; empty while it starts or stops."""
+        self._turn = 0
+        self.outputs = 0
+        """Steps any rank has taken: the scheduler outputs the tokenizer heard."""
+        self.heard = asyncio.Event()
+        """Set after any rank's step."""
+        self.metrics: TwinMetrics | vllm.VllmMetrics = (
+            vllm.VllmMetrics(self.engine, options.model_name)
+            if options.vllm
+            else TwinMetrics(self.engines, options.model_name)
+        )
         self.tracer = TwinTracer(options.otlp_traces_endpoint) if options.enable_trace else None
         self.started = time.time()
         self.faults = options.faults
         self.fault_rng = random.Random(options.seed)
 
     @property
-    def running_loop(self) -> EngineLoop:
-        if self.loop is None:
+    def loop(self) -> EngineLoop | None:
+        """Rank 0's loop (None while the server starts or stops)."""
+        return self.loops[0] if self.loops else None
+
+    @property
+    def running_loops(self) -> list[EngineLoop]:
+        if not self.loops:
             raise TwinError("The server is starting.", status=503, err_type="ServiceUnavailable")
-        return self.loop
+        return self.loops
+
+    @property
+    def running_loop(self) -> EngineLoop:
+        return self.running_loops[0]
+
+    def rank_for(self, headers: Mapping[str, str]) -> int:
+        """The rank a new request goes to: the one its `x-data-parallel-rank` names, else the
+        next in turn (SGLang's default round_robin)."""
+        named = headers.get(RANK_HEADER)
+        if named is not None:
+            try:
+                rank = int(named)
+            except ValueError:
+                rank = -1
+            if not 0 <= rank < len(self.engines):
+                raise TwinError(f"Invalid data parallel rank {named!r}: the server has {len(self.engines)}.")
+            return rank
+        rank, self._turn = self._turn % len(self.engines), self._turn + 1
+        return rank
+
+    def start_loops(self) -> None:
+        self.loops = [EngineLoop(engine, self.options.time_scale, on_step=self.on_output) for engine in self.engines]
+        self.apply_wedges()
+        for loop in self.loops:
+            loop.start()
+
+    async def stop_loops(self) -> None:
+        loops, self.loops = self.loops, []
+        for loop in loops:
+            await loop.stop()
+
+    def apply_wedges(self) -> None:
+        """Wedge the loops the faults name (`wedged`: every rank; `wedged_rank`: that one)."""
+        for rank, loop in enumerate(self.loops):
+            loop.wedge(self.faults.wedged or self.faults.wedged_rank == rank)
+
+    def abort(self, rid: str) -> None:
+        for loop in self.loops:
+            loop.abort(rid)
+
+    def on_output(self) -> None:
+        self.outputs += 1
+        self.heard.set()
 
     # ---- tracing: the observability engineer's hook ------------------------------------------
 
@@ -246,19 +314,21 @@ class Twin:
         workload = headers.get(WORKLOAD_HEADER, "").strip() or None
         prompt_tokens = max(count_prompt_tokens(prompt_body), 1)
         check_context(prompt_tokens, request.max_new_tokens, self.config.context_length)
-        ids = prompt_token_ids(prompt_body) if self.engine.cache is not None else None
-        cache_key = self.engine.page_key(ids) if ids is not None and len(ids) == prompt_tokens else None
-        loop = self.running_loop
+        loops = self.running_loops
+        rank = self.rank_for(headers)
+        engine, loop = self.engines[rank], loops[rank]
+        ids = prompt_token_ids(prompt_body) if engine.cache is not None else None
+        cache_key = engine.page_key(ids) if ids is not None and len(ids) == prompt_tokens else None
         # n > 1: one engine request per choice, as SGLang runs n sequences.
         rids = [rid] if request.n == 1 else [f"{rid}-{i}" for i in range(request.n)]
         for r in rids:
-            if self.engine.has_request(r):
+            if any(e.has_request(r) for e in self.engines):
                 raise TwinError(f"Duplicate request id {r!r}.")
         queue: asyncio.Queue[tuple[int, str, int, bool]] = asyncio.Queue()
         calls = []
         for index, r in enumerate(rids):
             shape = ChoiceShape(request, index, rid)
-            req = self.engine.new_request(
+            req = engine.new_request(
                 prompt_tokens,
                 now=loop.now(),
                 max_new_tokens=request.max_new_tokens,
@@ -433,7 +503,7 @@ class Twin:
             req = call.req
             if done and req.finish_reason == "abort":
                 for other in reqs:
-                    self.running_loop.abort(other.rid)
+                    self.abort(other.rid)
                 yield sse(
                     {
                         "error": {
@@ -493,24 +563,47 @@ class Twin:
     # ---- other endpoints ------------------------------------------------------------------
 
     async def health_generate(self) -> Response:
-        loop = self.running_loop
-        req = self.engine.new_request(
+        """A one-token generation sent to the next rank in turn: 200 once any rank's scheduler
+        output arrives (SGLang's check: another request's tokens count, so a busy server answers
+        at once, and one with a hung rank among busy ones passes), 503 after the timeout."""
+        loops = self.running_loops
+        rank = self.rank_for({})
+        loop = loops[rank]
+        req = self.engines[rank].new_request(
             1, now=loop.now(), max_new_tokens=1, output_len=1, rid=f"HEALTH_CHECK_{uuid.uuid4().hex}"
         )
-        done = asyncio.Event()
-        req.listener = lambda r: done.set()
+        before = self.outputs
         loop.submit(req)
-        try:
-            await asyncio.wait_for(done.wait(), HEALTH_GENERATE_TIMEOUT_S)
-        except TimeoutError:
-            loop.abort(req.rid)
-            return Response(status_code=503)
-        return Response(status_code=200)
+        deadline = time.monotonic() + HEALTH_GENERATE_TIMEOUT_S
+        while True:
+            self.heard.clear()
+            if self.outputs > before:
+                return Response(status_code=200)
+            left = deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(self.heard.wait(), left)
+            except TimeoutError:
+                loop.abort(req.rid)
+                return Response(status_code=503)
 
-    def loads(self, include: str) -> dict[str, Any]:
-        snapshot = dict(self.engine.load_snapshot)
-        loop = self.running_loop
-        snapshot["timestamp"] = loop.epoch(snapshot["timestamp"])
+    def loads(self, include: str, dp_rank: int | None = None) -> dict[str, Any]:
+        """Every rank's last published snapshot (one rank's with `dp_rank`; none for a rank the
+        server does not have, as SGLang)."""
+        loops = self.running_loops
+        ranks = range(len(loops)) if dp_rank is None else [r for r in (dp_rank,) if 0 <= r < len(loops)]
+        return {
+            "timestamp": iso_timestamp(time.time()),
+            "version": SGLANG_VERSION,
+            "accelerator": "twin",
+            "num_accelerators": 1,
+            "loads": [self._snapshot(rank, include) for rank in ranks],
+        }
+
+    def _snapshot(self, rank: int, include: str) -> dict[str, Any]:
+        snapshot = dict(self.engines[rank].load_snapshot)
+        snapshot["timestamp"] = self.loops[rank].epoch(snapshot["timestamp"])
         if not self.options.enable_metrics:
             # Filled from the metrics stats object in SGLang: reads 0 without --enable-metrics.
             snapshot["gen_throughput"] = 0.0
@@ -524,17 +617,11 @@ class Twin:
                 key = "spec" if name == "speculative" else name
                 if key not in sections:
                     snapshot.pop(name, None)
-        return {
-            "timestamp": iso_timestamp(time.time()),
-            "version": SGLANG_VERSION,
-            "accelerator": "twin",
-            "num_accelerators": 1,
-            "loads": [snapshot],
-        }
+        return snapshot
 
-    def server_info(self) -> dict[str, Any]:
-        cfg, opts, engine = self.config, self.options, self.engine
-        spec = cfg.speculative
+    def internal_state(self, engine: Engine) -> dict[str, Any]:
+        """One rank's entry of /server_info's internal_states."""
+        cfg = self.config
         state: dict[str, Any] = {
             "world_size": 1,
             "startup_time": self.started,
@@ -543,8 +630,13 @@ class Twin:
             "memory_usage": {"weight": 0.0, "kvcache": 0.0, "token_capacity": cfg.max_total_num_tokens, "graph": 0.0},
             "disaggregation_mode": "null",
         }
-        if spec and engine.spec_num_forward_ct:
+        if cfg.speculative and engine.spec_num_forward_ct:
             state["avg_spec_accept_length"] = engine.accept_length
+        return state
+
+    def server_info(self) -> dict[str, Any]:
+        cfg, opts, engine = self.config, self.options, self.engine
+        spec = cfg.speculative
         return {
             "model_path": opts.model_path,
             "served_model_name": opts.model_name,
@@ -572,7 +664,9 @@ class Twin:
             "max_req_input_len": cfg.context_length - 1,
             "version": SGLANG_VERSION,
             "frontend": "python",
-            "internal_states": [state],
+            "dp_size": len(self.engines),
+            "load_balance_method": "round_robin",
+            "internal_states": [self.internal_state(e) for e in self.engines],
             # The twin's own options, beside SGLang's fields:
             "twin": True,
             "mode": opts.mode,
@@ -807,7 +901,11 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
     async def loads(request: HttpRequest) -> Response:
         if twin.faults.load_delay_ms:
             await asyncio.sleep(twin.faults.load_delay_ms / 1000.0)
-        answer = twin.loads(request.query_params.get("include", "all"))
+        try:
+            rank = int(request.query_params["dp_rank"]) if "dp_rank" in request.query_params else None
+        except ValueError:
+            raise TwinError("dp_rank must be a whole number.", err_type="Bad Request") from None
+        answer = twin.loads(request.query_params.get("include", "all"), rank)
         if request.query_params.get("format") == "prometheus":
             return Response(loads_as_prometheus(answer["loads"]), media_type="text/plain; version=0.0.4")
         return JSONResponse(answer)
@@ -838,7 +936,8 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
             rid = (await request.json())["rid"]
         except (ValueError, KeyError, TypeError):
             raise TwinError("abort_request needs a JSON body with a rid.", err_type="Bad Request") from None
-        twin.running_loop.abort(str(rid))
+        for loop in twin.running_loops:
+            loop.abort(str(rid))
         return Response(status_code=200)
 
     async def set_alpha(request: HttpRequest) -> Response:
@@ -850,16 +949,19 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
             check_alpha(alpha)
         except (ValueError, KeyError, TypeError) as exc:
             raise TwinError(f'Send {{"alpha": <a number in [0, 1)>}}: {exc}', err_type="Bad Request") from None
-        twin.engine.set_mean_alpha(alpha)
+        for engine in twin.engines:
+            engine.set_mean_alpha(alpha)
         return JSONResponse({"alpha": alpha})
 
     async def set_faults(request: HttpRequest) -> Response:
         """Twin-only admin endpoint: make this server sick (or well again: {}) now."""
         try:
-            twin.faults = Faults.parse(await request.json())
+            faults = Faults.parse(await request.json())
+            faults.check_ranks(len(twin.engines))
         except (ValueError, TypeError) as exc:
             raise TwinError(f"Send a JSON object of faults: {exc}", err_type="Bad Request") from None
-        twin.running_loop.wedge(twin.faults.wedged)
+        twin.faults = faults
+        twin.apply_wedges()
         return JSONResponse(twin.faults.as_dict())
 
     async def root(request: HttpRequest) -> Response:
@@ -867,14 +969,11 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        twin.loop = EngineLoop(twin.engine, options.time_scale)
-        twin.loop.wedge(twin.faults.wedged)
-        twin.loop.start()
+        twin.start_loops()
         try:
             yield
         finally:
-            loop, twin.loop = twin.loop, None
-            await loop.stop()
+            await twin.stop_loops()
             if twin.tracer is not None:
                 twin.tracer.shutdown()
 

@@ -618,6 +618,7 @@ def test_faults_make_a_twin_sick_on_purpose_and_heal_it(spec):
         "drop_after_chunks": None,
         "load_delay_ms": 0.0,
         "wedged": False,
+        "wedged_rank": None,
     }
     ok = httpx.post(
         spec.url + "/v1/chat/completions",
@@ -625,3 +626,63 @@ def test_faults_make_a_twin_sick_on_purpose_and_heal_it(spec):
         json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
     )
     assert ok.status_code == 200
+
+
+def test_a_data_parallel_twin_deals_requests_to_its_ranks_and_one_rank_can_hang():
+    """--dp-size 2: two replicas behind one front, as SGLang without DP attention. Requests go to
+    the ranks in turn (or to the one `x-data-parallel-rank` names); /v1/loads, /metrics and
+    /server_info describe each rank. With one rank wedged, requests dealt to it wait while the
+    other rank serves, /health_generate passes (another rank's output counts, as SGLang's
+    check), and the wedged rank's snapshot stops moving."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with twin("base", time_scale=5.0, args=("--dp-size", "2")) as t:
+        info = httpx.get(t.url + "/server_info", timeout=5).json()
+        assert info["dp_size"] == 2 and len(info["internal_states"]) == 2
+        ranks = httpx.get(t.url + "/v1/loads", timeout=5).json()["loads"]
+        assert [r["dp_rank"] for r in ranks] == [0, 1]
+        assert [r["dp_rank"] for r in httpx.get(t.url + "/v1/loads?dp_rank=1", timeout=5).json()["loads"]] == [1]
+        with httpx.Client(base_url=t.url, timeout=httpx.Timeout(10, read=2.0)) as http:
+            bad = http.post("/v1/chat/completions", json=body, headers={"x-data-parallel-rank": "2"})
+            assert bad.status_code == 400
+            for _ in range(4):
+                assert http.post("/v1/chat/completions", json=body).status_code == 200
+            pinned = http.post("/v1/chat/completions", json=body, headers={"x-data-parallel-rank": "1"})
+            assert pinned.status_code == 200
+        text = httpx.get(t.url + "/metrics", timeout=5).text
+        assert 'dp_rank="0"' in text and 'dp_rank="1"' in text
+        counts = [loads_rank["timestamp"] for loads_rank in httpx.get(t.url + "/v1/loads", timeout=5).json()["loads"]]
+        assert all(c > 0 for c in counts)
+        assert metric(t, "sglang:num_requests_total") == 5
+
+        bad_rank = httpx.post(t.url + "/specroute/twin/faults", json={"wedged_rank": 2}, timeout=5)
+        assert bad_rank.status_code == 400
+        assert httpx.post(t.url + "/specroute/twin/faults", json={"wedged_rank": 1}, timeout=5).status_code == 200
+        stream = dict(body, stream=True, max_tokens=20000, ignore_eos=True)  # ~25 s at 5x: outlives the test
+        with httpx.Client(base_url=t.url, timeout=httpx.Timeout(10, read=1.0)) as http:
+            try:
+                with http.stream(
+                    "POST", "/v1/chat/completions", json=stream, headers={"x-data-parallel-rank": "0"}
+                ) as busy:
+                    assert busy.status_code == 200
+                    texts = (line for line in busy.iter_lines() if '"content":"' in line and '"content":""' not in line)
+                    assert next(texts)  # rank 0 streams (each read bounded by the 1 s timeout)
+                    frozen = http.get("/v1/loads?dp_rank=1").json()["loads"][0]
+                    with http.stream(
+                        "POST", "/v1/chat/completions", json=stream, headers={"x-data-parallel-rank": "1"}
+                    ) as hung:
+                        assert hung.status_code == 200
+                        with pytest.raises(httpx.ReadTimeout):
+                            hung.read()  # no token from the wedged rank
+                    assert http.get("/health_generate").status_code == 200  # rank 0's output counts
+                    assert http.get("/v1/loads?dp_rank=1").json()["loads"][0]["timestamp"] == frozen["timestamp"]
+                    moving = http.get("/v1/loads?dp_rank=0").json()["loads"][0]["timestamp"]
+                    wait_for(
+                        lambda: http.get("/v1/loads?dp_rank=0").json()["loads"][0]["timestamp"] > moving,
+                        "rank 0's snapshot moving",
+                        timeout=10,
+                    )
+            finally:
+                http.post("/specroute/twin/faults", json={})
+            assert (
+                http.post("/v1/chat/completions", json=body, headers={"x-data-parallel-rank": "1"}).status_code == 200
+            )
