@@ -107,6 +107,11 @@ class InstanceSignals:
     engine_moved: bool = False
     """Its engine mark has been seen to change: one that never does (vLLM's stats turned off)
     says nothing of its engine."""
+    rank_marks: tuple[float, ...] = ()
+    """Its data-parallel ranks' marks as last read (Reading.rank_marks); empty for one rank."""
+    rank_work: tuple[float, ...] = ()
+    rank_moved_at: list[float] = field(default_factory=list)
+    """When each rank's mark last changed, or was first seen."""
     polled: bool = True
     """False when the server answers no load endpoint: its load is our own in-flight count."""
     prompt_tokens_sent: EventRate = field(default_factory=EventRate)
@@ -232,6 +237,31 @@ class InstanceSignals:
         if mark != self.engine_mark:
             self.engine_moved = self.engine_moved or self.engine_mark is not None
             self.engine_mark, self.engine_mark_at = mark, at
+
+    def on_rank_marks(self, marks: tuple[float, ...], work: tuple[float, ...], at: float) -> None:
+        if len(marks) != len(self.rank_marks):  # the first reading, or a server restarted with other ranks
+            self.rank_moved_at = [at] * len(marks)
+        else:
+            for rank, (before, mark) in enumerate(zip(self.rank_marks, marks)):
+                if mark != before:
+                    self.rank_moved_at[rank] = at
+        self.rank_marks, self.rank_work = marks, work
+
+    def hung_ranks(self, now: float, still_s: float) -> tuple[int, ...]:
+        """Its data-parallel ranks that show work but whose mark has held still for `still_s`
+        while another rank is not so (it moves, or has no work): schedulers hung among working
+        ones. SGLang deals requests to its ranks in turn, so such a rank holds about one request
+        in N until the first-token timeout, while the server's own mark (their sum) moves and
+        its other requests stream. Empty when every rank is so (the whole engine is stuck:
+        `engine_still_s` says it) or the server has one rank."""
+        if len(self.rank_marks) < 2 or len(self.rank_work) != len(self.rank_marks):
+            return ()
+        hung = tuple(
+            rank
+            for rank, moved_at in enumerate(self.rank_moved_at)
+            if self.rank_work[rank] > 0 and now - moved_at >= still_s
+        )
+        return hung if len(hung) < len(self.rank_marks) else ()
 
     def engine_still_s(self, now: float) -> float | None:
         """Seconds since its engine mark last moved (None: not known to move). An idle engine's

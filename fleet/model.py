@@ -214,6 +214,7 @@ class FleetModel:
         signals.polled = True
         signals.unresponsive = False
         signals.on_engine_mark(reading.engine_mark, reading.at)
+        signals.on_rank_marks(reading.rank_marks, reading.rank_work, reading.at)
         if reading.max_running:
             signals.max_running = reading.max_running
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:

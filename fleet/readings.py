@@ -40,6 +40,12 @@ class Reading:
     the prompt and generation token counters and KV usage of vLLM's /metrics (its engine's
     iteration and scheduler stats). Unchanged long after a request reached the server, the
     engine is stuck."""
+    rank_marks: tuple[float, ...] = ()
+    rank_work: tuple[float, ...] = ()
+    """With several data-parallel ranks (SGLang --dp-size), each rank's own mark (its snapshot
+    time) and work (running plus waiting requests), in rank order: a rank whose mark holds
+    still while it shows work and another rank goes on is a scheduler hung among working ones
+    (InstanceSignals.hung_ranks). Empty for a server of one rank."""
 
     def check(self) -> Reading:
         """This reading, if every number in it is one a server can mean; else ValueError naming

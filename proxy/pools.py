@@ -44,6 +44,20 @@ class Instance:
     """When (time.monotonic) the server last refused the `stream_options` the proxy adds to learn a
     stream's usage (proxy/relay.py, `refuses_stream_options`); None: never, or it was learned
     again since (the poller: the server behind the URL may have changed)."""
+    hung_ranks: tuple[int, ...] = ()
+    """Its data-parallel ranks judged hung among working ones (`Router.check_progress`)."""
+    serving_ranks: tuple[int, ...] = ()
+    """While some are: the others, which its requests are sent to in turn by SGLang's
+    `x-data-parallel-rank` header; empty: the server deals its requests itself."""
+    rank_turn: int = 0
+
+    def next_rank(self) -> int | None:
+        """The rank its next request is sent to (None: the server's choice)."""
+        if not self.serving_ranks:
+            return None
+        rank = self.serving_ranks[self.rank_turn % len(self.serving_ranks)]
+        self.rank_turn += 1
+        return rank
 
     @property
     def in_flight(self) -> int:

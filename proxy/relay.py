@@ -29,6 +29,7 @@ from proxy.hooks import RequestHooks, Telemetry
 from proxy.pools import STREAM_OPTIONS_RECHECK_S, Instance, other_pool
 from proxy.responses import HeadersFor, ResponseOwners
 from proxy.routing import (
+    HUNG_RANK,
     NO_PROGRESS,
     Attempt,
     Router,
@@ -59,6 +60,8 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 COMPLETION_PATHS = frozenset(scan.DIALECTS)
 """The paths generating text: routed, relayed and learned from here."""
 REQUEST_ID = "x-request-id"
+RANK_HEADER = "x-data-parallel-rank"
+"""SGLang's request header naming the data-parallel rank that serves it."""
 
 # Request headers that describe the client's connection, not the request: never forwarded.
 NOT_FORWARDED = frozenset(
@@ -846,6 +849,9 @@ class CompletionHandler:
         out = outgoing_headers(
             headers, instance, exchange.request_id, exchange.client, self.settings.forwarded_headers == "append"
         )
+        rank = instance.next_rank()
+        if rank is not None:
+            out[RANK_HEADER] = str(rank)  # a rank of it is hung: the others serve
         hooks.outgoing_headers(out)
         attempt = self.router.dispatch(
             instance,
@@ -949,7 +955,9 @@ class CompletionHandler:
             if exchange.started:
                 await self.end_with_error(exchange, why)
                 return None
-            what = "made no progress" if why == NO_PROGRESS else "stopped answering"
+            what = {NO_PROGRESS: "made no progress", HUNG_RANK: "left it on a hung data-parallel rank"}.get(
+                why, "stopped answering"
+            )
             return ProxyError(502, f"upstream {instance.pool} server {what} ({why})", code=why, retryable=True)
         finally:
             # Waiting on the upstream until it answered, failed or this task was cancelled (the

@@ -172,6 +172,10 @@ UNRESPONSIVE = "upstream_unresponsive"
 NO_PROGRESS = "upstream_no_progress"
 """An attempt left silent by a server that answers its load polls but sent no byte to any of our
 requests for SPECROUTE_NO_PROGRESS_S (`Router.check_progress`)."""
+HUNG_RANK = "upstream_rank_hung"
+"""An attempt left silent by a data-parallel rank of its server judged hung while the server's
+other ranks work (`Router.check_ranks`): it fails over, and the server keeps its place, its
+requests sent to the other ranks. Not counted against the server by outlier detection."""
 UNRESPONSIVE_MIN_S = 5.0
 """The shortest silence of a server's load endpoint (with another server answering) after which
 requests left silent there as long fail over or end (`Router.abandon_silent`). SGLang's
@@ -703,13 +707,16 @@ class Router:
         if signals.healthy and signals.age(now) <= self.fleet.stale_after_s:
             self.outliers.answering(url)
         limit_s = self.settings.no_progress_s
-        if limit_s <= 0 or not instance.attempts:
+        if limit_s <= 0:
             return
         # The longest prompt waiting for its first byte: a healthy server sends some byte within
         # one such prefill; the sum would grow with every request sent to a hung one.
         longest = max((a.prompt_tokens - a.sent.cached_tokens for a in instance.attempts if not a.started), default=0)
         prefill_s = self.fleet.cost.prefill_ms(instance.pool, max(longest, 0), now) / 1000.0
         grace_s = limit_s + PREFILL_MARGIN * prefill_s
+        self.check_ranks(instance, now, grace_s)
+        if not instance.attempts:
+            return
         still_s = signals.engine_still_s(now)
         if still_s is None or instance.kind != "sglang":
             # Without a mark; or vLLM's, as a margin: its counters count a prompt as its prefill
@@ -728,6 +735,35 @@ class Router:
         )
         self.outliers.hung(instance)
         self.abandon(instance, now, NO_PROGRESS)
+
+    def check_ranks(self, instance: Instance, now: float, grace_s: float) -> None:
+        """A data-parallel rank hung among working ones (`InstanceSignals.hung_ranks`: its load
+        snapshot held still for `grace_s` while it shows work and another rank does not) leaves
+        the requests dealt to it silent, about one in N, while the server's other requests
+        stream, so neither the no-progress rule nor outlier detection sees it. Its requests
+        left silent as long fail over (their streams under way end with an error event), and
+        the server's next requests name its other ranks (SGLang's `x-data-parallel-rank`), in
+        turn, until the rank's snapshot moves again."""
+        if instance.kind != "sglang":
+            return
+        hung = instance.signals.hung_ranks(now, grace_s)
+        if hung != instance.hung_ranks:
+            ranks = len(instance.signals.rank_marks)
+            if hung:
+                log.warning(
+                    "upstream %s (%s pool): data-parallel rank(s) %s of %d hold their load snapshot still with work"
+                    " while another rank serves: judged hung; requests go to the other ranks by x-data-parallel-rank",
+                    instance.url,
+                    instance.pool,
+                    ", ".join(map(str, hung)),
+                    ranks,
+                )
+            else:
+                log.info("upstream %s (%s pool): every data-parallel rank serves again", instance.url, instance.pool)
+            instance.hung_ranks = hung
+            instance.serving_ranks = tuple(r for r in range(ranks) if r not in hung) if hung else ()
+        if hung:
+            self.abandon(instance, now - grace_s, HUNG_RANK)
 
     def unreachable(self, instance: Instance) -> None:
         """A connection to `instance` failed: skip it until a load poll reaches it again."""

@@ -139,6 +139,10 @@ def fleet_state(
                     # vLLM's token counters and KV usage) last moved; null: none known to move. An idle
                     # engine's holds still too.
                     "engine_still_s": _rounded(fleet.instances[i.url].engine_still_s(now)),
+                    # Its data-parallel ranks (SGLang --dp-size; 1 when it reports none) and
+                    # those judged hung among working ones, which its requests avoid.
+                    "dp_ranks": max(len(fleet.instances[i.url].rank_marks), 1),
+                    "hung_ranks": list(poller.instance.hung_ranks),
                 }
             )
         pools[name] = {

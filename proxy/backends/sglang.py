@@ -48,7 +48,7 @@ class SGLang(Backend):
             kind=cls.kind,
             speculative=facts["speculative"],
             num_draft_tokens=facts["num_draft_tokens"],
-            max_running=count_or_none(facts["max_running_requests"]) or None,
+            max_running=(count_or_none(facts["max_running_requests"]) or 0) * facts["replicas"] or None,
             time_scale=_twin_scale(doc),
         )
         return description, facts
@@ -104,14 +104,26 @@ def server_info_facts(doc: Mapping[str, Any]) -> dict[str, Any]:
         "speculative_eagle_topk": doc.get("speculative_eagle_topk"),
         "speculative_num_draft_tokens": doc.get("speculative_num_draft_tokens"),
         "max_running_requests": doc.get("max_running_requests"),
+        "dp_size": doc.get("dp_size"),
+        "replicas": _replicas(doc),
     }
 
 
+def _replicas(doc: Mapping[str, Any]) -> int:
+    """How many times over its max_running_requests the server runs: its data-parallel ranks,
+    each a whole replica with that cap (1 with DP attention, whose ranks share one batch)."""
+    if doc.get("enable_dp_attention") is True:
+        return 1
+    return count_or_none(doc.get("dp_size"), 4096) or 1
+
+
 def reading_from_loads(doc: Mapping[str, Any], at: float) -> Reading:
-    """GET /v1/loads: summed over data-parallel ranks."""
+    """GET /v1/loads: summed over data-parallel ranks; with several, each rank's own mark and
+    work beside (Reading.rank_marks)."""
     loads = [entry for entry in doc.get("loads", []) if isinstance(entry, Mapping)]
     if not loads:
         raise ValueError("no loads in /v1/loads answer")
+    marks, work = _ranks(loads)
     # Its speculative.accept_length is cumulative since start: too slow for routing, not used.
     return Reading(
         at=at,
@@ -123,7 +135,30 @@ def reading_from_loads(doc: Mapping[str, Any], at: float) -> Reading:
         prefill_tokens_total=_total(loads, "total_prefill_uncached_tokens"),
         prefill_busy_us_total=_total(loads, "total_prefill_busy_us"),
         engine_mark=_snapshot_times(loads),
+        rank_marks=marks,
+        rank_work=work,
     )
+
+
+def _ranks(loads: list[Mapping[str, Any]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Each rank's snapshot time and running plus waiting requests, in dp_rank order; empty for
+    one rank, or when a rank's number or time is missing or no count."""
+    if len(loads) < 2:
+        return (), ()
+    ranks: dict[int, tuple[float, float]] = {}
+    for entry in loads:
+        rank = count_or_none(entry.get("dp_rank"), 4096)
+        mark = entry.get("timestamp")
+        if rank is None or rank in ranks or isinstance(mark, bool) or not isinstance(mark, int | float):
+            return (), ()
+        if not 0 <= mark <= MAX_COUNT:
+            return (), ()
+        work = (count_or_none(entry.get("num_running_reqs")) or 0) + (count_or_none(entry.get("num_waiting_reqs")) or 0)
+        ranks[rank] = (float(mark), float(work))
+    order = sorted(ranks)
+    if order != list(range(len(order))):
+        return (), ()  # not ranks 0..N-1: no rank an x-data-parallel-rank header could name by position
+    return tuple(ranks[r][0] for r in order), tuple(ranks[r][1] for r in order)
 
 
 def _snapshot_times(loads: list[Mapping[str, Any]]) -> float | None:

@@ -1019,3 +1019,57 @@ def test_with_an_engine_mark_a_server_is_judged_hung_when_it_held_still_whatever
     from proxy.routing import stalled
 
     assert stalled(attempts, progress_at, 10.0, 5.0, still_s) is hung  # type: ignore[arg-type]
+
+
+# -- one data-parallel rank hung among working ones ------------------------------------------
+
+
+def test_a_hung_data_parallel_rank_is_found_its_requests_fail_over_and_the_rest_go_to_its_working_rank() -> None:
+    """SGLang with --dp-size 2 deals requests to its ranks in turn. With one rank's scheduler
+    hung, the server's other requests stream, so its engine mark (the ranks' snapshot times
+    summed) moves and the no-progress rule never fired: every other request waited the
+    first-token timeout (120 s) for a 504. Now the rank is found by its own snapshot, held still
+    with work while the other moves: what waits on it fails over (a stream under way ends with
+    `upstream_rank_hung`), the server is not ejected, and its next requests name the working
+    rank by `x-data-parallel-rank` until the hung one moves again."""
+    long = ("--output-len", "fixed:4096")
+    with twins(
+        TwinSpec("spec", time_scale=TIME_SCALE, seed=61, args=("--dp-size", "2", *long)),
+        TwinSpec("base", time_scale=TIME_SCALE, seed=62),
+    ) as (spec, base):
+        with running_proxy(
+            spec_urls=[spec.url], base_urls=[base.url], policy="spec", no_progress_s=1.0, chunk_timeout_s=60
+        ) as proxy:
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=45)
+            wait_for(lambda: state_of(proxy, "spec-0")["dp_ranks"] == 2, what="both ranks read")
+
+            def on_rank(rank: int) -> openai.Stream:
+                stream = client.chat.completions.create(
+                    model="m",
+                    messages=MESSAGES,
+                    max_tokens=4000,
+                    stream=True,
+                    extra_headers={"x-data-parallel-rank": str(rank)},  # forwarded: SGLang reads it
+                )
+                next(iter(stream))  # under way
+                return stream
+
+            working, doomed = on_rank(0), on_rank(1)
+            make_sick(spec, wedged_rank=1)  # hung mid-step, a request on it
+            try:
+                ended = read_to_the_end(doomed)  # bounded by the client's 45 s, below the 60 s chunk timeout
+                assert isinstance(ended, openai.APIError) and ended.code == "upstream_rank_hung", ended
+                shown = state_of(proxy, "spec-0")
+                assert shown["hung_ranks"] == [1] and shown["outlier"]["state"] != "ejected"
+                for _ in range(4):  # dealt to the working rank: none waits, none fails over
+                    answer = client.chat.completions.with_raw_response.create(
+                        model="m", messages=MESSAGES, max_tokens=2
+                    )
+                    assert answer.headers["x-specroute-backend"] == "spec-0"
+                    assert not answer.headers["x-specroute-reason"].endswith("failover")
+                assert state_of(proxy, "spec-0")["outlier"]["consecutive_failures"] == 0
+            finally:
+                make_sick(spec)
+            wait_for(lambda: state_of(proxy, "spec-0")["hung_ranks"] == [], what="the rank serving again")
+            working.close()
+            wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
