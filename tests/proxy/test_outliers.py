@@ -1032,9 +1032,9 @@ def test_a_hung_data_parallel_rank_is_found_its_requests_fail_over_and_the_rest_
     with work while the other moves: what waits on it fails over (a stream under way ends with
     `upstream_rank_hung`), the server is not ejected, and its next requests name the working
     rank by `x-data-parallel-rank` until the hung one moves again."""
-    long = ("--output-len", "fixed:4096")
+    long = ("--output-len", "fixed:16384")  # in real time a stream lasts about 40 s
     with twins(
-        TwinSpec("spec", time_scale=TIME_SCALE, seed=61, args=("--dp-size", "2", *long)),
+        TwinSpec("spec", seed=61, args=("--dp-size", "2", *long)),
         TwinSpec("base", time_scale=TIME_SCALE, seed=62),
     ) as (spec, base):
         with running_proxy(
@@ -1047,7 +1047,7 @@ def test_a_hung_data_parallel_rank_is_found_its_requests_fail_over_and_the_rest_
                 stream = client.chat.completions.create(
                     model="m",
                     messages=MESSAGES,
-                    max_tokens=4000,
+                    max_tokens=16000,
                     stream=True,
                     extra_headers={"x-data-parallel-rank": str(rank)},  # forwarded: SGLang reads it
                 )
@@ -1056,8 +1056,11 @@ def test_a_hung_data_parallel_rank_is_found_its_requests_fail_over_and_the_rest_
 
             working, doomed = on_rank(0), on_rank(1)
             make_sick(spec, wedged_rank=1)  # hung mid-step, a request on it
+            reader = concurrent.futures.ThreadPoolExecutor(1)
+            read = reader.submit(read_to_the_end, working)  # rank 0 streams on: the server makes progress
             try:
                 ended = read_to_the_end(doomed)  # bounded by the client's 45 s, below the 60 s chunk timeout
+                assert not read.done()  # the other rank still streaming: the server's mark moved throughout
                 assert isinstance(ended, openai.APIError) and ended.code == "upstream_rank_hung", ended
                 shown = state_of(proxy, "spec-0")
                 assert shown["hung_ranks"] == [1] and shown["outlier"]["state"] != "ejected"
@@ -1070,6 +1073,7 @@ def test_a_hung_data_parallel_rank_is_found_its_requests_fail_over_and_the_rest_
                 assert state_of(proxy, "spec-0")["outlier"]["consecutive_failures"] == 0
             finally:
                 make_sick(spec)
+                working.close()
+                reader.shutdown()
             wait_for(lambda: state_of(proxy, "spec-0")["hung_ranks"] == [], what="the rank serving again")
-            working.close()
             wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
