@@ -82,6 +82,11 @@ class InstanceSignals:
     """Answering, but answering badly: out of rotation for a while (proxy/outliers.py)."""
     time_scale: float = 1.0
     """Its busy-time counters' units per wall-clock unit (ServerDescription.time_scale: a twin's)."""
+    replicas: int = 1
+    """Engines behind its front (ServerDescription.replicas: SGLang's data-parallel ranks)."""
+    out_ranks: tuple[int, ...] = ()
+    """Its data-parallel ranks judged hung (the proxy's `Router.check_ranks`): their requests
+    and cap are not the server's to serve."""
     unresponsive: bool = False
     """Reachable, but its load polls go unanswered while another server's are answered
     (FleetModel.unresponsive: a stopped process or host): out of rotation until one is."""
@@ -214,18 +219,45 @@ class InstanceSignals:
         reading = self.reading
         age = 0.0 if not self.polled else math.inf if reading is None else max(now - reading.at, 0.0)
         tokens, sent = self.prompt_tokens_sent, self.sent
+        tokens_per_s = tokens.weighted * math.exp(-max(now - tokens.at, 0.0) / RATE_WINDOW_S) / RATE_WINDOW_S
+        sent_per_s = sent.weighted * math.exp(-max(now - sent.at, 0.0) / RATE_WINDOW_S) / RATE_WINDOW_S
+        if self.replicas <= 1:
+            return InstanceState(
+                self.url,
+                running,
+                waiting,
+                self.max_running,
+                self.in_rotation,
+                self.ejected,
+                age,
+                waiting_tokens,
+                tokens_per_s,
+                sent_per_s,
+            )
+        # One engine's view: each has its part of the load, of the queue, of what we send and
+        # of the cap. A hung rank's requests and cap are left out (it serves none of them).
+        serving, cap = self.serving_share()
+        frozen = sum(self.rank_work[r] for r in self.out_ranks if r < len(self.rank_work))
+        from_running = min(frozen, running)
+        running, waiting = running - from_running, max(waiting - (frozen - from_running), 0.0)
         return InstanceState(
             self.url,
-            running,
-            waiting,
-            self.max_running,
+            running / serving,
+            waiting / serving,
+            cap,
             self.in_rotation,
             self.ejected,
             age,
-            waiting_tokens,
-            tokens.weighted * math.exp(-max(now - tokens.at, 0.0) / RATE_WINDOW_S) / RATE_WINDOW_S,
-            sent.weighted * math.exp(-max(now - sent.at, 0.0) / RATE_WINDOW_S) / RATE_WINDOW_S,
+            None if waiting_tokens is None else waiting_tokens / serving,
+            tokens_per_s / serving,
+            sent_per_s / serving,
+            replicas=serving,
         )
+
+    def serving_share(self) -> tuple[int, int]:
+        """(Its engines serving, each one's running cap): every replica but a hung rank."""
+        serving = max(self.replicas - len(self.out_ranks), 1)
+        return serving, max(self.max_running // self.replicas, 1)
 
     def adjusted_load(self) -> float:
         running, waiting = self.adjusted()

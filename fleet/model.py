@@ -189,6 +189,7 @@ class FleetModel:
         if description.max_running:
             signals.max_running = description.max_running
         signals.time_scale = description.time_scale
+        signals.replicas = description.replicas
         pool = self.pools[signals.pool]
         if description.speculative and pool.role and description.num_draft_tokens:
             self.set_draft_tokens(pool.name, description.num_draft_tokens)
@@ -275,6 +276,10 @@ class FleetModel:
     def set_unresponsive(self, url: str, unresponsive: bool) -> None:
         """Its polls go unanswered while another's are (`unresponsive`), or it answers again."""
         self.instances[url].unresponsive = unresponsive
+
+    def set_out_ranks(self, url: str, ranks: tuple[int, ...]) -> None:
+        """Its data-parallel ranks judged hung (none: every rank serves)."""
+        self.instances[url].out_ranks = ranks
 
     def set_ejected(self, url: str, ejected: bool) -> None:
         self.instances[url].ejected = ejected
@@ -483,7 +488,9 @@ class FleetModel:
     def on_step(self, url: str, now: float, step_ms: float) -> None:
         """One decode step of the instance seen to take `step_ms`, at the batch the model holds."""
         signals = self.instances[url]
-        batch = min(max(signals.adjusted_load(), 1.0), float(signals.max_running))
+        serving, cap = signals.serving_share()
+        # One engine's batch: a server of several data-parallel ranks steps each on its own.
+        batch = min(max(signals.adjusted_load() / serving, 1.0), float(cap))
         self.cost.observe(signals.pool, batch, step_ms, now=now)
 
     def _on_cache_report(self, url: str, now: float, evidence: ResponseEvidence, sent: Dispatch) -> None:

@@ -96,7 +96,10 @@ class ServerDescription:
     num_draft_tokens: int = 0
     """Tokens drafted per verify step (speculative_num_steps with a chain draft)."""
     max_running: int | None = None
-    """Its running cap, when it says (SGLang's max_running_requests)."""
+    """Its running cap, when it says (SGLang's max_running_requests, times its replicas)."""
+    replicas: int = 1
+    """Engines behind its one front, each with its own batch, queue and an equal part of the cap
+    (SGLang's data-parallel ranks without DP attention, dealt requests in turn)."""
     time_scale: float = 1.0
     """A twin's --time-scale (its /server_info says; no real server does): it runs its GPU's
     physics this many times faster than the GPU would and counts busy time in the GPU's units,

@@ -80,6 +80,10 @@ class InstanceState:
     healthy): a server that stopped answering (a stopped or hung process still accepts
     connections) gets no new requests while its pool has another (`FleetModel.snapshot`;
     `Router.pick` applies the same rule to its candidates)."""
+    replicas: int = 1
+    """Engines behind the server's one front (SGLang's data-parallel ranks serving), each with
+    its own batch and queue: the figures above are one's, the server's total over `replicas`
+    (a request joins one engine's batch, behind one engine's queue)."""
 
     @property
     def load(self) -> float:
@@ -150,15 +154,15 @@ class PoolState:
 
     @property
     def running(self) -> float:
-        return sum(i.running for i in self.healthy_instances)
+        return sum(i.running * i.replicas for i in self.healthy_instances)
 
     @property
     def waiting(self) -> float:
-        return sum(i.waiting for i in self.healthy_instances)
+        return sum(i.waiting * i.replicas for i in self.healthy_instances)
 
     @property
     def capacity(self) -> int:
-        return sum(i.max_running for i in self.healthy_instances)
+        return sum(i.max_running * i.replicas for i in self.healthy_instances)
 
     @property
     def age_s(self) -> float:

@@ -762,6 +762,7 @@ class Router:
                 log.info("upstream %s (%s pool): every data-parallel rank serves again", instance.url, instance.pool)
             instance.hung_ranks = hung
             instance.serving_ranks = tuple(r for r in range(ranks) if r not in hung) if hung else ()
+            self.fleet.set_out_ranks(instance.url, hung)
         if hung:
             self.abandon(instance, now - grace_s, HUNG_RANK)
 

@@ -49,6 +49,7 @@ class SGLang(Backend):
             speculative=facts["speculative"],
             num_draft_tokens=facts["num_draft_tokens"],
             max_running=(count_or_none(facts["max_running_requests"]) or 0) * facts["replicas"] or None,
+            replicas=facts["replicas"],
             time_scale=_twin_scale(doc),
         )
         return description, facts

@@ -357,3 +357,50 @@ def test_a_server_is_unresponsive_only_while_another_answers() -> None:
     assert fleet.unresponsive("http://s", 6.0, after_s=5.0)  # another answers: the server's silence
     fleet.set_health("http://s", False)
     assert not fleet.unresponsive("http://s", 6.0, after_s=5.0)  # unreachable is another matter
+
+
+def test_a_server_of_several_data_parallel_ranks_is_seen_one_engine_at_a_time() -> None:
+    """SGLang with --dp-size 2 runs two engines behind one front, each with its own batch and
+    queue and the cap of max_running_requests. A request joins one of them: the policy's
+    figures are one engine's (its batch of 20, not 40, sets its step time), the pool's totals
+    the server's; a hung rank's frozen requests and cap are no one's to serve."""
+    from fleet.costmodel import StepCostModel, seed_from_profile
+    from fleet.types import Features
+    from policies.goodput import Goodput
+
+    def fleet_with(replicas: int, running: float, waiting: float, cap: int, tokens: float) -> FleetModel:
+        fleet = FleetModel({"spec": 3, "base": 0})
+        fleet.add_instance("http://s", "spec", 48)
+        fleet.add_instance("http://b", "base", 256)
+        fleet.on_server("http://s", ServerDescription("sglang", True, 3, max_running=cap, replicas=replicas))
+        reading = Reading(at=1.0, running=running, waiting=waiting, max_running=cap, waiting_tokens=tokens)
+        fleet.on_reading("http://s", reading)
+        return fleet
+
+    two = fleet_with(2, 40, 6, 96, 6000).snapshot(1.0).pools["spec"]
+    one = fleet_with(1, 20, 3, 48, 3000).snapshot(1.0).pools["spec"]
+    engine = two.instances[0]
+    assert (engine.running, engine.waiting, engine.max_running, engine.waiting_tokens, engine.replicas) == (
+        20,
+        3,
+        48,
+        3000,
+        2,
+    )
+    assert (two.running, two.waiting, two.capacity) == (40, 6, 96)
+    cost = StepCostModel(seed_from_profile("h200-llama8b"), num_draft_tokens=3)
+    prompt = Features(prompt_tokens=500)
+    assert Goodput().predict(two, engine, prompt, cost, 200) == Goodput().predict(
+        one, one.instances[0], prompt, cost, 200
+    )
+
+    # A decode step seen on it is one engine's, at its batch (23 here: 46 over two), not 46.
+    learning = fleet_with(2, 40, 6, 96, 6000)
+    learning.on_step("http://s", 2.0, 30.0)
+    assert learning.cost.evidence("spec", 23, 2.0) > learning.cost.evidence("spec", 46, 2.0)
+
+    hung = fleet_with(2, 40, 6, 96, 6000)
+    hung.instances["http://s"].rank_work = (30.0, 16.0)
+    hung.set_out_ranks("http://s", (0,))  # 30 frozen on rank 0: rank 1 serves its 10 and 6 queued
+    served = hung.snapshot(1.0).pools["spec"].instances[0]
+    assert (served.running, served.waiting, served.max_running, served.replicas) == (10, 6, 48, 1)
