@@ -82,6 +82,9 @@ NOT_FORWARDED = frozenset(
         "x-specroute-pool",
         "x-specroute-class",
         "x-specroute-session",
+        # Which data-parallel rank serves a request is the router's to say (it avoids a hung
+        # one): a client's would pile requests onto one rank, or onto a hung one.
+        "x-data-parallel-rank",
         # x-specroute-workload is forwarded: a server may read it too (the twin draws each
         # request's acceptance from its workload by it).
     }

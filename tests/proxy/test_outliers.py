@@ -1043,18 +1043,17 @@ def test_a_hung_data_parallel_rank_is_found_its_requests_fail_over_and_the_rest_
             client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=45)
             wait_for(lambda: state_of(proxy, "spec-0")["dp_ranks"] == 2, what="both ranks read")
 
-            def on_rank(rank: int) -> openai.Stream:
+            def under_way() -> openai.Stream:
+                # A client's x-data-parallel-rank is dropped: the server deals this one itself.
+                rank = {"x-data-parallel-rank": "0"}
                 stream = client.chat.completions.create(
-                    model="m",
-                    messages=MESSAGES,
-                    max_tokens=16000,
-                    stream=True,
-                    extra_headers={"x-data-parallel-rank": str(rank)},  # forwarded: SGLang reads it
+                    model="m", messages=MESSAGES, max_tokens=16000, stream=True, extra_headers=rank
                 )
-                next(iter(stream))  # under way
+                next(iter(stream))
                 return stream
 
-            working, doomed = on_rank(0), on_rank(1)
+            # The first two requests the twin takes: dealt to rank 0, then to rank 1.
+            working, doomed = under_way(), under_way()
             make_sick(spec, wedged_rank=1)  # hung mid-step, a request on it
             reader = concurrent.futures.ThreadPoolExecutor(1)
             read = reader.submit(read_to_the_end, working)  # rank 0 streams on: the server makes progress
