@@ -209,6 +209,9 @@ class OutlierDetector:
         caused this one (`proxy.suspects.request_may_cause`); `dispatched_at`: when it was sent
         (on this detector's clock): one sent before the server's last ejection is not counted."""
         if kind not in FAILURES and not kind.startswith("status_5"):
+            # Not the server's failure: a half-open probe may be tried again, as when the client
+            # leaves (a probe ended so held the server out of rotation for good).
+            self.released(instance, dispatched_at)
             return
         record = self.records[instance.url]
         if culprit is not None:

@@ -872,6 +872,7 @@ class CompletionHandler:
             ),
             culprit=exchange.culprit,
         )
+        attempt.rank = rank
         if exchange.logged is not None:
             dispatched(exchange.logged, instance.url, attempt.sent.cached_tokens)
         if exchange.held is not None:

@@ -238,6 +238,7 @@ class Attempt:
         "reading_since",
         "culprit",
         "answered_ok",
+        "rank",
     )
 
     def __init__(
@@ -300,6 +301,8 @@ class Attempt:
         """Why its server was judged to have left it silent (UNRESPONSIVE, NO_PROGRESS): the task
         was cancelled for that (the relay fails it over, or ends its stream with an error event),
         not because the client left."""
+        self.rank: int | None = None
+        """The data-parallel rank it was sent to by `x-data-parallel-rank` (None: the server's choice)."""
         self.reading_since: float | None = self.dispatched_at
         """Since when its task has been waiting on the server (for its first byte, or a stream's
         next bytes), or None while it is not (relaying to the client, or done). Only a wait on the
@@ -680,10 +683,13 @@ class Router:
             return
         self.abandon(instance, time.monotonic() - self.unresponsive_after_s, UNRESPONSIVE)
 
-    def abandon(self, instance: Instance, since: float, why: str) -> None:
-        """Cancel `instance`'s attempts that have waited on it since `since` or longer, for `why`."""
+    def abandon(self, instance: Instance, since: float, why: str, ranks: Collection[int] | None = None) -> None:
+        """Cancel `instance`'s attempts that have waited on it since `since` or longer, for `why`;
+        with `ranks`, only those sent to one of them or left to the server's choice."""
         for attempt in list(instance.attempts):
             waiting = attempt.reading_since
+            if ranks is not None and attempt.rank is not None and attempt.rank not in ranks:
+                continue
             if waiting is not None and waiting <= since and attempt.task is not None and attempt.abandoned is None:
                 attempt.abandoned = why
                 attempt.task.cancel()
@@ -747,6 +753,15 @@ class Router:
         if instance.kind != "sglang":
             return
         hung = instance.signals.hung_ranks(now, grace_s)
+        # Judged only while one of ours waits there as long: a snapshot alone may hold still on
+        # a healthy rank (a forward pass longer than the limit, a raised publish interval).
+        since = now - grace_s
+        if (
+            hung
+            and not instance.hung_ranks
+            and not any(a.reading_since is not None and a.reading_since <= since for a in instance.attempts)
+        ):
+            hung = ()
         if hung != instance.hung_ranks:
             ranks = len(instance.signals.rank_marks)
             if hung:
@@ -764,7 +779,8 @@ class Router:
             instance.serving_ranks = tuple(r for r in range(ranks) if r not in hung) if hung else ()
             self.fleet.set_out_ranks(instance.url, hung)
         if hung:
-            self.abandon(instance, now - grace_s, HUNG_RANK)
+            # Those sent to a working rank are its queue's, not the hung rank's.
+            self.abandon(instance, since, HUNG_RANK, ranks=hung)
 
     def unreachable(self, instance: Instance) -> None:
         """A connection to `instance` failed: skip it until a load poll reaches it again."""

@@ -308,6 +308,53 @@ def test_a_hung_server_is_ejected_at_once_and_again_if_its_probe_hangs() -> None
     )
 
 
+@pytest.mark.parametrize("kind", ["upstream_rank_hung", "total_timeout", "status_400"])
+def test_a_probe_that_ends_in_no_failure_of_the_servers_lets_the_next_one_be_tried(kind: str) -> None:
+    """A half-open server takes one request at a time. A probe that ended in an outcome not
+    counted against the server (a hung data-parallel rank's, a deadline, a refusal) left the
+    probe in flight for good: the server stayed out of rotation (a review's finding)."""
+    clock = Clock()
+    fleet, pools = fleet_of(2, 1)
+    outliers = detector(pools, fleet, clock)
+    sick = pools[0].instances[0]
+    outliers.hung(sick)
+    clock.now += 30.0
+    assert outliers.admits(sick)
+    outliers.dispatched(sick)
+    assert not outliers.admits(sick)  # the probe is out
+    outliers.failed(sick, kind, dispatched_at=clock.now)
+    assert outliers.admits(sick) and outliers.state_of(sick.url)["state"] == "probing"
+
+
+def test_a_rank_is_judged_hung_only_while_a_request_of_ours_waits_there_as_long() -> None:
+    """A rank's snapshot may hold still on a healthy server (a forward pass longer than the
+    limit, a raised publish interval): the rule judges only while one of our requests has been
+    silent there that long, and once judged keeps the judgement until the rank moves."""
+    from proxy.routing import Attempt, Router
+    from proxy.settings import load_settings
+
+    router = Router.from_settings(load_settings(spec_urls="http://s0", base_urls="http://b0", no_progress_s=1.0))
+    spec = router.pools["spec"].instances[0]
+    spec.kind = "sglang"
+    signals = spec.signals
+    now = time.monotonic()
+    signals.on_rank_marks((1.0, 1.0), (2.0, 2.0), at=now - 10.0)
+    signals.on_rank_marks((2.0, 1.0), (2.0, 2.0), at=now)  # rank 0 moves, rank 1 held still 10 s
+    router.check_ranks(spec, now, grace_s=3.0)
+    assert spec.hung_ranks == () and spec.serving_ranks == ()  # none of ours waits there
+    attempt = Attempt(router.fleet, spec, stream=True)
+    attempt.reading_since = now - 5.0  # silent 5 s
+    router.check_ranks(spec, now, grace_s=3.0)
+    assert spec.hung_ranks == (1,) and spec.serving_ranks == (0,)
+    attempt.abandoned = "finished"  # no longer waiting: the judgement stands until rank 1 moves
+    attempt.reading_since = None
+    router.check_ranks(spec, now, grace_s=3.0)
+    assert spec.hung_ranks == (1,)
+    signals.on_rank_marks((3.0, 2.0), (2.0, 2.0), at=now + 1.0)
+    router.check_ranks(spec, now + 1.0, grace_s=3.0)
+    assert spec.hung_ranks == () and spec.serving_ranks == ()
+
+
 # -- over HTTP, with the twin's fault modes ------------------------------------------------------
 
 
@@ -1075,4 +1122,53 @@ def test_a_hung_data_parallel_rank_is_found_its_requests_fail_over_and_the_rest_
                 working.close()
                 reader.shutdown()
             wait_for(lambda: state_of(proxy, "spec-0")["hung_ranks"] == [], what="the rank serving again")
+            wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_requests_queued_on_the_working_rank_are_not_taken_for_the_hung_ranks() -> None:
+    """Once a rank is judged hung, the server's requests name its working ranks; one queued
+    there past the limit (the working rank full) is that rank's queue, not the hung rank's, and
+    waits its turn (a review saw such requests failed over as `upstream_rank_hung`)."""
+    long = ("--output-len", "fixed:16384", "--max-running-requests", "1")
+    with twins(
+        TwinSpec("spec", seed=63, args=("--dp-size", "2", *long)),
+        TwinSpec("base", time_scale=TIME_SCALE, seed=64),
+    ) as (spec, base):
+        with running_proxy(
+            spec_urls=[spec.url], base_urls=[base.url], policy="spec", no_progress_s=1.0, chunk_timeout_s=60
+        ) as proxy:
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=45)
+            wait_for(lambda: state_of(proxy, "spec-0")["dp_ranks"] == 2, what="both ranks read")
+            streams = []
+            for _ in range(2):  # dealt to rank 0, then rank 1: each rank's one slot taken
+                streams.append(
+                    client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=16000, stream=True)
+                )
+                next(iter(streams[-1]))
+            working, doomed = streams
+            make_sick(spec, wedged_rank=1)
+            pool = concurrent.futures.ThreadPoolExecutor(2)
+            try:
+                pool.submit(read_to_the_end, working)  # rank 0 streams on
+                ended = read_to_the_end(doomed)
+                assert isinstance(ended, openai.APIError) and ended.code == "upstream_rank_hung", ended
+                queued = pool.submit(
+                    client.chat.completions.with_raw_response.create, model="m", messages=MESSAGES, max_tokens=2
+                )
+                spec_0 = instance(proxy, "spec", 0)
+
+                def silent_on_rank_0() -> bool:
+                    now = time.monotonic()
+                    return any(a.rank == 0 and a.reading_since and now - a.reading_since > 3.0 for a in spec_0.attempts)
+
+                wait_for(silent_on_rank_0, what="a request queued on rank 0 past the limit")
+                assert all(a.abandoned is None for a in spec_0.attempts)
+                working.close()  # rank 0's slot frees: the queued request is served there
+                answer = queued.result(timeout=40)
+                assert answer.headers["x-specroute-backend"] == "spec-0"
+                assert not answer.headers["x-specroute-reason"].endswith("failover")
+            finally:
+                make_sick(spec)
+                working.close()
+                pool.shutdown()
             wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
