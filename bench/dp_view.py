@@ -36,7 +36,9 @@ RANKS = 2
 POLICIES = ("spec", "base", "goodput")
 
 
-async def one(client: httpx.AsyncClient, url: str, prompt_tokens: int, output_tokens: int, index: int) -> dict[str, Any]:
+async def one(
+    client: httpx.AsyncClient, url: str, prompt_tokens: int, output_tokens: int, index: int
+) -> dict[str, Any]:
     # Its own first word: the twins keep a prefix cache, and prompts of one repeated word would be
     # each other's prefixes.
     body = {

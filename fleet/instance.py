@@ -252,6 +252,7 @@ class InstanceSignals:
             tokens_per_s / serving,
             sent_per_s / serving,
             replicas=serving,
+            hung_ranks=len(self.out_ranks),
         )
 
     def serving_share(self) -> tuple[int, int]:

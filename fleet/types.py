@@ -84,6 +84,8 @@ class InstanceState:
     """Engines behind the server's one front (SGLang's data-parallel ranks serving), each with
     its own batch and queue: the figures above are one's, the server's total over `replicas`
     (a request joins one engine's batch, behind one engine's queue)."""
+    hung_ranks: int = 0
+    """Its data-parallel ranks judged hung among working ones (left out of the figures above)."""
 
     @property
     def load(self) -> float:

@@ -116,6 +116,12 @@ class Metrics:
             ["pool", "instance"],
             registry=r,
         )
+        self.hung_ranks = Gauge(
+            n.M_HUNG_RANKS,
+            "Data-parallel ranks of an upstream instance judged hung while its other ranks serve.",
+            ["pool", "instance"],
+            registry=r,
+        )
         self.ejections = Counter(
             n.M_EJECTIONS,
             "Times outlier detection ejected an upstream instance, by the rule that ejected it.",
@@ -200,6 +206,7 @@ class Metrics:
         for pool in pools:
             for url in instances[pool]:
                 self.in_flight.labels(pool, url)
+                self.hung_ranks.labels(pool, url)
                 # An ejection between two scrapes leaves the ejected gauge at 0 on both: the
                 # counter keeps it.
                 for reason in n.EJECTION_REASONS:
@@ -296,6 +303,7 @@ class Metrics:
             for instance in pool.instances:
                 self.healthy.labels(name, instance.url).set(1.0 if instance.healthy else 0.0)
                 self.ejected.labels(name, instance.url).set(1.0 if instance.ejected else 0.0)
+                self.hung_ranks.labels(name, instance.url).set(instance.hung_ranks)
 
     def render(self) -> bytes:
         if self._held_source is not None:

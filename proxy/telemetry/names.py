@@ -89,6 +89,7 @@ ATTEMPTED_OUTCOMES = ("ok", "client_error", "error", "client_disconnected")
 UNATTEMPTED_OUTCOMES = ("client_error", "refused", "error", "client_disconnected")
 """The `outcome`s of a request refused before any attempt (pool `none`): never `ok`."""
 M_EJECTED = "specroute_upstream_ejected"
+M_HUNG_RANKS = "specroute_upstream_hung_ranks"
 M_EJECTIONS = "specroute_upstream_ejections"
 EJECTION_REASONS = (
     "consecutive-failures",

@@ -1110,6 +1110,8 @@ def test_a_hung_data_parallel_rank_is_found_its_requests_fail_over_and_the_rest_
                 assert isinstance(ended, openai.APIError) and ended.code == "upstream_rank_hung", ended
                 shown = state_of(proxy, "spec-0")
                 assert shown["hung_ranks"] == [1] and shown["outlier"]["state"] != "ejected"
+                gauge = f'specroute_upstream_hung_ranks{{instance="{spec.url}",pool="spec"}}'
+                assert f"{gauge} 1.0" in httpx.get(proxy.url + "/metrics").text
                 for _ in range(4):  # dealt to the working rank: none waits, none fails over
                     answer = client.chat.completions.with_raw_response.create(
                         model="m", messages=MESSAGES, max_tokens=2
@@ -1122,6 +1124,7 @@ def test_a_hung_data_parallel_rank_is_found_its_requests_fail_over_and_the_rest_
                 working.close()
                 reader.shutdown()
             wait_for(lambda: state_of(proxy, "spec-0")["hung_ranks"] == [], what="the rank serving again")
+            wait_for(lambda: f"{gauge} 0.0" in httpx.get(proxy.url + "/metrics").text, what="the gauge back at 0")
             wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
