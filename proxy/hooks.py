@@ -41,11 +41,20 @@ class RequestHooks:
         the user opted in (SPECROUTE_TRACE_CONTENT)."""
 
     def attempt_started(
-        self, *, pool: str, instance: str, attempt: int, cached_tokens: int = 0, server_kind: str = ""
+        self,
+        *,
+        pool: str,
+        instance: str,
+        attempt: int,
+        cached_tokens: int = 0,
+        server_kind: str = "",
+        resent: bool = False,
     ) -> None:
         """An upstream request is about to be sent (attempt counts from 1); `cached_tokens`: the
         prompt tokens the router credited `instance` with holding in its prefix cache;
-        `server_kind`: what `instance` was learned as (proxy/backends), "" if not yet."""
+        `server_kind`: what `instance` was learned as (proxy/backends), "" if not yet; `resent`:
+        sent again to the same server without the `stream_options` the proxy added, which it
+        refused (no retry)."""
 
     def outgoing_headers(self, headers: MutableMapping[str, str]) -> None:
         """Headers about to go upstream for the current attempt; add e.g. traceparent here."""

@@ -844,6 +844,7 @@ class CompletionHandler:
             attempt=number,
             cached_tokens=exchange.match.credit.get(instance.url, 0),
             server_kind=instance.kind,
+            resent=not usage,
         )
         with_usage = exchange.with_usage if usage and instance.takes_stream_options(monotonic()) else None
         exchange.hide_usage = with_usage is not None

@@ -177,12 +177,19 @@ class RequestRecorder(RequestHooks):
 
     # -- attempts --------------------------------------------------------------------------
     def attempt_started(
-        self, *, pool: str, instance: str, attempt: int, cached_tokens: int = 0, server_kind: str = ""
+        self,
+        *,
+        pool: str,
+        instance: str,
+        attempt: int,
+        cached_tokens: int = 0,
+        server_kind: str = "",
+        resent: bool = False,
     ) -> None:
         metrics = self._owner.metrics
         self._credited = cached_tokens
         self._server_kind = server_kind
-        if attempt > 1:
+        if attempt > 1 and not resent:
             if pool == self._pool:
                 metrics.retried(pool)
             else:

@@ -183,6 +183,7 @@ def test_a_server_that_refuses_stream_options_gets_streams_as_their_clients_sent
         assert json.loads(posted[1]) == json.loads(posted[2])  # as the client sent it
         state = httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()
         assert state["pools"]["spec"]["instances"][0]["takes_stream_options"] is False
+        assert 'specroute_retries_total{pool="spec"} 0.0' in httpx.get(proxy.url + "/metrics").text  # no retry
         # A client that names stream_options itself gets the server's answer, its request sent once.
         with pytest.raises(openai.UnprocessableEntityError, match="stream_options"):
             client.chat.completions.create(
