@@ -114,7 +114,9 @@ class InstanceSignals:
     says nothing of its engine."""
     rank_marks: tuple[float, ...] = ()
     """Its data-parallel ranks' marks as last read (Reading.rank_marks); empty for one rank."""
-    rank_work: tuple[float, ...] = ()
+    rank_running: tuple[float, ...] = ()
+    rank_waiting: tuple[float, ...] = ()
+    rank_waiting_tokens: tuple[float, ...] = ()
     rank_moved_at: list[float] = field(default_factory=list)
     """When each rank's mark last changed, or was first seen."""
     polled: bool = True
@@ -221,7 +223,7 @@ class InstanceSignals:
         tokens, sent = self.prompt_tokens_sent, self.sent
         tokens_per_s = tokens.weighted * math.exp(-max(now - tokens.at, 0.0) / RATE_WINDOW_S) / RATE_WINDOW_S
         sent_per_s = sent.weighted * math.exp(-max(now - sent.at, 0.0) / RATE_WINDOW_S) / RATE_WINDOW_S
-        if self.replicas <= 1:
+        if self.replicas <= 1 and not self.out_ranks:
             return InstanceState(
                 self.url,
                 running,
@@ -236,29 +238,41 @@ class InstanceSignals:
             )
         # One engine's view: each has its part of the load, of the queue, of what we send and
         # of the cap. A hung rank's requests and cap are left out (it serves none of them).
-        serving, cap = self.serving_share()
-        frozen = sum(self.rank_work[r] for r in self.out_ranks if r < len(self.rank_work))
-        from_running = min(frozen, running)
-        running, waiting = running - from_running, max(waiting - (frozen - from_running), 0.0)
+        running, waiting, waiting_tokens, serving, cap = self.engine_load((running, waiting, waiting_tokens))
         return InstanceState(
             self.url,
-            running / serving,
-            waiting / serving,
+            running,
+            waiting,
             cap,
             self.in_rotation,
             self.ejected,
             age,
-            None if waiting_tokens is None else waiting_tokens / serving,
+            waiting_tokens,
             tokens_per_s / serving,
             sent_per_s / serving,
             replicas=serving,
             hung_ranks=len(self.out_ranks),
         )
 
-    def serving_share(self) -> tuple[int, int]:
-        """(Its engines serving, each one's running cap): every replica but a hung rank."""
-        serving = max(self.replicas - len(self.out_ranks), 1)
-        return serving, max(self.max_running // self.replicas, 1)
+    def engine_load(
+        self, load: tuple[float, float, float | None] | None = None
+    ) -> tuple[float, float, float | None, int, int]:
+        """One engine's running and waiting requests and queued tokens, the engines serving and
+        one's cap: `load_state()` (or `load`) less what hung ranks hold, over the serving engines.
+        The server's own figures for a server of one engine."""
+        running, waiting, waiting_tokens = self.load_state() if load is None else load
+        replicas = max(self.replicas, len(self.rank_marks) if self.out_ranks else 1, 1)
+        serving = max(replicas - len(self.out_ranks), 1)
+        cap = max(self.max_running // replicas, 1)
+        for rank in self.out_ranks:
+            if rank < len(self.rank_running):
+                running -= self.rank_running[rank]
+                waiting -= self.rank_waiting[rank]
+                if waiting_tokens is not None:
+                    waiting_tokens -= self.rank_waiting_tokens[rank]
+        running, waiting = max(running, 0.0), max(waiting, 0.0)
+        tokens = None if waiting_tokens is None else max(waiting_tokens, 0.0) / serving
+        return running / serving, waiting / serving, tokens, serving, cap
 
     def adjusted_load(self) -> float:
         running, waiting = self.adjusted()
@@ -271,14 +285,18 @@ class InstanceSignals:
             self.engine_moved = self.engine_moved or self.engine_mark is not None
             self.engine_mark, self.engine_mark_at = mark, at
 
-    def on_rank_marks(self, marks: tuple[float, ...], work: tuple[float, ...], at: float) -> None:
+    def on_ranks(self, reading: Reading) -> None:
+        """A reading's per-rank figures (Reading.rank_marks)."""
+        marks, at = reading.rank_marks, reading.at
         if len(marks) != len(self.rank_marks):  # the first reading, or a server restarted with other ranks
             self.rank_moved_at = [at] * len(marks)
         else:
             for rank, (before, mark) in enumerate(zip(self.rank_marks, marks)):
                 if mark != before:
                     self.rank_moved_at[rank] = at
-        self.rank_marks, self.rank_work = marks, work
+        self.rank_marks = marks
+        self.rank_running, self.rank_waiting = reading.rank_running, reading.rank_waiting
+        self.rank_waiting_tokens = reading.rank_waiting_tokens
 
     def hung_ranks(self, now: float, still_s: float) -> tuple[int, ...]:
         """Its data-parallel ranks that show work but whose mark has held still for `still_s`
@@ -287,12 +305,12 @@ class InstanceSignals:
         in N until the first-token timeout, while the server's own mark (their sum) moves and
         its other requests stream. Empty when every rank is so (the whole engine is stuck:
         `engine_still_s` says it) or the server has one rank."""
-        if len(self.rank_marks) < 2 or len(self.rank_work) != len(self.rank_marks):
+        if len(self.rank_marks) < 2 or len(self.rank_running) != len(self.rank_marks):
             return ()
         hung = tuple(
             rank
             for rank, moved_at in enumerate(self.rank_moved_at)
-            if self.rank_work[rank] > 0 and now - moved_at >= still_s
+            if self.rank_running[rank] + self.rank_waiting[rank] > 0 and now - moved_at >= still_s
         )
         return hung if len(hung) < len(self.rank_marks) else ()
 

@@ -188,6 +188,9 @@ class FleetModel:
         signals = self.instances[url]
         if description.max_running:
             signals.max_running = description.max_running
+        elif description.replicas != signals.replicas:
+            # No cap said: each engine has the configured one (an SGLang auto-sizing its cap).
+            signals.max_running = signals.max_running // max(signals.replicas, 1) * description.replicas
         signals.time_scale = description.time_scale
         signals.replicas = description.replicas
         pool = self.pools[signals.pool]
@@ -215,7 +218,9 @@ class FleetModel:
         signals.polled = True
         signals.unresponsive = False
         signals.on_engine_mark(reading.engine_mark, reading.at)
-        signals.on_rank_marks(reading.rank_marks, reading.rank_work, reading.at)
+        signals.on_ranks(reading)
+        if signals.replicas > 1 and len(reading.rank_marks) > 1:
+            signals.replicas = len(reading.rank_marks)  # its ranks as it lists them now (a restart may change them)
         if reading.max_running:
             signals.max_running = reading.max_running
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:
@@ -488,9 +493,9 @@ class FleetModel:
     def on_step(self, url: str, now: float, step_ms: float) -> None:
         """One decode step of the instance seen to take `step_ms`, at the batch the model holds."""
         signals = self.instances[url]
-        serving, cap = signals.serving_share()
         # One engine's batch: a server of several data-parallel ranks steps each on its own.
-        batch = min(max(signals.adjusted_load() / serving, 1.0), float(cap))
+        running, waiting, _, _, cap = signals.engine_load()
+        batch = min(max(running + waiting, 1.0), float(cap))
         self.cost.observe(signals.pool, batch, step_ms, now=now)
 
     def _on_cache_report(self, url: str, now: float, evidence: ResponseEvidence, sent: Dispatch) -> None:

@@ -41,11 +41,14 @@ class Reading:
     iteration and scheduler stats). Unchanged long after a request reached the server, the
     engine is stuck."""
     rank_marks: tuple[float, ...] = ()
-    rank_work: tuple[float, ...] = ()
+    rank_running: tuple[float, ...] = ()
+    rank_waiting: tuple[float, ...] = ()
+    rank_waiting_tokens: tuple[float, ...] = ()
     """With several data-parallel ranks (SGLang --dp-size), each rank's own mark (its snapshot
-    time) and work (running plus waiting requests), in rank order: a rank whose mark holds
-    still while it shows work and another rank goes on is a scheduler hung among working ones
-    (InstanceSignals.hung_ranks). Empty for a server of one rank."""
+    time), running and waiting requests and queued prompt tokens, in rank order: a rank whose
+    mark holds still while it shows work and another rank goes on is a scheduler hung among
+    working ones (InstanceSignals.hung_ranks), and what it holds is no one's to serve. Empty for
+    a server of one rank."""
 
     def check(self) -> Reading:
         """This reading, if every number in it is one a server can mean; else ValueError naming

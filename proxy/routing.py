@@ -189,6 +189,12 @@ PREFILL_MARGIN = 3.0
 waiting on a server: the generic prior can be several times fast."""
 
 
+def engine_share(instance: Instance) -> float:
+    """How full one engine of the instance is (its running and waiting requests over its cap)."""
+    running, waiting, _, _, cap = instance.signals.engine_load()
+    return (running + waiting) / cap
+
+
 def stalled(
     attempts: Collection[Attempt], progress_at: float, now: float, grace_s: float, engine_still_s: float | None
 ) -> bool:
@@ -600,8 +606,8 @@ class Router:
             credit = cached.get(instance.url, 0)
             if credit <= 0 or not instance.healthy:
                 continue
-            signals = instance.signals
-            if signals.adjusted_load() + 1 > max(signals.max_running, 1):
+            running, waiting, _, _, cap = instance.signals.engine_load()
+            if running + waiting + 1 > cap:
                 continue
             if best is None or credit > cached.get(best.url, 0):
                 best = instance
@@ -658,7 +664,7 @@ class Router:
             return candidates[0] if candidates else None
         start = next(self._turn) % len(candidates)
         rotated = candidates[start:] + candidates[:start]
-        return min(rotated, key=lambda i: i.signals.adjusted_load() / max(i.signals.max_running, 1))
+        return min(rotated, key=engine_share)
 
     def next_instance(
         self, pool: PoolName, tried: Collection[Instance], pinned: bool, prefer: str | None = None
@@ -759,7 +765,10 @@ class Router:
         if (
             hung
             and not instance.hung_ranks
-            and not any(a.reading_since is not None and a.reading_since <= since for a in instance.attempts)
+            and not any(
+                a.reading_since is not None and a.reading_since <= since and (a.rank is None or a.rank in hung)
+                for a in instance.attempts
+            )
         ):
             hung = ()
         if hung != instance.hung_ranks:

@@ -108,9 +108,12 @@ def fleet_state(
                 {
                     "url": i.url,
                     "name": poller.instance.name,
-                    "running": i.running,
-                    "waiting": i.waiting,
-                    "max_running": i.max_running,
+                    # The server's engines serving (several: SGLang data-parallel ranks, a hung
+                    # one left out) and what they hold, summed (the policy sees one engine's part).
+                    "engines": i.replicas,
+                    "running": i.running * i.replicas,
+                    "waiting": i.waiting * i.replicas,
+                    "max_running": i.max_running * i.replicas,
                     "healthy": i.healthy,
                     # Its polls went unanswered while a pool-mate's did not: no new requests.
                     "lagging": i.lagging,

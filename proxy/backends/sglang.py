@@ -124,7 +124,7 @@ def reading_from_loads(doc: Mapping[str, Any], at: float) -> Reading:
     loads = [entry for entry in doc.get("loads", []) if isinstance(entry, Mapping)]
     if not loads:
         raise ValueError("no loads in /v1/loads answer")
-    marks, work = _ranks(loads)
+    marks, running, waiting, tokens = _ranks(loads)
     # Its speculative.accept_length is cumulative since start: too slow for routing, not used.
     return Reading(
         at=at,
@@ -137,29 +137,40 @@ def reading_from_loads(doc: Mapping[str, Any], at: float) -> Reading:
         prefill_busy_us_total=_total(loads, "total_prefill_busy_us"),
         engine_mark=_snapshot_times(loads),
         rank_marks=marks,
-        rank_work=work,
+        rank_running=running,
+        rank_waiting=waiting,
+        rank_waiting_tokens=tokens,
     )
 
 
-def _ranks(loads: list[Mapping[str, Any]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Each rank's snapshot time and running plus waiting requests, in dp_rank order; empty for
-    one rank, or when a rank's number or time is missing or no count."""
+RankFigures = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...], tuple[float, ...]]
+
+
+def _ranks(loads: list[Mapping[str, Any]]) -> RankFigures:
+    """Each rank's snapshot time, running and waiting requests and queued prompt tokens, in
+    dp_rank order; empty for one rank, or when a rank's number or time is missing or no count."""
+    none: RankFigures = ((), (), (), ())
     if len(loads) < 2:
-        return (), ()
-    ranks: dict[int, tuple[float, float]] = {}
+        return none
+    ranks: dict[int, tuple[float, float, float, float]] = {}
     for entry in loads:
         rank = count_or_none(entry.get("dp_rank"), 4096)
         mark = entry.get("timestamp")
         if rank is None or rank in ranks or isinstance(mark, bool) or not isinstance(mark, int | float):
-            return (), ()
+            return none
         if not 0 <= mark <= MAX_COUNT:
-            return (), ()
-        work = (count_or_none(entry.get("num_running_reqs")) or 0) + (count_or_none(entry.get("num_waiting_reqs")) or 0)
-        ranks[rank] = (float(mark), float(work))
+            return none
+        ranks[rank] = (
+            float(mark),
+            float(count_or_none(entry.get("num_running_reqs")) or 0),
+            float(count_or_none(entry.get("num_waiting_reqs")) or 0),
+            float(count_or_none(entry.get("num_waiting_uncached_tokens")) or 0),
+        )
     order = sorted(ranks)
     if order != list(range(len(order))):
-        return (), ()  # not ranks 0..N-1: no rank an x-data-parallel-rank header could name by position
-    return tuple(ranks[r][0] for r in order), tuple(ranks[r][1] for r in order)
+        return none  # not ranks 0..N-1: no rank an x-data-parallel-rank header could name by position
+    columns = [tuple(ranks[r][i] for r in order) for i in range(4)]
+    return columns[0], columns[1], columns[2], columns[3]
 
 
 def _snapshot_times(loads: list[Mapping[str, Any]]) -> float | None:

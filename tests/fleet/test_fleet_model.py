@@ -399,8 +399,34 @@ def test_a_server_of_several_data_parallel_ranks_is_seen_one_engine_at_a_time() 
     learning.on_step("http://s", 2.0, 30.0)
     assert learning.cost.evidence("spec", 23, 2.0) > learning.cost.evidence("spec", 46, 2.0)
 
+    # Rank 0 hung holding 24 running and 6 queued (6,000 tokens): rank 1 serves its 16, no queue.
     hung = fleet_with(2, 40, 6, 96, 6000)
-    hung.instances["http://s"].rank_work = (30.0, 16.0)
-    hung.set_out_ranks("http://s", (0,))  # 30 frozen on rank 0: rank 1 serves its 10 and 6 queued
-    served = hung.snapshot(1.0).pools["spec"].instances[0]
-    assert (served.running, served.waiting, served.max_running, served.replicas) == (10, 6, 48, 1)
+    ranks = Reading(
+        at=1.5,
+        running=40,
+        waiting=6,
+        max_running=96,
+        waiting_tokens=6000,
+        rank_marks=(1.0, 2.0),
+        rank_running=(24.0, 16.0),
+        rank_waiting=(6.0, 0.0),
+        rank_waiting_tokens=(6000.0, 0.0),
+    )
+    hung.on_reading("http://s", ranks)
+    hung.set_out_ranks("http://s", (0,))
+    served = hung.snapshot(1.5).pools["spec"].instances[0]
+    assert (served.running, served.waiting, served.waiting_tokens, served.max_running, served.replicas) == (
+        16,
+        0,
+        0,
+        48,
+        1,
+    )
+    hung.on_step("http://s", 2.0, 30.0)  # a step of the engine serving: at its batch of 16
+    assert hung.cost.evidence("spec", 16, 2.0) > hung.cost.evidence("spec", 40, 2.0)
+
+    # No cap said (SGLang auto-sizes it; /metrics has none): each engine has the configured one.
+    auto = FleetModel({"spec": 3, "base": 0})
+    auto.add_instance("http://s", "spec", 48)
+    auto.on_server("http://s", ServerDescription("sglang", True, 3, max_running=None, replicas=2))
+    assert auto.snapshot(1.0).pools["spec"].capacity == 96

@@ -330,6 +330,7 @@ def test_a_rank_is_judged_hung_only_while_a_request_of_ours_waits_there_as_long(
     """A rank's snapshot may hold still on a healthy server (a forward pass longer than the
     limit, a raised publish interval): the rule judges only while one of our requests has been
     silent there that long, and once judged keeps the judgement until the rank moves."""
+    from fleet.readings import Reading
     from proxy.routing import Attempt, Router
     from proxy.settings import load_settings
 
@@ -338,8 +339,9 @@ def test_a_rank_is_judged_hung_only_while_a_request_of_ours_waits_there_as_long(
     spec.kind = "sglang"
     signals = spec.signals
     now = time.monotonic()
-    signals.on_rank_marks((1.0, 1.0), (2.0, 2.0), at=now - 10.0)
-    signals.on_rank_marks((2.0, 1.0), (2.0, 2.0), at=now)  # rank 0 moves, rank 1 held still 10 s
+    busy = {"rank_running": (2.0, 2.0), "rank_waiting": (0.0, 0.0), "rank_waiting_tokens": (0.0, 0.0)}
+    signals.on_ranks(Reading(now - 10.0, 4, 0, rank_marks=(1.0, 1.0), **busy))
+    signals.on_ranks(Reading(now, 4, 0, rank_marks=(2.0, 1.0), **busy))  # rank 0 moves, rank 1 held still 10 s
     router.check_ranks(spec, now, grace_s=3.0)
     assert spec.hung_ranks == () and spec.serving_ranks == ()  # none of ours waits there
     attempt = Attempt(router.fleet, spec, stream=True)
@@ -350,7 +352,7 @@ def test_a_rank_is_judged_hung_only_while_a_request_of_ours_waits_there_as_long(
     attempt.reading_since = None
     router.check_ranks(spec, now, grace_s=3.0)
     assert spec.hung_ranks == (1,)
-    signals.on_rank_marks((3.0, 2.0), (2.0, 2.0), at=now + 1.0)
+    signals.on_ranks(Reading(now + 1.0, 4, 0, rank_marks=(3.0, 2.0), **busy))
     router.check_ranks(spec, now + 1.0, grace_s=3.0)
     assert spec.hung_ranks == () and spec.serving_ranks == ()
 
@@ -1089,6 +1091,7 @@ def test_a_hung_data_parallel_rank_is_found_its_requests_fail_over_and_the_rest_
         ) as proxy:
             client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=45)
             wait_for(lambda: state_of(proxy, "spec-0")["dp_ranks"] == 2, what="both ranks read")
+            assert (state_of(proxy, "spec-0")["engines"], state_of(proxy, "spec-0")["max_running"]) == (2, 96)
 
             def under_way() -> openai.Stream:
                 # A client's x-data-parallel-rank is dropped: the server deals this one itself.
@@ -1110,6 +1113,7 @@ def test_a_hung_data_parallel_rank_is_found_its_requests_fail_over_and_the_rest_
                 assert isinstance(ended, openai.APIError) and ended.code == "upstream_rank_hung", ended
                 shown = state_of(proxy, "spec-0")
                 assert shown["hung_ranks"] == [1] and shown["outlier"]["state"] != "ejected"
+                assert (shown["engines"], shown["max_running"]) == (1, 48)  # rank 0 alone serves
                 gauge = f'specroute_upstream_hung_ranks{{instance="{spec.url}",pool="spec"}}'
                 assert f"{gauge} 1.0" in httpx.get(proxy.url + "/metrics").text
                 for _ in range(4):  # dealt to the working rank: none waits, none fails over

@@ -286,14 +286,16 @@ def test_an_engine_mark_counts_as_still_only_once_it_has_been_seen_to_move():
 
 def test_each_data_parallel_rank_reports_its_own_mark_and_work_and_caps_add_up():
     """With --dp-size N, /v1/loads has one snapshot per rank: the reading keeps each rank's time
-    and running plus waiting requests, in rank order (none for one rank, or for ranks that are
-    not 0..N-1 or carry no time); /server_info's max_running_requests is each rank's cap."""
-    entry = {"num_running_reqs": 2, "num_waiting_reqs": 1, "max_running_requests": 8}
+    running and waiting requests and queued tokens, in rank order (none for one rank, or for
+    ranks that are not 0..N-1 or carry no time); /server_info's max_running_requests is each
+    rank's cap."""
+    entry = {"num_running_reqs": 2, "num_waiting_reqs": 1, "max_running_requests": 8, "num_waiting_uncached_tokens": 90}
     two = {
         "loads": [dict(entry, dp_rank=1, timestamp=20.0, num_waiting_reqs=0), dict(entry, dp_rank=0, timestamp=10.0)]
     }
     reading = reading_from_loads(two, 1.0)
-    assert (reading.rank_marks, reading.rank_work, reading.max_running) == ((10.0, 20.0), (3.0, 2.0), 16)
+    assert (reading.rank_marks, reading.rank_running, reading.rank_waiting) == ((10.0, 20.0), (2.0, 2.0), (1.0, 0.0))
+    assert (reading.rank_waiting_tokens, reading.max_running) == ((90.0, 90.0), 16)
     assert reading_from_loads({"loads": [dict(entry, dp_rank=0, timestamp=1.0)]}, 1.0).rank_marks == ()
     gap = {"loads": [dict(entry, dp_rank=0, timestamp=1.0), dict(entry, dp_rank=2, timestamp=1.0)]}
     assert reading_from_loads(gap, 1.0).rank_marks == ()
@@ -307,18 +309,25 @@ def test_each_data_parallel_rank_reports_its_own_mark_and_work_and_caps_add_up()
 
 def test_a_rank_is_hung_only_while_it_shows_work_and_another_rank_does_not_hold_still_with_it():
     from fleet.instance import InstanceSignals
+    from fleet.readings import Reading
+
+    def ranks(marks: tuple[float, ...], running: tuple[float, ...], at: float) -> Reading:
+        zeros = (0.0,) * len(marks)
+        return Reading(
+            at, sum(running), 0, rank_marks=marks, rank_running=running, rank_waiting=zeros, rank_waiting_tokens=zeros
+        )
 
     signals = InstanceSignals("http://s", "spec", 8)
-    signals.on_rank_marks((1.0, 1.0), (1.0, 1.0), at=0.0)
-    signals.on_rank_marks((2.0, 1.0), (1.0, 1.0), at=5.0)  # rank 0 moves, rank 1 holds
+    signals.on_ranks(ranks((1.0, 1.0), (1.0, 1.0), at=0.0))
+    signals.on_ranks(ranks((2.0, 1.0), (1.0, 1.0), at=5.0))  # rank 0 moves, rank 1 holds
     assert signals.hung_ranks(6.0, still_s=3.0) == (1,)
     assert signals.hung_ranks(6.0, still_s=7.0) == ()  # not still for that long yet
     assert signals.hung_ranks(9.0, still_s=3.0) == ()  # both still: the whole engine (engine_still_s)
-    signals.on_rank_marks((3.0, 1.0), (0.0, 1.0), at=9.0)
+    signals.on_ranks(ranks((3.0, 1.0), (0.0, 1.0), at=9.0))
     assert signals.hung_ranks(20.0, still_s=3.0) == (1,)  # rank 0 idle: it holds still without work
-    signals.on_rank_marks((3.0, 1.0), (0.0, 0.0), at=21.0)
+    signals.on_ranks(ranks((3.0, 1.0), (0.0, 0.0), at=21.0))
     assert signals.hung_ranks(30.0, still_s=3.0) == ()  # no work on rank 1 either
-    signals.on_rank_marks((3.0, 4.0, 5.0), (1.0, 1.0, 1.0), at=31.0)  # restarted with three ranks
+    signals.on_ranks(ranks((3.0, 4.0, 5.0), (1.0, 1.0, 1.0), at=31.0))  # restarted with three ranks
     assert signals.hung_ranks(32.0, still_s=3.0) == ()
     assert InstanceSignals("http://one", "spec", 8).hung_ranks(100.0, still_s=1.0) == ()
 
