@@ -22,7 +22,7 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,14 @@ MODES: dict[str, dict[str, str]] = {
 """Admission off or on (its default limits), flow control off or holding up to 120 s."""
 
 
-async def one(client: httpx.AsyncClient, url: str, prompt_tokens: int, index: int) -> dict[str, Any]:
+Send = Callable[[httpx.AsyncClient, str, int, int, int], Coroutine[Any, Any, dict[str, Any]]]
+"""One request of an offered load: (client, url, prompt tokens, output tokens, index) -> its record."""
+
+
+async def one(
+    client: httpx.AsyncClient, url: str, prompt_tokens: int, output_tokens: int, index: int
+) -> dict[str, Any]:
+    """A streamed chat request of `prompt_tokens`, its output its natural length (the twin's)."""
     # Its own first word: the twins keep a prefix cache, and prompts of one repeated word were
     # each other's prefixes, so their prefill was nearly free and twice the capacity was not.
     body = {
@@ -87,12 +94,14 @@ async def one(client: httpx.AsyncClient, url: str, prompt_tokens: int, index: in
 
 
 async def offered_load(
-    url: str, duration_s: float, rate: float, sample: Sequence[tuple[int, int]], seed: int
+    url: str, duration_s: float, rate: float, sample: Sequence[tuple[int, int]], seed: int, send: Send = one
 ) -> list[dict[str, Any]]:
+    """Poisson arrivals at `rate` for `duration_s`, each a request of the sample's lengths sent
+    by `send`; every record once all are answered."""
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=4000, max_keepalive_connections=4000)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
-        tasks = []
+        tasks: list[asyncio.Task[dict[str, Any]]] = []
         started = time.monotonic()
         at = 0.0
         i = 0
@@ -101,8 +110,8 @@ async def offered_load(
             if at > duration_s:
                 break
             await asyncio.sleep(max(0.0, started + at - time.monotonic()))  # the arrival process itself
-            prompt, _ = sample[(i * 7 + seed) % len(sample)]
-            tasks.append(asyncio.create_task(one(client, url, prompt, i)))
+            prompt, output = sample[(i * 7 + seed) % len(sample)]
+            tasks.append(asyncio.create_task(send(client, url, prompt, output, i)))
             i += 1
         return list(await asyncio.wait_for(asyncio.gather(*tasks), 600))
 

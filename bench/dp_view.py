@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import random
 import statistics
 import time
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from bench.admission_http import offered_load
 from bench.chaos import proxy_process
 from bench.routing import SETUPS, capacity_rps, lengths
 from sim.testing import TwinSpec, twins
@@ -34,17 +34,17 @@ from sim.testing import TwinSpec, twins
 SETUP = "h200-llama8b a=0.60"
 RANKS = 2
 POLICIES = ("spec", "base", "goodput")
+MAX_OUTPUT = 2000
+"""The longest answer asked for (the trace's longest would outlast the run)."""
 
 
-async def one(
-    client: httpx.AsyncClient, url: str, prompt_tokens: int, output_tokens: int, index: int
-) -> dict[str, Any]:
+async def one(client: httpx.AsyncClient, url: str, prompt_tokens: int, output: int, index: int) -> dict[str, Any]:
     # Its own first word: the twins keep a prefix cache, and prompts of one repeated word would be
     # each other's prefixes.
     body = {
         "model": "m",
         "messages": [{"role": "user", "content": f"request{index} " + "w " * (2 * prompt_tokens - 1)}],
-        "max_tokens": output_tokens,
+        "max_tokens": min(output, MAX_OUTPUT),
         "ignore_eos": True,
         "stream": True,
     }
@@ -63,29 +63,8 @@ async def one(
     record["e2e_s"] = end - started
     if first is not None:
         record["ttft_s"] = first - started
-        record["tpot_s"] = (end - first) / max(output_tokens - 1, 1)
+        record["tpot_s"] = (end - first) / max(min(output, MAX_OUTPUT) - 1, 1)
     return record
-
-
-async def offered_load(
-    url: str, duration_s: float, rate: float, sample: Sequence[tuple[int, int]], seed: int
-) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    limits = httpx.Limits(max_connections=4000, max_keepalive_connections=4000)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600), limits=limits) as client:
-        tasks = []
-        started = time.monotonic()
-        at = 0.0
-        i = 0
-        while True:
-            at += rng.expovariate(rate)
-            if at > duration_s:
-                break
-            await asyncio.sleep(max(0.0, started + at - time.monotonic()))  # the arrival process itself
-            prompt, output = sample[(i * 7 + seed) % len(sample)]
-            tasks.append(asyncio.create_task(one(client, url, prompt, min(output, 2000), i)))
-            i += 1
-        return list(await asyncio.wait_for(asyncio.gather(*tasks), 600))
 
 
 def run(policy: str, load: float, duration_s: float) -> dict[str, Any]:
@@ -99,7 +78,7 @@ def run(policy: str, load: float, duration_s: float) -> dict[str, Any]:
     ) as (spec, base):
         env = {"SPECROUTE_PROFILE": setup.profile, "SPECROUTE_POLICY": policy, "SPECROUTE_REQUEST_LOG": "false"}
         with proxy_process([spec.url], [base.url], Path(f"/tmp/specroute-dp-view-{policy}.log"), **env) as (_, url):
-            records = asyncio.run(offered_load(url, duration_s, rate, sample, seed=100))
+            records = asyncio.run(offered_load(url, duration_s, rate, sample, seed=100, send=one))
     done = [r for r in records if r["done"]]
     return {
         "rate_rps": round(rate, 2),

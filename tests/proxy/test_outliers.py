@@ -1073,6 +1073,33 @@ def test_with_an_engine_mark_a_server_is_judged_hung_when_it_held_still_whatever
 # -- one data-parallel rank hung among working ones ------------------------------------------
 
 
+@contextlib.contextmanager
+def spec_of_two_ranks(seed: int, *args: str) -> Iterator[tuple[RunningProxy, RunningTwin, openai.OpenAI]]:
+    """The proxy (static spec policy, no-progress limit 1 s) before a spec twin of two
+    data-parallel ranks in real time (a long stream lasts about 40 s) and a base twin; both
+    ranks read."""
+    long = ("--output-len", "fixed:16384")
+    with twins(
+        TwinSpec("spec", seed=seed, args=("--dp-size", "2", *long, *args)),
+        TwinSpec("base", time_scale=TIME_SCALE, seed=seed + 1),
+    ) as (spec, base):
+        with running_proxy(
+            spec_urls=[spec.url], base_urls=[base.url], policy="spec", no_progress_s=1.0, chunk_timeout_s=60
+        ) as proxy:
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=45)
+            wait_for(lambda: state_of(proxy, "spec-0")["dp_ranks"] == 2, what="both ranks read")
+            yield proxy, spec, client
+
+
+def under_way(client: openai.OpenAI, headers: dict[str, str] | None = None) -> openai.Stream:
+    """A long stream, its first chunk read."""
+    stream = client.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=16000, stream=True, extra_headers=headers
+    )
+    next(iter(stream))
+    return stream
+
+
 def test_a_hung_data_parallel_rank_is_found_its_requests_fail_over_and_the_rest_go_to_its_working_rank() -> None:
     """SGLang with --dp-size 2 deals requests to its ranks in turn. With one rank's scheduler
     hung, the server's other requests stream, so its engine mark (the ranks' snapshot times
@@ -1081,101 +1108,67 @@ def test_a_hung_data_parallel_rank_is_found_its_requests_fail_over_and_the_rest_
     with work while the other moves: what waits on it fails over (a stream under way ends with
     `upstream_rank_hung`), the server is not ejected, and its next requests name the working
     rank by `x-data-parallel-rank` until the hung one moves again."""
-    long = ("--output-len", "fixed:16384")  # in real time a stream lasts about 40 s
-    with twins(
-        TwinSpec("spec", seed=61, args=("--dp-size", "2", *long)),
-        TwinSpec("base", time_scale=TIME_SCALE, seed=62),
-    ) as (spec, base):
-        with running_proxy(
-            spec_urls=[spec.url], base_urls=[base.url], policy="spec", no_progress_s=1.0, chunk_timeout_s=60
-        ) as proxy:
-            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=45)
-            wait_for(lambda: state_of(proxy, "spec-0")["dp_ranks"] == 2, what="both ranks read")
-            assert (state_of(proxy, "spec-0")["engines"], state_of(proxy, "spec-0")["max_running"]) == (2, 96)
-
-            def under_way() -> openai.Stream:
-                # A client's x-data-parallel-rank is dropped: the server deals this one itself.
-                rank = {"x-data-parallel-rank": "0"}
-                stream = client.chat.completions.create(
-                    model="m", messages=MESSAGES, max_tokens=16000, stream=True, extra_headers=rank
-                )
-                next(iter(stream))
-                return stream
-
-            # The first two requests the twin takes: dealt to rank 0, then to rank 1.
-            working, doomed = under_way(), under_way()
-            make_sick(spec, wedged_rank=1)  # hung mid-step, a request on it
-            reader = concurrent.futures.ThreadPoolExecutor(1)
-            read = reader.submit(read_to_the_end, working)  # rank 0 streams on: the server makes progress
-            try:
-                ended = read_to_the_end(doomed)  # bounded by the client's 45 s, below the 60 s chunk timeout
-                assert not read.done()  # the other rank still streaming: the server's mark moved throughout
-                assert isinstance(ended, openai.APIError) and ended.code == "upstream_rank_hung", ended
-                shown = state_of(proxy, "spec-0")
-                assert shown["hung_ranks"] == [1] and shown["outlier"]["state"] != "ejected"
-                assert (shown["engines"], shown["max_running"]) == (1, 48)  # rank 0 alone serves
-                gauge = f'specroute_upstream_hung_ranks{{instance="{spec.url}",pool="spec"}}'
-                assert f"{gauge} 1.0" in httpx.get(proxy.url + "/metrics").text
-                for _ in range(4):  # dealt to the working rank: none waits, none fails over
-                    answer = client.chat.completions.with_raw_response.create(
-                        model="m", messages=MESSAGES, max_tokens=2
-                    )
-                    assert answer.headers["x-specroute-backend"] == "spec-0"
-                    assert not answer.headers["x-specroute-reason"].endswith("failover")
-                assert state_of(proxy, "spec-0")["outlier"]["consecutive_failures"] == 0
-            finally:
-                make_sick(spec)
-                working.close()
-                reader.shutdown()
-            wait_for(lambda: state_of(proxy, "spec-0")["hung_ranks"] == [], what="the rank serving again")
-            wait_for(lambda: f"{gauge} 0.0" in httpx.get(proxy.url + "/metrics").text, what="the gauge back at 0")
-            wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+    with spec_of_two_ranks(seed=61) as (proxy, spec, client):
+        assert (state_of(proxy, "spec-0")["engines"], state_of(proxy, "spec-0")["max_running"]) == (2, 96)
+        # The first two requests the twin takes: dealt to rank 0, then to rank 1 (a client's
+        # x-data-parallel-rank is dropped: the server deals them itself).
+        working, doomed = under_way(client, {"x-data-parallel-rank": "0"}), under_way(client)
+        make_sick(spec, wedged_rank=1)  # hung mid-step, a request on it
+        reader = concurrent.futures.ThreadPoolExecutor(1)
+        read = reader.submit(read_to_the_end, working)  # rank 0 streams on: the server makes progress
+        try:
+            ended = read_to_the_end(doomed)  # bounded by the client's 45 s, below the 60 s chunk timeout
+            assert not read.done()  # the other rank still streaming: the server's mark moved throughout
+            assert isinstance(ended, openai.APIError) and ended.code == "upstream_rank_hung", ended
+            shown = state_of(proxy, "spec-0")
+            assert shown["hung_ranks"] == [1] and shown["outlier"]["state"] != "ejected"
+            assert (shown["engines"], shown["max_running"]) == (1, 48)  # rank 0 alone serves
+            gauge = f'specroute_upstream_hung_ranks{{instance="{spec.url}",pool="spec"}}'
+            assert f"{gauge} 1.0" in httpx.get(proxy.url + "/metrics").text
+            for _ in range(4):  # dealt to the working rank: none waits, none fails over
+                answer = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2)
+                assert answer.headers["x-specroute-backend"] == "spec-0"
+                assert not answer.headers["x-specroute-reason"].endswith("failover")
+            assert state_of(proxy, "spec-0")["outlier"]["consecutive_failures"] == 0
+        finally:
+            make_sick(spec)
+            working.close()
+            reader.shutdown()
+        wait_for(lambda: state_of(proxy, "spec-0")["hung_ranks"] == [], what="the rank serving again")
+        wait_for(lambda: f"{gauge} 0.0" in httpx.get(proxy.url + "/metrics").text, what="the gauge back at 0")
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
 def test_requests_queued_on_the_working_rank_are_not_taken_for_the_hung_ranks() -> None:
     """Once a rank is judged hung, the server's requests name its working ranks; one queued
     there past the limit (the working rank full) is that rank's queue, not the hung rank's, and
     waits its turn (a review saw such requests failed over as `upstream_rank_hung`)."""
-    long = ("--output-len", "fixed:16384", "--max-running-requests", "1")
-    with twins(
-        TwinSpec("spec", seed=63, args=("--dp-size", "2", *long)),
-        TwinSpec("base", time_scale=TIME_SCALE, seed=64),
-    ) as (spec, base):
-        with running_proxy(
-            spec_urls=[spec.url], base_urls=[base.url], policy="spec", no_progress_s=1.0, chunk_timeout_s=60
-        ) as proxy:
-            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=45)
-            wait_for(lambda: state_of(proxy, "spec-0")["dp_ranks"] == 2, what="both ranks read")
-            streams = []
-            for _ in range(2):  # dealt to rank 0, then rank 1: each rank's one slot taken
-                streams.append(
-                    client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=16000, stream=True)
-                )
-                next(iter(streams[-1]))
-            working, doomed = streams
-            make_sick(spec, wedged_rank=1)
-            pool = concurrent.futures.ThreadPoolExecutor(2)
-            try:
-                pool.submit(read_to_the_end, working)  # rank 0 streams on
-                ended = read_to_the_end(doomed)
-                assert isinstance(ended, openai.APIError) and ended.code == "upstream_rank_hung", ended
-                queued = pool.submit(
-                    client.chat.completions.with_raw_response.create, model="m", messages=MESSAGES, max_tokens=2
-                )
-                spec_0 = instance(proxy, "spec", 0)
+    with spec_of_two_ranks(63, "--max-running-requests", "1") as (proxy, spec, client):
+        # Dealt to rank 0, then rank 1: each rank's one slot taken.
+        working, doomed = under_way(client), under_way(client)
+        make_sick(spec, wedged_rank=1)
+        pool = concurrent.futures.ThreadPoolExecutor(2)
+        try:
+            pool.submit(read_to_the_end, working)  # rank 0 streams on
+            ended = read_to_the_end(doomed)
+            assert isinstance(ended, openai.APIError) and ended.code == "upstream_rank_hung", ended
+            queued = pool.submit(
+                client.chat.completions.with_raw_response.create, model="m", messages=MESSAGES, max_tokens=2
+            )
+            spec_0 = instance(proxy, "spec", 0)
 
-                def silent_on_rank_0() -> bool:
-                    now = time.monotonic()
-                    return any(a.rank == 0 and a.reading_since and now - a.reading_since > 3.0 for a in spec_0.attempts)
+            def silent_on_rank_0() -> bool:
+                now = time.monotonic()
+                return any(a.rank == 0 and a.reading_since and now - a.reading_since > 3.0 for a in spec_0.attempts)
 
-                wait_for(silent_on_rank_0, what="a request queued on rank 0 past the limit")
-                assert all(a.abandoned is None for a in spec_0.attempts)
-                working.close()  # rank 0's slot frees: the queued request is served there
-                answer = queued.result(timeout=40)
-                assert answer.headers["x-specroute-backend"] == "spec-0"
-                assert not answer.headers["x-specroute-reason"].endswith("failover")
-            finally:
-                make_sick(spec)
-                working.close()
-                pool.shutdown()
-            wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+            wait_for(silent_on_rank_0, what="a request queued on rank 0 past the limit")
+            assert all(a.abandoned is None for a in spec_0.attempts)
+            working.close()  # rank 0's slot frees: the queued request is served there
+            answer = queued.result(timeout=40)
+            assert answer.headers["x-specroute-backend"] == "spec-0"
+            assert not answer.headers["x-specroute-reason"].endswith("failover")
+        finally:
+            make_sick(spec)
+            working.close()
+            pool.shutdown()
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
