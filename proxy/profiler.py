@@ -49,7 +49,7 @@ from fleet.acceptance import alpha_from_accept_length
 from fleet.profile import Profile, load_profile
 from proxy.backends import Backend, load_paths, recognise
 from proxy.backends.prometheus import parse_prometheus
-from proxy.backends.sglang import server_info_facts
+from proxy.backends.sglang import RANK_HEADER, server_info_facts
 from proxy.backends.vllm import VLLM_DEFAULT_MAX_NUM_SEQS
 from proxy.settings import SettingsError
 
@@ -193,6 +193,10 @@ class Server:
     cap_reported: bool = False
     """The server said its cap (SGLang's /server_info, a load endpoint); else `cap` is vLLM's
     default, a guess that --batches or --max-batch may exceed."""
+    ranks: int = 1
+    """Its data-parallel ranks (SGLang --dp-size): each an engine of its own, with `cap`. Every
+    stream is sent to rank 0 (`x-data-parallel-rank`), so a batch measured is one engine's (dealt
+    in turn, 16 streams were two batches of 8, measured as one of 16)."""
 
     @property
     def role(self) -> str:
@@ -351,6 +355,9 @@ class Profiler:
                 facts = server_info_facts(doc)
                 server.speculative = facts["speculative"]
                 server.num_steps = facts["num_draft_tokens"]
+                server.ranks = facts["replicas"]
+                if reported_cap is not None:
+                    server.cap = max(reported_cap // server.ranks, 1)  # /v1/loads sums the ranks' caps
                 states = doc.get("internal_states") or [{}]
                 effective = states[0].get("effective_max_running_requests_per_dp") if states else None
                 server.cap = int(facts["max_running_requests"] or effective or server.cap)
@@ -413,7 +420,8 @@ class Profiler:
             body["return_spec_tokens_details"] = True
         trace = Trace(time.perf_counter())
         seen = 0
-        async with self.client.stream("POST", server.url + "/v1/completions", json=body) as response:
+        headers = {RANK_HEADER: "0"} if server.ranks > 1 else None
+        async with self.client.stream("POST", server.url + "/v1/completions", json=body, headers=headers) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")[:300]
                 raise ProfileError(f"{server.shown}/v1/completions answered {response.status_code}: {text}")
@@ -806,6 +814,8 @@ def _server_block(r: ServerResult) -> dict[str, Any]:
         "model": s.model,
         "max_running_requests": s.cap,
     }
+    if s.ranks > 1:
+        block["data_parallel_ranks"] = {"ranks": s.ranks, "measured": "rank 0 (x-data-parallel-rank)"}
     if s.speculative:
         block["num_steps"] = s.num_steps
     if s.time_scale != 1.0 or s.twin_profile:

@@ -22,6 +22,7 @@ from fleet.model import NO_MATCH, PrefixMatch
 from fleet.types import Decision, PoolName
 from proxy import body as request_body
 from proxy import scan
+from proxy.backends.sglang import RANK_HEADER
 from proxy.connection import ABORT_EXTENSION
 from proxy.errors import ProxyError, normalise_upstream_error
 from proxy.holding import Held
@@ -60,8 +61,6 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 COMPLETION_PATHS = frozenset(scan.DIALECTS)
 """The paths generating text: routed, relayed and learned from here."""
 REQUEST_ID = "x-request-id"
-RANK_HEADER = "x-data-parallel-rank"
-"""SGLang's request header naming the data-parallel rank that serves it."""
 
 # Request headers that describe the client's connection, not the request: never forwarded.
 NOT_FORWARDED = frozenset(
@@ -84,7 +83,7 @@ NOT_FORWARDED = frozenset(
         "x-specroute-session",
         # Which data-parallel rank serves a request is the router's to say (it avoids a hung
         # one): a client's would pile requests onto one rank, or onto a hung one.
-        "x-data-parallel-rank",
+        RANK_HEADER,
         # x-specroute-workload is forwarded: a server may read it too (the twin draws each
         # request's acceptance from its workload by it).
     }

@@ -337,3 +337,19 @@ def test_a_batch_read_long_is_the_one_measured_again() -> None:
     slow = [*line[:3], batch(8, 1.13 * (10.0 + 0.2 * 8)), *line[4:]]
     assert [b.batch for b in above_the_line(slow)] == [8]
     assert above_the_line(line[:2]) == []  # no batch between two others
+
+
+@pytest.mark.timeout(120)
+def test_a_data_parallel_server_is_measured_one_engine_at_a_time(tmp_path: Path) -> None:
+    """A server of two data-parallel ranks deals its requests in turn: 32 streams were two
+    batches of 16, measured as one of 32. Every stream goes to rank 0 (x-data-parallel-rank):
+    the batch measured is one engine's, and the cap written is one engine's."""
+    out = tmp_path / "dp.json"
+    with twin("base", "kimi-moe", time_scale=2.0, args=("--dp-size", "2")) as base:
+        rc = run(Options(urls=[base.url], out=out, batches=[1, 8, 32, 64], prefill_lengths=[256, 1024], quiet=True))
+    assert rc == 0
+    errors = recovered_errors(out, "kimi-moe")["base"]
+    print({b: f"{100 * e:+.2f} %" for b, e in errors.items()})
+    assert set(errors) >= {1, 8} and max(abs(e) for e in errors.values()) <= 0.05, errors
+    block = json.loads(out.read_text())["measured"]["servers"][0]
+    assert block["max_running_requests"] == 256 and block["data_parallel_ranks"]["ranks"] == 2
