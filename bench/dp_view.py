@@ -50,15 +50,22 @@ async def one(client: httpx.AsyncClient, url: str, prompt_tokens: int, output: i
     }
     started = time.monotonic()
     first = None
-    record: dict[str, Any] = {"done": False}
-    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-        record["pool"] = response.headers.get("x-specroute-pool", "")
-        async for line in response.aiter_lines():
-            if line == "data: [DONE]":
-                record["done"] = True
-                break
-            if first is None and line.startswith("data: ") and '"content"' in line:
-                first = time.monotonic()
+    record: dict[str, Any] = {"done": False, "pool": ""}
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+            record["pool"] = response.headers.get("x-specroute-pool", "")
+            if response.status_code != 200:
+                await response.aread()
+                return record  # not finished: counted as such
+            async for line in response.aiter_lines():
+                if line == "data: [DONE]":
+                    record["done"] = first is not None
+                    break
+                if first is None and line.startswith("data: ") and '"content"' in line:
+                    first = time.monotonic()
+    except httpx.HTTPError as exc:
+        record["error"] = type(exc).__name__
+        return record
     end = time.monotonic()
     record["e2e_s"] = end - started
     if first is not None:
@@ -80,6 +87,8 @@ def run(policy: str, load: float, duration_s: float) -> dict[str, Any]:
         with proxy_process([spec.url], [base.url], Path(f"/tmp/specroute-dp-view-{policy}.log"), **env) as (_, url):
             records = asyncio.run(offered_load(url, duration_s, rate, sample, seed=100, send=one))
     done = [r for r in records if r["done"]]
+    if not done:
+        raise SystemExit(f"{policy}: no request finished (the proxy's log: /tmp/specroute-dp-view-{policy}.log)")
     return {
         "rate_rps": round(rate, 2),
         "requests": len(records),

@@ -84,6 +84,11 @@ class InstanceSignals:
     """Its busy-time counters' units per wall-clock unit (ServerDescription.time_scale: a twin's)."""
     replicas: int = 1
     """Engines behind its front (ServerDescription.replicas: SGLang's data-parallel ranks)."""
+    separate_ranks: bool = False
+    """Its description said several engines (data-parallel ranks without DP attention): their
+    number then follows the ranks its load answers list."""
+    cap_reported: bool = False
+    """Its cap came from the server (a description or a reading), not the configured default."""
     out_ranks: tuple[int, ...] = ()
     """Its data-parallel ranks judged hung (the proxy's `Router.check_ranks`): their requests
     and cap are not the server's to serve."""
@@ -260,19 +265,27 @@ class InstanceSignals:
         """One engine's running and waiting requests and queued tokens, the engines serving and
         one's cap: `load_state()` (or `load`) less what hung ranks hold, over the serving engines.
         The server's own figures for a server of one engine."""
+        running, waiting, waiting_tokens, serving, cap = self.serving_load(load)
+        tokens = None if waiting_tokens is None else waiting_tokens / serving
+        return running / serving, waiting / serving, tokens, serving, cap
+
+    def serving_load(
+        self, load: tuple[float, float, float | None] | None = None
+    ) -> tuple[float, float, float | None, int, int]:
+        """`engine_load` before the division: what the serving engines hold in all, how many
+        serve, and one's cap. Ranks that share one batch (DP attention: `replicas` 1) are one
+        engine, a hung rank's figures taken out all the same."""
         running, waiting, waiting_tokens = self.load_state() if load is None else load
-        replicas = max(self.replicas, len(self.rank_marks) if self.out_ranks else 1, 1)
+        replicas = max(self.replicas, 1)
         serving = max(replicas - len(self.out_ranks), 1)
-        cap = max(self.max_running // replicas, 1)
         for rank in self.out_ranks:
             if rank < len(self.rank_running):
                 running -= self.rank_running[rank]
                 waiting -= self.rank_waiting[rank]
                 if waiting_tokens is not None:
                     waiting_tokens -= self.rank_waiting_tokens[rank]
-        running, waiting = max(running, 0.0), max(waiting, 0.0)
-        tokens = None if waiting_tokens is None else max(waiting_tokens, 0.0) / serving
-        return running / serving, waiting / serving, tokens, serving, cap
+        tokens = None if waiting_tokens is None else max(waiting_tokens, 0.0)
+        return max(running, 0.0), max(waiting, 0.0), tokens, serving, max(self.max_running // replicas, 1)
 
     def adjusted_load(self) -> float:
         running, waiting = self.adjusted()

@@ -187,12 +187,10 @@ class FleetModel:
         server in a plain pool, or the reverse): it is then taken as configured."""
         signals = self.instances[url]
         if description.max_running:
-            signals.max_running = description.max_running
-        elif description.replicas != signals.replicas:
-            # No cap said: each engine has the configured one (an SGLang auto-sizing its cap).
-            signals.max_running = signals.max_running // max(signals.replicas, 1) * description.replicas
+            signals.max_running, signals.cap_reported = description.max_running, True
+        signals.separate_ranks = description.replicas > 1
+        self.set_replicas(signals, description.replicas)
         signals.time_scale = description.time_scale
-        signals.replicas = description.replicas
         pool = self.pools[signals.pool]
         if description.speculative and pool.role and description.num_draft_tokens:
             self.set_draft_tokens(pool.name, description.num_draft_tokens)
@@ -219,10 +217,10 @@ class FleetModel:
         signals.unresponsive = False
         signals.on_engine_mark(reading.engine_mark, reading.at)
         signals.on_ranks(reading)
-        if signals.replicas > 1 and len(reading.rank_marks) > 1:
-            signals.replicas = len(reading.rank_marks)  # its ranks as it lists them now (a restart may change them)
         if reading.max_running:
-            signals.max_running = reading.max_running
+            signals.max_running, signals.cap_reported = reading.max_running, True
+        if signals.separate_ranks and reading.ranks:
+            self.set_replicas(signals, reading.ranks)  # its ranks as it lists them now (a restart may change them)
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:
             work = signals.on_prefill_counters(
                 reading.prefill_tokens_total, reading.prefill_busy_us_total / signals.time_scale
@@ -281,6 +279,13 @@ class FleetModel:
     def set_unresponsive(self, url: str, unresponsive: bool) -> None:
         """Its polls go unanswered while another's are (`unresponsive`), or it answers again."""
         self.instances[url].unresponsive = unresponsive
+
+    @staticmethod
+    def set_replicas(signals: InstanceSignals, replicas: int) -> None:
+        """Its engines; without a cap said by the server, each has the configured one."""
+        if replicas != signals.replicas and not signals.cap_reported:
+            signals.max_running = signals.max_running // max(signals.replicas, 1) * replicas
+        signals.replicas = replicas
 
     def set_out_ranks(self, url: str, ranks: tuple[int, ...]) -> None:
         """Its data-parallel ranks judged hung (none: every rank serves)."""

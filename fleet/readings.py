@@ -40,6 +40,8 @@ class Reading:
     the prompt and generation token counters and KV usage of vLLM's /metrics (its engine's
     iteration and scheduler stats). Unchanged long after a request reached the server, the
     engine is stuck."""
+    ranks: int = 0
+    """How many data-parallel ranks the answer listed (SGLang's /v1/loads entries; 0: not said)."""
     rank_marks: tuple[float, ...] = ()
     rank_running: tuple[float, ...] = ()
     rank_waiting: tuple[float, ...] = ()

@@ -319,13 +319,15 @@ class Profiler:
         model = str(models.json()["data"][0]["id"])
         backend: Backend | None = None
         reported_cap: int | None = None
+        listed_ranks = 0
         for path in load_paths():
             answer = await self._get(url, path)
             if answer.status_code == 200:
                 backend = recognise(path, answer.text)
                 if backend is not None and backend.kind != "openai":
                     try:
-                        reported_cap = backend.read(answer.text, time.time()).max_running
+                        reading = backend.read(answer.text, time.time())
+                        reported_cap, listed_ranks = reading.max_running, reading.ranks
                     except (ValueError, KeyError, TypeError):
                         pass
                     break
@@ -347,7 +349,10 @@ class Profiler:
             0,
             cap,
             cap_reported=reported_cap is not None and backend.kind != "vllm",
+            ranks=max(listed_ranks, 1),
         )
+        if reported_cap is not None:
+            server.cap = max(reported_cap // server.ranks, 1)  # /v1/loads sums its ranks' caps
         if backend.info_path:
             info = await self._get(url, backend.info_path)
             if info.status_code == 200:
@@ -355,9 +360,7 @@ class Profiler:
                 facts = server_info_facts(doc)
                 server.speculative = facts["speculative"]
                 server.num_steps = facts["num_draft_tokens"]
-                server.ranks = facts["replicas"]
-                if reported_cap is not None:
-                    server.cap = max(reported_cap // server.ranks, 1)  # /v1/loads sums the ranks' caps
+                server.ranks = facts["replicas"] if doc.get("dp_size") is not None else server.ranks
                 states = doc.get("internal_states") or [{}]
                 effective = states[0].get("effective_max_running_requests_per_dp") if states else None
                 server.cap = int(facts["max_running_requests"] or effective or server.cap)

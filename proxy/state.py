@@ -11,6 +11,7 @@ from dataclasses import asdict
 from typing import Any
 
 from fleet import native
+from fleet.instance import InstanceSignals
 from fleet.model import FleetModel
 from fleet.types import Decision, Features, Snapshot
 from proxy.poller import Pollers
@@ -95,6 +96,12 @@ def _per_1k(ms_per_token: float | None) -> float | None:
     return None if ms_per_token is None else round(ms_per_token * 1000, 3)
 
 
+def served(signals: InstanceSignals) -> dict[str, float]:
+    """What the instance's serving engines hold in all, and their caps summed."""
+    running, waiting, _, serving, cap = signals.serving_load()
+    return {"running": running, "waiting": waiting, "max_running": serving * cap}
+
+
 def fleet_state(
     settings: Settings, fleet: FleetModel, pollers: Pollers, decisions: DecisionLog, now: float
 ) -> dict[str, Any]:
@@ -111,9 +118,7 @@ def fleet_state(
                     # The server's engines serving (several: SGLang data-parallel ranks, a hung
                     # one left out) and what they hold, summed (the policy sees one engine's part).
                     "engines": i.replicas,
-                    "running": i.running * i.replicas,
-                    "waiting": i.waiting * i.replicas,
-                    "max_running": i.max_running * i.replicas,
+                    **served(fleet.instances[i.url]),
                     "healthy": i.healthy,
                     # Its polls went unanswered while a pool-mate's did not: no new requests.
                     "lagging": i.lagging,

@@ -139,6 +139,7 @@ def reading_from_loads(doc: Mapping[str, Any], at: float) -> Reading:
         prefill_tokens_total=_total(loads, "total_prefill_uncached_tokens"),
         prefill_busy_us_total=_total(loads, "total_prefill_busy_us"),
         engine_mark=_snapshot_times(loads),
+        ranks=len(loads),
         rank_marks=marks,
         rank_running=running,
         rank_waiting=waiting,

@@ -430,3 +430,13 @@ def test_a_server_of_several_data_parallel_ranks_is_seen_one_engine_at_a_time() 
     auto.add_instance("http://s", "spec", 48)
     auto.on_server("http://s", ServerDescription("sglang", True, 3, max_running=None, replicas=2))
     assert auto.snapshot(1.0).pools["spec"].capacity == 96
+    # Restarted with four ranks, then one, before it was learned again: the ranks its load
+    # answers list are its engines, each with the configured cap while none is said.
+    auto.on_reading("http://s", Reading(at=2.0, running=8, waiting=0, ranks=4))
+    engine = auto.snapshot(2.0).pools["spec"].instances[0]
+    assert (engine.replicas, engine.max_running, engine.running) == (4, 48, 2)
+    auto.on_reading("http://s", Reading(at=3.0, running=8, waiting=0, ranks=1))
+    engine = auto.snapshot(3.0).pools["spec"].instances[0]
+    assert (engine.replicas, engine.max_running, engine.running) == (1, 48, 8)
+    auto.on_server("http://s", ServerDescription("sglang", True, 3, max_running=None, replicas=1))  # learned again
+    assert auto.snapshot(3.0).pools["spec"].capacity == 48
