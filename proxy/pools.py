@@ -44,18 +44,20 @@ class Instance:
     """When (time.monotonic) the server last refused the `stream_options` the proxy adds to learn a
     stream's usage (proxy/relay.py, `refuses_stream_options`); None: never, or it was learned
     again since (the poller: the server behind the URL may have changed)."""
-    hung_ranks: tuple[int, ...] = ()
-    """Its data-parallel ranks judged hung among working ones (`Router.check_progress`)."""
-    serving_ranks: tuple[int, ...] = ()
-    """While some are: the others, which its requests are sent to in turn by SGLang's
-    `x-data-parallel-rank` header; empty: the server deals its requests itself."""
     rank_turn: int = 0
+    """Whose turn it is among its working data-parallel ranks (`next_rank`)."""
 
     def next_rank(self) -> int | None:
-        """The rank its next request is sent to (None: the server's choice)."""
-        if not self.serving_ranks:
+        """The rank its next request is sent to by `x-data-parallel-rank`: while some of its
+        ranks are judged hung (`InstanceSignals.out_ranks`, `Router.check_ranks`), the others in
+        turn; else None, the server's choice."""
+        out = self.signals.out_ranks
+        if not out:
             return None
-        rank = self.serving_ranks[self.rank_turn % len(self.serving_ranks)]
+        serving = [rank for rank in range(len(self.signals.rank_marks)) if rank not in out]
+        if not serving:
+            return None
+        rank = serving[self.rank_turn % len(serving)]
         self.rank_turn += 1
         return rank
 

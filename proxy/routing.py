@@ -764,14 +764,14 @@ class Router:
         since = now - grace_s
         if (
             hung
-            and not instance.hung_ranks
+            and not instance.signals.out_ranks
             and not any(
                 a.reading_since is not None and a.reading_since <= since and (a.rank is None or a.rank in hung)
                 for a in instance.attempts
             )
         ):
             hung = ()
-        if hung != instance.hung_ranks:
+        if hung != instance.signals.out_ranks:
             ranks = len(instance.signals.rank_marks)
             if hung:
                 log.warning(
@@ -784,8 +784,6 @@ class Router:
                 )
             else:
                 log.info("upstream %s (%s pool): every data-parallel rank serves again", instance.url, instance.pool)
-            instance.hung_ranks = hung
-            instance.serving_ranks = tuple(r for r in range(ranks) if r not in hung) if hung else ()
             self.fleet.set_out_ranks(instance.url, hung)
         if hung:
             # Those sent to a working rank are its queue's, not the hung rank's.

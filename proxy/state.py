@@ -150,7 +150,7 @@ def fleet_state(
                     # Its data-parallel ranks (SGLang --dp-size; 1 when it reports none) and
                     # those judged hung among working ones, which its requests avoid.
                     "dp_ranks": max(len(fleet.instances[i.url].rank_marks), 1),
-                    "hung_ranks": list(poller.instance.hung_ranks),
+                    "hung_ranks": list(fleet.instances[i.url].out_ranks),
                 }
             )
         pools[name] = {

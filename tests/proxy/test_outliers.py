@@ -343,18 +343,18 @@ def test_a_rank_is_judged_hung_only_while_a_request_of_ours_waits_there_as_long(
     signals.on_ranks(Reading(now - 10.0, 4, 0, rank_marks=(1.0, 1.0), **busy))
     signals.on_ranks(Reading(now, 4, 0, rank_marks=(2.0, 1.0), **busy))  # rank 0 moves, rank 1 held still 10 s
     router.check_ranks(spec, now, grace_s=3.0)
-    assert spec.hung_ranks == () and spec.serving_ranks == ()  # none of ours waits there
+    assert signals.out_ranks == () and spec.next_rank() is None  # none of ours waits there
     attempt = Attempt(router.fleet, spec, stream=True)
     attempt.reading_since = now - 5.0  # silent 5 s
     router.check_ranks(spec, now, grace_s=3.0)
-    assert spec.hung_ranks == (1,) and spec.serving_ranks == (0,)
+    assert signals.out_ranks == (1,) and [spec.next_rank(), spec.next_rank()] == [0, 0]
     attempt.abandoned = "finished"  # no longer waiting: the judgement stands until rank 1 moves
     attempt.reading_since = None
     router.check_ranks(spec, now, grace_s=3.0)
-    assert spec.hung_ranks == (1,)
+    assert signals.out_ranks == (1,)
     signals.on_ranks(Reading(now + 1.0, 4, 0, rank_marks=(3.0, 2.0), **busy))
     router.check_ranks(spec, now + 1.0, grace_s=3.0)
-    assert spec.hung_ranks == () and spec.serving_ranks == ()
+    assert signals.out_ranks == () and spec.next_rank() is None
 
 
 # -- over HTTP, with the twin's fault modes ------------------------------------------------------
