@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         dest="dp_size",
         type=int,
         default=1,
-        help="data-parallel ranks: whole replicas behind one HTTP front, dealt requests in turn "
-        "(SGLang spelling; without DP attention)",
+        help="data-parallel ranks: whole replicas behind one HTTP front (SGLang's without DP attention, "
+        "dealt requests in turn; vLLM's engines, each request to the least loaded)",
     )
     p.add_argument("--chunked-prefill-size", type=int, default=8192)
     p.add_argument("--context-length", type=int, default=32768)
@@ -214,8 +214,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         faults.check_ranks(args.dp_size)
         if args.server == "vllm" and args.mode != "base":
             raise ValueError("--server vllm imitates a plain vLLM server: use it with --mode base")
-        if args.server == "vllm" and args.dp_size != 1:
-            raise ValueError("--server vllm runs one engine: --dp-size is SGLang's")
     except ValueError as exc:
         print(f"specroute sim: {exc}", file=sys.stderr)
         return 2

@@ -150,6 +150,10 @@ class TwinMetrics:
             registry=self.registry,
         )
 
+    def for_rank(self, rank: int) -> TwinMetrics:
+        """The metrics of the requests one rank serves: SGLang's tokenizer counts them all as one."""
+        return self
+
     def observe_first_token(self, streaming: bool, ttft_s: float) -> None:
         self.ttft.labels(self.model_name, _flag(streaming)).observe(ttft_s)
 

@@ -113,7 +113,7 @@ class Call:
     def __init__(
         self,
         req: Request,
-        metrics: TwinMetrics | vllm.VllmMetrics,
+        metrics: TwinMetrics | vllm.EngineMetrics,
         streaming: bool,
         shape: ChoiceShape,
         queue: asyncio.Queue[tuple[int, str, int, bool]] | None = None,
@@ -187,10 +187,12 @@ class Twin:
         self.heard = asyncio.Event()
         """Set after any rank's step."""
         self.metrics: TwinMetrics | vllm.VllmMetrics = (
-            vllm.VllmMetrics(self.engine, options.model_name)
+            vllm.VllmMetrics(self.engines, options.model_name)
             if options.vllm
             else TwinMetrics(self.engines, options.model_name)
         )
+        self.balancer = vllm.DataParallelBalancer(len(self.engines)) if options.vllm else None
+        """vLLM's choice of engine (SGLang's is the turn in `_turn`)."""
         self.tracer = TwinTracer(options.otlp_traces_endpoint) if options.enable_trace else None
         self.started = time.time()
         self.faults = options.faults
@@ -213,8 +215,14 @@ class Twin:
 
     def rank_for(self, headers: Mapping[str, str]) -> int:
         """The rank a new request goes to: the one its `x-data-parallel-rank` names, else the
-        next in turn (SGLang's default round_robin)."""
+        next in turn (SGLang's default round_robin), or vLLM's least loaded."""
         named = headers.get(RANK_HEADER)
+        if isinstance(self.metrics, vllm.VllmMetrics) and self.balancer is not None:
+            try:
+                rank = vllm.named_rank(named, len(self.engines))
+            except ValueError as exc:
+                raise TwinError(str(exc)) from None
+            return rank if rank is not None else self.balancer.pick(self.engine_now(), self.metrics.stats)
         if named is not None:
             try:
                 rank = int(named)
@@ -240,7 +248,14 @@ class Twin:
     def apply_wedges(self) -> None:
         """Wedge the loops the faults name (`wedged`: every rank; `wedged_rank`: that one)."""
         for rank, loop in enumerate(self.loops):
-            loop.wedge(self.faults.wedged or self.faults.wedged_rank == rank)
+            wedged = self.faults.wedged or self.faults.wedged_rank == rank
+            loop.wedge(wedged)
+            if isinstance(self.metrics, vllm.VllmMetrics):
+                self.metrics.freeze(rank, wedged)
+
+    def engine_now(self) -> float:
+        """The engines' clock (virtual seconds; each rank's loop keeps the same)."""
+        return self.running_loops[0].now()
 
     def abort(self, rid: str) -> None:
         for loop in self.loops:
@@ -341,7 +356,7 @@ class Twin:
                 workload=workload,
             )
             shape.bind(req.target_len, req.ends_by_length)
-            call = Call(req, self.metrics, request.stream, shape, queue)
+            call = Call(req, self.metrics.for_rank(rank), request.stream, shape, queue)
             if self.tracer is not None:
                 call.span = self.tracer.start(req, parent)
             calls.append(call)

@@ -22,7 +22,9 @@ The engine (scheduling, step times) is the same; what a client or a router sees 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -138,66 +140,135 @@ def as_vllm_usage(usage: dict[str, Any]) -> dict[str, Any]:
     return usage
 
 
-class VllmCollector:
-    """The scheduler's gauges, read live from the engine at scrape time (vLLM updates them every
-    engine step)."""
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """What one engine's scheduler reports with each step's outputs (vLLM's SchedulerStats and
+    iteration counters): the front end's gauges and counters show the last ones it heard."""
 
-    def __init__(self, engine: Engine, model_name: str):
-        self.engine = engine
-        self.labels = {"model_name": model_name, "engine": "0"}
+    running: float
+    waiting: float
+    kv_usage: float
+    prompt_tokens: int
+    generation_tokens: int
+    cache_queries: int
+    cache_hits: int
+
+    @classmethod
+    def of(cls, engine: Engine) -> EngineStats:
+        return cls(
+            float(engine.num_running),
+            float(engine.num_waiting),
+            engine.token_usage,
+            engine.prefilled_prompt_tokens,
+            engine.emitted_tokens,
+            engine.prefix_cache_queries,
+            engine.prefix_cache_hits,
+        )
+
+
+class VllmCollector:
+    """The scheduler's gauges and counters, one series per engine (label `engine`, its
+    data-parallel rank), read live from each engine at scrape time (vLLM updates them every
+    engine step); a hung engine's as they stood when it hung (its core sends no more stats)."""
+
+    def __init__(self, engines: Sequence[Engine], model_name: str, frozen: dict[int, EngineStats]):
+        self.engines = engines
+        self.model_name = model_name
+        self.frozen = frozen
 
     def collect(self) -> Iterator[Metric]:
-        engine = self.engine
-        names, values = list(self.labels), list(self.labels.values())
-        waiting = float(engine.num_waiting)
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", float(engine.num_running)),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", engine.token_usage),
+        names = ["model_name", "engine"]
+        series = [
+            ([self.model_name, str(rank)], self.frozen.get(rank) or EngineStats.of(engine))
+            for rank, engine in enumerate(self.engines)
+        ]
+        for name, doc, field in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", "running"),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "waiting"),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_usage"),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=names)
-            gauge.add_metric(values, value)
+            for values, stats in series:
+                gauge.add_metric(values, float(getattr(stats, field)))
             yield gauge
         by_reason = GaugeMetricFamily(
             "vllm:num_requests_waiting_by_reason", "Number of requests waiting, by reason.", labels=names + ["reason"]
         )
-        by_reason.add_metric(values + ["capacity"], waiting)  # the twin defers nothing
-        by_reason.add_metric(values + ["deferred"], 0.0)
+        for values, stats in series:
+            by_reason.add_metric(values + ["capacity"], stats.waiting)  # the twin defers nothing
+            by_reason.add_metric(values + ["deferred"], 0.0)
         yield by_reason
         preemptions = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemptions.", labels=names)
-        preemptions.add_metric(values, 0.0)
+        for values, _ in series:
+            preemptions.add_metric(values, 0.0)
         yield preemptions
         # Prefix caching is on by default in vLLM V1: prompt tokens looked up at scheduling and
         # those found cached, counted as the scheduler admits each request. The token counters
         # are iteration stats: a prompt counted as its prefill ends, each token as it is made.
-        for name, doc, count in (
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.", engine.prefilled_prompt_tokens),
-            ("vllm:generation_tokens", "Number of generation tokens processed.", engine.emitted_tokens),
+        for name, doc, field in (
+            ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+            ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
             (
                 "vllm:prefix_cache_queries",
                 "Prefix cache queries, in terms of number of queried tokens.",
-                engine.prefix_cache_queries,
+                "cache_queries",
             ),
-            (
-                "vllm:prefix_cache_hits",
-                "Prefix cache hits, in terms of number of cached tokens.",
-                engine.prefix_cache_hits,
-            ),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "cache_hits"),
         ):
             counter = CounterMetricFamily(name, doc, labels=names)
-            counter.add_metric(values, float(count))
+            for values, stats in series:
+                counter.add_metric(values, float(getattr(stats, field)))
             yield counter
 
 
-class VllmMetrics:
-    """The front end's counters and histograms; the same calls as sim.metrics.TwinMetrics."""
+class DataParallelBalancer:
+    """vLLM's internal load balancing over its data-parallel engines (DPLBAsyncMPClient): a
+    request goes to the engine with the least waiting x 4 + running as the front end last heard
+    them (the DP coordinator publishes every engine's counts each 100 ms), the lowest rank on a
+    tie; the front end counts each request it sends as waiting there until the next counts."""
 
-    def __init__(self, engine: Engine, model_name: str):
+    PUBLISH_S = 0.1
+
+    def __init__(self, engines: int) -> None:
+        self.counts = [[0, 0] for _ in range(engines)]
+        """[waiting, running] per engine, as the front end believes them."""
+        self.published_at = -math.inf
+
+    def pick(self, now: float, stats: Callable[[], Sequence[EngineStats]]) -> int:
+        if now - self.published_at >= self.PUBLISH_S:
+            self.counts = [[int(s.waiting), int(s.running)] for s in stats()]
+            self.published_at = now
+        rank = min(range(len(self.counts)), key=lambda r: self.counts[r][0] * 4 + self.counts[r][1])
+        self.counts[rank][0] += 1
+        return rank
+
+
+def named_rank(value: str | None, engines: int) -> int | None:
+    """The engine an `X-data-parallel-rank` header names, as vLLM reads it: none for a value
+    that is no integer (the balancer then picks), a 400 for one out of range."""
+    if value is None:
+        return None
+    try:
+        rank = int(value)
+    except ValueError:
+        return None
+    if not 0 <= rank < engines:
+        raise ValueError(f"data_parallel_rank {rank} is out of range [0, {engines}).")
+    return rank
+
+
+class VllmMetrics:
+    """The front end's counters and histograms, labelled by the engine that served (`for_rank`);
+    the same calls as sim.metrics.TwinMetrics."""
+
+    def __init__(self, engines: Sequence[Engine], model_name: str):
         self.model_name = model_name
+        self.engines = engines
+        self.frozen: dict[int, EngineStats] = {}
+        """The stats a hung engine last sent, by rank (`freeze`)."""
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(VllmCollector(engine, model_name))
+        self.registry.register(VllmCollector(engines, model_name, self.frozen))
         labels = ["model_name", "engine"]
-        self.values = [model_name, "0"]
         self.success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -210,21 +281,51 @@ class VllmMetrics:
             labels,
             buckets=TTFT_BUCKETS,
             registry=self.registry,
-        ).labels(*self.values)
+        )
         self.itl = Histogram(
             "vllm:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
             labels,
             buckets=ITL_BUCKETS,
             registry=self.registry,
-        ).labels(*self.values)
+        )
         self.e2e = Histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
             labels,
             buckets=E2E_BUCKETS,
             registry=self.registry,
-        ).labels(*self.values)
+        )
+        self.ranks = [EngineMetrics(self, str(rank)) for rank in range(len(engines))]
+
+    def for_rank(self, rank: int) -> EngineMetrics:
+        return self.ranks[rank]
+
+    def stats(self) -> list[EngineStats]:
+        """Every engine's counts as the front end last heard them."""
+        return [self.frozen.get(rank) or EngineStats.of(engine) for rank, engine in enumerate(self.engines)]
+
+    def freeze(self, rank: int, hung: bool) -> None:
+        """A hung engine's core sends no stats: its series keep the values they had."""
+        if hung:
+            self.frozen.setdefault(rank, EngineStats.of(self.engines[rank]))
+        else:
+            self.frozen.pop(rank, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineMetrics:
+    """The front end's metrics of the requests one engine serves."""
+
+    def __init__(self, metrics: VllmMetrics, engine: str):
+        values = [metrics.model_name, engine]
+        self.values = values
+        self.success = metrics.success
+        self.ttft = metrics.ttft.labels(*values)
+        self.itl = metrics.itl.labels(*values)
+        self.e2e = metrics.e2e.labels(*values)
 
     def observe_first_token(self, streaming: bool, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
@@ -244,6 +345,3 @@ class VllmMetrics:
     ) -> None:
         self.success.labels(*self.values, finish_reason).inc()
         self.e2e.observe(e2e_s)
-
-    def render(self) -> bytes:
-        return generate_latest(self.registry)

@@ -1,6 +1,8 @@
 """The twin as vLLM's OpenAI server (`--server vllm`): vLLM's shapes over real sockets, read with
 the real openai SDK and Prometheus' own parser, and the Kimi vLLM presets' speeds."""
 
+import concurrent.futures
+import contextlib
 import subprocess
 import sys
 
@@ -283,3 +285,65 @@ def test_vllm_ids_model_stop_reason_and_validation_are_vllms(vllm_twin):
     ):
         refused = httpx.post(url, json=chat | {"model": MODEL} | bad, timeout=30)
         assert refused.status_code == 400 and refused.json()["error"]["message"] == words
+
+
+def engine_series(text: str, name: str) -> dict[str, float]:
+    """One metric's value per `engine` label."""
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == name]
+    return {s.labels["engine"]: s.value for s in family.samples if s.name in (name, name + "_total")}
+
+
+def test_a_data_parallel_vllm_twin_balances_by_load_and_labels_each_engine_and_one_can_hang():
+    """--data-parallel-size 2 as vLLM's internal load balancing runs it: each request to the
+    engine with the least waiting x 4 + running (as its front end last heard, counting what it
+    sent since), or to the one `X-data-parallel-rank` names (400 out of range, ignored when no
+    integer); /metrics has each engine's series under `engine`. A hung engine's series hold what
+    they showed (its core sends no more stats) while the other serves."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 20000, "ignore_eos": True, "stream": True}
+    with twins(TwinSpec("base", time_scale=5.0, seed=9, server="vllm", args=("--data-parallel-size", "2"))) as (t,):
+        with httpx.Client(base_url=t.url, timeout=httpx.Timeout(10, read=2.0)) as http:
+            bad = http.post("/v1/chat/completions", json=body, headers={"x-data-parallel-rank": "2"})
+            assert bad.status_code == 400
+            assert bad.json()["error"]["message"] == "data_parallel_rank 2 is out of range [0, 2)."
+            with contextlib.ExitStack() as streams:
+                lines = []  # each stream's line iterator, kept: one dropped closes its stream
+
+                def first_token(headers: dict[str, str]) -> None:
+                    opened = streams.enter_context(
+                        http.stream("POST", "/v1/chat/completions", json=body, headers=headers)
+                    )
+                    assert opened.status_code == 200
+                    lines.append(opened.iter_lines())
+                    while '"content":"' not in (line := next(lines[-1])) or '"content":""' in line:
+                        pass
+
+                # Two long streams named to engine 0; then two to engine 1, the less loaded (in
+                # turn they would go to 0 and 1); then, at a tie, engine 0.
+                for headers in ({"x-data-parallel-rank": "0"},) * 2 + ({},) * 2 + ({"x-data-parallel-rank": "zero"},):
+                    first_token(headers)
+                running = engine_series(http.get("/metrics").text, "vllm:num_requests_running")
+                assert running == {"0": 3.0, "1": 2.0}
+                first_token({"x-data-parallel-rank": "1"})
+                assert engine_series(http.get("/metrics").text, "vllm:num_requests_running") == {"0": 3.0, "1": 3.0}
+
+                assert http.post("/specroute/twin/faults", json={"wedged_rank": 1}).status_code == 200
+                try:
+                    frozen = engine_series(http.get("/metrics").text, "vllm:generation_tokens")
+                    short = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2}
+                    # Engine 1's frozen counts (3 running) tie engine 0's: the lowest rank takes it.
+                    assert http.post("/v1/chat/completions", json=short).status_code == 200
+                    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                        stuck = pool.submit(
+                            http.post, "/v1/chat/completions", json=short, headers={"x-data-parallel-rank": "1"}
+                        )
+                        while not stuck.done():  # its 2 s read timeout bounds the loop
+                            waiting = engine_series(http.get("/metrics").text, "vllm:num_requests_waiting")
+                            assert waiting["1"] == 0.0  # as it hung, not the request it holds now
+                        assert isinstance(stuck.exception(), httpx.ReadTimeout)
+                    later = http.get("/metrics").text
+                    assert engine_series(later, "vllm:generation_tokens")["1"] == frozen["1"]
+                    assert engine_series(later, "vllm:generation_tokens")["0"] > frozen["0"]
+                finally:
+                    http.post("/specroute/twin/faults", json={})
+            done = http.post("/v1/chat/completions", json=short, headers={"x-data-parallel-rank": "1"})
+            assert done.status_code == 200
