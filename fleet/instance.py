@@ -314,9 +314,10 @@ class InstanceSignals:
     def hung_ranks(self, now: float, still_s: float) -> tuple[int, ...]:
         """Its data-parallel ranks that show work but whose mark has held still for `still_s`
         while another rank is not so (it moves, or has no work): schedulers hung among working
-        ones. SGLang deals requests to its ranks in turn, so such a rank holds about one request
-        in N until the first-token timeout, while the server's own mark (their sum) moves and
-        its other requests stream. Empty when every rank is so (the whole engine is stuck:
+        ones. SGLang deals requests to its ranks in turn (vLLM to the least loaded as it last
+        heard, a hung engine's counts frozen), so such a rank holds its share of requests until
+        the first-token timeout, while the server's own mark (of all ranks) moves and its other
+        requests stream. Empty when every rank is so (the whole engine is stuck:
         `engine_still_s` says it) or the server has one rank."""
         if len(self.rank_marks) < 2 or len(self.rank_running) != len(self.rank_marks):
             return ()

@@ -188,7 +188,7 @@ class FleetModel:
         signals = self.instances[url]
         if description.max_running:
             signals.max_running, signals.cap_reported = description.max_running, True
-        signals.separate_ranks = description.replicas > 1
+        signals.separate_ranks = description.replicas > 1 or description.ranks_separate
         self.set_replicas(signals, description.replicas)
         signals.time_scale = description.time_scale
         pool = self.pools[signals.pool]

@@ -41,13 +41,15 @@ class Reading:
     iteration and scheduler stats). Unchanged long after a request reached the server, the
     engine is stuck."""
     ranks: int = 0
-    """How many data-parallel ranks the answer listed (SGLang's /v1/loads entries; 0: not said)."""
+    """How many data-parallel ranks the answer listed (SGLang's /v1/loads entries, vLLM's
+    `engine` label values; 0: not said)."""
     rank_marks: tuple[float, ...] = ()
     rank_running: tuple[float, ...] = ()
     rank_waiting: tuple[float, ...] = ()
     rank_waiting_tokens: tuple[float, ...] = ()
-    """With several data-parallel ranks (SGLang --dp-size), each rank's own mark (its snapshot
-    time), running and waiting requests and queued prompt tokens, in rank order: a rank whose
+    """With several data-parallel ranks (SGLang --dp-size, vLLM --data-parallel-size), each rank's
+    own mark (SGLang's snapshot time, a hash of vLLM's engine counters), running and waiting
+    requests and queued prompt tokens (0 from vLLM, which does not say them), in rank order: a rank whose
     mark holds still while it shows work and another rank goes on is a scheduler hung among
     working ones (InstanceSignals.hung_ranks), and what it holds is no one's to serve. Empty for
     a server of one rank."""
@@ -105,6 +107,9 @@ class ServerDescription:
     replicas: int = 1
     """Engines behind its one front, each with its own batch, queue and an equal part of the cap
     (SGLang's data-parallel ranks without DP attention, dealt requests in turn)."""
+    ranks_separate: bool = False
+    """Whatever ranks its load answers list are such engines, however many (vLLM's: it says
+    nothing of them but in its metrics' `engine` label)."""
     time_scale: float = 1.0
     """A twin's --time-scale (its /server_info says; no real server does): it runs its GPU's
     physics this many times faster than the GPU would and counts busy time in the GPU's units,

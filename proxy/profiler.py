@@ -48,8 +48,9 @@ import httpx
 from fleet.acceptance import alpha_from_accept_length
 from fleet.profile import Profile, load_profile
 from proxy.backends import Backend, load_paths, recognise
+from proxy.backends.base import RANK_HEADER
 from proxy.backends.prometheus import parse_prometheus
-from proxy.backends.sglang import RANK_HEADER, server_info_facts
+from proxy.backends.sglang import server_info_facts
 from proxy.backends.vllm import VLLM_DEFAULT_MAX_NUM_SEQS
 from proxy.settings import SettingsError
 

@@ -22,7 +22,7 @@ from fleet.model import NO_MATCH, PrefixMatch
 from fleet.types import Decision, PoolName
 from proxy import body as request_body
 from proxy import scan
-from proxy.backends.sglang import RANK_HEADER
+from proxy.backends.base import RANK_HEADER
 from proxy.connection import ABORT_EXTENSION
 from proxy.errors import ProxyError, normalise_upstream_error
 from proxy.holding import Held

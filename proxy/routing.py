@@ -726,13 +726,15 @@ class Router:
         longest = max((a.prompt_tokens - a.sent.cached_tokens for a in instance.attempts if not a.started), default=0)
         prefill_s = self.fleet.cost.prefill_ms(instance.pool, max(longest, 0), now) / 1000.0
         grace_s = limit_s + PREFILL_MARGIN * prefill_s
+        if instance.kind == "vllm":
+            # A margin on vLLM's marks: its counters count a prompt as its prefill ends, and only
+            # its KV usage moves through another client's long lone prefill.
+            grace_s = max(grace_s, self.settings.chunk_timeout_s)
         self.check_ranks(instance, now, grace_s)
         if not instance.attempts:
             return
         still_s = signals.engine_still_s(now)
-        if still_s is None or instance.kind != "sglang":
-            # Without a mark; or vLLM's, as a margin: its counters count a prompt as its prefill
-            # ends, and only its KV usage moves through another client's long lone prefill.
+        if still_s is None:
             grace_s = max(grace_s, self.settings.chunk_timeout_s)
         if not stalled(instance.attempts, instance.progress_at, now, grace_s, still_s):
             return
@@ -749,15 +751,14 @@ class Router:
         self.abandon(instance, now, NO_PROGRESS)
 
     def check_ranks(self, instance: Instance, now: float, grace_s: float) -> None:
-        """A data-parallel rank hung among working ones (`InstanceSignals.hung_ranks`: its load
-        snapshot held still for `grace_s` while it shows work and another rank does not) leaves
-        the requests dealt to it silent, about one in N, while the server's other requests
-        stream, so neither the no-progress rule nor outlier detection sees it. Its requests
-        left silent as long fail over (their streams under way end with an error event), and
-        the server's next requests name its other ranks (SGLang's `x-data-parallel-rank`), in
-        turn, until the rank's snapshot moves again."""
-        if instance.kind != "sglang":
-            return
+        """A data-parallel rank hung among working ones (`InstanceSignals.hung_ranks`: its
+        progress mark, SGLang's load snapshot time or vLLM's engine counters, held still for
+        `grace_s` while it shows work and another rank does not) leaves the requests dealt to
+        it silent, while the server's other requests stream, so neither the no-progress rule
+        nor outlier detection sees it. Its requests left silent as long fail over (their streams
+        under way end with an error event), and the server's next requests name its other ranks
+        (`x-data-parallel-rank`, which SGLang and vLLM read), in turn, until the rank's mark
+        moves again."""
         hung = instance.signals.hung_ranks(now, grace_s)
         # Judged only while one of ours waits there as long: a snapshot alone may hold still on
         # a healthy rank (a forward pass longer than the limit, a raised publish interval).
@@ -775,7 +776,7 @@ class Router:
             ranks = len(instance.signals.rank_marks)
             if hung:
                 log.warning(
-                    "upstream %s (%s pool): data-parallel rank(s) %s of %d hold their load snapshot still with work"
+                    "upstream %s (%s pool): data-parallel rank(s) %s of %d hold their progress mark still with work"
                     " while another rank serves: judged hung; requests go to the other ranks by x-data-parallel-rank",
                     instance.url,
                     instance.pool,

@@ -7,6 +7,9 @@ from typing import Any, ClassVar
 
 from fleet.readings import Reading, ServerDescription
 
+RANK_HEADER = "x-data-parallel-rank"
+"""The request header naming the data-parallel rank that serves it (SGLang's and vLLM's)."""
+
 
 class Backend:
     """One server kind, set up to poll one of its load endpoints (`load_path`; None: the server

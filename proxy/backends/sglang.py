@@ -25,9 +25,6 @@ METRIC_NAMES = frozenset(
     }
 )
 
-RANK_HEADER = "x-data-parallel-rank"
-"""The request header naming the data-parallel rank that serves it (SGLang's; vLLM reads it too)."""
-
 RATIO_NAMES = frozenset({"sglang:spec_accept_length"})
 """Gauges that are ratios: averaged over their series (one per dp_rank), not summed."""
 

@@ -1,13 +1,15 @@
 """vLLM: no description endpoint; its load comes from GET /metrics (vllm:num_requests_running,
 vllm:num_requests_waiting). It exposes no running cap either: the cap in force is learned from
-the gauges (`vllm_cap`), starting at vLLM's default --max-num-seqs."""
+the gauges (`vllm_cap`), starting at vLLM's default --max-num-seqs. With --data-parallel-size N
+its series carry `engine` 0..N-1, one per engine (a batch, a queue and a cap of its own): the
+reading then has each engine's figures and marks, as SGLang's /v1/loads has each rank's."""
 
 from __future__ import annotations
 
 from fleet.cadence import gauge_steps
 from fleet.readings import Reading, ServerDescription
 from proxy.backends.base import Backend
-from proxy.backends.prometheus import parse_prometheus
+from proxy.backends.prometheus import parse_prometheus, parse_prometheus_by
 
 METRIC_NAMES = frozenset(
     {
@@ -37,33 +39,61 @@ class VLLM(Backend):
 
     def __init__(self, load_path: str | None = None) -> None:
         super().__init__(load_path)
-        self.cap = VLLM_DEFAULT_MAX_NUM_SEQS
-        self.full_since: tuple[float, float] | None = None
-        """Since when, and at what running count, it has kept requests waiting (vllm_cap)."""
+        self.caps = [VLLM_DEFAULT_MAX_NUM_SEQS]
+        """Each engine's running cap (one per data-parallel engine: --max-num-seqs is per rank)."""
+        self.full_since: list[tuple[float, float] | None] = [None]
+        """Since when, and at what running count, each engine has kept requests waiting (vllm_cap)."""
 
     @classmethod
     def recognises(cls, path: str, text: str) -> bool:
         return "vllm:num_requests_running" in text
 
     def default_description(self) -> ServerDescription:
-        return ServerDescription(kind=self.kind, speculative=False, max_running=VLLM_DEFAULT_MAX_NUM_SEQS)
+        return ServerDescription(
+            kind=self.kind, speculative=False, max_running=VLLM_DEFAULT_MAX_NUM_SEQS, ranks_separate=True
+        )
 
     def read(self, text: str, at: float) -> Reading:
-        m = parse_prometheus(text, METRIC_NAMES)
-        if "vllm:num_requests_running" not in m:
+        by_engine = parse_prometheus_by(text, METRIC_NAMES, "engine")
+        engines = [by_engine.get(str(rank)) for rank in range(len(by_engine))]
+        if len(engines) < 2 or any(e is None or "vllm:num_requests_running" not in e for e in engines):
+            engines = [parse_prometheus(text, METRIC_NAMES)]  # one engine, or engines not numbered 0..N-1
+        if "vllm:num_requests_running" not in (engines[0] or {}):
             raise ValueError("no vLLM load gauges in /metrics")
-        running = m["vllm:num_requests_running"]
-        reading = Reading(
-            at=at, running=running, waiting=m.get("vllm:num_requests_waiting", 0.0), accept_steps=gauge_steps(running)
+        figures = [e for e in engines if e is not None]
+        if len(figures) != len(self.caps):  # the first reading, or a server restarted with other engines
+            self.caps = [VLLM_DEFAULT_MAX_NUM_SEQS] * len(figures)
+            self.full_since = [None] * len(figures)
+        readings = []
+        for rank, m in enumerate(figures):
+            running = m["vllm:num_requests_running"]
+            reading = Reading(at=at, running=running, waiting=m.get("vllm:num_requests_waiting", 0.0))
+            self.caps[rank], self.full_since[rank] = vllm_cap(self.full_since[rank], reading, self.caps[rank])
+            readings.append(reading)
+        running, waiting = sum(r.running for r in readings), sum(r.waiting for r in readings)
+        marks = [vllm_mark(m) for m in figures]
+        total = (
+            None
+            if any(mark is None for mark in marks)
+            else float(hash(tuple(marks)) & MARK_BITS)
+            if len(marks) > 1
+            else marks[0]
         )
-        self.cap, self.full_since = vllm_cap(self.full_since, reading, self.cap)
+        # Each engine's figures, when there are several: a hung one among working ones is judged
+        # by its own marks (InstanceSignals.hung_ranks); without its counters no engine can be.
+        ranked = len(figures) > 1 and total is not None
         return Reading(
             at=at,
-            running=reading.running,
-            waiting=reading.waiting,
-            max_running=self.cap,
-            accept_steps=reading.accept_steps,
-            engine_mark=vllm_mark(m),
+            running=running,
+            waiting=waiting,
+            max_running=sum(self.caps),
+            accept_steps=gauge_steps(running),
+            engine_mark=total,
+            ranks=len(figures),
+            rank_marks=tuple(float(m or 0.0) for m in marks) if ranked else (),
+            rank_running=tuple(r.running for r in readings) if ranked else (),
+            rank_waiting=tuple(r.waiting for r in readings) if ranked else (),
+            rank_waiting_tokens=(0.0,) * len(figures) if ranked else (),
         )
 
 

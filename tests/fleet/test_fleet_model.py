@@ -94,7 +94,9 @@ def test_an_answer_no_kind_reads_is_not_taken_for_a_load_endpoint() -> None:
 def test_vllm_reports_its_default_cap_until_it_is_seen_saturated() -> None:
     backend = VLLM("/metrics")
     assert backend.default_description().max_running == 256
-    assert backend.read(VLLM_METRICS, 0.0) == Reading(at=0.0, running=4, waiting=0, max_running=256, accept_steps=160)
+    assert backend.read(VLLM_METRICS, 0.0) == Reading(
+        at=0.0, running=4, waiting=0, max_running=256, accept_steps=160, ranks=1
+    )
 
 
 def test_an_instance_prefill_speed_is_measured_from_its_counters():
@@ -357,6 +359,21 @@ def test_a_server_is_unresponsive_only_while_another_answers() -> None:
     assert fleet.unresponsive("http://s", 6.0, after_s=5.0)  # another answers: the server's silence
     fleet.set_health("http://s", False)
     assert not fleet.unresponsive("http://s", 6.0, after_s=5.0)  # unreachable is another matter
+
+
+def test_a_vllm_server_of_several_engines_is_seen_one_engine_at_a_time() -> None:
+    """vLLM says nothing of its engines but in its metrics' `engine` label: the engines its
+    reading lists are the server's replicas (each with its own batch and cap), and their
+    number follows the reading (a restart with another --data-parallel-size)."""
+    fleet = FleetModel({"spec": 3, "base": 0})
+    fleet.add_instance("http://b", "base", 256)
+    fleet.on_server("http://b", VLLM("/metrics").default_description())
+    fleet.on_reading("http://b", Reading(at=1.0, running=40, waiting=6, max_running=512, ranks=2))
+    engine = fleet.snapshot(1.0).pools["base"].instances[0]
+    assert (engine.running, engine.waiting, engine.max_running, engine.replicas) == (20, 3, 256, 2)
+    fleet.on_reading("http://b", Reading(at=2.0, running=40, waiting=6, max_running=256, ranks=1))
+    engine = fleet.snapshot(2.0).pools["base"].instances[0]
+    assert (engine.running, engine.max_running, engine.replicas) == (40, 256, 1)
 
 
 def test_a_server_of_several_data_parallel_ranks_is_seen_one_engine_at_a_time() -> None:

@@ -1172,3 +1172,62 @@ def test_requests_queued_on_the_working_rank_are_not_taken_for_the_hung_ranks() 
             working.close()
             pool.shutdown()
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_a_hung_vllm_engine_among_working_ones_is_found_by_its_own_counters() -> None:
+    """vLLM with --data-parallel-size 2 labels each engine's metrics `engine`, and its balancer
+    sends a request to the least loaded engine as it last heard. With one engine's core hung,
+    its series hold still while the other engine's counters move (so the server's own mark
+    moves): found by its own mark, a JSON request waiting there fails over (after the chunk
+    timeout at least, vLLM's margin), the server is not ejected, and its next requests name the
+    working engine by X-data-parallel-rank, which vLLM reads too."""
+    long = ("--output-len", "fixed:16384")
+    with twins(
+        TwinSpec("spec", time_scale=TIME_SCALE, seed=71),
+        TwinSpec("base", seed=72, server="vllm", args=("--data-parallel-size", "2", *long)),
+    ) as (spec, base):
+        with running_proxy(
+            spec_urls=[spec.url], base_urls=[base.url], policy="base", no_progress_s=1.0, chunk_timeout_s=3.0
+        ) as proxy:
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=45)
+            wait_for(lambda: state_of(proxy, "base-0")["dp_ranks"] == 2, what="both engines read")
+            assert (state_of(proxy, "base-0")["engines"], state_of(proxy, "base-0")["max_running"]) == (2, 512)
+            reader = concurrent.futures.ThreadPoolExecutor(2)
+            working: openai.Stream | None = None
+            try:
+                # Engine 0 takes the first (a tie goes to the lowest); JSON: silent until it ends.
+                doomed = reader.submit(
+                    client.chat.completions.with_raw_response.create,
+                    model="specroute/twin",
+                    messages=MESSAGES,
+                    max_tokens=16000,
+                )
+                wait_for(lambda: state_of(proxy, "base-0")["running"] >= 1, what="the request on engine 0")
+                working = client.chat.completions.create(
+                    model="specroute/twin", messages=MESSAGES, max_tokens=16000, stream=True
+                )
+                next(iter(working))  # under way on engine 1, the less loaded
+                make_sick(base, wedged_rank=0)
+                read = reader.submit(read_to_the_end, working)  # engine 1 streams on
+                answer = doomed.result(timeout=40)
+                assert answer.headers["x-specroute-backend"] == "spec-0"
+                assert answer.headers["x-specroute-reason"].endswith("+failover")
+                assert not read.done()  # engine 1 still streaming throughout
+                shown = state_of(proxy, "base-0")
+                assert shown["hung_ranks"] == [0] and shown["outlier"]["state"] != "ejected"
+                assert (shown["engines"], shown["max_running"]) == (1, 256)  # engine 1 alone serves
+                # Named to the working engine: none waits, none fails over. Left to vLLM, they
+                # would go to the hung one, whose frozen count (1 running) ties engine 1's.
+                for _ in range(4):
+                    served = client.chat.completions.with_raw_response.create(
+                        model="specroute/twin", messages=MESSAGES, max_tokens=2
+                    )
+                    assert served.headers["x-specroute-backend"] == "base-0"
+                    assert not served.headers["x-specroute-reason"].endswith("failover")
+            finally:
+                make_sick(base)
+                if working is not None:
+                    working.close()
+                reader.shutdown()
+            wait_for(lambda: state_of(proxy, "base-0")["hung_ranks"] == [], what="the engine serving again")
+            wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")

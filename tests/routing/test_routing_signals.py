@@ -307,6 +307,44 @@ def test_each_data_parallel_rank_reports_its_own_mark_and_work_and_caps_add_up()
     assert SGLang.describe(dict(info, dp_size="four"))[0].max_running == 48
 
 
+def test_each_vllm_engine_reports_its_own_figures_marks_and_learned_cap():
+    """vLLM with --data-parallel-size N labels each engine's series `engine` 0..N-1: the reading
+    keeps each engine's running and waiting requests and its mark (its own counters and KV
+    usage); the cap is learned per engine (--max-num-seqs is per rank), the server's their sum.
+    Series not numbered 0..N-1 read as one engine, as do engines without their counters' marks
+    (no rank could be judged by them)."""
+
+    def engines(*figures: tuple[float, float, float]) -> str:
+        lines = []
+        for rank, (running, waiting, generated) in enumerate(figures):
+            labels = f'engine="{rank}",model_name="m"'
+            lines += [
+                f"vllm:num_requests_running{{{labels}}} {running}",
+                f"vllm:num_requests_waiting{{{labels}}} {waiting}",
+                f"vllm:prompt_tokens_total{{{labels}}} 100.0",
+                f"vllm:generation_tokens_total{{{labels}}} {generated}",
+            ]
+        return "\n".join(lines) + "\n"
+
+    backend = VLLM("/metrics")
+    assert backend.default_description().ranks_separate
+    first = backend.read(engines((8, 0, 10), (3, 0, 20)), 0.0)
+    assert (first.running, first.waiting, first.ranks, first.max_running) == (11, 0, 2, 512)
+    assert (first.rank_running, first.rank_waiting, first.rank_waiting_tokens) == ((8, 3), (0, 0), (0, 0))
+    moved = backend.read(engines((8, 2, 10), (3, 0, 25)), 0.5)
+    assert moved.rank_marks[0] == first.rank_marks[0] and moved.rank_marks[1] != first.rank_marks[1]
+    assert moved.engine_mark != first.engine_mark  # the server's mark moves with any engine's
+    # Engine 0 keeps requests waiting at 8 running for a second: its cap is 8, engine 1's stays.
+    assert backend.read(engines((8, 2, 11), (3, 0, 30)), 1.6).max_running == 8 + 256
+    one = VLLM("/metrics").read(engines((4, 1, 5)), 0.0)
+    assert (one.ranks, one.rank_marks, one.max_running) == (1, (), 256)
+    skipped = engines((1, 0, 1), (1, 0, 1)).replace('engine="1"', 'engine="2"')
+    assert (VLLM("/metrics").read(skipped, 0.0).running, VLLM("/metrics").read(skipped, 0.0).ranks) == (2, 1)
+    unmarked = "".join(line + "\n" for line in engines((1, 0, 1), (2, 0, 1)).splitlines() if "tokens" not in line)
+    reading = VLLM("/metrics").read(unmarked, 0.0)
+    assert (reading.ranks, reading.rank_marks, reading.engine_mark) == (2, (), None)
+
+
 def test_a_rank_is_hung_only_while_it_shows_work_and_another_rank_does_not_hold_still_with_it():
     from fleet.instance import InstanceSignals
     from fleet.readings import Reading
