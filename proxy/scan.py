@@ -48,12 +48,20 @@ TEXTLESS = (
 )
 
 
+def line_starts(chunk: bytes, prefix: bytes) -> int:
+    """Lines of whole SSE events (a chunk opens at an event) that open with `prefix`. Only a line
+    start counts: a raw line break cannot be inside JSON, but the model's text, or a field
+    echoing the client's (the model name), may read "data: [DONE]"."""
+    lone_cr = chunk.count(b"\r" + prefix) if b"\r" in chunk else 0  # old Mac line ends: CR alone
+    return chunk.startswith(prefix) + chunk.count(b"\n" + prefix) + lone_cr
+
+
 def content_events(chunk: bytes) -> int:
     """SSE data events in a chunk, the closing [DONE] and chat events without text (or without a
     choice) not counted."""
-    events = chunk.count(EVENT)
+    events = line_starts(chunk, EVENT)
     if events and DONE in chunk:
-        events -= 1
+        events -= line_starts(chunk, DONE)
     # A stream's usage event and SGLang's spec_tokens_details one have no choice at all (SGLang
     # and vLLM write JSON without spaces; a server that puts one after the colon is read too).
     if events and (NO_CHOICES in chunk or NO_CHOICES_SPACED in chunk):
@@ -373,7 +381,8 @@ def chat_started(buffered: bytes) -> bool:
 
 
 def chat_ended(chunk: bytes) -> bool:
-    return DONE in chunk
+    """Whether whole events hold the stream's closing `data: [DONE]` line."""
+    return DONE in chunk and line_starts(chunk, DONE) > 0
 
 
 CHAT = Dialect(content_events, chat_started, summarise, 4096, False, True, chat_ended, stream_error_event)

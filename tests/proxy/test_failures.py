@@ -332,12 +332,16 @@ def slow_proxy(slow_twin: RunningTwin) -> Iterator[RunningProxy]:
         yield proxy
 
 
-def test_client_disconnect_mid_stream_frees_the_upstream_slot(slow_twin, slow_proxy) -> None:
+@pytest.mark.parametrize("model", ["m", "x data: [DONE] y"])
+def test_client_disconnect_mid_stream_frees_the_upstream_slot(slow_twin, slow_proxy, model: str) -> None:
+    """Whatever the events' text reads: SGLang echoes any model name in every chunk, and a model
+    may write "data: [DONE]" (a review saw such a stream taken as ended at its first chunk, its
+    client's leaving no longer cancelling it: 20,000 tokens made for no one)."""
     with httpx.stream(
         "POST",
         slow_proxy.base_url + "/chat/completions",
         timeout=30,
-        json={"model": "m", "messages": MESSAGES, "max_tokens": 4000, "stream": True},
+        json={"model": model, "messages": MESSAGES, "max_tokens": 4000, "stream": True},
     ) as response:
         chunks = response.iter_raw()  # kept: a dropped iterator would close the response itself
         assert next(chunks).startswith(b"data: ")

@@ -284,6 +284,14 @@ def test_the_role_only_opening_and_the_closing_event_count_as_no_token(
     spaced = b'data: {"id": "x", "choices": [], "usage": {"completion_tokens": 4}}\n\n'
     assert content_events(spaced) == 0
     assert content_events(b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n' + spaced) == 1
+    # Only a line's start is an event or the end: text reading "data:" or "data: [DONE]" is none.
+    from proxy.scan import chat_ended
+
+    said = b'data: {"model": "data: [DONE]", "choices": [{"delta": {"content": "data: x data: [DONE]"}}]}\n\n'
+    assert (content_events(said), chat_ended(said)) == (1, False)
+    assert (content_events(said + b"data: [DONE]\n\n"), chat_ended(said + b"data: [DONE]\n\n")) == (1, True)
+    crlf = said.replace(b"\n", b"\r\n") + b"data: [DONE]\r\n\r\n"
+    assert (content_events(crlf), chat_ended(crlf)) == (1, True)
 
 
 def test_a_model_name_only_sglang_accepts_gets_vllms_404_through_the_proxy(proxy: RunningProxy) -> None:
