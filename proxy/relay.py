@@ -293,6 +293,16 @@ class Exchange:
         await self.send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+def apart(value: float, limit: float) -> str:
+    """`value` to three significant digits, or as many more (up to six) as tell it from `limit`
+    (a prediction of 0.2049 s against 0.2 s read "0.20 against 0.2")."""
+    for digits in range(3, 7):
+        shown = f"{value:.{digits}g}"
+        if limit <= 0 or shown != f"{limit:.{digits}g}":
+            break
+    return shown
+
+
 def limit_note(limit: float, shown: str) -> str:
     """' against <shown> now' (`shown`: the limit with its unit) in an admission refusal's
     message; empty when that limit is not checked (0)."""
@@ -568,9 +578,9 @@ class CompletionHandler:
                 raise ProxyError(
                     429,
                     f"the fleet cannot serve this request in time now ({refusal.rule}: first token predicted "
-                    f"in {refusal.predicted_ttft_s:.2f} s"
+                    f"in {apart(refusal.predicted_ttft_s, refusal.ttft_limit_s)} s"
                     f"{limit_note(refusal.ttft_limit_s, f'{refusal.ttft_limit_s:.3g} s')}, "
-                    f"{refusal.predicted_tpot_s * 1000:.0f} ms per output token"
+                    f"{apart(refusal.predicted_tpot_s * 1000, refusal.tpot_limit_s * 1000)} ms per output token"
                     f"{limit_note(refusal.tpot_limit_s, f'{refusal.tpot_limit_s * 1000:.0f} ms')}); "
                     f"retry after {refusal.retry_after_s} s",
                     code="fleet_overloaded",

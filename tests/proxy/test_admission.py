@@ -169,3 +169,15 @@ def test_a_streams_pace_is_judged_on_its_tokens_not_its_chunks() -> None:
     short_prompt.dispatched_at -= 1.0
     short_prompt.ttft_s = 0.1
     assert short_prompt.met_targets(tight, 30) is False
+
+
+def test_a_refusal_shows_its_prediction_apart_from_the_limit() -> None:
+    """A review read "first token predicted in 0.20 s against 0.2 s" (0.2049 rounded)."""
+    from proxy.relay import apart
+
+    assert (apart(0.2049, 0.2), apart(12.3456, 0.2), apart(50.0004, 50.0), apart(0.5, 0.0)) == (
+        "0.205",
+        "12.3",
+        "50.0004",
+        "0.5",
+    )
