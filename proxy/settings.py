@@ -218,7 +218,11 @@ class Settings(_SettingsWithPolicies):
     chunk_timeout_s: float = Field(
         60.0, gt=0, description="Longest gap in seconds between two chunks of an upstream response."
     )
-    total_timeout_s: float = Field(600.0, gt=0, description="Seconds one request may take end to end.")
+    total_timeout_s: float = Field(
+        3600.0,
+        gt=0,
+        description="Seconds one request may take end to end: a backstop (a stalled stream meets the chunk timeout, a hung engine the no-progress rule), long enough for a reasoning model's stream of tens of thousands of tokens.",
+    )
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="Largest request body accepted (413 above).")
     max_json_items: int = Field(
         100_000,

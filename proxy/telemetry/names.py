@@ -176,7 +176,10 @@ BUCKETS_DURATION = (
     81.92,
     163.84,
     327.68,
-    600.0,
+    655.36,
+    1310.72,
+    2621.44,
+    3600.0,
 )  # gen_ai.client.operation.duration's, then doubling on to SPECROUTE_TOTAL_TIMEOUT_S's default
 BUCKETS_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)  # token.usage
 # The proxy's own work per request: tens of microseconds to a few milliseconds.
