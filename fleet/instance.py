@@ -328,6 +328,23 @@ class InstanceSignals:
         )
         return hung if len(hung) < len(self.rank_marks) else ()
 
+    def idle_still_ranks(self, now: float, still_s: float) -> tuple[int, ...]:
+        """Its data-parallel ranks that show no work and whose mark has held still for `still_s`:
+        idle, or hung in the first prefill after idling (SGLang publishes a rank's snapshot once
+        when it goes idle and next after a prefill batch; a hung vLLM core sends no more stats),
+        which its figures cannot tell apart (`Router.check_ranks` asks the rank itself)."""
+        if len(self.rank_marks) < 2 or len(self.rank_running) != len(self.rank_marks):
+            return ()
+        return tuple(
+            rank
+            for rank, moved_at in enumerate(self.rank_moved_at)
+            if self.rank_running[rank] + self.rank_waiting[rank] <= 0 and now - moved_at >= still_s
+        )
+
+    def rank_moved_since(self, rank: int, at: float) -> bool:
+        """Whether the rank's mark moved after `at` (a rank it no longer lists counts as moved)."""
+        return rank >= len(self.rank_moved_at) or self.rank_moved_at[rank] > at
+
     def engine_still_s(self, now: float) -> float | None:
         """Seconds since its engine mark last moved (None: not known to move). An idle engine's
         mark holds still too; a busy one's moves within a step or a prefill chunk."""

@@ -33,6 +33,7 @@ from fleet.model import FleetModel
 from fleet.readings import ServerDescription
 from proxy import backends
 from proxy.backends import Backend, OpenAICompatible
+from proxy.backends.base import RANK_HEADER
 from proxy.pools import Instance
 
 log = logging.getLogger("specroute.poller")
@@ -119,6 +120,8 @@ class InstancePoller:
         """A warning said it cannot be reached, and no line since that it answers."""
         self.said_unmarked = False
         """A line said its readings carry no engine mark (once per learning)."""
+        self.model: str | None = None
+        """The model it serves (its /v1/models), once a rank probe asked (vLLM serves no other)."""
 
     @property
     def reached(self) -> bool:
@@ -225,6 +228,7 @@ class InstancePoller:
     def _learned(self, backend: Backend, described: bool) -> None:
         self.backend = backend
         self.said_unmarked = False
+        self.model = None
         self.fleet.set_unresponsive(self.url, False)  # learned again: judged afresh
         self.instance.kind = backend.kind
         if self.lost:
@@ -387,6 +391,32 @@ class Pollers:
         # decoded already: only the type goes with it (a content-encoding would decode it twice)
         kept = {"content-type": response.headers["content-type"]} if "content-type" in response.headers else {}
         return httpx.Response(response.status_code, headers=kept, content=bytes(body))
+
+    async def probe_rank(self, url: str, rank: int, timeout_s: float) -> bool | None:
+        """Whether one data-parallel rank of the server at `url` answers a one-token completion
+        named to it (`x-data-parallel-rank`, which SGLang and vLLM read) within `timeout_s`:
+        False when it does not; None when the server cannot be asked (unreachable, an error
+        answer, no model it names)."""
+        assert self._client is not None
+        poller = self.by_url[url]
+        key = poller.instance.api_key
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        timeout = httpx.Timeout(timeout_s, connect=self.timeout_s)
+        try:
+            if poller.model is None:
+                models = await self._get(url, "/v1/models")
+                poller.model = str(models.json()["data"][0]["id"]) if models.status_code == 200 else None
+            if poller.model is None:
+                return None
+            body = {"model": poller.model, "prompt": "ok", "max_tokens": 1, "temperature": 0}
+            answer = await self._client.post(
+                url + "/v1/completions", json=body, headers=headers | {RANK_HEADER: str(rank)}, timeout=timeout
+            )
+        except httpx.ReadTimeout:  # sent, and no answer in time
+            return False
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            return None
+        return True if answer.status_code == 200 else None
 
     async def start(self) -> None:
         """Learn each instance, poll once, then keep polling in the background."""

@@ -46,6 +46,15 @@ class Instance:
     again since (the poller: the server behind the URL may have changed)."""
     rank_turn: int = 0
     """Whose turn it is among its working data-parallel ranks (`next_rank`)."""
+    silent_ranks: dict[int, float] = field(default_factory=dict)
+    """Its data-parallel ranks judged hung because a one-token request named to them went
+    unanswered (`Router.check_ranks`), with when (time.monotonic): a rank hung in the first
+    prefill after it idled shows no work, so its figures alone cannot tell it from an idle one.
+    Out until its mark moves or such a request is answered."""
+    probing: set[int] = field(default_factory=set)
+    """Its ranks with such a request under way."""
+    probed_at: dict[int, float] = field(default_factory=dict)
+    """When (time.monotonic) each rank was last sent one."""
 
     def next_rank(self) -> int | None:
         """The rank its next request is sent to by `x-data-parallel-rank`: while some of its

@@ -16,7 +16,7 @@ import logging
 import math
 import secrets
 import time
-from asyncio import Task, current_task
+from asyncio import Task, current_task, gather, get_running_loop
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -460,6 +460,8 @@ class Router:
         """Keys the system-prompt hash of derived workload keys: random per process, so the keys
         the state endpoint shows cannot confirm a guessed prompt."""
         self._turn = itertools.count()
+        self.probes: set[Task[None]] = set()
+        """Rank probes under way (`probe_ranks`)."""
 
     @classmethod
     def from_settings(cls, settings: Settings, on_ejected: Callable[[str, str, str], None] | None = None) -> Router:
@@ -507,6 +509,9 @@ class Router:
 
     async def stop(self) -> None:
         """End background work."""
+        for probe in list(self.probes):
+            probe.cancel()
+        await gather(*self.probes, return_exceptions=True)
         await self.pollers.stop()
         if self.holding is not None:
             await self.holding.stop()
@@ -758,37 +763,88 @@ class Router:
         nor outlier detection sees it. Its requests left silent as long fail over (their streams
         under way end with an error event), and the server's next requests name its other ranks
         (`x-data-parallel-rank`, which SGLang and vLLM read), in turn, until the rank's mark
-        moves again."""
-        hung = instance.signals.hung_ranks(now, grace_s)
+        moves again.
+
+        A rank hung in the first prefill after it idled shows no work (its last figures are
+        an idle rank's), so it is asked: while one of our requests left to the server's choice
+        has waited that long without a byte, each rank that shows no work and has held still
+        as long is sent a one-token completion named to it (`probe_rank`); one that does not
+        answer within `grace_s`, its mark still, is judged hung too, until its mark moves or
+        such a request, sent again each `grace_s`, is answered."""
+        signals = instance.signals
+        for rank, judged_at in list(instance.silent_ranks.items()):
+            if signals.rank_moved_since(rank, judged_at):  # it published: it served something
+                del instance.silent_ranks[rank]
+        hung = signals.hung_ranks(now, grace_s)
         # Judged only while one of ours waits there as long: a snapshot alone may hold still on
         # a healthy rank (a forward pass longer than the limit, a raised publish interval).
         since = now - grace_s
-        if (
-            hung
-            and not instance.signals.out_ranks
-            and not any(
-                a.reading_since is not None and a.reading_since <= since and (a.rank is None or a.rank in hung)
-                for a in instance.attempts
-            )
-        ):
+        silent = [a for a in instance.attempts if a.reading_since is not None and a.reading_since <= since]
+        judged_by_work = set(signals.out_ranks) - set(instance.silent_ranks)
+        if hung and not judged_by_work and not any(a.rank is None or a.rank in hung for a in silent):
             hung = ()
-        if hung != instance.signals.out_ranks:
-            ranks = len(instance.signals.rank_marks)
-            if hung:
+        out = tuple(sorted(set(hung) | set(instance.silent_ranks)))
+        if out != signals.out_ranks:
+            newly = [rank for rank in hung if rank not in signals.out_ranks]
+            if newly:
                 log.warning(
                     "upstream %s (%s pool): data-parallel rank(s) %s of %d hold their progress mark still with work"
                     " while another rank serves: judged hung; requests go to the other ranks by x-data-parallel-rank",
                     instance.url,
                     instance.pool,
-                    ", ".join(map(str, hung)),
-                    ranks,
+                    ", ".join(map(str, newly)),
+                    len(signals.rank_marks),
                 )
-            else:
+            if not out:
                 log.info("upstream %s (%s pool): every data-parallel rank serves again", instance.url, instance.pool)
-            self.fleet.set_out_ranks(instance.url, hung)
-        if hung:
+            self.fleet.set_out_ranks(instance.url, out)
+        if out:
             # Those sent to a working rank are its queue's, not the hung rank's.
-            self.abandon(instance, since, HUNG_RANK, ranks=hung)
+            self.abandon(instance, since, HUNG_RANK, ranks=out)
+        if any(a.rank is None and not a.started for a in silent):
+            self.probe_ranks(instance, signals.idle_still_ranks(now, grace_s), now, grace_s)
+        if instance.silent_ranks:
+            self.probe_ranks(instance, tuple(instance.silent_ranks), now, grace_s)
+
+    def probe_ranks(self, instance: Instance, ranks: Collection[int], now: float, timeout_s: float) -> None:
+        """Ask each of `ranks` (`Pollers.probe_rank`) not asked within `timeout_s`."""
+        for rank in ranks:
+            if rank in instance.probing or now - instance.probed_at.get(rank, -math.inf) < timeout_s:
+                continue
+            instance.probing.add(rank)
+            instance.probed_at[rank] = now
+            task = get_running_loop().create_task(self.probe_rank(instance, rank, now, timeout_s))
+            self.probes.add(task)
+            task.add_done_callback(self.probes.discard)
+
+    async def probe_rank(self, instance: Instance, rank: int, sent_at: float, timeout_s: float) -> None:
+        try:
+            answered = await self.pollers.probe_rank(instance.url, rank, timeout_s)
+        finally:
+            instance.probing.discard(rank)
+        if answered and instance.silent_ranks.pop(rank, None) is not None:
+            log.info(
+                "upstream %s (%s pool): data-parallel rank %d answered a request named to it: it serves again",
+                instance.url,
+                instance.pool,
+                rank,
+            )
+        elif (
+            answered is False
+            and rank not in instance.silent_ranks
+            and not instance.signals.rank_moved_since(rank, sent_at)  # busy since: no verdict
+        ):
+            instance.silent_ranks[rank] = time.monotonic()
+            log.warning(
+                "upstream %s (%s pool): data-parallel rank %d of %d showed no work and answered no one-token request"
+                " named to it within %.0f s while one of ours waited on the server: judged hung; requests go to"
+                " the other ranks by x-data-parallel-rank",
+                instance.url,
+                instance.pool,
+                rank,
+                len(instance.signals.rank_marks),
+                timeout_s,
+            )
 
     def unreachable(self, instance: Instance) -> None:
         """A connection to `instance` failed: skip it until a load poll reaches it again."""

@@ -1231,3 +1231,96 @@ def test_a_hung_vllm_engine_among_working_ones_is_found_by_its_own_counters() ->
                 reader.shutdown()
             wait_for(lambda: state_of(proxy, "base-0")["hung_ranks"] == [], what="the engine serving again")
             wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_a_rank_hung_in_its_first_prefill_after_idling_is_asked_and_judged() -> None:
+    """A rank that hangs in the first prefill after it idled shows no work: SGLang published its
+    snapshot once as it went idle and publishes next after a prefill, so its figures are an idle
+    rank's and the work rule cannot judge it. While a request of ours waits on the server
+    without a byte, each rank that shows no work and holds still is sent a one-token completion
+    named to it: one that does not answer is judged hung, its waiting request fails over, the
+    server's next requests name the working rank, and once the rank answers again it serves."""
+    with spec_of_two_ranks(seed=65) as (proxy, spec, client):
+        make_sick(spec, wedged_rank=1)  # idle: it hangs at the next request it takes
+        reader = concurrent.futures.ThreadPoolExecutor(1)
+        working = under_way(client)  # dealt to rank 0, which streams on
+        read = reader.submit(read_to_the_end, working)
+        try:
+            # Dealt to rank 1: silent, while its snapshot still reads idle.
+            answer = client.chat.completions.with_raw_response.create(
+                model="m", messages=MESSAGES, max_tokens=2, stream=True
+            )
+            assert answer.headers["x-specroute-backend"] == "base-0"
+            assert answer.headers["x-specroute-reason"].endswith("+failover")
+            assert "".join(c.choices[0].delta.content or "" for c in answer.parse() if c.choices)
+            assert not read.done()
+            shown = state_of(proxy, "spec-0")
+            assert shown["hung_ranks"] == [1] and shown["outlier"]["state"] != "ejected"
+            for _ in range(4):  # named to rank 0: none waits, none fails over
+                served = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2)
+                assert served.headers["x-specroute-backend"] == "spec-0"
+                assert not served.headers["x-specroute-reason"].endswith("failover")
+        finally:
+            make_sick(spec)
+            working.close()
+            reader.shutdown()
+        # Healed, idle: nothing moves its snapshot; the next request named to it is answered.
+        wait_for(lambda: state_of(proxy, "spec-0")["hung_ranks"] == [], what="the rank answering again")
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_an_idle_rank_that_answers_its_probe_is_not_judged_though_a_request_waits_elsewhere() -> None:
+    """One of ours queued on a full rank past the limit while the other rank idles: the idle rank
+    is asked, answers, and nothing is judged; the queued request is served where it waits."""
+    with spec_of_two_ranks(67, "--max-running-requests", "1") as (proxy, spec, client):
+        working = under_way(client)  # rank 0's one slot
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        try:
+            short = client.chat.completions.with_raw_response.create(model="m", messages=MESSAGES, max_tokens=2)
+            assert short.headers["x-specroute-backend"] == "spec-0"  # served by rank 1, idle after
+            queued = pool.submit(
+                client.chat.completions.with_raw_response.create, model="m", messages=MESSAGES, max_tokens=2
+            )  # dealt to rank 0: queued behind the stream
+            spec_0 = instance(proxy, "spec", 0)
+            wait_for(lambda: 1 in spec_0.probed_at and 1 not in spec_0.probing, what="rank 1 asked and answering")
+            assert spec_0.silent_ranks == {} and state_of(proxy, "spec-0")["hung_ranks"] == []
+            working.close()  # rank 0's slot frees: the queued request is served there
+            answer = queued.result(timeout=40)
+            assert answer.headers["x-specroute-backend"] == "spec-0"
+            assert not answer.headers["x-specroute-reason"].endswith("failover")
+        finally:
+            working.close()
+            pool.shutdown()
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_a_vllm_engine_hung_in_its_first_prefill_is_asked_by_its_served_model() -> None:
+    """The same on vLLM, whose hung core's series keep an idle engine's figures: the one-token
+    request names the model vLLM serves (its /v1/models; any other is a 404)."""
+    long = ("--output-len", "fixed:16384")
+    with twins(
+        TwinSpec("spec", time_scale=TIME_SCALE, seed=73),
+        TwinSpec("base", seed=74, server="vllm", args=("--data-parallel-size", "2", *long)),
+    ) as (spec, base):
+        with running_proxy(
+            spec_urls=[spec.url], base_urls=[base.url], policy="base", no_progress_s=1.0, chunk_timeout_s=3.0
+        ) as proxy:
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=45)
+            wait_for(lambda: state_of(proxy, "base-0")["dp_ranks"] == 2, what="both engines read")
+            make_sick(base, wedged_rank=1)  # idle: it hangs at the next request it takes
+            working = client.chat.completions.create(
+                model="specroute/twin", messages=MESSAGES, max_tokens=16000, stream=True
+            )
+            try:
+                next(iter(working))  # engine 0 (a tie goes to the lowest)
+                answer = client.chat.completions.with_raw_response.create(
+                    model="specroute/twin", messages=MESSAGES, max_tokens=2
+                )  # engine 1, the less loaded: silent
+                assert answer.headers["x-specroute-backend"] == "spec-0"
+                assert answer.headers["x-specroute-reason"].endswith("+failover")
+                assert state_of(proxy, "base-0")["hung_ranks"] == [1]
+            finally:
+                make_sick(base)
+                working.close()
+            wait_for(lambda: state_of(proxy, "base-0")["hung_ranks"] == [], what="the engine answering again")
+            wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
