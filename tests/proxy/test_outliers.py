@@ -1174,6 +1174,24 @@ def test_requests_queued_on_the_working_rank_are_not_taken_for_the_hung_ranks() 
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
+@contextlib.contextmanager
+def base_of_two_vllm_engines(seed: int) -> Iterator[tuple[RunningProxy, RunningTwin, openai.OpenAI]]:
+    """The proxy (static base policy, no-progress limit 1 s, chunk timeout 3 s: vLLM's marks are
+    judged after it) before a base vLLM twin of two data-parallel engines in real time (a long
+    stream lasts about 40 s) and a spec twin; both engines read."""
+    long = ("--output-len", "fixed:16384")
+    with twins(
+        TwinSpec("spec", time_scale=TIME_SCALE, seed=seed),
+        TwinSpec("base", seed=seed + 1, server="vllm", args=("--data-parallel-size", "2", *long)),
+    ) as (spec, base):
+        with running_proxy(
+            spec_urls=[spec.url], base_urls=[base.url], policy="base", no_progress_s=1.0, chunk_timeout_s=3.0
+        ) as proxy:
+            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=45)
+            wait_for(lambda: state_of(proxy, "base-0")["dp_ranks"] == 2, what="both engines read")
+            yield proxy, base, client
+
+
 def test_a_hung_vllm_engine_among_working_ones_is_found_by_its_own_counters() -> None:
     """vLLM with --data-parallel-size 2 labels each engine's metrics `engine`, and its balancer
     sends a request to the least loaded engine as it last heard. With one engine's core hung,
@@ -1181,56 +1199,47 @@ def test_a_hung_vllm_engine_among_working_ones_is_found_by_its_own_counters() ->
     moves): found by its own mark, a JSON request waiting there fails over (after the chunk
     timeout at least, vLLM's margin), the server is not ejected, and its next requests name the
     working engine by X-data-parallel-rank, which vLLM reads too."""
-    long = ("--output-len", "fixed:16384")
-    with twins(
-        TwinSpec("spec", time_scale=TIME_SCALE, seed=71),
-        TwinSpec("base", seed=72, server="vllm", args=("--data-parallel-size", "2", *long)),
-    ) as (spec, base):
-        with running_proxy(
-            spec_urls=[spec.url], base_urls=[base.url], policy="base", no_progress_s=1.0, chunk_timeout_s=3.0
-        ) as proxy:
-            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=45)
-            wait_for(lambda: state_of(proxy, "base-0")["dp_ranks"] == 2, what="both engines read")
-            assert (state_of(proxy, "base-0")["engines"], state_of(proxy, "base-0")["max_running"]) == (2, 512)
-            reader = concurrent.futures.ThreadPoolExecutor(2)
-            working: openai.Stream | None = None
-            try:
-                # Engine 0 takes the first (a tie goes to the lowest); JSON: silent until it ends.
-                doomed = reader.submit(
-                    client.chat.completions.with_raw_response.create,
-                    model="specroute/twin",
-                    messages=MESSAGES,
-                    max_tokens=16000,
+    with base_of_two_vllm_engines(seed=71) as (proxy, base, client):
+        assert (state_of(proxy, "base-0")["engines"], state_of(proxy, "base-0")["max_running"]) == (2, 512)
+        reader = concurrent.futures.ThreadPoolExecutor(2)
+        working: openai.Stream | None = None
+        try:
+            # Engine 0 takes the first (a tie goes to the lowest); JSON: silent until it ends.
+            doomed = reader.submit(
+                client.chat.completions.with_raw_response.create,
+                model="specroute/twin",
+                messages=MESSAGES,
+                max_tokens=16000,
+            )
+            wait_for(lambda: state_of(proxy, "base-0")["running"] >= 1, what="the request on engine 0")
+            working = client.chat.completions.create(
+                model="specroute/twin", messages=MESSAGES, max_tokens=16000, stream=True
+            )
+            next(iter(working))  # under way on engine 1, the less loaded
+            make_sick(base, wedged_rank=0)
+            read = reader.submit(read_to_the_end, working)  # engine 1 streams on
+            answer = doomed.result(timeout=40)
+            assert answer.headers["x-specroute-backend"] == "spec-0"
+            assert answer.headers["x-specroute-reason"].endswith("+failover")
+            assert not read.done()  # engine 1 still streaming throughout
+            shown = state_of(proxy, "base-0")
+            assert shown["hung_ranks"] == [0] and shown["outlier"]["state"] != "ejected"
+            assert (shown["engines"], shown["max_running"]) == (1, 256)  # engine 1 alone serves
+            # Named to the working engine: none waits, none fails over. Left to vLLM, they
+            # would go to the hung one, whose frozen count (1 running) ties engine 1's.
+            for _ in range(4):
+                served = client.chat.completions.with_raw_response.create(
+                    model="specroute/twin", messages=MESSAGES, max_tokens=2
                 )
-                wait_for(lambda: state_of(proxy, "base-0")["running"] >= 1, what="the request on engine 0")
-                working = client.chat.completions.create(
-                    model="specroute/twin", messages=MESSAGES, max_tokens=16000, stream=True
-                )
-                next(iter(working))  # under way on engine 1, the less loaded
-                make_sick(base, wedged_rank=0)
-                read = reader.submit(read_to_the_end, working)  # engine 1 streams on
-                answer = doomed.result(timeout=40)
-                assert answer.headers["x-specroute-backend"] == "spec-0"
-                assert answer.headers["x-specroute-reason"].endswith("+failover")
-                assert not read.done()  # engine 1 still streaming throughout
-                shown = state_of(proxy, "base-0")
-                assert shown["hung_ranks"] == [0] and shown["outlier"]["state"] != "ejected"
-                assert (shown["engines"], shown["max_running"]) == (1, 256)  # engine 1 alone serves
-                # Named to the working engine: none waits, none fails over. Left to vLLM, they
-                # would go to the hung one, whose frozen count (1 running) ties engine 1's.
-                for _ in range(4):
-                    served = client.chat.completions.with_raw_response.create(
-                        model="specroute/twin", messages=MESSAGES, max_tokens=2
-                    )
-                    assert served.headers["x-specroute-backend"] == "base-0"
-                    assert not served.headers["x-specroute-reason"].endswith("failover")
-            finally:
-                make_sick(base)
-                if working is not None:
-                    working.close()
-                reader.shutdown()
-            wait_for(lambda: state_of(proxy, "base-0")["hung_ranks"] == [], what="the engine serving again")
-            wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+                assert served.headers["x-specroute-backend"] == "base-0"
+                assert not served.headers["x-specroute-reason"].endswith("failover")
+        finally:
+            make_sick(base)
+            if working is not None:
+                working.close()
+            reader.shutdown()
+        wait_for(lambda: state_of(proxy, "base-0")["hung_ranks"] == [], what="the engine serving again")
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
 
 
 def test_a_rank_hung_in_its_first_prefill_after_idling_is_asked_and_judged() -> None:
@@ -1297,30 +1306,21 @@ def test_an_idle_rank_that_answers_its_probe_is_not_judged_though_a_request_wait
 def test_a_vllm_engine_hung_in_its_first_prefill_is_asked_by_its_served_model() -> None:
     """The same on vLLM, whose hung core's series keep an idle engine's figures: the one-token
     request names the model vLLM serves (its /v1/models; any other is a 404)."""
-    long = ("--output-len", "fixed:16384")
-    with twins(
-        TwinSpec("spec", time_scale=TIME_SCALE, seed=73),
-        TwinSpec("base", seed=74, server="vllm", args=("--data-parallel-size", "2", *long)),
-    ) as (spec, base):
-        with running_proxy(
-            spec_urls=[spec.url], base_urls=[base.url], policy="base", no_progress_s=1.0, chunk_timeout_s=3.0
-        ) as proxy:
-            client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0, timeout=45)
-            wait_for(lambda: state_of(proxy, "base-0")["dp_ranks"] == 2, what="both engines read")
-            make_sick(base, wedged_rank=1)  # idle: it hangs at the next request it takes
-            working = client.chat.completions.create(
-                model="specroute/twin", messages=MESSAGES, max_tokens=16000, stream=True
-            )
-            try:
-                next(iter(working))  # engine 0 (a tie goes to the lowest)
-                answer = client.chat.completions.with_raw_response.create(
-                    model="specroute/twin", messages=MESSAGES, max_tokens=2
-                )  # engine 1, the less loaded: silent
-                assert answer.headers["x-specroute-backend"] == "spec-0"
-                assert answer.headers["x-specroute-reason"].endswith("+failover")
-                assert state_of(proxy, "base-0")["hung_ranks"] == [1]
-            finally:
-                make_sick(base)
-                working.close()
-            wait_for(lambda: state_of(proxy, "base-0")["hung_ranks"] == [], what="the engine answering again")
-            wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+    with base_of_two_vllm_engines(seed=73) as (proxy, base, client):
+        make_sick(base, wedged_rank=1)  # idle: it hangs at the next request it takes
+        working = client.chat.completions.create(
+            model="specroute/twin", messages=MESSAGES, max_tokens=16000, stream=True
+        )
+        try:
+            next(iter(working))  # engine 0 (a tie goes to the lowest)
+            answer = client.chat.completions.with_raw_response.create(
+                model="specroute/twin", messages=MESSAGES, max_tokens=2
+            )  # engine 1, the less loaded: silent
+            assert answer.headers["x-specroute-backend"] == "spec-0"
+            assert answer.headers["x-specroute-reason"].endswith("+failover")
+            assert state_of(proxy, "base-0")["hung_ranks"] == [1]
+        finally:
+            make_sick(base)
+            working.close()
+        wait_for(lambda: state_of(proxy, "base-0")["hung_ranks"] == [], what="the engine answering again")
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
