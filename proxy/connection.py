@@ -21,7 +21,11 @@ of any size is buffered whole. Here:
 - pipelined requests: the header deadline starts again only once no later request is past its
   headers (a queued or running one is not held to it, nor are its body bytes counted as headers);
 - an HTTP/1.0 request's response of no declared length (a stream) ends where the connection
-  closes, not in chunks: HTTP/1.0 has no chunked coding (RFC 9112 6.1), and uvicorn chunks it.
+  closes, not in chunks: HTTP/1.0 has no chunked coding (RFC 9112 6.1), and uvicorn chunks it;
+- a chunked body's trailer fields (RFC 9112 7.1.2) are no request headers: uvicorn appended them
+  to the request's (a client could set routing headers after the proxy's checks, past the
+  header limit, or hold hundreds of MB in one field); they are dropped, and over
+  SPECROUTE_MAX_HEADER_BYTES get 431 and close.
 """
 
 from __future__ import annotations
@@ -88,6 +92,10 @@ class GuardedProtocol(HttpToolsProtocol):
         """The last bytes of the header block read so far (its end may straddle two reads)."""
         self.oversized = False
         self.deadline: asyncio.TimerHandle | None = None
+        self.chunk_quiet = False
+        """A chunk's size line was parsed and none of its data since: the last (zero) chunk's
+        trailer fields are being read, or the next read brings the chunk's data."""
+        self.trailer_bytes = 0
 
     # -- deadlines --------------------------------------------------------------------------------
     def _arm(self, seconds: float, status: int, code: str, message: str) -> None:
@@ -151,11 +159,41 @@ class GuardedProtocol(HttpToolsProtocol):
             if self.header_bytes > self.limits.max_header_bytes:
                 self._refuse(431, "headers_too_large", self.too_large_message())
                 return
+            super().data_received(data)
+            return
+        quiet = self.chunk_quiet
         super().data_received(data)
+        # A whole read after a chunk's size line that brought none of its data: trailer fields,
+        # which the parser buffers whole until each ends (one field of 200 MB held 380 MB).
+        if quiet and self.chunk_quiet and not self.in_headers:
+            self.count_trailer(len(data))
+
+    def on_chunk_header(self) -> None:
+        self.chunk_quiet = True
+
+    def on_body(self, body: bytes) -> None:
+        self.chunk_quiet = False
+        super().on_body(body)
+
+    def on_chunk_complete(self) -> None:
+        self.chunk_quiet = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.in_headers:
+            super().on_header(name, value)
+        else:  # a trailer field: counted, dropped
+            self.count_trailer(len(name) + len(value) + 4)
+
+    def count_trailer(self, size: int) -> None:
+        self.trailer_bytes += size
+        if self.trailer_bytes > self.limits.max_header_bytes:
+            self._refuse(431, "trailers_too_large", f"trailer fields over {self.limits.max_header_bytes} bytes")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.in_headers = True
+        self.chunk_quiet = False
+        self.trailer_bytes = 0
 
     def on_headers_complete(self) -> None:
         # A pipelined request whose headers came in the same read as an earlier request's was

@@ -227,3 +227,36 @@ def test_a_response_on_a_connection_that_closes_does_not_also_offer_keep_alive()
             lines = head.lower().split(b"\r\n")
             said = [line for line in lines if line.startswith((b"connection:", b"keep-alive:"))]
             assert said == ([b"connection: close"] if closes else [b"keep-alive: timeout=5"]), (request, head)
+
+
+def chunked(body: bytes) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+        b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n" % (len(body), body)
+    )
+
+
+def test_a_chunked_bodys_trailer_fields_are_no_request_headers_and_are_bounded() -> None:
+    """uvicorn appended a chunked body's trailer fields to the request's headers: a client could
+    set routing headers after the proxy's checks and past its header limit, and one field grew
+    the proxy by hundreds of MB (a review: 188 -> 733 MB, a 200 to the request). Dropped now, and
+    refused (431) past the header limit, whether many fields or one long one."""
+    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], **GUARDED) as proxy:
+        body = json.dumps(CHAT).encode()
+        with connect(proxy) as sock:
+            sock.sendall(chunked(body) + b"x-specroute-pool: bogus\r\nx-request-id: from-a-trailer\r\n\r\n")
+            ((head, _),) = read_responses(sock, 1)
+        assert head.startswith(b"HTTP/1.1 200 "), head  # the pool header was not read: no 400
+        assert b"from-a-trailer" not in head.lower()
+        # Many fields; one field of 1 MB, more than one read (an unread rest is not counted)
+        for trailers in (b"x-t: " + b"a" * 500 + b"\r\n",) * 40, (b"x-t: ", *(b"a" * 100_000,) * 10):
+            with connect(proxy) as sock:
+                sock.sendall(chunked(body))
+                try:
+                    for piece in trailers:
+                        sock.sendall(piece)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # refused part-way
+                answer, _ = read_until_closed(sock)
+            assert answer.startswith(b"HTTP/1.1 431 ") and b"trailers_too_large" in answer, answer[:200]
+        assert len([r for r in upstream.requests if r.method == "POST"]) == 1
