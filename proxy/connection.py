@@ -134,6 +134,10 @@ class GuardedProtocol(HttpToolsProtocol):
             self.transport.write(refusal(400, "invalid_http", "the request is not valid HTTP/1.1"))
         self.transport.close()
 
+    def _unsupported_upgrade_warning(self) -> None:
+        """An `Upgrade` a client asks is not taken (the request is served as plain HTTP): no
+        warning lines of uvicorn's, which a client could write at will."""
+
     def too_large_message(self) -> str:
         return f"request line and headers over {self.limits.max_header_bytes} bytes"
 

@@ -113,6 +113,9 @@ def uvicorn_config(app: SpecrouteApp, settings: Settings) -> uvicorn.Config:
         port=settings.port,
         loop="uvloop",
         http=guarded_protocol(limits),  # httptools, with deadlines and a header size limit
+        # No WebSocket: the API has none, and uvicorn's handler logged two lines with the
+        # client's address for each upgrade a client asked (a log flood at will).
+        ws="none",
         timeout_keep_alive=keep_alive_s,
         lifespan="on",
         log_level=settings.log_level,
@@ -142,6 +145,18 @@ class DrainEnd(logging.Filter):
         return True
 
 
+class ClientsOwnErrors(logging.Filter):
+    """uvicorn warns of each request its parser refuses ("Invalid HTTP request received."): the
+    client's doing, answered 400, and a line per request a client could write at will. Kept at
+    DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and record.msg == "Invalid HTTP request received.":
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 THIRD_PARTY_LOGGERS = ("opentelemetry", "httpx", "httpcore", "asyncio")
 
 
@@ -161,7 +176,8 @@ def log_config(level: str, fmt: str = "text") -> dict[str, Any]:
     for library in THIRD_PARTY_LOGGERS:
         config["loggers"][library] = {"handlers": ["default"], "level": "WARNING", "propagate": True}
     config.setdefault("filters", {})["drain_end"] = {"()": DrainEnd}
-    config["loggers"]["uvicorn.error"]["filters"] = ["drain_end"]
+    config["filters"]["clients_own_errors"] = {"()": ClientsOwnErrors}
+    config["loggers"]["uvicorn.error"]["filters"] = ["drain_end", "clients_own_errors"]
     return config
 
 

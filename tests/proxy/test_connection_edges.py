@@ -260,3 +260,26 @@ def test_a_chunked_bodys_trailer_fields_are_no_request_headers_and_are_bounded()
                 answer, _ = read_until_closed(sock)
             assert answer.startswith(b"HTTP/1.1 431 ") and b"trailers_too_large" in answer, answer[:200]
         assert len([r for r in upstream.requests if r.method == "POST"]) == 1
+
+
+def test_a_websocket_upgrade_is_plain_http_and_a_clients_bad_requests_write_no_log_lines(capfd) -> None:
+    """uvicorn took `Upgrade: websocket` to its WebSocket handler, which wrote two INFO lines with
+    the client's address per attempt (a review: 701 lines in 0.2 s), and warned of each request
+    its parser refused: a client could write the proxy's log at will. The upgrade is not taken
+    (the request is served as plain HTTP) and a refused request is answered, not logged."""
+    with running_proxy(**GUARDED) as proxy:
+        capfd.readouterr()
+        with connect(proxy) as sock:
+            sock.sendall(
+                b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+                b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+            )
+            ((head, body),) = read_responses(sock, 1)
+        assert head.startswith(b"HTTP/1.1 200 ") and b"upgrade" not in head.lower(), head
+        for _ in range(20):
+            with connect(proxy) as sock:
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nbad header\r\n\r\n")
+                answer, _ = read_until_closed(sock)
+            assert answer.startswith(b"HTTP/1.1 400 ") and b'"code":"invalid_http"' in answer, answer
+    logged = capfd.readouterr().err
+    assert "WebSocket" not in logged and "Invalid HTTP request" not in logged and "127.0.0.1:" not in logged, logged
