@@ -53,10 +53,15 @@ Python servers do not: SGLang's and vLLM's parsers and validators recurse, and a
 made the twin (FastAPI, as SGLang) fail with a 500 on every server the request was sent to. No
 request needs more than a few dozen (OpenAI bounds a JSON schema's nesting at 10)."""
 OFF_LOOP_BYTES = 256 * 1024
+"""Bodies larger than this are parsed off the event loop (small ones: cheaper on it)."""
+OFF_LOOP_ITEMS = 2048
+"""Bodies with more JSON objects and arrays than this are parsed off the event loop too, however
+small: what routing reads of each message or input item is Python work, about a microsecond
+each (2,000: 2-3 ms), and 87,000 empty messages in 256 KB held the loop 125-450 ms a body (a
+review: another client's call took 1.2-1.9 s while one client sent eight a second)."""
 SCAN_BYTES = 64 * 1024
 """Separators outside strings are counted this many bytes at a time (a few hundred microseconds
 each), so the counting thread hands the GIL back to the loop between pieces."""
-"""Bodies larger than this are parsed off the event loop (small ones: cheaper on it)."""
 TYPED_FIELDS: dict[str, tuple[type | tuple[type, ...], str]] = {
     "model": (str, "a string"),
     "stream": (bool, "a boolean"),
@@ -240,10 +245,9 @@ def read_hashed(body: bytes, max_items: int, max_values: int, given: Given = Giv
     return Parsed(parsed.payload, parsed.features, tuple(parsed.blocks[:]), parsed.session, parsed.body)
 
 
-PROCESS_BYTES = OFF_LOOP_BYTES
-"""Bodies larger than this are parsed in a worker process: orjson holds the GIL while it parses,
-so even from a worker thread one 15 MiB prompt held the event loop about 18 ms, and 250,000
-numbers (0.5 MiB) about 10 ms."""
+# Bodies parsed off the loop go to a worker process: orjson holds the GIL while it parses, so
+# even from a worker thread one 15 MiB prompt held the event loop about 18 ms, and 250,000
+# numbers (0.5 MiB) about 10 ms.
 BULK_FIELDS = ("messages", "prompt", "tools", "functions", "input", "instructions")
 """What a body parsed in the worker process leaves behind: only its routing features and its
 small fields (model, sampling parameters) cross back."""
@@ -348,9 +352,9 @@ class BodyReader:
         derived from the body; its session name, else the body's fields may name one) and the
         prefix index's block size and bound."""
         args = (body, self.max_items, self.max_values, given)
-        if len(body) <= OFF_LOOP_BYTES:
+        if len(body) <= OFF_LOOP_BYTES and body.count(b"{") + body.count(b"[") <= OFF_LOOP_ITEMS:
             return read(*args)
-        if len(body) <= PROCESS_BYTES or self.keep_content:
+        if self.keep_content:  # the content is kept: parsed in a thread (the worker returns none)
             return await asyncio.to_thread(read_hashed, *args)
         if self.pool is None:
             self.pool = self.new_pool()
