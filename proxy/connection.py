@@ -25,7 +25,10 @@ of any size is buffered whole. Here:
 - a chunked body's trailer fields (RFC 9112 7.1.2) are no request headers: uvicorn appended them
   to the request's (a client could set routing headers after the proxy's checks, past the
   header limit, or hold hundreds of MB in one field); they are dropped, and over
-  SPECROUTE_MAX_HEADER_BYTES get 431 and close.
+  SPECROUTE_MAX_HEADER_BYTES get 431 and close;
+- a chunked body must come in chunks of SMALL_CHUNK_BYTES on average once past
+  FREE_CHUNKS of them (else 400 and close): the parser calls back per chunk, and a body sent a
+  byte a chunk held the event loop about 0.4 s per MB.
 """
 
 from __future__ import annotations
@@ -77,8 +80,17 @@ no SDK uses). uvicorn pauses reading when one queues, but parses the whole read 
 pipelined `GET /health` queued 7,900 requests, about 2 KB each, on one connection."""
 
 
+class Refused(httptools.HttpParserError):
+    """Raised from a parser callback: parsing stops, and the request gets `GuardedProtocol.refusing`."""
+
+
 class TooManyPipelined(httptools.HttpParserError):
     """Raised from a parser callback: the connection is closed (its queued answers are not sent)."""
+
+
+FREE_CHUNKS = 1024
+SMALL_CHUNK_BYTES = 256
+"""A chunked body's chunks past FREE_CHUNKS must average this many bytes (an SDK's are KBs)."""
 
 
 class GuardedProtocol(HttpToolsProtocol):
@@ -96,6 +108,10 @@ class GuardedProtocol(HttpToolsProtocol):
         """A chunk's size line was parsed and none of its data since: the last (zero) chunk's
         trailer fields are being read, or the next read brings the chunk's data."""
         self.trailer_bytes = 0
+        self.chunks = 0
+        self.body_bytes = 0
+        self.refusing: tuple[int, str, str] | None = None
+        """The answer of a request refused from a parser callback (`Refused`)."""
 
     # -- deadlines --------------------------------------------------------------------------------
     def _arm(self, seconds: float, status: int, code: str, message: str) -> None:
@@ -130,6 +146,8 @@ class GuardedProtocol(HttpToolsProtocol):
         in OpenAI's error shape, like every other error, instead of uvicorn's plain text."""
         if self.oversized:
             self._refuse(431, "headers_too_large", self.too_large_message())
+        elif self.refusing is not None:
+            self._refuse(*self.refusing)
         elif not self.transport.is_closing():
             self.transport.write(refusal(400, "invalid_http", "the request is not valid HTTP/1.1"))
         self.transport.close()
@@ -174,9 +192,15 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_chunk_header(self) -> None:
         self.chunk_quiet = True
+        self.chunks += 1
+        if self.chunks > FREE_CHUNKS and self.body_bytes < SMALL_CHUNK_BYTES * self.chunks:
+            message = f"a chunked body's chunks must average {SMALL_CHUNK_BYTES} bytes or more"
+            self.refusing = (400, "chunks_too_small", message)
+            raise Refused
 
     def on_body(self, body: bytes) -> None:
         self.chunk_quiet = False
+        self.body_bytes += len(body)
         super().on_body(body)
 
     def on_chunk_complete(self) -> None:
@@ -185,19 +209,26 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         if self.in_headers:
             super().on_header(name, value)
-        else:  # a trailer field: counted, dropped
-            self.count_trailer(len(name) + len(value) + 4)
+        elif self.count_trailer(len(name) + len(value) + 4):  # a trailer field: counted, dropped
+            raise Refused
 
-    def count_trailer(self, size: int) -> None:
+    def count_trailer(self, size: int) -> bool:
+        """Counts trailer bytes; True (and the connection refused) once past the header limit."""
         self.trailer_bytes += size
-        if self.trailer_bytes > self.limits.max_header_bytes:
-            self._refuse(431, "trailers_too_large", f"trailer fields over {self.limits.max_header_bytes} bytes")
+        if self.trailer_bytes <= self.limits.max_header_bytes:
+            return False
+        self.refusing = (431, "trailers_too_large", f"trailer fields over {self.limits.max_header_bytes} bytes")
+        self._refuse(*self.refusing)
+        return True
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.in_headers = True
         self.chunk_quiet = False
         self.trailer_bytes = 0
+        self.chunks = 0
+        self.body_bytes = 0
+        self.refusing = None
 
     def on_headers_complete(self) -> None:
         # A pipelined request whose headers came in the same read as an earlier request's was

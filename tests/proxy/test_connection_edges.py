@@ -283,3 +283,33 @@ def test_a_websocket_upgrade_is_plain_http_and_a_clients_bad_requests_write_no_l
             assert answer.startswith(b"HTTP/1.1 400 ") and b'"code":"invalid_http"' in answer, answer
     logged = capfd.readouterr().err
     assert "WebSocket" not in logged and "Invalid HTTP request" not in logged and "127.0.0.1:" not in logged, logged
+
+
+def test_a_chunked_body_must_come_in_chunks_of_some_size() -> None:
+    """The parser calls back per chunk: a body sent a byte a chunk held the event loop about
+    0.4 s per MB (a review). Past 1,024 chunks they must average 256 bytes: a byte a chunk is
+    refused within its first few KB; a body in chunks of 512 bytes passes."""
+    with FaultServer("echo") as upstream, running_proxy(spec_urls=[upstream.url], **GUARDED) as proxy:
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
+        body = json.dumps({**CHAT, "user": "u" * 1_000_000}).encode()
+        with connect(proxy) as sock:
+            sock.sendall(head)
+            try:
+                for start in range(0, len(body), 4096):
+                    sock.sendall(b"".join(b"1\r\n%c\r\n" % byte for byte in body[start : start + 4096]))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused part-way
+            answer, _ = read_until_closed(sock)
+        assert answer.startswith(b"HTTP/1.1 400 ") and b"chunks_too_small" in answer, answer[:300]
+        assert not [r for r in upstream.requests if r.method == "POST"]
+        chunks = b"".join(
+            b"%x\r\n%s\r\n" % (len(body[i : i + 512]), body[i : i + 512]) for i in range(0, len(body), 512)
+        )
+        with connect(proxy) as sock:
+            sock.sendall(head + chunks + b"0\r\n\r\n")
+            ((answered, _),) = read_responses(sock, 1)
+        assert answered.startswith(b"HTTP/1.1 200 "), answered
+        assert [r for r in upstream.requests if r.method == "POST"][0].body == body
