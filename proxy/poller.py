@@ -402,12 +402,15 @@ class Pollers:
         key = poller.instance.api_key
         headers = {"authorization": f"Bearer {key}"} if key else {}
         timeout = httpx.Timeout(timeout_s, connect=self.timeout_s)
-        try:
-            if poller.model is None:
+        if poller.model is None:
+            try:  # no verdict when it cannot be read (a slow answer included): nothing was sent
                 models = await self._get(url, "/v1/models")
                 poller.model = str(models.json()["data"][0]["id"]) if models.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                return None
             if poller.model is None:
                 return None
+        try:
             body = {"model": poller.model, "prompt": "ok", "max_tokens": 1, "temperature": 0}
             answer = await self._client.post(
                 url + "/v1/completions", json=body, headers=headers | {RANK_HEADER: str(rank)}, timeout=timeout

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
@@ -297,10 +298,19 @@ def apart(value: float, limit: float) -> str:
     """`value` to three significant digits, or as many more (up to six) as tell it from `limit`
     (a prediction of 0.2049 s against 0.2 s read "0.20 against 0.2")."""
     for digits in range(3, 7):
-        shown = f"{value:.{digits}g}"
-        if limit <= 0 or shown != f"{limit:.{digits}g}":
+        shown = significant(value, digits)
+        if limit <= 0 or shown != significant(limit, digits):
             break
     return shown
+
+
+def significant(value: float, digits: int) -> str:
+    """`value` to `digits` significant digits, in plain notation (1234.5 -> "1235", not "1.23e+03")."""
+    if value == 0 or not math.isfinite(value):
+        return f"{value:g}"
+    decimals = max(digits - 1 - math.floor(math.log10(abs(value))), 0)
+    shown = f"{round(value, decimals):.{decimals}f}"
+    return shown.rstrip("0").rstrip(".") if "." in shown else shown
 
 
 def limit_note(limit: float, shown: str) -> str:

@@ -462,6 +462,7 @@ class Router:
         self._turn = itertools.count()
         self.probes: set[Task[None]] = set()
         """Rank probes under way (`probe_ranks`)."""
+        self.stopping = False
 
     @classmethod
     def from_settings(cls, settings: Settings, on_ejected: Callable[[str, str, str], None] | None = None) -> Router:
@@ -509,6 +510,7 @@ class Router:
 
     async def stop(self) -> None:
         """End background work."""
+        self.stopping = True  # a poll answered meanwhile starts no probe
         for probe in list(self.probes):
             probe.cancel()
         await gather(*self.probes, return_exceptions=True)
@@ -808,6 +810,8 @@ class Router:
 
     def probe_ranks(self, instance: Instance, ranks: Collection[int], now: float, timeout_s: float) -> None:
         """Ask each of `ranks` (`Pollers.probe_rank`) not asked within `timeout_s`."""
+        if self.stopping:
+            return
         for rank in ranks:
             if rank in instance.probing or now - instance.probed_at.get(rank, -math.inf) < timeout_s:
                 continue

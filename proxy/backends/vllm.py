@@ -43,6 +43,8 @@ class VLLM(Backend):
         """Each engine's running cap (one per data-parallel engine: --max-num-seqs is per rank)."""
         self.full_since: list[tuple[float, float] | None] = [None]
         """Since when, and at what running count, each engine has kept requests waiting (vllm_cap)."""
+        self.marks: list[float | None] = [None]
+        """Each engine's mark as last read (vllm_mark)."""
 
     @classmethod
     def recognises(cls, path: str, text: str) -> bool:
@@ -64,14 +66,21 @@ class VLLM(Backend):
         if len(figures) != len(self.caps):  # the first reading, or a server restarted with other engines
             self.caps = [VLLM_DEFAULT_MAX_NUM_SEQS] * len(figures)
             self.full_since = [None] * len(figures)
+            self.marks = [None] * len(figures)
+        marks = [vllm_mark(m) for m in figures]
         readings = []
         for rank, m in enumerate(figures):
             running = m["vllm:num_requests_running"]
             reading = Reading(at=at, running=running, waiting=m.get("vllm:num_requests_waiting", 0.0))
-            self.caps[rank], self.full_since[rank] = vllm_cap(self.full_since[rank], reading, self.caps[rank])
+            if marks[rank] is not None and marks[rank] == self.marks[rank]:
+                # Its counters held still: a hung core's frozen gauges (requests waiting, the
+                # running count unchanged) read as full; a full engine's counters move.
+                self.full_since[rank] = None
+            else:
+                self.caps[rank], self.full_since[rank] = vllm_cap(self.full_since[rank], reading, self.caps[rank])
             readings.append(reading)
+        self.marks = marks
         running, waiting = sum(r.running for r in readings), sum(r.waiting for r in readings)
-        marks = [vllm_mark(m) for m in figures]
         total = (
             None
             if any(mark is None for mark in marks)

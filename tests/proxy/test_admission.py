@@ -175,9 +175,7 @@ def test_a_refusal_shows_its_prediction_apart_from_the_limit() -> None:
     """A review read "first token predicted in 0.20 s against 0.2 s" (0.2049 rounded)."""
     from proxy.relay import apart
 
-    assert (apart(0.2049, 0.2), apart(12.3456, 0.2), apart(50.0004, 50.0), apart(0.5, 0.0)) == (
-        "0.205",
-        "12.3",
-        "50.0004",
-        "0.5",
-    )
+    shown = [apart(v, limit) for v, limit in ((0.2049, 0.2), (12.3456, 0.2), (50.0004, 50.0), (0.5, 0.0))]
+    assert shown == ["0.205", "12.3", "50.0004", "0.5"]
+    # Plain notation however large (a review saw "1.23e+03"), and a rounding that reads as the limit goes on.
+    assert [apart(1234.5, 10.0), apart(2500.0, 50.0), apart(99.96, 100.0)] == ["1234", "2500", "99.96"]

@@ -1324,3 +1324,50 @@ def test_a_vllm_engine_hung_in_its_first_prefill_is_asked_by_its_served_model() 
             working.close()
         wait_for(lambda: state_of(proxy, "base-0")["hung_ranks"] == [], what="the engine answering again")
         wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_a_rank_probe_gives_no_verdict_when_the_servers_model_cannot_be_read_in_time() -> None:
+    """The probe names the model the server's /v1/models lists; a slow answer there (a busy front,
+    a gateway before it) timed out as if the rank had not answered, and a healthy idle rank was
+    judged hung without a completion sent (a review). Now no verdict; once the model is read,
+    a rank that answers is one."""
+    from aiohttp import web
+
+    from proxy.poller import Pollers
+
+    sent: list[str | None] = []
+
+    async def models(request: web.Request) -> web.Response:
+        if not sent:
+            await asyncio.sleep(2.0)  # slower than the polls' 0.5 s timeout, the first time
+        return web.json_response({"object": "list", "data": [{"id": "served"}]})
+
+    async def completions(request: web.Request) -> web.Response:
+        sent.append(request.headers.get("x-data-parallel-rank"))
+        return web.json_response({"choices": [{"text": "k"}]})
+
+    async def probe_twice() -> tuple[bool | None, bool | None]:
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
+        url = f"http://127.0.0.1:{port}"
+        fleet = FleetModel()
+        fleet.add_instance(url, "spec", 48)
+        pollers = Pollers([Instance(url, "spec", fleet.instances[url])], fleet, interval_s=60.0, timeout_s=0.5)
+        pollers._client = httpx.AsyncClient(timeout=httpx.Timeout(0.5), trust_env=False)  # noqa: SLF001
+        try:
+            slow = await pollers.probe_rank(url, 1, 3.0)
+            sent.append("models read")
+            answered = await pollers.probe_rank(url, 1, 3.0)
+        finally:
+            await pollers._client.aclose()  # noqa: SLF001
+            await runner.cleanup()
+        return slow, answered
+
+    assert asyncio.run(probe_twice()) == (None, True)
+    assert sent == ["models read", "1"]

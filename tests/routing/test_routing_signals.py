@@ -331,11 +331,14 @@ def test_each_vllm_engine_reports_its_own_figures_marks_and_learned_cap():
     first = backend.read(engines((8, 0, 10), (3, 0, 20)), 0.0)
     assert (first.running, first.waiting, first.ranks, first.max_running) == (11, 0, 2, 512)
     assert (first.rank_running, first.rank_waiting, first.rank_waiting_tokens) == ((8, 3), (0, 0), (0, 0))
-    moved = backend.read(engines((8, 2, 10), (3, 0, 25)), 0.5)
+    moved = backend.read(engines((8, 0, 10), (3, 0, 25)), 0.5)
     assert moved.rank_marks[0] == first.rank_marks[0] and moved.rank_marks[1] != first.rank_marks[1]
     assert moved.engine_mark != first.engine_mark  # the server's mark moves with any engine's
-    # Engine 0 keeps requests waiting at 8 running for a second: its cap is 8, engine 1's stays.
-    assert backend.read(engines((8, 2, 11), (3, 0, 30)), 1.6).max_running == 8 + 256
+    # Engine 0 keeps requests waiting at 8 running for a second, stepping: its cap is 8. Engine
+    # 1 shows the same, its counters frozen (a hung core's last gauges): no cap learned from it.
+    backend.read(engines((8, 2, 12), (3, 2, 30)), 0.6)
+    assert backend.read(engines((8, 2, 14), (3, 2, 30)), 1.2).max_running == 512
+    assert backend.read(engines((8, 2, 16), (3, 2, 30)), 1.7).max_running == 8 + 256
     one = VLLM("/metrics").read(engines((4, 1, 5)), 0.0)
     assert (one.ranks, one.rank_marks, one.max_running) == (1, (), 256)
     skipped = engines((1, 0, 1), (1, 0, 1)).replace('engine="1"', 'engine="2"')
