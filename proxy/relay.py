@@ -752,12 +752,14 @@ class CompletionHandler:
                 code="request_fails_servers",
                 retryable=False,
             )
+        exhausted = False
         for _ in range(self.settings.max_attempts):
             if exchange.owner is not None:  # only the server holding the response can continue it
                 instance = exchange.owner if not tried else None
             else:
                 instance = self.router.next_instance(pool, tried, pinned, prefer)
             if instance is None:
+                exhausted = True
                 break
             tried.append(instance)
             exchange.instance = instance
@@ -807,6 +809,9 @@ class CompletionHandler:
                 headers=[(b"retry-after", str(retry_after).encode())],
             )
         if failure is not None and exchange.culprit.servers:
+            # Every server it could reach failed as a request may make one fail: it could not be
+            # tried on more.
+            exchange.culprit.confined = exhausted and len(exchange.culprit.servers) == len(tried)
             self.absolve(exchange, suspects, path, body)
         if failure is not None:
             if len(tried) > 1:
@@ -833,11 +838,12 @@ class CompletionHandler:
         if servers:
             names = {i.url: i.name for pool in self.router.pools.values() for i in pool.instances}
             log.warning(
-                "request %s failed on %d servers (%s) and none served it: judged their cause, its failures "
+                "request %s failed on %d server(s) (%s)%s and none served it: judged their cause, its failures "
                 "are not counted against them%s",
                 exchange.request_id,
                 len(servers),
                 ", ".join(names.get(url, url) for url in servers),
+                ", all it could be sent to," if exchange.culprit.confined else "",
                 f"; it dropped their connections and is refused for {suspects.memory_s:g} s" if crashes else "",
             )
 

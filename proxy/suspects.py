@@ -9,7 +9,10 @@ crashes servers takes down one more with each attempt. So each request keeps its
 (`Culprit`), and once it has failed on SPECROUTE_QUERY_OF_DEATH_SERVERS different servers:
 
 - when it ends unanswered, exactly the failures it counted against those servers are taken
-  back from their counts in outlier detection, and an ejection one of them completed ends when
+  back from their counts in outlier detection (so too when it failed so on every server it
+  could be sent to, fewer than that: pinned by a client to a pool of one server, or a follow-up
+  only one server can continue, it could not be judged, and one client's bad inputs sent so
+  would keep a lone server ejected, each half-open probe failing), and an ejection one of them completed ends when
   the count without it is below the threshold (`OutlierDetector.absolve`). Failures of other
   requests, copies of the same body served elsewhere included, stand;
 - when it dropped the connection of that many servers, it is not failed over to another, and
@@ -64,6 +67,10 @@ class Culprit:
     servers: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     """Those of them that dropped its connection."""
+    confined: bool = False
+    """It failed so on every server it could be sent to, fewer than the rule's number (pinned by
+    `x-specroute-pool` to a pool of one, a follow-up only its response's server can continue):
+    it could not be judged by the rule, and is not held against them either."""
 
     def failed(self, url: str, kind: str) -> None:
         if url not in self.servers:
@@ -84,9 +91,9 @@ class Suspects:
         )
 
     def judged(self, culprit: Culprit) -> bool:
-        """`culprit` failed on enough different servers to be judged their cause (when it ends
-        unanswered)."""
-        return 0 < self.servers <= len(culprit.servers)
+        """`culprit` failed on enough different servers to be judged their cause, or on every
+        one it could be sent to (`confined`), when it ends unanswered."""
+        return 0 < self.servers and (self.servers <= len(culprit.servers) or culprit.confined)
 
     def crashes(self, culprit: Culprit) -> bool:
         """`culprit` dropped the connection of enough different servers: not sent to another."""

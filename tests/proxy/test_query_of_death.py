@@ -245,3 +245,28 @@ def test_a_request_after_a_servers_500_does_not_meet_the_connection_it_then_clos
             answer = client.chat.completions.with_raw_response.create(model="m", messages=ok_messages(), max_tokens=8)
             assert answer.headers["x-specroute-backend"] == "spec-0"
             assert answer.parse().choices[0].message.content
+
+
+def test_bad_inputs_pinned_to_a_lone_server_do_not_eject_it() -> None:
+    """A request pinned by its client to a pool of one server can fail on no second server, so the
+    rule could never judge it: one client's bad inputs sent so ejected the server, and each
+    half-open probe it then sent kept it out (a review). A request that failed so on every
+    server it could be sent to is not held against them."""
+    with (
+        FaultServer(f"poison:{POISON}") as lone,
+        FaultServer("echo") as base,
+        running_proxy(spec_urls=[lone.url], base_urls=[base.url], policy="base") as proxy,
+    ):
+        client = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        for i in range(6):
+            with pytest.raises(openai.InternalServerError):
+                client.chat.completions.create(
+                    model="m", messages=poison(i), max_tokens=8, extra_headers={"x-specroute-pool": "spec"}
+                )
+        shown = httpx.get(proxy.url + "/v1/specroute/state", timeout=5).json()["pools"]["spec"]["instances"][0]
+        assert shown["outlier"]["state"] == "ok" and shown["outlier"]["consecutive_failures"] == 0, shown["outlier"]
+        answer = client.chat.completions.with_raw_response.create(
+            model="m", messages=ok_messages(), max_tokens=8, extra_headers={"x-specroute-pool": "spec"}
+        )
+        assert answer.headers["x-specroute-backend"] == "spec-0"
+        wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
