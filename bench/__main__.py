@@ -24,7 +24,7 @@ BENCHMARKS = {
     "routing": "the routing policies on the virtual clock; rewrites docs/routing.md",
     "admission": "admission control at twice the fleet's capacity, virtual clock (docs/routing.md)",
     "admission_http": "admission control at twice the capacity over HTTP, real-time twins (docs/reliability.md)",
-    "chaos": "kill -9 under load, a 100,000-request soak, SIGTERM under load, a hung engine, a hung data-parallel rank (docs/reliability.md)",
+    "chaos": "kill -9 under load, a 100,000-request soak, SIGTERM under load, a hung engine, a hung data-parallel rank, one hung in its first prefill after idling (docs/reliability.md)",
     "dp_view": "servers of two data-parallel ranks over HTTP, real-time twins, three policies (docs/routing.md)",
     "prefix_index": "the prefix index: hash + match per decision at 10,000 prefixes, memory (docs/routing.md)",
     "prefix_decision": "one routing decision in the served path (hash + match, snapshot, goodput) at 10,000 prefixes (docs/routing.md)",

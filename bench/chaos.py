@@ -5,6 +5,7 @@
     python -m bench.chaos sigterm   # SIGTERM under load: is any admitted request lost?
     python -m bench.chaos hang      # a spec engine hangs behind its live HTTP front under load
     python -m bench.chaos rank      # one data-parallel rank of spec hangs while the other serves
+    python -m bench.chaos idlerank  # one data-parallel rank hangs in its first prefill after idling
     python -m bench.chaos all [--quick]
 
 Every process is its own on 127.0.0.1; the clients are httpx (async) in this process. Each run
@@ -482,7 +483,85 @@ async def _hang(quick: bool, rank: bool) -> dict[str, Any]:
     return result
 
 
-RUNS = {"kill": kill_run, "soak": soak_run, "sigterm": sigterm_run, "hang": hang_run, "rank": rank_run}
+async def idle_rank_run(quick: bool) -> dict[str, Any]:
+    """Spec a server of two data-parallel ranks (the twin's --dp-size 2, dealt requests in turn),
+    light traffic (two short requests a second, JSON and streams alternately), and rank 1 hung
+    from the start: it hangs in the first prefill it takes, and its snapshot, last published as
+    it went idle, shows no work. The work rule cannot judge it; the proxy asks it (a one-token
+    completion named to it) once a request of ours has waited the limit without a byte, and
+    judges it hung when it does not answer within the limit. What waits on it must fail over
+    within two limits (not the first-token timeout, 120 s, or a JSON request's total one), the
+    server is never ejected, nothing sent after the judgement waits on the rank, and once it is
+    healed (5 s after the judgement) a probe answered lets it back."""
+    limit_s = 5.0 if quick else 30.0
+    rate = 2
+    log = Path("/tmp/specroute-chaos-idlerank.log")
+    common = ("--output-len", "fixed:64")
+    spec_args = ("--dp-size", "2", "--fault-wedged-rank", "1", *common)
+    with twins(TwinSpec("spec", seed=1, args=spec_args), TwinSpec("base", seed=3, args=common)) as (spec, base):
+        with proxy_process(
+            [spec.url], [base.url], log, SPECROUTE_POLICY="spec", SPECROUTE_NO_PROGRESS_S=f"{limit_s:g}"
+        ) as (proc, url):
+            async with httpx.AsyncClient(timeout=httpx.Timeout(limit_s * 2 + 60)) as client:
+                short: list[asyncio.Task[Outcome]] = []
+                started = time.monotonic()
+                judged_at = healed_at = back_at = None
+                ejections = sent = 0
+                while back_at is None or time.monotonic() < back_at + 5:
+                    now = time.monotonic()
+                    assert now - started < 2 * limit_s + 60, "never judged hung, or never let back"
+                    sent += 1
+                    make = stream(client, url, 16) if sent % 2 else complete(client, url, 16)
+                    short.append(asyncio.create_task(make))
+                    shown = (await asyncio.to_thread(state, url))["pools"]["spec"]["instances"][0]
+                    ejections = max(ejections, shown["outlier"]["ejections"])
+                    if judged_at is None and shown["hung_ranks"] == [1]:
+                        judged_at = time.monotonic()
+                    if healed_at is not None and back_at is None and shown["hung_ranks"] == []:
+                        back_at = time.monotonic()
+                    if judged_at is not None and healed_at is None and now >= judged_at + 5:
+                        await client.post(spec.url + "/specroute/twin/faults", json={})
+                        healed_at = time.monotonic()
+                    await asyncio.sleep(max(0.0, started + sent / rate - time.monotonic()))
+                outcomes = await asyncio.wait_for(asyncio.gather(*short), 2 * limit_s + 120)
+    assert judged_at is not None and healed_at is not None and back_at is not None
+    failed_over = [o for o in outcomes if o.reason.endswith("+failover")]
+    waits = [o.ended_at - o.started for o in failed_over if o.ended_at is not None]
+    late = [o for o in failed_over if o.started > judged_at + 1.0]
+    lost = [o for o in outcomes if not o.done]
+    result: dict[str, Any] = {
+        "no_progress_s": limit_s,
+        "short_sent": len(outcomes),
+        "judged_hung_after_s": round(judged_at - started, 1),
+        "short_failed_over_to_base": len(failed_over),
+        "of_them_json": sum(1 for o in failed_over if o.first_at is None),
+        "longest_wait_of_a_failed_over_request_s": round(max(waits), 1) if waits else None,
+        "short_failed_over_though_sent_after_the_judgement": len(late),
+        "short_requests_failed": len(lost),
+        "their_errors": sorted({o.error_code or o.transport_error or str(o.status) for o in lost}),
+        "ejections_of_the_server": ejections,
+        "let_back_after_healing_s": round(back_at - healed_at, 1),
+    }
+    # The first request dealt to the rank waits a limit, then its probe a limit, then a poll.
+    result["met"] = bool(
+        failed_over
+        and max(waits) <= 2 * limit_s + 5
+        and not late
+        and not lost
+        and ejections == 0
+        and back_at - healed_at <= limit_s + 5
+    )
+    return result
+
+
+RUNS = {
+    "kill": kill_run,
+    "soak": soak_run,
+    "sigterm": sigterm_run,
+    "hang": hang_run,
+    "rank": rank_run,
+    "idlerank": idle_rank_run,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
