@@ -226,9 +226,30 @@ class ResponseOwners:
         turns = self.turns.get(instance.url)
         if turns is None:
             turns = self.turns[instance.url] = asyncio.Semaphore(LOOKUPS)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LOOKUP_TIMEOUT_S
+        busy = Answer(
+            503,
+            error_body(
+                f"upstream {instance.pool} server has too many questions about stored responses waiting",
+                "server_error",
+                "lookups_busy",
+            ),
+            JSON,
+            instance,
+        )
         try:
-            # The wait for a turn counts: a server that holds its turns does not hold a client longer.
-            async with asyncio.timeout(LOOKUP_TIMEOUT_S), turns:
+            # The wait for a turn counts: a server that holds its turns does not hold a client
+            # longer. But time lost in the proxy's queue (other lookups, a client's flood of
+            # them) is not the server's silence: it is marked down only for a lookup that had at
+            # least half the time once its turn came.
+            async with asyncio.timeout_at(deadline):
+                await turns.acquire()
+        except TimeoutError:
+            return busy
+        fair = deadline - loop.time() >= LOOKUP_TIMEOUT_S / 2
+        try:
+            async with asyncio.timeout_at(deadline):
                 self.telemetry.stored_response_asked()
                 async with self.upstream.session.request(
                     method,
@@ -245,10 +266,14 @@ class ResponseOwners:
                     if len(raw) > MAX_STORED_BYTES:
                         raise ValueError(f"stored response over {MAX_STORED_BYTES} bytes")
         except LOOKUP_ERRORS as exc:
+            if isinstance(exc, TimeoutError) and not fair:
+                return busy
             if not isinstance(exc, ValueError):
                 self.down[instance.url] = time.monotonic() + DOWN_S
             message = f"upstream {instance.pool} server could not be asked about the response ({type(exc).__name__})"
             return Answer(502, error_body(message, "server_error", "upstream_unreachable"), JSON, instance)
+        finally:
+            turns.release()
         self.down.pop(instance.url, None)
         if status in (401, 403) and not (self.clients_keys_upstream and instance.api_key is None):
             message = (

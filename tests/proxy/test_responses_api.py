@@ -285,3 +285,49 @@ def test_a_cancel_with_a_body_keeps_the_connection(proxy: RunningProxy) -> None:
             headers={"content-type": "application/json"},
         )
         assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "request_too_large"
+
+
+def test_a_flood_of_lookups_queued_in_the_proxy_does_not_mark_their_server_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A turn not had within the lookup's time is the proxy's queue (a client's flood of lookups),
+    not the server's silence: the server, answering each in 0.1 s, was marked down for 5 s and
+    other clients' lookups failed with 502 meanwhile (a review's reading). Now those lookups get
+    503 `lookups_busy` and the server stays asked."""
+    import asyncio
+    import types
+
+    import aiohttp
+    from aiohttp import web
+
+    from fleet.instance import InstanceSignals
+    from proxy import responses as responses_module
+    from proxy.pools import Instance
+
+    monkeypatch.setattr(responses_module, "LOOKUP_TIMEOUT_S", 0.5)
+
+    async def slowish(request: web.Request) -> web.Response:
+        await asyncio.sleep(0.1)
+        return web.json_response({"error": {"message": "not found"}}, status=404)
+
+    async def flood() -> tuple[list[int], dict[str, float]]:
+        app = web.Application()
+        app.router.add_get("/v1/responses/{id}", slowish)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as session:
+            owners = responses_module.ResponseOwners(None, types.SimpleNamespace(session=session), False)  # type: ignore[arg-type]
+            server = Instance(url, "spec", InstanceSignals(url, "spec", 48))
+            answers = await asyncio.gather(
+                *(owners.send(server, "GET", f"/v1/responses/resp_{i}", {}, "r") for i in range(40))
+            )
+        await runner.cleanup()
+        return [a.status for a in answers], owners.down
+
+    statuses, down = asyncio.run(flood())
+    assert statuses.count(404) >= 8 and 503 in statuses and set(statuses) <= {404, 503}, statuses
+    assert down == {}
