@@ -731,7 +731,8 @@ class CompletionHandler:
                 raise ProxyError(413, f"request body over {limit} bytes", code="request_too_large")
             parts.append(part)
             if not message.get("more_body", False):
-                return parts[0] if len(parts) == 1 else b"".join(parts)
+                # bytes(): a part may be a bytearray (proxy.connection gathers a read's chunks in one)
+                return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
 
     async def forward(self, exchange: Exchange, path: str, headers: dict[str, str], body: bytes, pinned: bool) -> None:
         """Try instances until one answers (same pool, then the other unless pinned), bounded."""
@@ -752,14 +753,12 @@ class CompletionHandler:
                 code="request_fails_servers",
                 retryable=False,
             )
-        exhausted = False
         for _ in range(self.settings.max_attempts):
             if exchange.owner is not None:  # only the server holding the response can continue it
                 instance = exchange.owner if not tried else None
             else:
                 instance = self.router.next_instance(pool, tried, pinned, prefer)
             if instance is None:
-                exhausted = True
                 break
             tried.append(instance)
             exchange.instance = instance
@@ -809,9 +808,11 @@ class CompletionHandler:
                 headers=[(b"retry-after", str(retry_after).encode())],
             )
         if failure is not None and exchange.culprit.servers:
-            # Every server it could reach failed as a request may make one fail: it could not be
-            # tried on more.
-            exchange.culprit.confined = exhausted and len(exchange.culprit.servers) == len(tried)
+            # Every server it could be sent to (its response's, its pinned pool's, or the fleet's)
+            # failed as a request may make one fail: it could not be tried on more.
+            pools = [pool] if pinned else [pool, other_pool(pool)]
+            reachable = 1 if exchange.owner is not None else sum(len(self.router.pools[p].instances) for p in pools)
+            exchange.culprit.confined = len(exchange.culprit.servers) == len(tried) == reachable
             self.absolve(exchange, suspects, path, body)
         if failure is not None:
             if len(tried) > 1:
