@@ -9,8 +9,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import httpx
@@ -100,3 +100,23 @@ def read_until_closed(sock: socket.socket) -> tuple[bytes, float]:
             break
         data += part
     return data, time.monotonic() - started
+
+
+@asynccontextmanager
+async def aiohttp_upstream(routes: Sequence[tuple[str, str, Any]]) -> AsyncIterator[str]:
+    """A small upstream in this event loop, for what FaultServer cannot do (a handler that sleeps
+    on one path): `routes` as (method, path, handler); its URL, on 127.0.0.1 and a free port."""
+    from aiohttp import web
+
+    app = web.Application()
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()

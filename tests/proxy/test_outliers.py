@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from proxy_faults import FaultServer
-from proxy_harness import TIME_SCALE, RunningProxy, running_proxy, wait_for
+from proxy_harness import TIME_SCALE, RunningProxy, aiohttp_upstream, running_proxy, wait_for
 
 from fleet.model import FleetModel
 from proxy.outliers import OutlierDetector
@@ -1347,26 +1347,18 @@ def test_a_rank_probe_gives_no_verdict_when_the_servers_model_cannot_be_read_in_
         return web.json_response({"choices": [{"text": "k"}]})
 
     async def probe_twice() -> tuple[bool | None, bool | None]:
-        app = web.Application()
-        app.router.add_get("/v1/models", models)
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
-        url = f"http://127.0.0.1:{port}"
-        fleet = FleetModel()
-        fleet.add_instance(url, "spec", 48)
-        pollers = Pollers([Instance(url, "spec", fleet.instances[url])], fleet, interval_s=60.0, timeout_s=0.5)
-        pollers._client = httpx.AsyncClient(timeout=httpx.Timeout(0.5), trust_env=False)  # noqa: SLF001
-        try:
-            slow = await pollers.probe_rank(url, 1, 3.0)
-            sent.append("models read")
-            answered = await pollers.probe_rank(url, 1, 3.0)
-        finally:
-            await pollers._client.aclose()  # noqa: SLF001
-            await runner.cleanup()
+        routes = [("GET", "/v1/models", models), ("POST", "/v1/completions", completions)]
+        async with aiohttp_upstream(routes) as url:
+            fleet = FleetModel()
+            fleet.add_instance(url, "spec", 48)
+            pollers = Pollers([Instance(url, "spec", fleet.instances[url])], fleet, interval_s=60.0, timeout_s=0.5)
+            pollers._client = httpx.AsyncClient(timeout=httpx.Timeout(0.5), trust_env=False)  # noqa: SLF001
+            try:
+                slow = await pollers.probe_rank(url, 1, 3.0)
+                sent.append("models read")
+                answered = await pollers.probe_rank(url, 1, 3.0)
+            finally:
+                await pollers._client.aclose()  # noqa: SLF001
         return slow, answered
 
     assert asyncio.run(probe_twice()) == (None, True)

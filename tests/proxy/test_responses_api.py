@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_harness import TIME_SCALE, RunningProxy, running_proxy, twin_running, wait_for
+from proxy_harness import TIME_SCALE, RunningProxy, aiohttp_upstream, running_proxy, twin_running, wait_for
 
 from sim.testing import RunningTwin, TwinSpec, twin, twins
 
@@ -311,21 +311,15 @@ def test_a_flood_of_lookups_queued_in_the_proxy_does_not_mark_their_server_down(
         return web.json_response({"error": {"message": "not found"}}, status=404)
 
     async def flood() -> tuple[list[int], dict[str, float]]:
-        app = web.Application()
-        app.router.add_get("/v1/responses/{id}", slowish)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # noqa: SLF001
-        url = f"http://127.0.0.1:{port}"
-        async with aiohttp.ClientSession() as session:
+        async with (
+            aiohttp_upstream([("GET", "/v1/responses/{id}", slowish)]) as url,
+            aiohttp.ClientSession() as session,
+        ):
             owners = responses_module.ResponseOwners(None, types.SimpleNamespace(session=session), False)  # type: ignore[arg-type]
             server = Instance(url, "spec", InstanceSignals(url, "spec", 48))
             answers = await asyncio.gather(
                 *(owners.send(server, "GET", f"/v1/responses/resp_{i}", {}, "r") for i in range(40))
             )
-        await runner.cleanup()
         return [a.status for a in answers], owners.down
 
     statuses, down = asyncio.run(flood())
