@@ -339,7 +339,8 @@ class InstancePoller:
         """The instance answered (whatever it said): it is up."""
         if self.said_unreachable:
             self.said_unreachable = False
-            log.info("%s server %s answers again", self.instance.pool, self.url)
+            # "again" only for one reached before: a server down at the start is reached first now
+            log.info("%s server %s answers%s", self.instance.pool, self.url, " again" if self.lost else "")
         self.fleet.set_health(self.url, True)
 
     def _failed(self, error: str, connect: bool) -> None:

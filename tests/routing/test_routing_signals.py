@@ -191,7 +191,7 @@ def test_an_instance_down_at_start_is_skipped_then_learned_once_it_answers(caplo
                 spec_state = router.state()["pools"]["spec"]["instances"][0]
                 assert spec_state["probe"] == "/v1/loads" and spec_state["server_info"]["speculative"]
                 assert router.choose(Features(prompt_tokens=100), None).pool == "spec"
-                assert said()[1:] == [f"spec server {spec_url} answers again"]
+                assert said()[1:] == [f"spec server {spec_url} answers"]
             finally:
                 await router.stop()
 
