@@ -26,10 +26,9 @@ of any size is buffered whole. Here:
   to the request's (a client could set routing headers after the proxy's checks, past the
   header limit, or hold hundreds of MB in one field); they are dropped, and over
   SPECROUTE_MAX_HEADER_BYTES get 431 and close;
-- a chunked body's chunks are gathered in place (uvicorn copied the body so far for each one),
-  and once past FREE_CHUNKS of them they must average SMALL_CHUNK_BYTES (else 400 and close):
-  the parser calls back per chunk, and a body sent a byte a chunk held the event loop for
-  seconds per MB (0.5 s gathered in place).
+- a chunked body's chunks, once past FREE_CHUNKS of them, must average SMALL_CHUNK_BYTES (else
+  400 and close): the parser calls back per chunk, and 1 MB sent a byte a chunk cost the proxy
+  0.6-0.85 s of its event loop.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ from functools import partial
 from typing import Any
 
 import httptools
-from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 REASONS = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
@@ -95,7 +93,7 @@ SMALL_CHUNK_BYTES = 2
 """Once a chunked body has more than FREE_CHUNKS chunks, they must average this many bytes so
 far: a generator of a JSON encoder's pieces (httpx and requests send each as a chunk) averages
 about 4, never under 3.6 past its first 1,024; 1 MB in 5-byte chunks held the loop 25 ms at
-most, in 1-byte ones 113 ms (0.56 s of work)."""
+most, in 1-byte ones 113 ms (0.6-0.85 s of work in all)."""
 
 
 class GuardedProtocol(HttpToolsProtocol):
@@ -224,17 +222,7 @@ class GuardedProtocol(HttpToolsProtocol):
     def on_body(self, body: bytes) -> None:
         self.chunk_quiet, self.progressed = False, True
         self.body_bytes += len(body)
-        cycle = self.cycle
-        if (self.parser.should_upgrade() and self._should_upgrade()) or cycle.response_complete:
-            return
-        # uvicorn's own `cycle.body += body` copied the bytes gathered so far for every chunk: a
-        # read of small chunks cost time in the square of their number. A bytearray grows in place.
-        if type(cycle.body) is not bytearray:
-            cycle.body = bytearray(cycle.body)
-        cycle.body += body
-        if len(cycle.body) > HIGH_WATER_LIMIT:
-            self.flow.pause_reading()
-        cycle.message_event.set()
+        super().on_body(body)
 
     def on_chunk_complete(self) -> None:
         self.chunk_quiet, self.progressed = False, True

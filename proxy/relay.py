@@ -731,8 +731,7 @@ class CompletionHandler:
                 raise ProxyError(413, f"request body over {limit} bytes", code="request_too_large")
             parts.append(part)
             if not message.get("more_body", False):
-                # bytes(): a part may be a bytearray (proxy.connection gathers a read's chunks in one)
-                return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+                return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def forward(self, exchange: Exchange, path: str, headers: dict[str, str], body: bytes, pinned: bool) -> None:
         """Try instances until one answers (same pool, then the other unless pinned), bounded."""

@@ -228,16 +228,6 @@ class ResponseOwners:
             turns = self.turns[instance.url] = asyncio.Semaphore(LOOKUPS)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + LOOKUP_TIMEOUT_S
-        busy = Answer(
-            503,
-            error_body(
-                f"upstream {instance.pool} server has too many questions about stored responses waiting",
-                "server_error",
-                "lookups_busy",
-            ),
-            JSON,
-            instance,
-        )
         try:
             # The wait for a turn counts: a server that holds its turns does not hold a client
             # longer. But time lost in the proxy's queue (other lookups, a client's flood of
@@ -246,7 +236,7 @@ class ResponseOwners:
             async with asyncio.timeout_at(deadline):
                 await turns.acquire()
         except TimeoutError:
-            return busy
+            return lookups_busy(instance)
         fair = deadline - loop.time() >= LOOKUP_TIMEOUT_S / 2
         try:
             async with asyncio.timeout_at(deadline):
@@ -267,7 +257,7 @@ class ResponseOwners:
                         raise ValueError(f"stored response over {MAX_STORED_BYTES} bytes")
         except LOOKUP_ERRORS as exc:
             if isinstance(exc, TimeoutError) and not fair:
-                return busy
+                return lookups_busy(instance)
             if not isinstance(exc, ValueError):
                 self.down[instance.url] = time.monotonic() + DOWN_S
             message = f"upstream {instance.pool} server could not be asked about the response ({type(exc).__name__})"
@@ -285,3 +275,9 @@ class ResponseOwners:
             raw = normalise_upstream_error(status, raw, request_id)
             content_type = JSON
         return Answer(status, raw, content_type, instance)
+
+
+def lookups_busy(instance: Instance) -> Answer:
+    """A lookup that lost its time in the proxy's queue for `instance`'s turns."""
+    message = f"upstream {instance.pool} server has too many questions about stored responses waiting"
+    return Answer(503, error_body(message, "server_error", "lookups_busy"), JSON, instance)

@@ -57,12 +57,12 @@ class VLLM(Backend):
 
     def read(self, text: str, at: float) -> Reading:
         by_engine = parse_prometheus_by(text, METRIC_NAMES, "engine")
-        engines = [by_engine.get(str(rank)) for rank in range(len(by_engine))]
-        if len(engines) < 2 or any(e is None or "vllm:num_requests_running" not in e for e in engines):
-            engines = [parse_prometheus(text, METRIC_NAMES)]  # one engine, or engines not numbered 0..N-1
-        if "vllm:num_requests_running" not in (engines[0] or {}):
+        numbered = [by_engine.get(str(rank), {}) for rank in range(len(by_engine))]
+        figures = numbered if len(numbered) > 1 and all("vllm:num_requests_running" in e for e in numbered) else []
+        if not figures:  # one engine, or engines not numbered 0..N-1: the server's sums
+            figures = [parse_prometheus(text, METRIC_NAMES)]
+        if "vllm:num_requests_running" not in figures[0]:
             raise ValueError("no vLLM load gauges in /metrics")
-        figures = [e for e in engines if e is not None]
         if len(figures) != len(self.caps):  # the first reading, or a server restarted with other engines
             self.caps = [VLLM_DEFAULT_MAX_NUM_SEQS] * len(figures)
             self.full_since = [None] * len(figures)
