@@ -36,7 +36,6 @@ from policies.flow import FlowControl
 from policies.goodput import Goodput
 from policies.goodput_params import GoodputParams
 from proxy.backends import sglang
-from proxy.holding import MAX_SCAN
 from sim.engine import Engine, EngineConfig
 from sim.lengths import parse_output_lengths
 from sim.virtual import HOLD, AlphaChange, Arrival, EngineView, Held, RequestRecord, StepObservation, simulate
@@ -209,6 +208,8 @@ class VirtualRouter:
     the router until one has room; None: every request sent at once."""
     released: list[tuple[float, float]] = field(default_factory=list)
     """(arrival, release time) per request flow control held, as it went."""
+    released_by: dict[str, int] = field(default_factory=dict)
+    """How many held requests each of flow control's rules let go."""
     per_workload: bool = True
     """Route each arrival on its workload's alpha and learn acceptance per workload, as the proxy
     does with x-specroute-workload; False: the pool-wide alpha only (workload keys ignored)."""
@@ -345,21 +346,23 @@ class VirtualRouter:
     def release(self, now: float, held: Sequence[Arrival]) -> tuple[int, int | None] | None:
         """Which held arrival (flow control, oldest first) goes at `now`, and to which engine,
         as the proxy's queue (proxy/holding.py) lets them go: the oldest once it has waited the
-        bound, else the newest with room on some pool, among the MAX_SCAN newest."""
+        bound, else the oldest past its fair share with room on some pool, else the newest with
+        room (policies/flow.py, `FlowControl.judging_order`)."""
         assert self.flow is not None
         self._poll_until(now)
         position = 0 if self.flow.expired(now - held[0].time) else None
+        rule = "release-bound"
         if position is None:
             if now < self._next_look:
                 return None  # the proxy's queue looks at the fleet once a poll interval
             self._next_look = now + self.poll_interval_s
             snapshot = self.fleet.snapshot(now, None)
-            for i in range(len(held) - 1, max(len(held) - MAX_SCAN, 0) - 1, -1):
+            for i, judged_by in self.flow.judging_order([now - a.time for a in held], snapshot):
                 features, _, _ = self.features(held[i], now)
                 if self.flow.room(
                     features, self.fleet.snapshot(now, features.workload) if features.workload else snapshot
                 ):
-                    position = i
+                    position, rule = i, judged_by
                     break
             if position is None:
                 return None
@@ -368,6 +371,7 @@ class VirtualRouter:
         snapshot = self.fleet.snapshot(now, features.workload)
         decision = self.policy.decide(features, snapshot)
         self.released.append((arrival.time, now))
+        self.released_by[rule] = self.released_by.get(rule, 0) + 1
         if self.admission is not None:  # judged as any other request once let go, as the proxy does
             refusal = self.admission.admit(features, snapshot, decision, now)
             if refusal is not None:
@@ -469,6 +473,8 @@ class RunResult:
     refusals: list[tuple[float, str, str]] = field(default_factory=list)
     held: list[tuple[float, float]] = field(default_factory=list)
     """(arrival, release time) per request flow control held (`run(max_hold_s=...)`)."""
+    released_by: dict[str, int] = field(default_factory=dict)
+    """How many held requests each of flow control's rules let go."""
     running_mean: tuple[float, ...] = ()
     """Per engine, its running requests averaged over time from the warm-up to the last step
     (`run(track_running=True)`; empty otherwise)."""
@@ -629,6 +635,7 @@ def run(
         closed=workload.clients > 0,
         refusals=router.refusals,
         held=router.released,
+        released_by=router.released_by,
         running_mean=tuple(a / max(clock[1] - clock[0], 1e-9) for a in area) if track_running else (),
     )
 

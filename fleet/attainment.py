@@ -37,7 +37,11 @@ class SloAttainment:
         self._met: deque[float] = deque()
         """Finish times of the requests that met the targets within the horizon, oldest first."""
         self._finished: deque[float] = deque()
-        """Finish times of every request within the horizon, oldest first."""
+        """Finish times of every request measured (its first token seen) within the horizon, oldest first."""
+        self._left_since: float | None = None
+        self._left: deque[float] = deque()
+        """When each request left its server within the horizon (answered, failed or its client
+        gone), oldest first: `finished_rate`."""
 
     @property
     def enabled(self) -> bool:
@@ -64,6 +68,30 @@ class SloAttainment:
             return None
         self._expire(now)
         return len(self._met) / window
+
+    def left(self, now: float) -> None:
+        """A request sent to the pool is over there, however it ended."""
+        if not self.enabled:
+            return
+        if self._left_since is None:
+            self._left_since = now
+        self._left.append(now)
+        cutoff = now - self.horizon_s
+        while self._left and self._left[0] <= cutoff:
+            self._left.popleft()
+
+    def finished_rate(self, now: float) -> float | None:
+        """Requests that left the pool per second over the horizon, however they ended (flow
+        control's fair share of a wait, by Little's law); None before `min_window_s` of them."""
+        if self._left_since is None:
+            return None
+        window = min(now - self._left_since, self.horizon_s)
+        if window < self.min_window_s:
+            return None
+        cutoff = now - self.horizon_s
+        while self._left and self._left[0] <= cutoff:
+            self._left.popleft()
+        return len(self._left) / window
 
     def share(self, now: float) -> float | None:
         """The part of the requests finished within the horizon that met the targets; None before

@@ -421,6 +421,7 @@ class FleetModel:
         signals.local_in_flight = max(signals.local_in_flight - 1, 0)
         if signals.polled:
             signals.events.append((now, -1, 0))
+        self.pools[signals.pool].attainment.left(now)
 
     def on_refused(self, sent: Dispatch, now: float) -> None:
         """The server refused the request `sent` (a 4xx): it never ran, so its dispatch is undone
@@ -634,6 +635,7 @@ class FleetModel:
                 tpot_cv=pool.spread.cv() if pool.speculative else 0.0,
                 tpot_bias=pool.outcomes.bias(now),
                 slo_share=pool.attainment.share(now),
+                finished_per_s=pool.attainment.finished_rate(now),
                 load_held=self.load_held,
             )
         return Snapshot(

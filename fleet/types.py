@@ -122,6 +122,9 @@ class PoolState:
     slo_share: float | None = None
     """The share of its requests finished within the SLO targets over the last minute, measured
     (fleet/attainment.py); None without targets or before half a minute of finished requests."""
+    finished_per_s: float | None = None
+    """Its requests finished per second over the last minute, within the targets or not (fleet/
+    attainment.py); None without targets or before half a minute of finished requests."""
     load_held: bool = False
     """The proxy holds the requests that would push this pool past its SLO targets (flow
     control): its load stays near them, so what its requests get past their predicted TPOT is

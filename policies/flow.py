@@ -2,7 +2,8 @@
 
 Pure, like the policies and admission: `holds(features, snapshot)` says whether a new request is
 lost on every pool because of the load there, `room(features, snapshot)` whether a held one
-would now get in without costing a fresh request its targets, `expired(held_s)` whether it has
+would now get in without costing a fresh request its targets, `judging_order(waits, snapshot)`
+which held requests are judged for room and in what order, `expired(held_s)` whether it has
 waited the bound. The rules, top to bottom (docs/routing.md, "Flow control"):
 
 1. `hold-lost`: a latency-class request predicted to miss its targets on both pools (goodput's
@@ -12,11 +13,17 @@ waited the bound. The rules, top to bottom (docs/routing.md, "Flow control"):
    held only while some pool is measured missing its targets (its share of requests within the
    SLO over the last minute under MISSING_SHARE): the margin is the prediction's doubt, and in a
    burst the fleet can absorb a request held on a doubt is lost by the holding.
-2. `release-room`: a held request goes when some pool has room for it and for a fresh request
-   after it: its predicted first token (at about its 90th percentile) no later than on an idle
-   instance plus ROOM_SHARE of what the TTFT target leaves beyond that, its time per output
-   token within the TPOT target.
-3. `release-bound`: a held request goes, wherever the policy sends it, once it has waited
+2. `release-due`: a held request that has waited its fair share goes first when some pool has
+   room for it (as in rule 3), oldest first. Its fair share is the fleet's mean time in system
+   (Little's law: the requests in it, held ones included, over the rate they finish): what a
+   request waits on average when nobody passes anyone. Holding lets fresh requests pass the
+   lost ones; without this, in a closed loop (each client sends again only once answered) a
+   fresh request takes every freed slot and the oldest wait out the bound: the tail.
+3. `release-room`: else the newest held request goes that has room on some pool for it and for a
+   fresh request after it: its predicted first token (at about its 90th percentile) no later
+   than on an idle instance plus ROOM_SHARE of what the TTFT target leaves beyond that, its time
+   per output token within the TPOT target.
+4. `release-bound`: a held request goes, wherever the policy sends it, once it has waited
    `max_hold_s`: holding bounds no one's wait past that.
 
 Why: servers serve their queues first come, first served. Sent to a pool, a lost request queues
@@ -28,6 +35,7 @@ once, past the held ones.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 
 from fleet.types import POOLS, Features, InstanceState, PoolName, Snapshot
@@ -36,6 +44,9 @@ from policies.goodput import Goodput, Prediction
 MISSING_SHARE = 0.9
 """A pool whose measured share of requests within the SLO is below this is missing its targets:
 the overload is real, not a prediction's doubt."""
+MAX_SCAN = 16
+"""Held requests judged for room per look, of each kind: due (oldest first) and the newest; up
+to twice this many judgements a look, each up to four predictions."""
 ROOM_SHARE = 0.5
 """A held request goes when its first token would come within this share of what the TTFT
 target leaves past its first token on an idle instance: the rest is the room a fresh request
@@ -102,9 +113,35 @@ class FlowControl:
                 return True
         return False
 
+    def judging_order(self, waits: Sequence[float], snapshot: Snapshot) -> list[tuple[int, str]]:
+        """Which held requests (`waits`: each one's seconds held, oldest first) are judged for room,
+        in order, each with the rule that lets it go: those past their fair share, oldest first
+        (`release-due`), then the newest (`release-room`); at most MAX_SCAN of each."""
+        fair = fair_wait_s(snapshot, len(waits))
+        due = [] if fair is None else [i for i in range(min(len(waits), MAX_SCAN)) if waits[i] >= fair]
+        newest = [i for i in range(len(waits) - 1, max(len(waits) - MAX_SCAN, 0) - 1, -1) if i not in due]
+        return [(i, "release-due") for i in due] + [(i, "release-room") for i in newest]
+
     def expired(self, held_s: float) -> bool:
         """`release-bound`: a request held this long goes, wherever the policy sends it."""
         return held_s >= self.max_hold_s
+
+
+def fair_wait_s(snapshot: Snapshot, held: int) -> float | None:
+    """The fleet's mean time in system (Little's law): the requests in it (running and queued on
+    every engine whose figures are read, an ejected or lagging one's included: they finish there
+    too, and `held` in the proxy) over the rate they leave (`PoolState.finished_per_s`); None
+    before any pool's rate is measured (SLO targets and half a minute of finished requests) or
+    while nothing finishes."""
+    rate, in_system, measured = 0.0, float(held), False
+    for pool in snapshot.pools.values():
+        if pool.finished_per_s is not None:
+            rate += pool.finished_per_s
+            measured = True
+        for st in pool.instances:
+            if st.healthy or st.ejected or st.lagging:
+                in_system += (st.running + st.waiting) * st.replicas
+    return in_system / rate if measured and rate > 0 else None
 
 
 def missing_targets(snapshot: Snapshot) -> bool:

@@ -4,11 +4,13 @@ A request held waits on its own future; one task (running only while something i
 at the fleet at every poll interval and lets go:
 - every request that has waited SPECROUTE_HOLD_MAX_S (`release-bound`), at once, wherever
   routing then sends it (or admission refuses it);
-- else the newest with room on some pool (`release-room`), looking at no more than MAX_SCAN
-  from the newest: newest first, the one most likely still in time, while the older ones wait
-  out the overload; one that does not fit (a long prompt) does not stop a newer one behind it.
-  One at a time: the next is judged once the last was dispatched (or ended), so that the fleet
-  model counts it first.
+- else the oldest that has waited its fair share (the fleet's mean time in system) and has
+  room on some pool (`release-due`);
+- else the newest with room on some pool (`release-room`): newest first, the one most likely
+  still in time, while the older ones wait out the overload; one that does not fit (a long
+  prompt) does not stop a newer one behind it. No more than MAX_SCAN of each are judged.
+One at a time: the next is judged once the last was dispatched (or ended), so that the fleet
+model counts it first.
 When the proxy starts draining, every held request goes (`release-drain`).
 A request let go is routed afresh from the fleet as it is then.
 """
@@ -21,12 +23,10 @@ from collections.abc import Callable
 from time import monotonic
 
 from fleet.types import Features, Snapshot
-from policies.flow import FlowControl
+from policies.flow import FlowControl, fair_wait_s
 
 log = logging.getLogger("specroute")
 
-MAX_SCAN = 16
-"""Held requests judged for room per look, from the newest (each costs four predictions)."""
 LANDING_TIMEOUT_S = 1.0
 """How long the queue waits for a request it let go to be dispatched before judging again (it
 is dispatched without awaiting anything: this only bounds a bug's cost)."""
@@ -94,6 +94,11 @@ class HoldQueue:
             raise
         return entry, rule
 
+    def fair_wait_s(self) -> float | None:
+        """Held past this, a request is judged first (`release-due`); None until measured."""
+        fair = fair_wait_s(self.snapshot(None), len(self.held))
+        return None if fair is None else round(fair, 3)
+
     def oldest_s(self, now: float) -> float:
         return now - self.held[0].since if self.held else 0.0
 
@@ -105,15 +110,16 @@ class HoldQueue:
             if not self.held:
                 return
             try:
-                entry = self._with_room()
+                chosen = self._with_room(now)
             except Exception:
                 # Judging room failed (a bug): the oldest goes rather than everyone waiting on.
                 log.exception("flow control could not judge the fleet; the oldest held request goes")
-                entry = self.held[0]
-            if entry is None:
+                chosen = self.held[0], "release-room"
+            if chosen is None:
                 await asyncio.sleep(self._pause(monotonic()))
                 continue
-            self._let_go(entry, "release-room", monotonic())
+            entry, rule = chosen
+            self._let_go(entry, rule, monotonic())
             try:
                 await asyncio.wait_for(entry.landed.wait(), LANDING_TIMEOUT_S)
             except TimeoutError:
@@ -126,16 +132,18 @@ class HoldQueue:
         if self.on_release is not None:
             self.on_release(rule, now - entry.since)
 
-    def _with_room(self) -> Held | None:
-        """The newest held request with room on some pool (`release-room`), among MAX_SCAN."""
-        snapshots: dict[str | None, Snapshot] = {}
-        for entry in reversed(self.held[-MAX_SCAN:]):
+    def _with_room(self, now: float) -> tuple[Held, str] | None:
+        """The held request to let go now and its rule (`release-due`, else `release-room`)."""
+        snapshots: dict[str | None, Snapshot] = {None: self.snapshot(None)}
+        waits = [now - entry.since for entry in self.held]
+        for i, rule in self.flow.judging_order(waits, snapshots[None]):
+            entry = self.held[i]
             workload = entry.features.workload
             snapshot = snapshots.get(workload)
             if snapshot is None:
                 snapshot = snapshots[workload] = self.snapshot(workload)
             if self.flow.room(entry.features, snapshot):
-                return entry
+                return entry, rule
         return None
 
     def release_all(self, rule: str) -> None:

@@ -535,6 +535,9 @@ class Router:
                 "max_hold_s": self.holding.max_hold_s,
                 "held": len(self.holding.held),
                 "oldest_held_s": round(self.holding.oldest_s(time.monotonic()), 3),
+                # Held past this, a request goes first into room (`release-due`); null until
+                # the fleet's finishing rate is measured.
+                "fair_wait_s": self.holding.fair_wait_s(),
             }
         return state
 

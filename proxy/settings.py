@@ -200,7 +200,7 @@ class Settings(_SettingsWithPolicies):
     hold_max_s: float = Field(
         0.0,
         ge=0,
-        description="Hold requests no pool can serve within the goodput SLO targets in the proxy, up to this many seconds, newest first, instead of queueing them on a server (flow control); 0: off. Needs an SLO target.",
+        description="Hold requests no pool can serve within the goodput SLO targets in the proxy, up to this many seconds, newest first (oldest first once past the fleet's mean time in system), instead of queueing them on a server (flow control); 0: off. Needs an SLO target.",
     )
     max_open_requests: int = Field(
         4096,

@@ -107,7 +107,7 @@ MAX_LOGGED_PATH_CHARS = 200
 M_TRACE_DROPPED = "specroute_trace_dropped_requests"
 M_HELD = "specroute_held_requests"
 M_HOLD_RELEASED = "specroute_hold_released_seconds"
-HOLD_RELEASE_RULES = ("release-room", "release-bound", "release-drain")
+HOLD_RELEASE_RULES = ("release-due", "release-room", "release-bound", "release-drain")
 """Every rule that lets a held request go (policies/flow.py): their series exist at 0 from the start."""
 BUCKETS_HELD = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 

@@ -22,6 +22,20 @@ def test_counts_the_requests_within_both_targets_once_half_a_minute_is_measured(
     assert slo.rate(200.0) == 0.0 and slo.share(200.0) is None  # none finished in the last minute
 
 
+def test_every_request_that_left_counts_toward_the_rate_however_it_ended():
+    """Flow control's fair share of a wait (Little's law) needs every departure: a request
+    answered without a stream, failed or left by its client freed its slot as well."""
+    slo = SloAttainment(ttft_s=1.0, tpot_s=0.05)
+    for t in range(0, 30):
+        slo.left(float(t))
+        slo.left(float(t) + 0.5)
+    assert slo.finished_rate(29.5) is None  # under 30 s
+    assert slo.finished_rate(30.0) == 60 / 30 and slo.rate(30.0) is None  # none measured against the targets
+    assert slo.finished_rate(89.0) == 1 / 60  # the last minute's (after 29.0): 29.5
+    assert slo.finished_rate(200.0) == 0.0
+    assert SloAttainment().finished_rate(0.0) is None
+
+
 def test_no_targets_count_nothing():
     slo = SloAttainment()
     for t in range(0, 100):
@@ -42,6 +56,11 @@ def test_the_fleet_model_counts_each_pools_streams_against_the_proxys_targets():
     spec, base = model.pools["spec"].attainment, model.pools["base"].attainment
     assert spec.rate(39.0) == 40 / 39 and spec.share(39.0) == 1.0
     assert base.rate(39.0) == 0.0 and base.share(39.0) == 0.0
+    assert model.snapshot(39.0).pools["spec"].finished_per_s is None  # none has left yet
+    for t in range(0, 40):
+        model.on_complete("s", float(t))
+    pools = model.snapshot(39.0).pools  # as flow control reads them (its fair share of a wait)
+    assert pools["spec"].finished_per_s == 40 / 39 and pools["spec"].slo_share == 1.0
     assert not FleetModel({"spec": 3, "base": 0}).pools["spec"].attainment.enabled
 
 

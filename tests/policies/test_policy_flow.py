@@ -9,8 +9,8 @@ import pytest
 from policy_snapshots import snapshot
 
 from fleet.costmodel import StepCostModel, seed_from_profile
-from fleet.types import Features
-from policies.flow import ROOM_SHARE, FlowControl
+from fleet.types import Features, Snapshot
+from policies.flow import MAX_SCAN, ROOM_SHARE, FlowControl, fair_wait_s
 from policies.goodput import Goodput
 from policies.goodput_params import GoodputParams
 
@@ -101,3 +101,51 @@ def test_a_request_lost_only_at_the_margin_is_held_while_a_pool_is_measured_miss
     assert not f.holds(LATENCY, meeting)
     missing = replace(snap, pools={**snap.pools, "base": replace(snap.pools["base"], slo_share=0.5)})
     assert f.holds(LATENCY, missing)
+
+
+def measured(snap: Snapshot, spec_per_s: float | None, base_per_s: float | None) -> Snapshot:
+    """`snap` with each pool's requests finished per second as the fleet model measures them."""
+    rates = {"spec": spec_per_s, "base": base_per_s}
+    return replace(snap, pools={k: replace(v, finished_per_s=rates[k]) for k, v in snap.pools.items()})
+
+
+def test_the_fair_wait_is_the_fleets_mean_time_in_system_held_requests_included() -> None:
+    snap = snapshot(48 + 20, 200, COST)  # 68 on spec (48 running, 20 queued), 200 on base
+    assert fair_wait_s(measured(snap, 2.0, 6.0), held=32) == pytest.approx((68 + 200 + 32) / 8.0)
+    assert fair_wait_s(snap, held=32) is None  # not measured (no targets, or under half a minute)
+    # A pool not measured yet (nothing of it finished) still counts what runs on it.
+    assert fair_wait_s(measured(snap, 2.0, None), held=32) == pytest.approx(300 / 2.0)
+    assert fair_wait_s(measured(snap, 0.0, 0.0), held=32) is None  # nothing finishes: no share to give
+    # Every engine of a data-parallel server counts (its state is one engine's), and an ejected
+    # instance's requests too (they finish there); a server down (figures not read) does not.
+    base = snap.pools["base"]
+    (one,) = base.instances
+    dp = replace(base, instances=(replace(one, running=50, replicas=4),))
+    ejected = replace(base, instances=(one, replace(one, url="http://b2", healthy=False, ejected=True)))
+    down = replace(base, instances=(one, replace(one, url="http://b3", healthy=False)))
+    for pool, in_base in ((dp, 200), (ejected, 400), (down, 200)):
+        fleet = measured(replace(snap, pools={**snap.pools, "base": pool}), 2.0, 6.0)
+        assert fair_wait_s(fleet, held=0) == pytest.approx((68 + in_base) / 8.0)
+
+
+def test_held_requests_past_their_fair_share_are_judged_first_oldest_first_then_the_newest() -> None:
+    """`release-due`: without it the newest always goes first, and in a closed loop (a client
+    sends again only once answered) the oldest wait out the bound: the tail."""
+    f = flow(max_hold_s=120.0)
+    snap = measured(snapshot(48, 200, COST), 2.0, 6.0)  # 248 in the fleet
+    waits = [90.0, 70.0, 50.0, 10.0, 1.0]  # oldest first; fair share (248 + 5) / 8 = 31.6 s
+    order = f.judging_order(waits, snap)
+    assert order == [
+        (0, "release-due"),
+        (1, "release-due"),
+        (2, "release-due"),
+        (4, "release-room"),
+        (3, "release-room"),
+    ]
+    # Before the rate is measured, only the newest-first rule.
+    assert f.judging_order(waits, snapshot(48, 200, COST)) == [(i, "release-room") for i in (4, 3, 2, 1, 0)]
+    # At most MAX_SCAN of each kind are judged per look.
+    many = [200.0 - i for i in range(100)]
+    order = f.judging_order(many, snap)
+    assert [i for i, rule in order if rule == "release-due"] == list(range(MAX_SCAN))
+    assert [i for i, rule in order if rule == "release-room"] == list(range(99, 99 - MAX_SCAN, -1))

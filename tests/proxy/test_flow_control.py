@@ -100,10 +100,11 @@ def test_a_request_lost_behind_busy_slots_waits_in_the_proxy_until_one_frees(one
         # let go once one freed, well before the bound.
         assert last["held"]["released_by"] == "release-room" and 0 < last["held"]["seconds"] < 30
         assert last["instance"] is not None
-        assert state(proxy)["flow_control"] == {"max_hold_s": 60, "held": 0, "oldest_held_s": 0.0}
+        assert state(proxy)["flow_control"] == {"max_hold_s": 60, "held": 0, "oldest_held_s": 0.0, "fair_wait_s": None}
         metrics = httpx.get(proxy.url + "/metrics", timeout=5).text
         assert 'specroute_hold_released_seconds_count{rule="release-room"} 1.0' in metrics
         assert 'specroute_hold_released_seconds_count{rule="release-bound"} 0.0' in metrics
+        assert 'specroute_hold_released_seconds_count{rule="release-due"} 0.0' in metrics
         assert "specroute_held_requests 0.0" in metrics
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
 
 from fleet.costmodel import StepCostModel, seed_from_profile
 from fleet.types import Features, InstanceState, PoolState, Snapshot
-from policies.flow import FlowControl
+from policies.flow import FlowControl, fair_wait_s
 from policies.goodput import Goodput
 from policies.goodput_params import GoodputParams
 from proxy.holding import HoldQueue
@@ -136,6 +139,52 @@ def test_the_newest_goes_first_when_there_is_room_each_once_the_last_landed() ->
         return order
 
     assert asyncio.run(scenario()) == [300, 200, 100]
+
+
+def test_those_held_past_their_fair_share_go_first_oldest_first_then_the_newest() -> None:
+    """`release-due`: with the fleet's finishing rate measured, a request held longer than the
+    fleet's mean time in system goes before newer ones (without it the newest always went
+    first, and in a closed loop the oldest waited out the bound)."""
+
+    async def scenario() -> list[tuple[int, str]]:
+        fleet, released = Fleet(), []
+        q = queue(fleet, 120.0, released)
+        order: list[tuple[int, str]] = []
+
+        async def client(tokens: int) -> None:
+            held, rule = await q.wait(request(tokens))
+            order.append((tokens, rule))
+            held.land()
+
+        big = asyncio.create_task(q.wait(request(20_000)))  # the oldest, and it never fits
+        await asyncio.sleep(0)
+        tasks = []
+        for tokens in (100, 200, 300):
+            tasks.append(asyncio.create_task(client(tokens)))
+            await asyncio.sleep(0)
+        await until(lambda: len(q.held) == 4)
+        now = q.held[-1].since
+        for entry, waited in zip(q.held, (100.0, 90.0, 60.0, 1.0)):  # oldest first, as held
+            entry.since = now - waited
+        # A queue where the small ones have room and the big one has not, finishing at a rate
+        # that makes the fair share 30 s.
+        for waiting in range(1, 200):
+            busy = snapshot(48 + waiting, 256 + waiting, COST)
+            if q.flow.room(request(300), busy) and not q.flow.room(request(20_000), busy):
+                break
+        else:
+            raise AssertionError("no queue leaves room for the small requests only")
+        in_system = 48 + 256 + 2 * waiting + 4
+        pools = {name: replace(pool, finished_per_s=in_system / 30 / 2) for name, pool in busy.pools.items()}
+        fleet.now = replace(busy, pools=pools)
+        assert fair_wait_s(fleet.now, 4) == pytest.approx(30.0)
+        await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
+        assert not big.done() and len(q.held) == 1  # due, but with no room it waits on
+        big.cancel()
+        await q.stop()
+        return order
+
+    assert asyncio.run(scenario()) == [(100, "release-due"), (200, "release-due"), (300, "release-room")]
 
 
 def test_the_oldest_goes_at_the_bound_while_the_fleet_stays_flooded() -> None:
