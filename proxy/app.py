@@ -101,11 +101,13 @@ class SpecrouteApp:
     async def refuse(self, scope: Scope, send: Send, refusal: AuthRefused) -> None:
         """A 401/403/429 before the body is read (proxy.connection closes the connection when a
         body was announced and not read, an unanswered `Expect: 100-continue` included)."""
-        self.telemetry.auth_refused(refusal.reason)
+        request_id = request_id_of(request_headers(scope)[0])
+        self.telemetry.auth_refused(refusal.reason, scope["method"], scope["path"], request_id, refusal.status)
         body = refusal.body()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
+            (b"x-request-id", request_id.encode()),
             *refusal.headers,
         ]
         await send({"type": "http.response.start", "status": refusal.status, "headers": headers})

@@ -113,9 +113,10 @@ class Telemetry:
     def request_hooks(self, endpoint: str) -> RequestHooks:
         return NO_HOOKS
 
-    def auth_refused(self, reason: str) -> None:
-        """A request was refused by client authentication (401/403) before anything else ran;
-        `reason` is a short token (missing, malformed, invalid, not_operator, pin_not_allowed)."""
+    def auth_refused(self, reason: str, method: str, path: str, request_id: str, status: int) -> None:
+        """A request was refused by client authentication (401/403) or its key's limit (429)
+        before anything else ran; `reason` is a short token (missing, malformed, invalid,
+        not_operator, pin_not_allowed, key_concurrency)."""
 
     def stored_response(
         self, operation: str, request_id: str, status: int, instance: str | None, duration_s: float

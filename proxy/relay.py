@@ -43,6 +43,7 @@ from proxy.routing import (
 from proxy.settings import Settings
 from proxy.state import dispatched
 from proxy.suspects import Culprit, Suspects, request_key
+from proxy.telemetry.names import MAX_MODEL_CHARS
 from proxy.upstream import (
     CONNECT,
     DISCONNECTED,
@@ -130,8 +131,6 @@ FORWARDED = frozenset(
 RETRYABLE = frozenset({CONNECT, DISCONNECTED})
 """Attempt failures worth another instance. Timeouts are not: the next one would wait as long."""
 ERROR_BODY_LIMIT = 64 * 1024
-MAX_MODEL_CHARS = 256
-"""The longest model name the log line and the spans carry (the body goes upstream whole)."""
 RETRY_AFTER = frozenset({b"retry-after", b"retry-after-ms"})
 RATE_LIMIT_PREFIX = b"x-ratelimit-"
 """An upstream error's headers the client gets besides RETRY_AFTER: OpenAI's x-ratelimit-* (an

@@ -104,6 +104,9 @@ M_PREFIX_CACHED = "specroute_prefix_cached_tokens"
 M_UNKNOWN_PATH = "specroute_unknown_path_requests"
 MAX_LOGGED_PATH_CHARS = 200
 """An unknown path's log line keeps this much of it (a client or a scanner chooses it)."""
+MAX_MODEL_CHARS = 256
+"""The longest model name the log line and the spans carry, the request's and the response's
+alike (the body goes upstream whole)."""
 M_TRACE_DROPPED = "specroute_trace_dropped_requests"
 M_HELD = "specroute_held_requests"
 M_HOLD_RELEASED = "specroute_hold_released_seconds"

@@ -60,8 +60,19 @@ class SpecrouteTelemetry(Telemetry):
         async def prometheus_metrics() -> Response:
             return Response(metrics.render(), media_type=metrics.content_type)
 
-    def auth_refused(self, reason: str) -> None:
+    def auth_refused(self, reason: str, method: str, path: str, request_id: str, status: int) -> None:
         self.metrics.auth_refused.labels(reason).inc()
+        if self.request_log is not None:  # never the key, nor the query string
+            self.request_log.write(
+                {
+                    "ts": round(time.time(), 3),
+                    "request_id": request_id,
+                    "endpoint": f"{method} {path[: n.MAX_LOGGED_PATH_CHARS]}",
+                    "status": status,
+                    "outcome": "auth_refused",
+                    "reason": reason,
+                }
+            )
 
     def stored_response(
         self, operation: str, request_id: str, status: int, instance: str | None, duration_s: float

@@ -49,7 +49,10 @@ FIRST_BYTES = 2048
 _RESPONSE_ID = re.compile(
     rb'\s*(?:event:[^\n]{0,100}\n)?(?:data:\s*)?\{\s*(?:"response"\s*:\s*\{\s*)?"id"\s*:\s*"([^"\\]{1,200})"'
 )
-_RESPONSE_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,300})"')
+# Its first MAX_MODEL_CHARS characters, as the request's model is cut (no closing quote needed).
+_RESPONSE_MODEL = re.compile(rb'"model"\s*:\s*"([^"\\]{1,%d})' % n.MAX_MODEL_CHARS)
+STORED_RESPONSE_ID = b"resp_"
+"""How a Responses API id opens (SGLang's and OpenAI's)."""
 _REQUEST_PARAMS = (
     (n.GEN_AI_REQUEST_MAX_TOKENS, int),
     (n.GEN_AI_REQUEST_TEMPERATURE, float),
@@ -250,7 +253,9 @@ class SpanWriter:
             # The response's first object (JSON body or first SSE event) opens with its id, then
             # its model, as SGLang and vLLM write them; a regex over these bytes, never a parse.
             found = _RESPONSE_ID.match(a.first_data)
-            if found:
+            # A stored response's id reads the conversation back (GET /v1/responses/{id}): content,
+            # on a span only with the content opt-in.
+            if found and (t.content is not None or not found.group(1).startswith(STORED_RESPONSE_ID)):
                 attributes += encoder.string(_ATTRIBUTES, n.GEN_AI_RESPONSE_ID, found.group(1).decode(errors="replace"))
             found = _RESPONSE_MODEL.search(a.first_data)
             if found:

@@ -19,6 +19,7 @@ from proxy.settings import Settings
 from proxy.telemetry import SpecrouteTelemetry
 from proxy.telemetry import names as n
 from proxy.telemetry.logs import RequestLog
+from proxy.telemetry.names import MAX_MODEL_CHARS
 from proxy.telemetry.tracing import LocalExport, Tracing
 
 PROMPT = "the secret prompt text"
@@ -700,6 +701,25 @@ def test_a_request_to_a_path_the_proxy_does_not_serve_is_logged_and_counted_with
     assert "specroute_unknown_path_requests_total 1.0" in t.metrics.render().decode()
 
 
+def test_a_request_refused_by_authentication_is_logged_and_counted() -> None:
+    """A review's finding: refusals were only counted, so a request id a client reported could
+    not be found. Never the key (the caller has none to give), nor the query string."""
+    t = telemetry()
+    stream = io.BytesIO()
+    t.request_log = RequestLog(stream)
+    t.auth_refused("invalid", "POST", "/v1/chat/completions", "req-7", 401)
+    line = json.loads(stream.getvalue().decode())
+    assert line == {
+        "ts": line["ts"],
+        "request_id": "req-7",
+        "endpoint": "POST /v1/chat/completions",
+        "status": 401,
+        "outcome": "auth_refused",
+        "reason": "invalid",
+    }
+    assert 'specroute_auth_refused_total{reason="invalid"} 1.0' in t.metrics.render().decode()
+
+
 def test_requests_whose_spans_were_dropped_are_counted_from_zero() -> None:
     """From earlier notes: spans the proxy dropped (its export process behind or gone) were only
     logged. The count is the tracing's, read at every scrape."""
@@ -735,3 +755,26 @@ def test_log_lines_say_when_in_utc_and_where_from_as_text_or_json() -> None:
         "message": "ejected spec-0",
         "source": "span-export-process",
     }
+
+
+@pytest.mark.parametrize("opted_in", [False, True])
+def test_a_stored_responses_id_is_on_spans_only_with_the_content_opt_in(opted_in: bool) -> None:
+    """A review's finding: `resp_...` reads the whole conversation back (GET /v1/responses/{id}),
+    so a trace reader who may call the proxy could read prompts and completions."""
+    exporter = Decoded()
+    t = telemetry(exporter, request_log=False, trace_content=opted_in)
+    first = b'event: response.created\ndata: {"response":{"id":"resp_0123abcd","model":"served/m"}}\n\n'
+    failover_then_stream(t, first)
+    t.tracing.flush()  # type: ignore[union-attr]
+    answered = [s for s in exporter.spans if s["name"] == "chat m"][-1]["attrs"]
+    assert answered.get(n.GEN_AI_RESPONSE_ID) == ("resp_0123abcd" if opted_in else None)
+    assert answered[n.GEN_AI_RESPONSE_MODEL] == "served/m"
+
+
+def test_a_long_response_model_is_cut_as_the_requests_is() -> None:
+    exporter = Decoded()
+    t = telemetry(exporter, request_log=False)
+    failover_then_stream(t, b'data: {"id":"chatcmpl-1","model":"' + b"M" * 600 + b'"}\n\n')
+    t.tracing.flush()  # type: ignore[union-attr]
+    answered = [s for s in exporter.spans if s["name"] == "chat m"][-1]["attrs"]
+    assert answered[n.GEN_AI_RESPONSE_MODEL] == "M" * MAX_MODEL_CHARS

@@ -360,6 +360,7 @@ def test_sighup_rereads_the_keys_file_and_no_key_reaches_logs_traces_config_or_e
     assert '"status":200' in out.replace(" ", "") and sink.received, (
         "nothing logged or traced: the check below would be empty"
     )
+    assert '"outcome":"auth_refused","reason":"invalid"' in out.replace(" ", "")  # logged, its key not
     everything = {
         "stdout": out,
         "stderr": err,
