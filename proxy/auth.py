@@ -303,6 +303,7 @@ def warn_if_open(settings: Settings, access: Access) -> None:
             ("state_access", settings.state_access != "open"),
             ("metrics_access", settings.metrics_access != "open"),
             ("key_max_concurrency", settings.key_max_concurrency > 0),
+            ("pool_pin", settings.pool_pin == "operators"),
         )
         if applies and field in settings.model_fields_set
     ]

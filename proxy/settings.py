@@ -379,8 +379,12 @@ class Settings(_SettingsWithPolicies):
                 raise ValueError(
                     f"{shown!r} carries credentials; set SPECROUTE_SPEC_API_KEY/SPECROUTE_BASE_API_KEY instead"
                 )
-            if parsed.query_string or parsed.fragment:
+            if parsed.query_string or parsed.fragment or "?" in url or "#" in url:
                 raise ValueError(f"{url!r} has a query or fragment; give the server's base URL")
+            if parsed.path.rstrip("/").endswith("/v1"):
+                # The OpenAI SDKs' base_url style: every path the proxy asks for (/v1/..., and
+                # SGLang's /get_load, /metrics) would 404 behind it, and the server look idle.
+                raise ValueError(f"{url!r} ends in /v1; give the server's root (the proxy adds /v1/... itself)")
             if not parsed.host or any(c.isspace() for c in url):
                 raise ValueError(f"{url!r} is not a valid URL (no host, or a space in it)")
         return [url.rstrip("/") for url in urls]
@@ -402,6 +406,21 @@ class Settings(_SettingsWithPolicies):
             if not (key.isascii() and key.isprintable()) or " " in key:
                 raise ValueError("keys are printable ASCII without spaces (as a Bearer token is sent)")
         return value
+
+    @field_validator("spec_api_key", "base_api_key")
+    @classmethod
+    def _check_upstream_key(cls, value: SecretStr | None) -> SecretStr | None:
+        """One key, sent as `Authorization: Bearer <key>`: the whitespace around it (a Secret
+        written with `echo`, a trailing newline) is dropped, and a key no header can carry is
+        refused here rather than failing every request to the pool. Never quoted."""
+        if value is None:
+            return None
+        key = value.get_secret_value().strip()
+        if not key:
+            raise ValueError("is set but empty; unset it to send the client's Authorization")
+        if not (key.isascii() and key.isprintable()) or " " in key:
+            raise ValueError("a key is printable ASCII without spaces (as a Bearer token is sent)")
+        return SecretStr(key)
 
     @field_validator("api_keys_file")
     @classmethod

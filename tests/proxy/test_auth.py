@@ -171,11 +171,14 @@ def test_settings_that_need_keys_warn_when_there_are_none(caplog) -> None:
     from proxy.auth import Access, warn_if_open
     from proxy.settings import load_settings
 
-    settings = load_settings(state_access="operators", key_max_concurrency=2, base_urls=["http://127.0.0.1:9"])
+    settings = load_settings(
+        state_access="operators", key_max_concurrency=2, pool_pin="operators", base_urls=["http://127.0.0.1:9"]
+    )
     with caplog.at_level("WARNING", logger="specroute"):
         warn_if_open(settings, Access.from_settings(settings))
     warned = [r.getMessage() for r in caplog.records if "apply only with keys" in r.getMessage()]
     assert len(warned) == 1 and "SPECROUTE_STATE_ACCESS" in warned[0] and "SPECROUTE_KEY_MAX_CONCURRENCY" in warned[0]
+    assert "SPECROUTE_POOL_PIN" in warned[0]  # anyone could pin a pool: it looked restricted
 
 
 def test_who_may_pin_a_pool_is_a_setting(twin_pair) -> None:

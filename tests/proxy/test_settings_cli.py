@@ -43,6 +43,14 @@ def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
         ({"SPECROUTE_BASE_URLS": "http://user:secret@gpu-a:30000"}, "SPECROUTE_BASE_URLS"),
         # uvicorn's trace level logs each request's query string, where a client may put its key:
         ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_LOG_LEVEL": "trace"}, "SPECROUTE_LOG_LEVEL"),
+        # A review's findings: each started, looked healthy and failed every request to the pool.
+        ({"SPECROUTE_BASE_URLS": "http://a:1/v1"}, "SPECROUTE_BASE_URLS"),  # the SDKs' base_url style
+        ({"SPECROUTE_BASE_URLS": "http://a:1/v1/"}, "SPECROUTE_BASE_URLS"),
+        ({"SPECROUTE_BASE_URLS": "http://a:1/?"}, "SPECROUTE_BASE_URLS"),  # an empty query
+        ({"SPECROUTE_BASE_URLS": "http://a:1/#"}, "SPECROUTE_BASE_URLS"),
+        ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_BASE_API_KEY": "clé-secret"}, "SPECROUTE_BASE_API_KEY"),
+        ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_SPEC_API_KEY": "a\nb-secret"}, "SPECROUTE_SPEC_API_KEY"),
+        ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_SPEC_API_KEY": " "}, "SPECROUTE_SPEC_API_KEY"),
     ],
 )
 def test_a_wrong_setting_stops_serve_with_one_line_naming_it(
@@ -243,6 +251,14 @@ def test_settings_that_contradict_each_other_are_refused(values: dict[str, float
     load_settings(base_urls="http://a:1", poll_interval_ms=500, stale_ms=1000, outlier_slow_factor=0)  # the edges pass
     # An ejection longer than the longest is capped at it, as before (a setting users may have).
     load_settings(base_urls="http://a:1", outlier_ejection_s=600)
+
+
+def test_a_pool_key_is_sent_without_the_whitespace_around_it() -> None:
+    """A Secret written with `echo key > file` ends in a newline: every request to the pool
+    failed with a 500 ("Forbidden control character detected in headers")."""
+    settings = load_settings(base_urls="http://a:1", base_api_key="sk-pool-key\n", spec_api_key=" sk-other ")
+    assert settings.base_api_key is not None and settings.base_api_key.get_secret_value() == "sk-pool-key"
+    assert settings.spec_api_key is not None and settings.spec_api_key.get_secret_value() == "sk-other"
 
 
 def test_every_contradiction_is_named_at_once_with_its_values() -> None:
