@@ -56,11 +56,11 @@ class _SettingsHead(BaseSettings):
     # Pools
     spec_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Comma-separated base URLs of the speculative (EAGLE-3) SGLang servers.",
+        description="Comma-separated base URLs of the speculative (EAGLE-3) SGLang servers (each server's root, e.g. http://10.0.0.5:30000, not its /v1).",
     )
     base_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Comma-separated base URLs of the plain (throughput-tuned) servers.",
+        description="Comma-separated base URLs of the plain (throughput-tuned) servers (each server's root, e.g. http://10.0.0.5:30000, not its /v1).",
     )
     spec_api_key: SecretStr | None = Field(
         None, description="Bearer key sent to the spec pool (replaces the client's Authorization)."
