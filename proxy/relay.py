@@ -588,9 +588,9 @@ class CompletionHandler:
                     429,
                     f"the fleet cannot serve this request in time now ({refusal.rule}: first token predicted "
                     f"in {apart(refusal.predicted_ttft_s, refusal.ttft_limit_s)} s"
-                    f"{limit_note(refusal.ttft_limit_s, f'{refusal.ttft_limit_s:.3g} s')}, "
+                    f"{limit_note(refusal.ttft_limit_s, f'{significant(refusal.ttft_limit_s, 3)} s')}, "
                     f"{apart(refusal.predicted_tpot_s * 1000, refusal.tpot_limit_s * 1000)} ms per output token"
-                    f"{limit_note(refusal.tpot_limit_s, f'{refusal.tpot_limit_s * 1000:.0f} ms')}); "
+                    f"{limit_note(refusal.tpot_limit_s, f'{significant(refusal.tpot_limit_s * 1000, 3)} ms')}); "
                     f"retry after {refusal.retry_after_s} s",
                     code="fleet_overloaded",
                     headers=[(b"retry-after", str(refusal.retry_after_s).encode())],
