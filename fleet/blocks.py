@@ -21,6 +21,15 @@ other fields (`name`, `tool_calls`, `tool_call_id`, ...), non-text content parts
 each). A completion's string prompt is its text; a list of token ids is 4 bytes per id after a
 4-byte marker.
 
+Request fields outside the prompt that change what a server computes for it, and so what its
+cache holds under it (`CACHE_FIELDS`: the model, which may name a LoRA adapter or another model
+of the same server; the chat template's arguments, e.g. enable_thinking; the reasoning effort;
+whether the generation prompt is added or the last message continued), are a header the chain
+starts from: the running hash takes their digest before the first block, so requests differing
+there share no block, while the stream (and block i's place in the twin's tokens) is unchanged.
+A request without any of them has the same hashes as before the header existed. The header
+costs one JSON dump and one digest of those fields per request, whatever the prompt's length.
+
 Hashes are XXH3-64 of the running stream (`xxhash.xxh3_64`, seed 0), read as an unsigned int:
 stable across processes and machines (Python's `hash` is not), and about 6x cheaper here than
 the SHA-256 chain it replaced (a 48 KB prompt's 47 blocks: 6.5 against 38 us, most of the latter
@@ -64,6 +73,9 @@ _TOOLS = b"\xfd\xfd\xfd\xfd"  # the request's tool definitions
 _IDS = b"\xfe\xfe\xfe\xfe"  # a completion prompt given as token ids
 _PAD = (b"", b"\xff\xff\xff", b"\xff\xff", b"\xff")  # by length % 4
 _TEXT_VOCAB = 128_000  # the twin's role ids: crc32(role) % 128000 (sim/tokens.py)
+CACHE_FIELDS = ("model", "chat_template_kwargs", "reasoning_effort", "add_generation_prompt", "continue_final_message")
+"""Request fields besides the prompt that change the tokens or the weights a server caches the
+prompt's KV under: folded into the chain's header (`prompt_header`)."""
 
 
 def _text(text: str, out: list[bytes]) -> None:
@@ -152,10 +164,20 @@ def prompt_stream(body: Mapping[str, Any]) -> bytes | None:
     return None
 
 
-def chain(data: bytes, block_bytes: int, max_blocks: int | None = None) -> tuple[int, ...]:
-    """Hashes of `data`'s whole blocks of `block_bytes`, each covering the blocks before it
-    (at most `max_blocks`, the leading ones)."""
-    return PromptBlocks(data, block_bytes, max_blocks).all()
+def prompt_header(body: Mapping[str, Any]) -> bytes:
+    """The digest of the body's `CACHE_FIELDS` that it sets (empty when it sets none): what the
+    chain of its blocks starts from. A digest, so that the chain's cost past it does not grow
+    with those fields (a large `chat_template_kwargs` is serialized and hashed once)."""
+    given = {name: body[name] for name in CACHE_FIELDS if name in body}
+    if not given:
+        return b""
+    return xxhash.xxh3_128_digest(_json(given))
+
+
+def chain(data: bytes, block_bytes: int, max_blocks: int | None = None, header: bytes = b"") -> tuple[int, ...]:
+    """Hashes of `data`'s whole blocks of `block_bytes`, each covering `header` and the blocks
+    before it (at most `max_blocks`, the leading ones)."""
+    return PromptBlocks(data, block_bytes, max_blocks, header).all()
 
 
 def block_hashes(
@@ -167,7 +189,7 @@ def block_hashes(
     data = prompt_stream(body)
     if data is None:
         return ()
-    return chain(data, block_tokens * CHARS_PER_TOKEN, max_blocks)
+    return chain(data, block_tokens * CHARS_PER_TOKEN, max_blocks, prompt_header(body))
 
 
 LEADING_CHUNK = 4
@@ -183,7 +205,7 @@ class PromptBlocks(Sequence[int]):
 
     __slots__ = ("_view", "_block", "_n", "_hashes", "_update", "_digest")
 
-    def __init__(self, data: bytes, block_bytes: int, max_blocks: int | None = None):
+    def __init__(self, data: bytes, block_bytes: int, max_blocks: int | None = None, header: bytes = b""):
         if block_bytes <= 0:
             raise ValueError("block_bytes must be positive")
         n = len(data) // block_bytes
@@ -192,6 +214,8 @@ class PromptBlocks(Sequence[int]):
         self._block = block_bytes
         self._hashes: list[int] = []
         running = xxhash.xxh3_64()
+        if header:  # every block's hash then covers it: the chain starts from the header
+            running.update(header)
         self._update, self._digest = running.update, running.intdigest
 
     @classmethod
@@ -199,7 +223,7 @@ class PromptBlocks(Sequence[int]):
         cls, body: Mapping[str, Any], block_tokens: int = BLOCK_TOKENS, max_blocks: int | None = None
     ) -> PromptBlocks:
         """A request body's blocks (none when it has no single prompt)."""
-        return cls(prompt_stream(body) or b"", block_tokens * CHARS_PER_TOKEN, max_blocks)
+        return cls(prompt_stream(body) or b"", block_tokens * CHARS_PER_TOKEN, max_blocks, prompt_header(body))
 
     def __len__(self) -> int:
         return self._n
