@@ -3,7 +3,8 @@ reports and health change it, and the named sessions (fleet/model.py, fleet/sess
 
 import pytest
 
-from fleet.blocks import chain_ids
+from fleet.blocks import PromptBlocks, chain_ids
+from fleet.features import count_prompt_tokens
 from fleet.model import NO_MATCH, FleetModel
 from fleet.readings import Reading, ResponseEvidence
 from fleet.sessions import SessionTable
@@ -188,3 +189,22 @@ def test_a_session_name_covering_another_conversation_is_not_credited_past_the_i
     assert model.cached(follow, 7 * BLOCK, 1.0, session="user-1").credit == {"s0": 6 * BLOCK}
     # A shorter one is checked by its blocks too: sharing the system prompt only, it is another.
     assert model.cached(chain_ids((*system, 9)), 3 * BLOCK, 1.0, session="user-1").credit == {"s0": 2 * BLOCK}
+
+
+def test_tool_definitions_count_in_the_prompt_they_are_hashed_in():
+    # Large tools and different user messages share only the tools' blocks: the credit is about
+    # the tools' share of the prompt, not the whole prompt (the estimate once left tools out).
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "description": "x" * 500, "parameters": {}}}
+        for i in range(40)
+    ]
+    first = {"tools": tools, "messages": [{"role": "user", "content": "hello a " * 300}]}
+    other = {"tools": tools, "messages": [{"role": "user", "content": "other b " * 300}]}
+    model = FleetModel()
+    model.add_instance("a", "spec", 48)
+    model.on_dispatch("a", 0.0, count_prompt_tokens(first), blocks=PromptBlocks.of(first))
+    prompt_tokens = count_prompt_tokens(other)
+    tools_tokens = count_prompt_tokens({"tools": tools, "messages": []})
+    assert tools_tokens > 5000 and prompt_tokens > tools_tokens + 500
+    credit = model.cached(PromptBlocks.of(other), prompt_tokens, 1.0).credit["a"]
+    assert tools_tokens - 256 <= credit <= tools_tokens

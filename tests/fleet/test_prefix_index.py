@@ -13,6 +13,7 @@ import pytest
 import xxhash
 
 from fleet.blocks import LEADING_CHUNK, PromptBlocks, block_hashes, chain, chain_ids, prompt_stream
+from fleet.features import count_prompt_tokens
 from fleet.prefix import PrefixIndex
 from sim.tokens import prompt_token_ids
 
@@ -71,8 +72,9 @@ def test_the_stream_follows_the_twins_tokens():
         },
         {"prompt": "z" * 999},
         {"prompt": "z" * 999, "messages": "not a list"},
+        dict(chat("use a tool"), tools=[{"type": "function", "function": {"name": "grep", "description": "d" * 77}}]),
     ):
-        assert len(prompt_stream(body)) == 4 * len(prompt_token_ids(body))
+        assert len(prompt_stream(body)) == 4 * len(prompt_token_ids(body)) == 4 * count_prompt_tokens(body)
 
 
 def test_a_conversations_next_turn_extends_its_previous_hashes():
