@@ -229,6 +229,12 @@ class PromptBlocks(Sequence[int]):
         return self._n
 
     @property
+    def stream_tokens(self) -> int:
+        """The whole stream's length in tokens of CHARS_PER_TOKEN bytes (its tail included):
+        the prompt's length in the unit its blocks' tokens are counted in."""
+        return -(-len(self._view) // CHARS_PER_TOKEN)
+
+    @property
     def computed(self) -> int:
         """Blocks hashed so far."""
         return len(self._hashes)

@@ -42,7 +42,7 @@ from fleet.acceptance import (
     accept_length,
 )
 from fleet.attainment import SloAttainment
-from fleet.blocks import BLOCK_TOKENS
+from fleet.blocks import BLOCK_TOKENS, PromptBlocks
 from fleet.costmodel import DEFAULT_HALF_LIFE_S as COST_HALF_LIFE_S
 from fleet.costmodel import Seed, StepCostModel
 from fleet.instance import RATE_WINDOW_S, CacheStats, InstanceSignals
@@ -296,13 +296,24 @@ class FleetModel:
 
     # -- our own traffic ------------------------------------------------------------------------
 
-    def cached(self, blocks: Sequence[int], prompt_tokens: int, now: float, session: str | None = None) -> PrefixMatch:
+    def cached(
+        self,
+        blocks: Sequence[int],
+        prompt_tokens: int,
+        now: float,
+        session: str | None = None,
+        *,
+        stream_tokens: int | None = None,
+    ) -> PrefixMatch:
         """Per healthy instance, the prompt tokens of a request (its chained block hashes,
         fleet/blocks.py) it likely holds in its prefix cache: the index's match, scaled by the
         instance's trust; and for a named `session`, at least its last prompt on the instance
         that served it, when the index does not contradict that the prompt extends it
         (`_extends`). Below `prompt_tokens`: a server prefills at least the last token.
-        Instances holding nothing are left out."""
+        Instances holding nothing are left out. `stream_tokens`: the prompt's length in the
+        blocks' unit (`Features.stream_tokens`; by default the blocks', when they are
+        `PromptBlocks`), which puts the matched blocks in `prompt_tokens`' unit
+        (`credit_scale`)."""
         if prompt_tokens <= 1:
             return NO_MATCH
         top = prompt_tokens - 1
@@ -311,10 +322,10 @@ class FleetModel:
         if blocks:
             prefix = self.prefix
             healthy = [url for url, s in self.instances.items() if s.healthy and not s.ejected]
-            size = prefix.block_tokens
+            size = prefix.block_tokens * credit_scale(blocks, prompt_tokens, stream_tokens)
             for url, depth in prefix.match(blocks, now, raw=True, instances=healthy).items():
                 if depth:
-                    tokens = depth * size
+                    tokens = int(depth * size)
                     matched[url] = top if top < tokens else tokens  # min(tokens, top)
                     trusted = int(tokens * prefix.trust(url, now))
                     credit[url] = top if top < trusted else trusted
@@ -659,6 +670,25 @@ class FleetModel:
     def workload_acceptance(self, pool: str = "spec") -> WorkloadAcceptance | None:
         known = self.pools.get(pool)
         return known.workloads if known is not None else None
+
+
+def credit_scale(blocks: Sequence[int], prompt_tokens: int, stream_tokens: int | None) -> float:
+    """Prompt tokens (the estimate's unit) per token of the blocks' unit, at most 1.
+
+    The blocks count 4 bytes of a UTF-8 stream a token (fleet/blocks.py: closer to a real
+    tokenizer for non-ASCII text, and what keeps block boundaries independent of the rest of
+    the prompt), the estimate 4 characters (fleet/features.py); a credit is taken from the
+    estimate (the prefill left, the load), so the matched blocks are put in its unit by the
+    prompt's own ratio of the two: the same share of the prompt is credited. Left in the
+    blocks' unit, a 3-byte-a-character prompt was credited whole when only its system prompt,
+    a third of it, was held. For ASCII chat text the two are equal (ratio 1); framing the
+    estimate leaves out (a message's other fields, image parts) only lowers the credit. Block
+    ids given as such (the virtual clock's, `chain_ids`) are in the estimate's unit already."""
+    if stream_tokens is None and isinstance(blocks, PromptBlocks):
+        stream_tokens = blocks.stream_tokens
+    if not stream_tokens or stream_tokens <= prompt_tokens:
+        return 1.0
+    return prompt_tokens / stream_tokens
 
 
 def reported_cached(evidence: ResponseEvidence, stats: CacheStats) -> int | None:

@@ -597,7 +597,9 @@ class Router:
         are hashed only as far as some instance holds them; keep the object for the dispatch."""
         if not blocks and session is None:
             return NO_MATCH
-        return self.fleet.cached(blocks, features.prompt_tokens, time.monotonic(), session)
+        return self.fleet.cached(
+            blocks, features.prompt_tokens, time.monotonic(), session, stream_tokens=features.stream_tokens or None
+        )
 
     def with_credit(self, features: Features, match: PrefixMatch) -> Features:
         """`features` carrying the match's credit per instance (what the policy reads)."""

@@ -208,3 +208,27 @@ def test_tool_definitions_count_in_the_prompt_they_are_hashed_in():
     assert tools_tokens > 5000 and prompt_tokens > tools_tokens + 500
     credit = model.cached(PromptBlocks.of(other), prompt_tokens, 1.0).credit["a"]
     assert tools_tokens - 256 <= credit <= tools_tokens
+
+
+def test_a_non_ascii_prompt_is_credited_in_the_estimates_unit():
+    # Three UTF-8 bytes a character: the blocks count bytes, the estimate characters. A shared
+    # system prompt, a third of the prompt, is credited as about a third of its estimate.
+    system = {"role": "system", "content": "系" * 10000}
+    first = {"messages": [system, {"role": "user", "content": "甲" * 20000}]}
+    other = {"messages": [system, {"role": "user", "content": "乙" * 20000}]}
+    model = FleetModel()
+    model.add_instance("a", "spec", 48)
+    model.on_dispatch("a", 0.0, count_prompt_tokens(first), blocks=PromptBlocks.of(first))
+    prompt_tokens = count_prompt_tokens(other)
+    system_tokens = count_prompt_tokens({"messages": [system]})
+    match = model.cached(PromptBlocks.of(other), prompt_tokens, 1.0)
+    assert system_tokens - 256 <= match.credit["a"] <= system_tokens
+    assert match.matched["a"] == match.credit["a"]  # the raw claim in the same unit
+    # Given the stream's length (the proxy's worker sends hashes as a tuple), the same credit.
+    hashes = PromptBlocks.of(other)
+    same = model.cached(hashes[:], prompt_tokens, 1.0, stream_tokens=hashes.stream_tokens)
+    assert same.credit == match.credit
+    # Its next turn, ASCII or not, is credited with the whole last prompt, less a block at most.
+    turn = {"messages": [*first["messages"], {"role": "assistant", "content": "好"}, {"role": "user", "content": "再"}]}
+    credit = model.cached(PromptBlocks.of(turn), count_prompt_tokens(turn), 1.0).credit["a"]
+    assert count_prompt_tokens(first) - 256 <= credit <= count_prompt_tokens(first)

@@ -329,3 +329,20 @@ def test_a_refused_request_leaves_no_cache_memory_behind():
     fleet.on_refused(kept[0], 6.6)
     assert fleet.prefix.blocks(BASE[1]) == len(longer)
     assert fleet.sessions.get("p", 6.6).instance == BASE[1]
+
+
+def test_a_non_ascii_prompt_is_credited_in_the_estimates_unit_after_the_worker(router):
+    # The worker sends the hashes as a tuple: the stream's length crosses with the features,
+    # so the router credits a shared system prompt (a third of a 3-byte-a-character prompt)
+    # as a third of the estimate, as it does for blocks hashed on the loop.
+    system = {"role": "system", "content": "系" * 10000}
+    first = {"messages": [system, {"role": "user", "content": "甲" * 20000}]}
+    other = {"messages": [system, {"role": "user", "content": "乙" * 20000}]}
+    given = request_body.Given(max_blocks=1000)
+    sent = request_body.read(orjson.dumps(first), 10_000, 100_000, given)
+    router.fleet.on_dispatch(SPEC[0], time.monotonic(), sent.features.prompt_tokens, blocks=sent.blocks)
+    small, values, hashes, session, _ = request_body.read_in_worker(orjson.dumps(other), 10_000, 100_000, given)
+    features = Features(*values)
+    assert features.stream_tokens == PromptBlocks.of(other).stream_tokens > 3 * features.prompt_tokens - 100
+    credit = router.cached(hashes, features).credit[SPEC[0]]
+    assert 2500 - 256 <= credit <= 2500  # the system prompt's 10,000 characters
