@@ -131,7 +131,13 @@ def _message(message: Mapping[str, Any], out: list[bytes]) -> None:
 
 def prompt_stream(body: Mapping[str, Any]) -> bytes | None:
     """The canonical byte stream of a chat (`messages`) or completion (`prompt`) body; None for
-    shapes with no single prompt (batched prompts, none at all)."""
+    shapes with no single prompt (batched prompts, none at all), and for a Responses follow-up
+    (`previous_response_id`): its prompt begins with the stored conversation, which is on the
+    server and not in the body, so its new input's blocks would claim, and credit, a prefix no
+    server holds (the follow-up goes to the server holding that conversation anyway:
+    proxy/responses.py)."""
+    if body.get("previous_response_id"):
+        return None
     messages = body.get("messages")
     if isinstance(messages, list):
         out: list[bytes] = []

@@ -103,7 +103,8 @@ def responses_as_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     as the system message, `input` (a string, or a list of items) as the messages after it,
     `max_output_tokens` as `max_tokens`, `text.format` as `response_format`. Prompt sizes, block
     hashes and workload keys are then read as a chat's are (SGLang renders it with the same chat
-    template). What a `previous_response_id` adds is on the server, not in the body."""
+    template). What a `previous_response_id` adds is on the server, not in the body: such a
+    follow-up has no prefix blocks (`fleet.blocks.prompt_stream`)."""
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if isinstance(instructions, str) and instructions:

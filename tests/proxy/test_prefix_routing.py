@@ -346,3 +346,19 @@ def test_a_non_ascii_prompt_is_credited_in_the_estimates_unit_after_the_worker(r
     assert features.stream_tokens == PromptBlocks.of(other).stream_tokens > 3 * features.prompt_tokens - 100
     credit = router.cached(hashes, features).credit[SPEC[0]]
     assert 2500 - 256 <= credit <= 2500  # the system prompt's 10,000 characters
+
+
+def test_a_responses_follow_up_has_no_blocks_to_claim_or_credit(router):
+    # Its new input is not where its prompt begins (the stored conversation is): hashed as if
+    # it were, it would be credited with, and insert, a prefix no server holds.
+    follow_up = {"previous_response_id": "resp_1", "input": "tool output " * 400}
+    fresh = {"input": "tool output " * 400}
+    given = request_body.Given(responses=True)
+    earlier = request_body.read(orjson.dumps(fresh), 10_000, 100_000, given)
+    assert len(earlier.blocks) > 0
+    router.fleet.on_dispatch(SPEC[0], time.monotonic(), earlier.features.prompt_tokens, blocks=earlier.blocks)
+    parsed = request_body.read(orjson.dumps(follow_up), 10_000, 100_000, given)
+    assert len(parsed.blocks) == 0 and parsed.features.prompt_tokens > 0
+    assert router.cached(parsed.blocks, parsed.features).credit == {}
+    small, values, hashes, session, _ = request_body.read_in_worker(orjson.dumps(follow_up), 10_000, 100_000, given)
+    assert hashes == ()
