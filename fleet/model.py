@@ -222,9 +222,12 @@ class FleetModel:
         if signals.separate_ranks and reading.ranks:
             self.set_replicas(signals, reading.ranks)  # its ranks as it lists them now (a restart may change them)
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:
-            work = signals.on_prefill_counters(
-                reading.prefill_tokens_total, reading.prefill_busy_us_total / signals.time_scale
-            )
+            busy_us_total = reading.prefill_busy_us_total / signals.time_scale
+            if signals.prefill_counters.goes_back(reading.prefill_tokens_total, busy_us_total):
+                # Counters started again: the server restarted between two polls that both
+                # reached it (no lost poll told `set_health`), and its prefix cache is empty.
+                self._forget_cache(url)
+            work = signals.on_prefill_counters(reading.prefill_tokens_total, busy_us_total)
             if work is not None:
                 signals.prefilled.add(reading.at, work[0])
                 self._on_prefill_work(signals, reading.at, *work, queued=queued)
@@ -257,9 +260,14 @@ class FleetModel:
         prefix cache: the index and the sessions forget it."""
         signals = self.instances[url]
         if signals.healthy and not healthy:
-            self.prefix.forget(url)
-            self.sessions.forget_instance(url)
+            self._forget_cache(url)
         signals.healthy = healthy
+
+    def _forget_cache(self, url: str) -> None:
+        """The instance's prefix cache is gone (it restarted, or may be restarting): the index
+        forgets its blocks and trust, and no session credits it or returns there."""
+        self.prefix.forget(url)
+        self.sessions.forget_instance(url)
 
     def unresponsive(self, url: str, now: float, after_s: float) -> bool:
         """The instance is reachable and polled, its load reading is older than `after_s`, and

@@ -232,3 +232,23 @@ def test_a_non_ascii_prompt_is_credited_in_the_estimates_unit():
     turn = {"messages": [*first["messages"], {"role": "assistant", "content": "好"}, {"role": "user", "content": "再"}]}
     credit = model.cached(PromptBlocks.of(turn), count_prompt_tokens(turn), 1.0).credit["a"]
     assert count_prompt_tokens(first) - 256 <= credit <= count_prompt_tokens(first)
+
+
+def test_a_restart_seen_as_prefill_counters_going_back_forgets_the_instance():
+    # Both polls reached it (no lost poll marked it down): only its counters tell it restarted.
+    model = fleet()
+    session = "conv"
+    counters = {"prefill_tokens_total": 1e6, "prefill_busy_us_total": 1e7}
+    model.on_answered(model.on_dispatch("s0", 0.5, 4096, blocks=CONVERSATION, session=session))
+    model.on_reading("s0", Reading(at=1.0, running=0, waiting=0, **counters))  # the first: nothing forgotten
+    assert model.cached(NEXT_TURN, 5200, 2.0, session).credit == {"s0": 8 * BLOCK}
+    model.on_reading("s0", Reading(at=2.0, running=0, waiting=0, **counters))  # did not move: kept
+    model.on_reading("s0", Reading(at=2.5, running=0, waiting=0, prefill_tokens_total=2e6, prefill_busy_us_total=2e7))
+    assert model.cached(NEXT_TURN, 5200, 3.0, session).credit == {"s0": 8 * BLOCK}
+    assert model.prefix.blocks("s1") == 0
+    model.on_dispatch("s1", 3.0, 4096, blocks=CONVERSATION)
+    model.on_reading("s0", Reading(at=4.0, running=0, waiting=0, prefill_tokens_total=10, prefill_busy_us_total=100))
+    match = model.cached(NEXT_TURN, 5200, 5.0, session)
+    assert "s0" not in match.credit and model.prefix.blocks("s0") == 0
+    assert model.sessions.get(session, 5.0) is None
+    assert match.credit == {"s1": 8 * BLOCK}  # another instance's entries stay
