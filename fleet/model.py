@@ -432,14 +432,29 @@ class FleetModel:
 
     def on_complete(self, url: str, now: float, sent: Dispatch | None = None) -> None:
         """A request sent to `url` is over (answered, failed or left). `sent`, its dispatch
-        record: what it claimed stands (`on_answered`; a request that failed or whose client
-        left may have run there, so its claims are kept as well)."""
+        record: what it claimed stands (`on_answered`). A request that ended before any byte of
+        its response is `on_unanswered` instead."""
         if sent is not None:
             self.on_answered(sent)
         signals = self.instances[url]
         signals.local_in_flight = max(signals.local_in_flight - 1, 0)
         if signals.polled:
             signals.events.append((now, -1, 0))
+
+    def on_unanswered(self, sent: Dispatch, now: float) -> None:
+        """The request `sent` ended before the first byte of its response (its client left, or
+        it failed, before its first token): it is over, as `on_complete` counts it (it may have
+        loaded the server), but its claims on the server's cache are withdrawn, and its session
+        restored, as a refused one's are (`on_refused`). Nothing shows the server prefilled it
+        (a server drops a request whose client left, often before its prefill), and claims kept
+        unverified would let a client plant credit, and evict other prompts' entries with
+        unique ones, without loading any server."""
+        seq, claimed = sent.inserted
+        if claimed:
+            self.prefix.withdraw(sent.url, seq, claimed)
+        if sent.session is not None:
+            self.sessions.restore(sent.session, sent.url, sent.at)
+        self.on_complete(sent.url, now)
 
     def on_refused(self, sent: Dispatch, now: float) -> None:
         """The server refused the request `sent` (a 4xx): it never ran, so its dispatch is undone

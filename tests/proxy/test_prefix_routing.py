@@ -225,6 +225,7 @@ def test_a_dispatch_enters_the_index_and_the_session_and_a_refusal_undoes_its_un
     features = Features(prompt_tokens=2100)
     assert router.cached(blocks, features, None).credit == {}
     first = router.dispatch(instance(router, SPEC[0]), 2100, blocks=blocks, session="s1")
+    first.first_byte()  # answered: its claims stand
     first.finished()
     assert router.cached(blocks, features, None).credit == {SPEC[0]: 2048}  # 8 whole blocks of 256
     match = router.cached(blocks, features, "s1")
@@ -245,12 +246,12 @@ def test_a_dispatch_enters_the_index_and_the_session_and_a_refusal_undoes_its_un
 
 
 def test_an_attempt_s_claims_stand_once_answered_and_go_when_refused(router):
-    # Claims settle at the upstream's 2xx, not at the end of its response: a same-prompt request
-    # refused meanwhile takes nothing back. A 401/403 on the proxy's credentials never ran the
+    # Claims settle at the response's first byte, not at its end: a same-prompt request refused
+    # meanwhile takes nothing back. A 401/403 on the proxy's credentials never ran the
     # request: its claims go as a 4xx refusal's do, though it counts as the server's failure.
     blocks = PromptBlocks.of(chat("e" * 8192), 256)
     streaming = router.dispatch(instance(router, SPEC[0]), 2100, blocks=blocks, session="s")
-    streaming.answered()
+    streaming.first_byte()
     burst = router.dispatch(instance(router, SPEC[0]), 2100, blocks=blocks, session="s")
     burst.refused()
     assert router.fleet.prefix.blocks(SPEC[0]) == 8
@@ -261,6 +262,39 @@ def test_an_attempt_s_claims_stand_once_answered_and_go_when_refused(router):
     assert router.fleet.prefix.blocks(SPEC[1]) == 0
     assert router.fleet.sessions.get("t", time.monotonic()) is None
     assert instance(router, SPEC[1]).failed_total == 1
+
+
+def test_an_attempt_ended_before_its_first_byte_leaves_no_claims(router):
+    # A client that leaves (or a request that fails) before the first byte of its response
+    # plants nothing: its blocks and session move are withdrawn as a refusal's are, though it
+    # counts as complete. One that got its first token keeps them.
+    left = PromptBlocks.of(chat("f" * 8192), 256)
+    signals = router.fleet.instances[SPEC[0]]
+    gone = router.dispatch(instance(router, SPEC[0]), 2100, blocks=left, session="p")
+    assert router.fleet.prefix.blocks(SPEC[0]) == 8
+    gone.finished()  # the client left while it waited (the relay's `finally`)
+    assert router.fleet.prefix.blocks(SPEC[0]) == 0
+    assert router.fleet.sessions.get("p", time.monotonic()) is None
+    assert signals.local_in_flight == 0 and signals.sent.weighted > 0  # over, not undone
+    failed = router.dispatch(instance(router, SPEC[0]), 2100, blocks=left, session="p")
+    failed.failed("upstream_reset")
+    assert router.fleet.prefix.blocks(SPEC[0]) == 0
+    # An earlier answered turn of the session is where it returns to, and its blocks stay.
+    kept = router.dispatch(instance(router, SPEC[1]), 2100, blocks=left, session="p")
+    kept.first_byte()
+    kept.finished()
+    again = router.dispatch(instance(router, SPEC[0]), 2100, blocks=left, session="p")
+    again.finished()
+    assert router.fleet.sessions.get("p", time.monotonic()).instance == SPEC[1]
+    assert (router.fleet.prefix.blocks(SPEC[0]), router.fleet.prefix.blocks(SPEC[1])) == (0, 8)
+    # A block two requests claim stays while the other is still waiting.
+    a = router.dispatch(instance(router, SPEC[0]), 2100, blocks=left)
+    b = router.dispatch(instance(router, SPEC[0]), 2100, blocks=left)
+    a.finished()
+    assert router.fleet.prefix.blocks(SPEC[0]) == 8
+    b.first_byte()
+    b.finished()
+    assert router.fleet.prefix.blocks(SPEC[0]) == 8
 
 
 def test_a_huge_prompt_is_hashed_only_as_far_as_an_instance_can_hold(router):
