@@ -13,7 +13,8 @@ message is 4 bytes of start marker, 4 of role (its CRC-32, as the twin's role id
 marker, its content (each text part padded to a multiple of 4 bytes) and 4 of end-of-turn, so
 for ASCII text byte 4n is the twin's token n and block i covers the twin's tokens
 [i x block_tokens, (i + 1) x block_tokens). Non-ASCII text takes more bytes than characters,
-which is closer to what real tokenizers do with it than the 4-characters rule. Markers and
+which is closer to what real tokenizers do with it than the 4-characters rule; a credit in
+these tokens is put in the prompt estimate's (fleet/features.py) by `fleet.model.credit_scale`. Markers and
 padding are bytes 0xF8-0xFF, which UTF-8 never contains, so no text can imitate the framing.
 What the twin does not count but a server's template renders is hashed too, so that requests
 differing there do not share blocks: `tools` (first, as chat templates put them), a message's
@@ -35,7 +36,9 @@ stable across processes and machines (Python's `hash` is not), and about 6x chea
 the SHA-256 chain it replaced (a 48 KB prompt's 47 blocks: 6.5 against 38 us, most of the latter
 the digests and their conversion to ints; bench/prefix_index.py). Not collision-resistant
 against a client crafting one: such a collision only credits an instance with a prefix it does
-not hold (the server's cache keys on its own hashes), so it misroutes that request at worst.
+not hold (the server's cache keys on its own hashes): it misroutes the crafted requests, and
+their misses lower that server's trust, which all clients' credit there shares
+(docs/routing.md, "Prefix index").
 Past the hash the cost is the Python loop, hence blocks of 256 tokens by default.
 `PromptBlocks` hashes a request's prompt only as far as its decision needs (a little past the
 first block no instance holds) and keeps the hashes for the insert after dispatch, which hashes
