@@ -119,7 +119,7 @@ def responses_as_chat(body: Mapping[str, Any]) -> dict[str, Any]:
                 if message is not None:
                     messages.append(message)
     view: dict[str, Any] = {"messages": messages}
-    for name in ("model", "stream", "service_tier", "prompt_cache_key", "user", "tools"):
+    for name in ("model", "stream", "service_tier", "prompt_cache_key", "user", "tools", "previous_response_id"):
         if name in body:
             view[name] = body[name]
     if "max_output_tokens" in body:

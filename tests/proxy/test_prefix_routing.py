@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from fleet.blocks import PromptBlocks, block_hashes
+from fleet.features import responses_as_chat
 from fleet.model import PrefixMatch
 from fleet.readings import Reading
 from fleet.types import Decision, Features, Snapshot
@@ -396,3 +397,6 @@ def test_a_responses_follow_up_has_no_blocks_to_claim_or_credit(router):
     assert router.cached(parsed.blocks, parsed.features).credit == {}
     small, values, hashes, session, _ = request_body.read_in_worker(orjson.dumps(follow_up), 10_000, 100_000, given)
     assert hashes == ()
+    # The chat view alone says so too (it carries the id), for any reader of it.
+    assert len(PromptBlocks.of(responses_as_chat(follow_up))) == 0
+    assert len(PromptBlocks.of(responses_as_chat(fresh))) > 0
