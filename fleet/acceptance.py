@@ -109,6 +109,12 @@ class CounterDelta:
 
     _last: tuple[float, float] | None = None
 
+    def goes_back(self, tokens_total: float, verify_total: float) -> bool:
+        """Whether this sample has a counter below the previous sample's: the server restarted
+        (never on the first sample, nor on counters that did not move)."""
+        last = self._last
+        return last is not None and (tokens_total < last[0] or verify_total < last[1])
+
     def add(self, tokens_total: float, verify_total: float) -> tuple[float, float] | None:
         """(tokens, verify steps) since the previous sample, or None on the first or a reset."""
         last, self._last = self._last, (tokens_total, verify_total)

@@ -13,7 +13,8 @@ message is 4 bytes of start marker, 4 of role (its CRC-32, as the twin's role id
 marker, its content (each text part padded to a multiple of 4 bytes) and 4 of end-of-turn, so
 for ASCII text byte 4n is the twin's token n and block i covers the twin's tokens
 [i x block_tokens, (i + 1) x block_tokens). Non-ASCII text takes more bytes than characters,
-which is closer to what real tokenizers do with it than the 4-characters rule. Markers and
+which is closer to what real tokenizers do with it than the 4-characters rule; a credit in
+these tokens is put in the prompt estimate's (fleet/features.py) by `fleet.model.credit_scale`. Markers and
 padding are bytes 0xF8-0xFF, which UTF-8 never contains, so no text can imitate the framing.
 What the twin does not count but a server's template renders is hashed too, so that requests
 differing there do not share blocks: `tools` (first, as chat templates put them), a message's
@@ -21,12 +22,23 @@ other fields (`name`, `tool_calls`, `tool_call_id`, ...), non-text content parts
 each). A completion's string prompt is its text; a list of token ids is 4 bytes per id after a
 4-byte marker.
 
+Request fields outside the prompt that change what a server computes for it, and so what its
+cache holds under it (`CACHE_FIELDS`: the model, which may name a LoRA adapter or another model
+of the same server; the chat template's arguments, e.g. enable_thinking; the reasoning effort;
+whether the generation prompt is added or the last message continued), are a header the chain
+starts from: the running hash takes their digest before the first block, so requests differing
+there share no block, while the stream (and block i's place in the twin's tokens) is unchanged.
+A request without any of them has the same hashes as before the header existed. The header
+costs one JSON dump and one digest of those fields per request, whatever the prompt's length.
+
 Hashes are XXH3-64 of the running stream (`xxhash.xxh3_64`, seed 0), read as an unsigned int:
 stable across processes and machines (Python's `hash` is not), and about 6x cheaper here than
 the SHA-256 chain it replaced (a 48 KB prompt's 47 blocks: 6.5 against 38 us, most of the latter
 the digests and their conversion to ints; bench/prefix_index.py). Not collision-resistant
 against a client crafting one: such a collision only credits an instance with a prefix it does
-not hold (the server's cache keys on its own hashes), so it misroutes that request at worst.
+not hold (the server's cache keys on its own hashes): it misroutes the crafted requests, and
+their misses lower that server's trust, which all clients' credit there shares
+(docs/routing.md, "Prefix index").
 Past the hash the cost is the Python loop, hence blocks of 256 tokens by default.
 `PromptBlocks` hashes a request's prompt only as far as its decision needs (a little past the
 first block no instance holds) and keeps the hashes for the insert after dispatch, which hashes
@@ -64,6 +76,9 @@ _TOOLS = b"\xfd\xfd\xfd\xfd"  # the request's tool definitions
 _IDS = b"\xfe\xfe\xfe\xfe"  # a completion prompt given as token ids
 _PAD = (b"", b"\xff\xff\xff", b"\xff\xff", b"\xff")  # by length % 4
 _TEXT_VOCAB = 128_000  # the twin's role ids: crc32(role) % 128000 (sim/tokens.py)
+CACHE_FIELDS = ("model", "chat_template_kwargs", "reasoning_effort", "add_generation_prompt", "continue_final_message")
+"""Request fields besides the prompt that change the tokens or the weights a server caches the
+prompt's KV under: folded into the chain's header (`prompt_header`)."""
 
 
 def _text(text: str, out: list[bytes]) -> None:
@@ -119,7 +134,13 @@ def _message(message: Mapping[str, Any], out: list[bytes]) -> None:
 
 def prompt_stream(body: Mapping[str, Any]) -> bytes | None:
     """The canonical byte stream of a chat (`messages`) or completion (`prompt`) body; None for
-    shapes with no single prompt (batched prompts, none at all)."""
+    shapes with no single prompt (batched prompts, none at all), and for a Responses follow-up
+    (`previous_response_id`): its prompt begins with the stored conversation, which is on the
+    server and not in the body, so its new input's blocks would claim, and credit, a prefix no
+    server holds (the follow-up goes to the server holding that conversation anyway:
+    proxy/responses.py)."""
+    if body.get("previous_response_id"):
+        return None
     messages = body.get("messages")
     if isinstance(messages, list):
         out: list[bytes] = []
@@ -152,10 +173,20 @@ def prompt_stream(body: Mapping[str, Any]) -> bytes | None:
     return None
 
 
-def chain(data: bytes, block_bytes: int, max_blocks: int | None = None) -> tuple[int, ...]:
-    """Hashes of `data`'s whole blocks of `block_bytes`, each covering the blocks before it
-    (at most `max_blocks`, the leading ones)."""
-    return PromptBlocks(data, block_bytes, max_blocks).all()
+def prompt_header(body: Mapping[str, Any]) -> bytes:
+    """The digest of the body's `CACHE_FIELDS` that it sets (empty when it sets none): what the
+    chain of its blocks starts from. A digest, so that the chain's cost past it does not grow
+    with those fields (a large `chat_template_kwargs` is serialized and hashed once)."""
+    given = {name: body[name] for name in CACHE_FIELDS if name in body}
+    if not given:
+        return b""
+    return xxhash.xxh3_128_digest(_json(given))
+
+
+def chain(data: bytes, block_bytes: int, max_blocks: int | None = None, header: bytes = b"") -> tuple[int, ...]:
+    """Hashes of `data`'s whole blocks of `block_bytes`, each covering `header` and the blocks
+    before it (at most `max_blocks`, the leading ones)."""
+    return PromptBlocks(data, block_bytes, max_blocks, header).all()
 
 
 def block_hashes(
@@ -167,7 +198,7 @@ def block_hashes(
     data = prompt_stream(body)
     if data is None:
         return ()
-    return chain(data, block_tokens * CHARS_PER_TOKEN, max_blocks)
+    return chain(data, block_tokens * CHARS_PER_TOKEN, max_blocks, prompt_header(body))
 
 
 LEADING_CHUNK = 4
@@ -183,7 +214,7 @@ class PromptBlocks(Sequence[int]):
 
     __slots__ = ("_view", "_block", "_n", "_hashes", "_update", "_digest")
 
-    def __init__(self, data: bytes, block_bytes: int, max_blocks: int | None = None):
+    def __init__(self, data: bytes, block_bytes: int, max_blocks: int | None = None, header: bytes = b""):
         if block_bytes <= 0:
             raise ValueError("block_bytes must be positive")
         n = len(data) // block_bytes
@@ -192,6 +223,8 @@ class PromptBlocks(Sequence[int]):
         self._block = block_bytes
         self._hashes: list[int] = []
         running = xxhash.xxh3_64()
+        if header:  # every block's hash then covers it: the chain starts from the header
+            running.update(header)
         self._update, self._digest = running.update, running.intdigest
 
     @classmethod
@@ -199,10 +232,16 @@ class PromptBlocks(Sequence[int]):
         cls, body: Mapping[str, Any], block_tokens: int = BLOCK_TOKENS, max_blocks: int | None = None
     ) -> PromptBlocks:
         """A request body's blocks (none when it has no single prompt)."""
-        return cls(prompt_stream(body) or b"", block_tokens * CHARS_PER_TOKEN, max_blocks)
+        return cls(prompt_stream(body) or b"", block_tokens * CHARS_PER_TOKEN, max_blocks, prompt_header(body))
 
     def __len__(self) -> int:
         return self._n
+
+    @property
+    def stream_tokens(self) -> int:
+        """The whole stream's length in tokens of CHARS_PER_TOKEN bytes (its tail included):
+        the prompt's length in the unit its blocks' tokens are counted in."""
+        return -(-len(self._view) // CHARS_PER_TOKEN)
 
     @property
     def computed(self) -> int:

@@ -12,6 +12,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
+
 CHARS_PER_TOKEN = 4
 MESSAGE_OVERHEAD_TOKENS = 4
 """Role and separator tokens a chat template adds per message (Llama-3-like templates)."""
@@ -34,11 +36,29 @@ def _content_tokens(content: Any) -> int:
     return 0
 
 
+TOOLS_OVERHEAD_TOKENS = 1
+"""The marker ahead of the tool definitions (fleet/blocks.py's 4 bytes, the twin's one id)."""
+
+
+def tools_text(tools: Any) -> str:
+    """The tool definitions as the text counted for them: their JSON, keys sorted (what
+    fleet/blocks.py hashes; a chat template renders about as much)."""
+    try:
+        return orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode("utf-8")
+    except TypeError:  # orjson.JSONEncodeError: not JSON-shaped (a value parsed elsewhere)
+        return repr(tools)
+
+
 def count_prompt_tokens(body: Mapping[str, Any]) -> int:
-    """Estimated prompt tokens of a chat (`messages`) or completion (`prompt`) request body."""
+    """Estimated prompt tokens of a chat (`messages`) or completion (`prompt`) request body. A
+    chat's tool definitions count: the template renders them into the prompt (ahead of the
+    messages), the server prefills and caches them, and the prefix blocks hash them."""
     messages = body.get("messages")
     if isinstance(messages, list):
         total = 0
+        tools = body.get("tools")
+        if tools:
+            total += TOOLS_OVERHEAD_TOKENS + count_text_tokens(tools_text(tools))
         for message in messages:
             if isinstance(message, Mapping):
                 total += MESSAGE_OVERHEAD_TOKENS + _content_tokens(message.get("content"))
@@ -83,7 +103,8 @@ def responses_as_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     as the system message, `input` (a string, or a list of items) as the messages after it,
     `max_output_tokens` as `max_tokens`, `text.format` as `response_format`. Prompt sizes, block
     hashes and workload keys are then read as a chat's are (SGLang renders it with the same chat
-    template). What a `previous_response_id` adds is on the server, not in the body."""
+    template). What a `previous_response_id` adds is on the server, not in the body: such a
+    follow-up has no prefix blocks (`fleet.blocks.prompt_stream`)."""
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if isinstance(instructions, str) and instructions:
@@ -98,7 +119,7 @@ def responses_as_chat(body: Mapping[str, Any]) -> dict[str, Any]:
                 if message is not None:
                     messages.append(message)
     view: dict[str, Any] = {"messages": messages}
-    for name in ("model", "stream", "service_tier", "prompt_cache_key", "user", "tools"):
+    for name in ("model", "stream", "service_tier", "prompt_cache_key", "user", "tools", "previous_response_id"):
         if name in body:
             view[name] = body[name]
     if "max_output_tokens" in body:

@@ -42,7 +42,7 @@ from fleet.acceptance import (
     accept_length,
 )
 from fleet.attainment import SloAttainment
-from fleet.blocks import BLOCK_TOKENS
+from fleet.blocks import BLOCK_TOKENS, PromptBlocks
 from fleet.costmodel import DEFAULT_HALF_LIFE_S as COST_HALF_LIFE_S
 from fleet.costmodel import Seed, StepCostModel
 from fleet.instance import RATE_WINDOW_S, CacheStats, InstanceSignals
@@ -222,9 +222,12 @@ class FleetModel:
         if signals.separate_ranks and reading.ranks:
             self.set_replicas(signals, reading.ranks)  # its ranks as it lists them now (a restart may change them)
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:
-            work = signals.on_prefill_counters(
-                reading.prefill_tokens_total, reading.prefill_busy_us_total / signals.time_scale
-            )
+            busy_us_total = reading.prefill_busy_us_total / signals.time_scale
+            if signals.prefill_counters.goes_back(reading.prefill_tokens_total, busy_us_total):
+                # Counters started again: the server restarted between two polls that both
+                # reached it (no lost poll told `set_health`), and its prefix cache is empty.
+                self._forget_cache(url)
+            work = signals.on_prefill_counters(reading.prefill_tokens_total, busy_us_total)
             if work is not None:
                 signals.prefilled.add(reading.at, work[0])
                 self._on_prefill_work(signals, reading.at, *work, queued=queued)
@@ -257,9 +260,14 @@ class FleetModel:
         prefix cache: the index and the sessions forget it."""
         signals = self.instances[url]
         if signals.healthy and not healthy:
-            self.prefix.forget(url)
-            self.sessions.forget_instance(url)
+            self._forget_cache(url)
         signals.healthy = healthy
+
+    def _forget_cache(self, url: str) -> None:
+        """The instance's prefix cache is gone (it restarted, or may be restarting): the index
+        forgets its blocks and trust, and no session credits it or returns there."""
+        self.prefix.forget(url)
+        self.sessions.forget_instance(url)
 
     def unresponsive(self, url: str, now: float, after_s: float) -> bool:
         """The instance is reachable and polled, its load reading is older than `after_s`, and
@@ -296,13 +304,24 @@ class FleetModel:
 
     # -- our own traffic ------------------------------------------------------------------------
 
-    def cached(self, blocks: Sequence[int], prompt_tokens: int, now: float, session: str | None = None) -> PrefixMatch:
+    def cached(
+        self,
+        blocks: Sequence[int],
+        prompt_tokens: int,
+        now: float,
+        session: str | None = None,
+        *,
+        stream_tokens: int | None = None,
+    ) -> PrefixMatch:
         """Per healthy instance, the prompt tokens of a request (its chained block hashes,
         fleet/blocks.py) it likely holds in its prefix cache: the index's match, scaled by the
         instance's trust; and for a named `session`, at least its last prompt on the instance
         that served it, when the index does not contradict that the prompt extends it
         (`_extends`). Below `prompt_tokens`: a server prefills at least the last token.
-        Instances holding nothing are left out."""
+        Instances holding nothing are left out. `stream_tokens`: the prompt's length in the
+        blocks' unit (`Features.stream_tokens`; by default the blocks', when they are
+        `PromptBlocks`), which puts the matched blocks in `prompt_tokens`' unit
+        (`credit_scale`)."""
         if prompt_tokens <= 1:
             return NO_MATCH
         top = prompt_tokens - 1
@@ -311,10 +330,10 @@ class FleetModel:
         if blocks:
             prefix = self.prefix
             healthy = [url for url, s in self.instances.items() if s.healthy and not s.ejected]
-            size = prefix.block_tokens
+            size = prefix.block_tokens * credit_scale(blocks, prompt_tokens, stream_tokens)
             for url, depth in prefix.match(blocks, now, raw=True, instances=healthy).items():
                 if depth:
-                    tokens = depth * size
+                    tokens = int(depth * size)
                     matched[url] = top if top < tokens else tokens  # min(tokens, top)
                     trusted = int(tokens * prefix.trust(url, now))
                     credit[url] = top if top < trusted else trusted
@@ -413,8 +432,8 @@ class FleetModel:
 
     def on_complete(self, url: str, now: float, sent: Dispatch | None = None) -> None:
         """A request sent to `url` is over (answered, failed or left). `sent`, its dispatch
-        record: what it claimed stands (`on_answered`; a request that failed or whose client
-        left may have run there, so its claims are kept as well)."""
+        record: what it claimed stands (`on_answered`). A request that ended before any byte of
+        its response is `on_unanswered` instead."""
         if sent is not None:
             self.on_answered(sent)
         signals = self.instances[url]
@@ -422,6 +441,21 @@ class FleetModel:
         if signals.polled:
             signals.events.append((now, -1, 0))
         self.pools[signals.pool].attainment.left(now)
+
+    def on_unanswered(self, sent: Dispatch, now: float) -> None:
+        """The request `sent` ended before the first byte of its response (its client left, or
+        it failed, before its first token): it is over, as `on_complete` counts it (it may have
+        loaded the server), but its claims on the server's cache are withdrawn, and its session
+        restored, as a refused one's are (`on_refused`). Nothing shows the server prefilled it
+        (a server drops a request whose client left, often before its prefill), and claims kept
+        unverified would let a client plant credit, and evict other prompts' entries with
+        unique ones, without loading any server."""
+        seq, claimed = sent.inserted
+        if claimed:
+            self.prefix.withdraw(sent.url, seq, claimed)
+        if sent.session is not None:
+            self.sessions.restore(sent.session, sent.url, sent.at)
+        self.on_complete(sent.url, now)
 
     def on_refused(self, sent: Dispatch, now: float) -> None:
         """The server refused the request `sent` (a 4xx): it never ran, so its dispatch is undone
@@ -661,6 +695,25 @@ class FleetModel:
     def workload_acceptance(self, pool: str = "spec") -> WorkloadAcceptance | None:
         known = self.pools.get(pool)
         return known.workloads if known is not None else None
+
+
+def credit_scale(blocks: Sequence[int], prompt_tokens: int, stream_tokens: int | None) -> float:
+    """Prompt tokens (the estimate's unit) per token of the blocks' unit, at most 1.
+
+    The blocks count 4 bytes of a UTF-8 stream a token (fleet/blocks.py: closer to a real
+    tokenizer for non-ASCII text, and what keeps block boundaries independent of the rest of
+    the prompt), the estimate 4 characters (fleet/features.py); a credit is taken from the
+    estimate (the prefill left, the load), so the matched blocks are put in its unit by the
+    prompt's own ratio of the two: the same share of the prompt is credited. Left in the
+    blocks' unit, a 3-byte-a-character prompt was credited whole when only its system prompt,
+    a third of it, was held. For ASCII chat text the two are equal (ratio 1); framing the
+    estimate leaves out (a message's other fields, image parts) only lowers the credit. Block
+    ids given as such (the virtual clock's, `chain_ids`) are in the estimate's unit already."""
+    if stream_tokens is None and isinstance(blocks, PromptBlocks):
+        stream_tokens = blocks.stream_tokens
+    if not stream_tokens or stream_tokens <= prompt_tokens:
+        return 1.0
+    return prompt_tokens / stream_tokens
 
 
 def reported_cached(evidence: ResponseEvidence, stats: CacheStats) -> int | None:

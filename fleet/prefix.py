@@ -19,10 +19,12 @@ Each instance's set of blocks therefore stays closed under prefixes (a block's a
 there), and `match` finds the matched depth by bisection, about log2(n) lookups per instance.
 
 Until its request is answered, what an insert put on an instance is a claim: `settle` when the
-server answered (it holds the prompt), `withdraw` when it refused the request (a block goes
-once every insert that claimed it is withdrawn, and stays once any is settled).
+server answered (its response's first byte: it prefilled the prompt), `withdraw` when it refused
+the request or the request ended before its first byte (a block goes once every insert that
+claimed it is withdrawn, and stays once any is settled).
 
-Corrections: `forget(instance)` when a server restarted or turned unhealthy (its cache is gone);
+Corrections: `forget(instance)` when a server restarted (a lost poll, or its prefill counters
+going back) or turned unhealthy (its cache is gone);
 `observe_hit(instance, predicted, reported)` when a server reports the cached tokens of a
 request the index predicted a hit for: a per-instance trust factor (a moving mean of
 reported / predicted, at most 1) scales the blocks `match` credits it, and returns towards 1

@@ -42,12 +42,23 @@ class Features:
     """Prompt tokens each instance (by URL) likely holds in its prefix cache: the prefix index's
     match (fleet/prefix.py) scaled by its trust, or a named session's last prompt on its last
     instance (`FleetModel.cached`); always below `prompt_tokens`. Empty: nothing credited."""
+    stream_tokens: int = 0
+    """Its prompt's length in the prefix blocks' unit (fleet/blocks.py: 4 bytes of the UTF-8
+    stream a token; 0: unknown). Credits, counted in that unit, are put in `prompt_tokens`'
+    unit with it (`FleetModel.cached`)."""
 
     def with_cached(self, cached: Mapping[str, int]) -> Features:
         """These features with `cached` credited (`dataclasses.replace(self, cached=cached)`,
         without its generic field walk: this is on every decision's path)."""
         return Features(
-            self.prompt_tokens, self.max_tokens, self.stream, self.request_class, self.ignore_eos, self.workload, cached
+            self.prompt_tokens,
+            self.max_tokens,
+            self.stream,
+            self.request_class,
+            self.ignore_eos,
+            self.workload,
+            cached,
+            self.stream_tokens,
         )
 
 

@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, TypeVar
 
 import orjson
@@ -230,13 +230,11 @@ def read(body: bytes, max_items: int, max_values: int, given: Given = Given()) -
     payload, forward = without_null_members(payload, body)
     if given.responses:  # its own fields kept; routing, spans and content read the chat ones
         payload = {**payload, **responses_as_chat(payload)}
-    return Parsed(
-        payload,
-        features_of(payload, given.request_class, given.workload, given.hash_key),
-        PromptBlocks.of(payload, given.block_tokens, given.max_blocks),
-        session_of(payload, given.session),
-        forward,
-    )
+    blocks = PromptBlocks.of(payload, given.block_tokens, given.max_blocks)
+    features = features_of(payload, given.request_class, given.workload, given.hash_key)
+    if blocks.stream_tokens:  # the blocks' unit, for the credit (`Features.stream_tokens`)
+        features = replace(features, stream_tokens=blocks.stream_tokens)
+    return Parsed(payload, features, blocks, session_of(payload, given.session), forward)
 
 
 def read_hashed(body: bytes, max_items: int, max_values: int, given: Given = Given()) -> Parsed:

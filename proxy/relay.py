@@ -946,7 +946,6 @@ class CompletionHandler:
                         code="upstream_redirect",
                         retryable=True,
                     )
-                attempt.answered()
                 first = await response.content.readany()
                 if response.content_type == "text/event-stream":
                     first = await self.first_event(response, first, exchange.dialect.started)

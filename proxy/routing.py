@@ -243,7 +243,6 @@ class Attempt:
         "abandoned",
         "reading_since",
         "culprit",
-        "answered_ok",
         "rank",
     )
 
@@ -277,8 +276,7 @@ class Attempt:
         self.prompt_tokens = prompt_tokens
         self.ttft_s: float | None = None
         self.started = False
-        self.answered_ok = False
-        """The upstream's status was 2xx: its claims on caches are settled (once)."""
+        """Its response's first bytes came (`first_byte`): its claims on caches are settled."""
         self.tokens = 0
         self.open = True
         # Stream evidence for the cost model and the acceptance estimate (fleet/model.py).
@@ -315,22 +313,21 @@ class Attempt:
         server is the server's silence: a relay blocked by a slow client is not."""
         instance.attempts.add(self)
 
-    def answered(self) -> None:
-        """The upstream accepted the request (a 2xx status): it will not be refused, so its
-        prefix blocks and session move are no longer claims a refusal could take back."""
-        if self.open and not self.answered_ok:
-            self.answered_ok = True
-            self.fleet.on_answered(self.sent)
-
     def heard(self) -> None:
         """Bytes came from the server: it is making progress (`Router.check_progress`)."""
         self.reading_since = None
         self.instance.progress_at = time.monotonic()
 
     def first_byte(self) -> None:
+        """Its response's first bytes came (a stream's first token): the server prefilled the
+        prompt, so what it claimed of the server's cache stands (`FleetModel.on_answered`),
+        whatever becomes of other unanswered requests that claimed it too. Not at the 2xx
+        status: a stream's headers come before its prefill, which a client leaving may cut
+        short."""
         self.heard()
         if self.open and not self.started:
             self.started = True
+            self.fleet.on_answered(self.sent)
             self.instance.streaming += 1
             if self.stream:
                 self.ttft_s = time.monotonic() - self.dispatched_at
@@ -412,9 +409,11 @@ class Attempt:
         self.instance.attempts.discard(self)
         if refused:
             self.fleet.on_refused(self.sent, time.monotonic())
-        else:
-            # Claims not settled at a 2xx (a failure, a client gone first) stand: it may have run.
-            self.fleet.on_complete(self.instance.url, time.monotonic(), None if self.answered_ok else self.sent)
+        elif not self.started:
+            # Failed or left before any byte of its response: its claims are withdrawn.
+            self.fleet.on_unanswered(self.sent, time.monotonic())
+        else:  # its claims were settled at its first byte
+            self.fleet.on_complete(self.instance.url, time.monotonic())
         if self.started:
             self.instance.streaming -= 1
 
@@ -600,7 +599,9 @@ class Router:
         are hashed only as far as some instance holds them; keep the object for the dispatch."""
         if not blocks and session is None:
             return NO_MATCH
-        return self.fleet.cached(blocks, features.prompt_tokens, time.monotonic(), session)
+        return self.fleet.cached(
+            blocks, features.prompt_tokens, time.monotonic(), session, stream_tokens=features.stream_tokens or None
+        )
 
     def with_credit(self, features: Features, match: PrefixMatch) -> Features:
         """`features` carrying the match's credit per instance (what the policy reads)."""

@@ -8,6 +8,8 @@ the same rule, so `len(prompt_token_ids(body)) == count_prompt_tokens(body)` alw
   a tokenizer gives the same text the same tokens);
 - a chat message: Llama-3's framing `<|start_header_id|>`, the role's id,
   `<|end_header_id|>`, the content's ids (each text part of a content list in turn), `<|eot_id|>`;
+- a chat's tool definitions, first: `TOOLS_ID`, then the ids of their JSON text
+  (`fleet.features.tools_text`);
 - completions: the ids of a string prompt, or the prompt itself when it is a list of token ids.
 
 Two requests whose messages share a prefix therefore share their leading ids, and thus the
@@ -20,12 +22,13 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from fleet.features import CHARS_PER_TOKEN
+from fleet.features import CHARS_PER_TOKEN, tools_text
 
 TEXT_VOCAB = 128_000  # ids below Llama-3's special tokens
 START_HEADER_ID = 128006
 END_HEADER_ID = 128007
 EOT_ID = 128009
+TOOLS_ID = 128010  # a reserved special token of Llama-3's, standing for the tools' framing
 
 
 def text_token_ids(text: str) -> list[int]:
@@ -59,6 +62,9 @@ def prompt_token_ids(body: Mapping[str, Any]) -> list[int] | None:
     messages = body.get("messages")
     if isinstance(messages, list):
         ids: list[int] = []
+        tools = body.get("tools")
+        if tools:
+            ids += [TOOLS_ID, *text_token_ids(tools_text(tools))]
         for message in messages:
             if isinstance(message, Mapping):
                 ids += message_token_ids(message)

@@ -70,12 +70,18 @@ def test_an_instance_state_is_its_signals_read_one_by_one():
 
 def test_with_cached_is_replace():
     features = Features(
-        prompt_tokens=900, max_tokens=64, stream=False, request_class="batch", ignore_eos=True, workload="json:-"
+        prompt_tokens=900,
+        max_tokens=64,
+        stream=False,
+        request_class="batch",
+        ignore_eos=True,
+        workload="json:-",
+        stream_tokens=1200,
     )
     assert features.with_cached({"a": 256}) == dataclasses.replace(features, cached={"a": 256})
     # Every field is carried: a field added to Features must be added to with_cached too.
-    assert [f.name for f in dataclasses.fields(Features)][-1] == "cached"
-    assert len(dataclasses.fields(Features)) == 7
+    assert [f.name for f in dataclasses.fields(Features)][-2:] == ["cached", "stream_tokens"]
+    assert len(dataclasses.fields(Features)) == 8
 
 
 def test_on_instance_is_replace():

@@ -3,7 +3,8 @@ reports and health change it, and the named sessions (fleet/model.py, fleet/sess
 
 import pytest
 
-from fleet.blocks import chain_ids
+from fleet.blocks import PromptBlocks, chain_ids
+from fleet.features import count_prompt_tokens
 from fleet.model import NO_MATCH, FleetModel
 from fleet.readings import Reading, ResponseEvidence
 from fleet.sessions import SessionTable
@@ -188,3 +189,66 @@ def test_a_session_name_covering_another_conversation_is_not_credited_past_the_i
     assert model.cached(follow, 7 * BLOCK, 1.0, session="user-1").credit == {"s0": 6 * BLOCK}
     # A shorter one is checked by its blocks too: sharing the system prompt only, it is another.
     assert model.cached(chain_ids((*system, 9)), 3 * BLOCK, 1.0, session="user-1").credit == {"s0": 2 * BLOCK}
+
+
+def test_tool_definitions_count_in_the_prompt_they_are_hashed_in():
+    # Large tools and different user messages share only the tools' blocks: the credit is about
+    # the tools' share of the prompt, not the whole prompt (the estimate once left tools out).
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "description": "x" * 500, "parameters": {}}}
+        for i in range(40)
+    ]
+    first = {"tools": tools, "messages": [{"role": "user", "content": "hello a " * 300}]}
+    other = {"tools": tools, "messages": [{"role": "user", "content": "other b " * 300}]}
+    model = FleetModel()
+    model.add_instance("a", "spec", 48)
+    model.on_dispatch("a", 0.0, count_prompt_tokens(first), blocks=PromptBlocks.of(first))
+    prompt_tokens = count_prompt_tokens(other)
+    tools_tokens = count_prompt_tokens({"tools": tools, "messages": []})
+    assert tools_tokens > 5000 and prompt_tokens > tools_tokens + 500
+    credit = model.cached(PromptBlocks.of(other), prompt_tokens, 1.0).credit["a"]
+    assert tools_tokens - 256 <= credit <= tools_tokens
+
+
+def test_a_non_ascii_prompt_is_credited_in_the_estimates_unit():
+    # Three UTF-8 bytes a character: the blocks count bytes, the estimate characters. A shared
+    # system prompt, a third of the prompt, is credited as about a third of its estimate.
+    system = {"role": "system", "content": "系" * 10000}
+    first = {"messages": [system, {"role": "user", "content": "甲" * 20000}]}
+    other = {"messages": [system, {"role": "user", "content": "乙" * 20000}]}
+    model = FleetModel()
+    model.add_instance("a", "spec", 48)
+    model.on_dispatch("a", 0.0, count_prompt_tokens(first), blocks=PromptBlocks.of(first))
+    prompt_tokens = count_prompt_tokens(other)
+    system_tokens = count_prompt_tokens({"messages": [system]})
+    match = model.cached(PromptBlocks.of(other), prompt_tokens, 1.0)
+    assert system_tokens - 256 <= match.credit["a"] <= system_tokens
+    assert match.matched["a"] == match.credit["a"]  # the raw claim in the same unit
+    # Given the stream's length (the proxy's worker sends hashes as a tuple), the same credit.
+    hashes = PromptBlocks.of(other)
+    same = model.cached(hashes[:], prompt_tokens, 1.0, stream_tokens=hashes.stream_tokens)
+    assert same.credit == match.credit
+    # Its next turn, ASCII or not, is credited with the whole last prompt, less a block at most.
+    turn = {"messages": [*first["messages"], {"role": "assistant", "content": "好"}, {"role": "user", "content": "再"}]}
+    credit = model.cached(PromptBlocks.of(turn), count_prompt_tokens(turn), 1.0).credit["a"]
+    assert count_prompt_tokens(first) - 256 <= credit <= count_prompt_tokens(first)
+
+
+def test_a_restart_seen_as_prefill_counters_going_back_forgets_the_instance():
+    # Both polls reached it (no lost poll marked it down): only its counters tell it restarted.
+    model = fleet()
+    session = "conv"
+    counters = {"prefill_tokens_total": 1e6, "prefill_busy_us_total": 1e7}
+    model.on_answered(model.on_dispatch("s0", 0.5, 4096, blocks=CONVERSATION, session=session))
+    model.on_reading("s0", Reading(at=1.0, running=0, waiting=0, **counters))  # the first: nothing forgotten
+    assert model.cached(NEXT_TURN, 5200, 2.0, session).credit == {"s0": 8 * BLOCK}
+    model.on_reading("s0", Reading(at=2.0, running=0, waiting=0, **counters))  # did not move: kept
+    model.on_reading("s0", Reading(at=2.5, running=0, waiting=0, prefill_tokens_total=2e6, prefill_busy_us_total=2e7))
+    assert model.cached(NEXT_TURN, 5200, 3.0, session).credit == {"s0": 8 * BLOCK}
+    assert model.prefix.blocks("s1") == 0
+    model.on_dispatch("s1", 3.0, 4096, blocks=CONVERSATION)
+    model.on_reading("s0", Reading(at=4.0, running=0, waiting=0, prefill_tokens_total=10, prefill_busy_us_total=100))
+    match = model.cached(NEXT_TURN, 5200, 5.0, session)
+    assert "s0" not in match.credit and model.prefix.blocks("s0") == 0
+    assert model.sessions.get(session, 5.0) is None
+    assert match.credit == {"s1": 8 * BLOCK}  # another instance's entries stay

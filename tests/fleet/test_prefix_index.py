@@ -13,6 +13,7 @@ import pytest
 import xxhash
 
 from fleet.blocks import LEADING_CHUNK, PromptBlocks, block_hashes, chain, chain_ids, prompt_stream
+from fleet.features import count_prompt_tokens
 from fleet.prefix import PrefixIndex
 from sim.tokens import prompt_token_ids
 
@@ -71,8 +72,9 @@ def test_the_stream_follows_the_twins_tokens():
         },
         {"prompt": "z" * 999},
         {"prompt": "z" * 999, "messages": "not a list"},
+        dict(chat("use a tool"), tools=[{"type": "function", "function": {"name": "grep", "description": "d" * 77}}]),
     ):
-        assert len(prompt_stream(body)) == 4 * len(prompt_token_ids(body))
+        assert len(prompt_stream(body)) == 4 * len(prompt_token_ids(body)) == 4 * count_prompt_tokens(body)
 
 
 def test_a_conversations_next_turn_extends_its_previous_hashes():
@@ -127,6 +129,38 @@ def test_what_a_template_renders_beyond_the_text_is_hashed():
     assert block_hashes(dict(base, tools=[{"a": 1, "b": 2}]), 4) == block_hashes(
         dict(base, tools=[{"b": 2, "a": 1}]), 4
     )
+
+
+def test_fields_that_change_what_a_server_caches_start_the_chain():
+    # A LoRA adapter (another `model`), the template's arguments, the reasoning effort and how
+    # the last turn is rendered change the KV a server holds for the same messages: no block is
+    # shared; the blocks keep their number (the stream is unchanged).
+    base = {"messages": [{"role": "user", "content": "q" * 8000}]}
+    plain = block_hashes(base)
+    assert tuple(PromptBlocks.of(base)) == plain  # no such field: the chain is as it was
+    variants = [
+        {"model": "lora-A"},
+        {"model": "lora-B"},
+        {"chat_template_kwargs": {"enable_thinking": False}},
+        {"chat_template_kwargs": {"enable_thinking": True}},
+        {"reasoning_effort": "high"},
+        {"add_generation_prompt": False},
+        {"continue_final_message": True},
+    ]
+    seen = [plain]
+    for extra in variants:
+        hashes = block_hashes({**base, **extra})
+        assert len(hashes) == len(plain)
+        assert not set(hashes) & set(plain), extra
+        assert tuple(PromptBlocks.of({**base, **extra})) == hashes
+        seen.append(hashes)
+    assert len(set(seen)) == len(seen)
+    # Equal values chain alike, whatever their key order; a completion prompt takes them too.
+    assert block_hashes({**base, "chat_template_kwargs": {"a": 1, "b": 2}}) == block_hashes(
+        {**base, "chat_template_kwargs": {"b": 2, "a": 1}}
+    )
+    prompt = {"prompt": "p" * 4000}
+    assert block_hashes({**prompt, "model": "lora-A"})[0] != block_hashes(prompt)[0]
 
 
 def test_shapes_without_a_single_prompt_have_no_blocks():

@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from fleet.blocks import PromptBlocks, block_hashes
+from fleet.features import responses_as_chat
 from fleet.model import PrefixMatch
 from fleet.readings import Reading
 from fleet.types import Decision, Features, Snapshot
@@ -225,6 +226,7 @@ def test_a_dispatch_enters_the_index_and_the_session_and_a_refusal_undoes_its_un
     features = Features(prompt_tokens=2100)
     assert router.cached(blocks, features, None).credit == {}
     first = router.dispatch(instance(router, SPEC[0]), 2100, blocks=blocks, session="s1")
+    first.first_byte()  # answered: its claims stand
     first.finished()
     assert router.cached(blocks, features, None).credit == {SPEC[0]: 2048}  # 8 whole blocks of 256
     match = router.cached(blocks, features, "s1")
@@ -245,12 +247,12 @@ def test_a_dispatch_enters_the_index_and_the_session_and_a_refusal_undoes_its_un
 
 
 def test_an_attempt_s_claims_stand_once_answered_and_go_when_refused(router):
-    # Claims settle at the upstream's 2xx, not at the end of its response: a same-prompt request
-    # refused meanwhile takes nothing back. A 401/403 on the proxy's credentials never ran the
+    # Claims settle at the response's first byte, not at its end: a same-prompt request refused
+    # meanwhile takes nothing back. A 401/403 on the proxy's credentials never ran the
     # request: its claims go as a 4xx refusal's do, though it counts as the server's failure.
     blocks = PromptBlocks.of(chat("e" * 8192), 256)
     streaming = router.dispatch(instance(router, SPEC[0]), 2100, blocks=blocks, session="s")
-    streaming.answered()
+    streaming.first_byte()
     burst = router.dispatch(instance(router, SPEC[0]), 2100, blocks=blocks, session="s")
     burst.refused()
     assert router.fleet.prefix.blocks(SPEC[0]) == 8
@@ -261,6 +263,39 @@ def test_an_attempt_s_claims_stand_once_answered_and_go_when_refused(router):
     assert router.fleet.prefix.blocks(SPEC[1]) == 0
     assert router.fleet.sessions.get("t", time.monotonic()) is None
     assert instance(router, SPEC[1]).failed_total == 1
+
+
+def test_an_attempt_ended_before_its_first_byte_leaves_no_claims(router):
+    # A client that leaves (or a request that fails) before the first byte of its response
+    # plants nothing: its blocks and session move are withdrawn as a refusal's are, though it
+    # counts as complete. One that got its first token keeps them.
+    left = PromptBlocks.of(chat("f" * 8192), 256)
+    signals = router.fleet.instances[SPEC[0]]
+    gone = router.dispatch(instance(router, SPEC[0]), 2100, blocks=left, session="p")
+    assert router.fleet.prefix.blocks(SPEC[0]) == 8
+    gone.finished()  # the client left while it waited (the relay's `finally`)
+    assert router.fleet.prefix.blocks(SPEC[0]) == 0
+    assert router.fleet.sessions.get("p", time.monotonic()) is None
+    assert signals.local_in_flight == 0 and signals.sent.weighted > 0  # over, not undone
+    failed = router.dispatch(instance(router, SPEC[0]), 2100, blocks=left, session="p")
+    failed.failed("upstream_reset")
+    assert router.fleet.prefix.blocks(SPEC[0]) == 0
+    # An earlier answered turn of the session is where it returns to, and its blocks stay.
+    kept = router.dispatch(instance(router, SPEC[1]), 2100, blocks=left, session="p")
+    kept.first_byte()
+    kept.finished()
+    again = router.dispatch(instance(router, SPEC[0]), 2100, blocks=left, session="p")
+    again.finished()
+    assert router.fleet.sessions.get("p", time.monotonic()).instance == SPEC[1]
+    assert (router.fleet.prefix.blocks(SPEC[0]), router.fleet.prefix.blocks(SPEC[1])) == (0, 8)
+    # A block two requests claim stays while the other is still waiting.
+    a = router.dispatch(instance(router, SPEC[0]), 2100, blocks=left)
+    b = router.dispatch(instance(router, SPEC[0]), 2100, blocks=left)
+    a.finished()
+    assert router.fleet.prefix.blocks(SPEC[0]) == 8
+    b.first_byte()
+    b.finished()
+    assert router.fleet.prefix.blocks(SPEC[0]) == 8
 
 
 def test_a_huge_prompt_is_hashed_only_as_far_as_an_instance_can_hold(router):
@@ -329,3 +364,39 @@ def test_a_refused_request_leaves_no_cache_memory_behind():
     fleet.on_refused(kept[0], 6.6)
     assert fleet.prefix.blocks(BASE[1]) == len(longer)
     assert fleet.sessions.get("p", 6.6).instance == BASE[1]
+
+
+def test_a_non_ascii_prompt_is_credited_in_the_estimates_unit_after_the_worker(router):
+    # The worker sends the hashes as a tuple: the stream's length crosses with the features,
+    # so the router credits a shared system prompt (a third of a 3-byte-a-character prompt)
+    # as a third of the estimate, as it does for blocks hashed on the loop.
+    system = {"role": "system", "content": "系" * 10000}
+    first = {"messages": [system, {"role": "user", "content": "甲" * 20000}]}
+    other = {"messages": [system, {"role": "user", "content": "乙" * 20000}]}
+    given = request_body.Given(max_blocks=1000)
+    sent = request_body.read(orjson.dumps(first), 10_000, 100_000, given)
+    router.fleet.on_dispatch(SPEC[0], time.monotonic(), sent.features.prompt_tokens, blocks=sent.blocks)
+    small, values, hashes, session, _ = request_body.read_in_worker(orjson.dumps(other), 10_000, 100_000, given)
+    features = Features(*values)
+    assert features.stream_tokens == PromptBlocks.of(other).stream_tokens > 3 * features.prompt_tokens - 100
+    credit = router.cached(hashes, features).credit[SPEC[0]]
+    assert 2500 - 256 <= credit <= 2500  # the system prompt's 10,000 characters
+
+
+def test_a_responses_follow_up_has_no_blocks_to_claim_or_credit(router):
+    # Its new input is not where its prompt begins (the stored conversation is): hashed as if
+    # it were, it would be credited with, and insert, a prefix no server holds.
+    follow_up = {"previous_response_id": "resp_1", "input": "tool output " * 400}
+    fresh = {"input": "tool output " * 400}
+    given = request_body.Given(responses=True)
+    earlier = request_body.read(orjson.dumps(fresh), 10_000, 100_000, given)
+    assert len(earlier.blocks) > 0
+    router.fleet.on_dispatch(SPEC[0], time.monotonic(), earlier.features.prompt_tokens, blocks=earlier.blocks)
+    parsed = request_body.read(orjson.dumps(follow_up), 10_000, 100_000, given)
+    assert len(parsed.blocks) == 0 and parsed.features.prompt_tokens > 0
+    assert router.cached(parsed.blocks, parsed.features).credit == {}
+    small, values, hashes, session, _ = request_body.read_in_worker(orjson.dumps(follow_up), 10_000, 100_000, given)
+    assert hashes == ()
+    # The chat view alone says so too (it carries the id), for any reader of it.
+    assert len(PromptBlocks.of(responses_as_chat(follow_up))) == 0
+    assert len(PromptBlocks.of(responses_as_chat(fresh))) > 0
