@@ -85,7 +85,15 @@ class DrainingServer(uvicorn.Server):
         if not self.specroute.draining:
             self.specroute.draining = True
             settings = self.specroute.settings
-            log.info("stop signal %s: draining for up to %.0f s", sig, settings.drain_timeout_s)
+            if settings.drain_delay_s > 0:
+                log.info(
+                    "stop signal %s: still listening for %g s (ready: false), then draining for up to %.0f s",
+                    sig,
+                    settings.drain_delay_s,
+                    settings.drain_timeout_s,
+                )
+            else:
+                log.info("stop signal %s: draining for up to %.0f s", sig, settings.drain_timeout_s)
             holding = self.specroute.router.holding
             if holding is not None and getattr(self, "loop", None) is not None:
                 # Held requests go now, to be served within the drain rather than cut at its end.
@@ -196,7 +204,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock.close()
         reason = exc.strerror or str(exc)
         raise SettingsError(
-            f"SPECROUTE_HOST / SPECROUTE_PORT (--host / --port): cannot listen on {host}:{port}: {reason}"
+            f"SPECROUTE_HOST / SPECROUTE_PORT (or --port): cannot listen on {host}:{port}: {reason}"
         ) from None
     sock.set_inheritable(True)
     return sock
