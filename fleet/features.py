@@ -49,6 +49,18 @@ def tools_text(tools: Any) -> str:
         return repr(tools)
 
 
+def message_fields_text(message: Mapping[str, Any]) -> str | None:
+    """A message's fields besides its role and content (an assistant's `tool_calls` with their
+    arguments, a tool result's `tool_call_id`, a `name`) as the text counted for them: their
+    JSON, keys sorted (what fleet/blocks.py hashes; a template renders the calls' arguments into
+    the prompt). None when it has none. Left out of the estimate, a turn carrying a large tool
+    call made the blocks' prompt longer than the estimate's, and the credit of its whole cached
+    prefix was scaled down with it (`fleet.model.credit_scale`)."""
+    if len(message) <= ("role" in message) + ("content" in message):
+        return None
+    return tools_text({k: v for k, v in message.items() if k != "role" and k != "content"})
+
+
 def count_prompt_tokens(body: Mapping[str, Any]) -> int:
     """Estimated prompt tokens of a chat (`messages`) or completion (`prompt`) request body. A
     chat's tool definitions count: the template renders them into the prompt (ahead of the
@@ -62,6 +74,9 @@ def count_prompt_tokens(body: Mapping[str, Any]) -> int:
         for message in messages:
             if isinstance(message, Mapping):
                 total += MESSAGE_OVERHEAD_TOKENS + _content_tokens(message.get("content"))
+                fields = message_fields_text(message)
+                if fields is not None:
+                    total += count_text_tokens(fields)
         return total
     prompt = body.get("prompt")
     if isinstance(prompt, str):

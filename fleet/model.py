@@ -37,6 +37,7 @@ from fleet.acceptance import (
     DEFAULT_HALF_LIFE_S,
     WORKLOAD_KEYS,
     AcceptanceEstimator,
+    CounterDelta,
     RequestSpread,
     WorkloadAcceptance,
     accept_length,
@@ -268,6 +269,9 @@ class FleetModel:
         forgets its blocks and trust, and no session credits it or returns there."""
         self.prefix.forget(url)
         self.sessions.forget_instance(url)
+        # Its counters start again too: a reading after it is back is not compared with one
+        # from before, which would read as a second restart and forget what it cached since.
+        self.instances[url].prefill_counters = CounterDelta()
 
     def unresponsive(self, url: str, now: float, after_s: float) -> bool:
         """The instance is reachable and polled, its load reading is older than `after_s`, and
@@ -442,20 +446,35 @@ class FleetModel:
             signals.events.append((now, -1, 0))
         self.pools[signals.pool].attainment.left(now)
 
-    def on_unanswered(self, sent: Dispatch, now: float) -> None:
+    def on_unanswered(self, sent: Dispatch, now: float, streamed: bool = True) -> None:
         """The request `sent` ended before the first byte of its response (its client left, or
         it failed, before its first token): it is over, as `on_complete` counts it (it may have
         loaded the server), but its claims on the server's cache are withdrawn, and its session
         restored, as a refused one's are (`on_refused`). Nothing shows the server prefilled it
         (a server drops a request whose client left, often before its prefill), and claims kept
-        unverified would let a client plant credit, and evict other prompts' entries with
-        unique ones, without loading any server."""
+        unverified would let a client plant credit without loading any server. A request not
+        `streamed` shows nothing before its whole answer: its claims stand once it was out long
+        enough to have been prefilled (`_prefilled_by`), as a stream's would at its first token."""
+        if not streamed and self._prefilled_by(sent, now):
+            self.on_answered(sent)
+            self.on_complete(sent.url, now)
+            return
         seq, claimed = sent.inserted
         if claimed:
             self.prefix.withdraw(sent.url, seq, claimed)
         if sent.session is not None:
             self.sessions.restore(sent.session, sent.url, sent.at)
         self.on_complete(sent.url, now)
+
+    def _prefilled_by(self, sent: Dispatch, now: float) -> bool:
+        """Whether the request `sent` was out long enough for its server to prefill it: the
+        prompt tokens queued ahead of it and its own uncached ones at the cost model's prefill
+        speed (the queue taken as none when the server does not report it)."""
+        signals = self.instances.get(sent.url)
+        if signals is None:
+            return False
+        tokens = (sent.ahead_tokens or 0.0) + max(sent.prompt_tokens - sent.cached_tokens, 0)
+        return (now - sent.at) * 1000 >= self.cost.at(now).prefill_ms(signals.pool, int(tokens))
 
     def on_refused(self, sent: Dispatch, now: float) -> None:
         """The server refused the request `sent` (a 4xx): it never ran, so its dispatch is undone

@@ -411,7 +411,7 @@ class Attempt:
             self.fleet.on_refused(self.sent, time.monotonic())
         elif not self.started:
             # Failed or left before any byte of its response: its claims are withdrawn.
-            self.fleet.on_unanswered(self.sent, time.monotonic())
+            self.fleet.on_unanswered(self.sent, time.monotonic(), streamed=self.stream)
         else:  # its claims were settled at its first byte
             self.fleet.on_complete(self.instance.url, time.monotonic())
         if self.started:

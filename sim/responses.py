@@ -141,7 +141,9 @@ def chat_message(item: dict[str, Any]) -> dict[str, Any]:
     if item.get("role") not in ("user", "assistant", "system", "developer"):
         # SGLang's request model validates each item (an EasyInputMessage needs its role): a 400.
         raise ResponsesError(f"Input item has no valid role: {str(item.get('role'))[:40]!r}", param="input")
-    message = {k: v for k, v in item.items() if v is not None and k not in ("id", "status", "type")}
+    # A message item's role and content are what a chat template renders (its id, status, type
+    # and phase are the item's bookkeeping, not prompt text).
+    message = {k: item[k] for k in ("role", "content") if item.get(k) is not None}
     if message.get("role") == "developer":
         message["role"] = "system"
     content = message.get("content")

@@ -7,7 +7,8 @@ the same rule, so `len(prompt_token_ids(body)) == count_prompt_tokens(body)` alw
 - text: one id per 4-character chunk, `crc32(chunk) % 128000` (the same chunk is the same id, as
   a tokenizer gives the same text the same tokens);
 - a chat message: Llama-3's framing `<|start_header_id|>`, the role's id,
-  `<|end_header_id|>`, the content's ids (each text part of a content list in turn), `<|eot_id|>`;
+  `<|end_header_id|>`, the content's ids (each text part of a content list in turn), the ids of
+  its other fields' JSON text (tool calls: `fleet.features.message_fields_text`), `<|eot_id|>`;
 - a chat's tool definitions, first: `TOOLS_ID`, then the ids of their JSON text
   (`fleet.features.tools_text`);
 - completions: the ids of a string prompt, or the prompt itself when it is a list of token ids.
@@ -22,7 +23,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from fleet.features import CHARS_PER_TOKEN, tools_text
+from fleet.features import CHARS_PER_TOKEN, message_fields_text, tools_text
 
 TEXT_VOCAB = 128_000  # ids below Llama-3's special tokens
 START_HEADER_ID = 128006
@@ -53,7 +54,9 @@ def _content_ids(content: Any) -> list[int]:
 def message_token_ids(message: Mapping[str, Any]) -> list[int]:
     role = str(message.get("role", ""))
     role_id = zlib.crc32(role.encode("utf-8", "surrogatepass")) % TEXT_VOCAB
-    return [START_HEADER_ID, role_id, END_HEADER_ID, *_content_ids(message.get("content")), EOT_ID]
+    fields = message_fields_text(message)
+    extra = text_token_ids(fields) if fields is not None else []
+    return [START_HEADER_ID, role_id, END_HEADER_ID, *_content_ids(message.get("content")), *extra, EOT_ID]
 
 
 def prompt_token_ids(body: Mapping[str, Any]) -> list[int] | None:

@@ -252,3 +252,56 @@ def test_a_restart_seen_as_prefill_counters_going_back_forgets_the_instance():
     assert "s0" not in match.credit and model.prefix.blocks("s0") == 0
     assert model.sessions.get(session, 5.0) is None
     assert match.credit == {"s1": 8 * BLOCK}  # another instance's entries stay
+
+
+def test_a_request_not_streamed_keeps_its_claims_once_out_long_enough_to_be_prefilled():
+    """A review's finding: a non-streamed answer comes whole, after its decode, so a client
+    that left (or timed out) during a long generation had its claims withdrawn though the
+    server had long prefilled the prompt and holds it. A stream shows its prefill by its first
+    token; one that left before it plants nothing."""
+    model = fleet()
+    prefill_s = model.cost.at(0.0).prefill_ms("spec", 4096) / 1000
+    early = model.on_dispatch("s0", 0.0, 4096, blocks=CONVERSATION)
+    model.on_unanswered(early, 0.5 * prefill_s, streamed=False)
+    assert model.prefix.blocks("s0") == 0  # left before it could have been prefilled
+    late = model.on_dispatch("s0", 1.0, 4096, blocks=CONVERSATION)
+    model.on_unanswered(late, 1.0 + 2 * prefill_s, streamed=False)
+    assert model.prefix.blocks("s0") == 8  # out long enough: its claims stand
+    stream = model.on_dispatch("s1", 2.0, 4096, blocks=CONVERSATION)
+    model.on_unanswered(stream, 60.0)  # a stream without a first token, however long
+    assert model.prefix.blocks("s1") == 0
+
+
+def test_a_turn_carrying_a_large_tool_call_keeps_its_cached_prefixs_credit():
+    """A review's finding: the blocks hash an assistant's tool calls (their arguments), the
+    estimate left them out, and the credit was scaled by the whole prompt's ratio of the two:
+    an agent's turn after it wrote a file was credited 2,762 of its 8,012 cached tokens."""
+    model = fleet()
+    first = {"messages": [{"role": "user", "content": "x" * 32_000}]}
+    tokens = count_prompt_tokens(first)
+    model.on_dispatch("s0", 0.0, tokens, blocks=PromptBlocks.of(first, BLOCK), session="agent")
+    call = {"id": "call_1", "type": "function", "function": {"name": "write", "arguments": "y" * 60_000}}
+    turn = {
+        "messages": [
+            *first["messages"],
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "ok"},
+        ]
+    }
+    blocks = PromptBlocks.of(turn, BLOCK)
+    assert blocks.stream_tokens <= count_prompt_tokens(turn) + 8  # the estimate counts what is hashed
+    match = model.cached(blocks, count_prompt_tokens(turn), 1.0, session="agent")
+    assert match.credit["s0"] >= 0.95 * tokens  # the first turn, all but framing (2,762 before)
+
+
+def test_a_server_back_from_an_outage_is_forgotten_once_not_again_at_its_first_reading():
+    """A review's finding: the outage forgot it, but the counters kept their reading from
+    before; the first reading after it was back read as a restart and wiped what it had cached
+    in between."""
+    model = fleet()
+    model.on_reading("s0", Reading(at=1.0, running=0, waiting=0, prefill_tokens_total=1e6, prefill_busy_us_total=1e7))
+    model.set_health("s0", False)  # polls lost: it may be restarting
+    model.set_health("s0", True)
+    model.on_answered(model.on_dispatch("s0", 2.0, 4096, blocks=CONVERSATION))  # served since
+    model.on_reading("s0", Reading(at=3.0, running=0, waiting=0, prefill_tokens_total=10, prefill_busy_us_total=100))
+    assert model.prefix.blocks("s0") == 8
