@@ -76,9 +76,13 @@ _TOOLS = b"\xfd\xfd\xfd\xfd"  # the request's tool definitions
 _IDS = b"\xfe\xfe\xfe\xfe"  # a completion prompt given as token ids
 _PAD = (b"", b"\xff\xff\xff", b"\xff\xff", b"\xff")  # by length % 4
 _TEXT_VOCAB = 128_000  # the twin's role ids: crc32(role) % 128000 (sim/tokens.py)
-CACHE_FIELDS = ("model", "chat_template_kwargs", "reasoning_effort", "add_generation_prompt", "continue_final_message")
+CACHE_FIELDS = ("model", "lora_path", "chat_template_kwargs", "reasoning_effort")
 """Request fields besides the prompt that change the tokens or the weights a server caches the
-prompt's KV under: folded into the chain's header (`prompt_header`)."""
+prompt's KV under: folded into the chain's header (`prompt_header`). The model names the weights
+(vLLM serves a LoRA adapter under its own name; SGLang takes `lora_path`); template arguments and
+a reasoning effort may be rendered ahead of the messages. Not `add_generation_prompt` nor
+`continue_final_message`: they change only the prompt's end, after every block the two requests
+share."""
 
 
 def _text(text: str, out: list[bytes]) -> None:
@@ -177,7 +181,8 @@ def prompt_header(body: Mapping[str, Any]) -> bytes:
     """The digest of the body's `CACHE_FIELDS` that it sets (empty when it sets none): what the
     chain of its blocks starts from. A digest, so that the chain's cost past it does not grow
     with those fields (a large `chat_template_kwargs` is serialized and hashed once)."""
-    given = {name: body[name] for name in CACHE_FIELDS if name in body}
+    # Unset, null and empty values are left out: `{}` renders as no arguments at all.
+    given = {name: body[name] for name in CACHE_FIELDS if body.get(name) not in (None, {}, "")}
     if not given:
         return b""
     return xxhash.xxh3_128_digest(_json(given))

@@ -116,7 +116,8 @@ def _item_message(item: Mapping[str, Any]) -> dict[str, Any] | None:
 def responses_as_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     """A Responses API body (`POST /v1/responses`) as the chat body it amounts to: `instructions`
     as the system message, `input` (a string, or a list of items) as the messages after it,
-    `max_output_tokens` as `max_tokens`, `text.format` as `response_format`. Prompt sizes, block
+    `max_output_tokens` as `max_tokens`, `reasoning.effort` as `reasoning_effort`, `text.format`
+    as `response_format`. Prompt sizes, block
     hashes and workload keys are then read as a chat's are (SGLang renders it with the same chat
     template). What a `previous_response_id` adds is on the server, not in the body: such a
     follow-up has no prefix blocks (`fleet.blocks.prompt_stream`)."""
@@ -139,6 +140,9 @@ def responses_as_chat(body: Mapping[str, Any]) -> dict[str, Any]:
             view[name] = body[name]
     if "max_output_tokens" in body:
         view["max_tokens"] = body["max_output_tokens"]
+    reasoning = body.get("reasoning")
+    if isinstance(reasoning, Mapping) and reasoning.get("effort") is not None:
+        view["reasoning_effort"] = reasoning["effort"]  # rendered into the prompt (gpt-oss: its system message)
     text = body.get("text")
     form = text.get("format") if isinstance(text, Mapping) else None
     if isinstance(form, Mapping) and isinstance(form.get("type"), str):

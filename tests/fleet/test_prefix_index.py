@@ -132,8 +132,8 @@ def test_what_a_template_renders_beyond_the_text_is_hashed():
 
 
 def test_fields_that_change_what_a_server_caches_start_the_chain():
-    # A LoRA adapter (another `model`), the template's arguments, the reasoning effort and how
-    # the last turn is rendered change the KV a server holds for the same messages: no block is
+    # A LoRA adapter (another `model`, or SGLang's `lora_path`), the template's arguments and
+    # the reasoning effort change the KV a server holds for the same messages: no block is
     # shared; the blocks keep their number (the stream is unchanged).
     base = {"messages": [{"role": "user", "content": "q" * 8000}]}
     plain = block_hashes(base)
@@ -144,8 +144,7 @@ def test_fields_that_change_what_a_server_caches_start_the_chain():
         {"chat_template_kwargs": {"enable_thinking": False}},
         {"chat_template_kwargs": {"enable_thinking": True}},
         {"reasoning_effort": "high"},
-        {"add_generation_prompt": False},
-        {"continue_final_message": True},
+        {"lora_path": "adapter-1"},
     ]
     seen = [plain]
     for extra in variants:
@@ -161,6 +160,15 @@ def test_fields_that_change_what_a_server_caches_start_the_chain():
     )
     prompt = {"prompt": "p" * 4000}
     assert block_hashes({**prompt, "model": "lora-A"})[0] != block_hashes(prompt)[0]
+    # A review's finding: fields that change only the prompt's end, and empty or default values,
+    # split requests whose every block a server shares.
+    for same in (
+        {"add_generation_prompt": False},
+        {"continue_final_message": True},
+        {"chat_template_kwargs": {}},
+        {"reasoning_effort": None},
+    ):
+        assert block_hashes({**base, **same}) == plain, same
 
 
 def test_shapes_without_a_single_prompt_have_no_blocks():

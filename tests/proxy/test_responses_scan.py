@@ -64,12 +64,17 @@ def test_a_responses_body_reads_as_the_chat_it_amounts_to() -> None:
     as_chat = {"messages": [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]}
     as_responses = responses_as_chat({"instructions": text, "input": "hi"})
     assert PromptBlocks.of(as_chat, 16).all() == PromptBlocks.of(as_responses, 16).all() != ()
+    # A reasoning effort as the Responses API gives it is the chat's `reasoning_effort` (a
+    # review's finding: it was left out, though a template renders it ahead of the messages).
+    effort = responses_as_chat({"instructions": text, "input": "hi", "reasoning": {"effort": "high"}})
+    assert effort["reasoning_effort"] == "high"
+    assert PromptBlocks.of(effort, 16).all() == PromptBlocks.of({**as_chat, "reasoning_effort": "high"}, 16).all()
 
 
 def test_no_shape_of_a_body_breaks_the_chat_view() -> None:
     odd: list[object] = [None, 1, 2.5, True, "s", [], {}, [1, "x", None], {"a": [1]}, [{"role": ["x"]}]]
     for value in odd:
-        for field in ("input", "instructions", "max_output_tokens", "text", "tools", "stream"):
+        for field in ("input", "instructions", "max_output_tokens", "text", "tools", "stream", "reasoning"):
             body = {"model": "m", field: value}
             view = responses_as_chat(body)
             count_prompt_tokens(view)
