@@ -240,6 +240,7 @@ class InstanceSignals:
                 waiting_tokens,
                 tokens_per_s,
                 sent_per_s,
+                in_flight=self.local_in_flight,
             )
         # One engine's view: each has its part of the load, of the queue, of what we send and
         # of the cap. A hung rank's requests and cap are left out (it serves none of them).
@@ -257,6 +258,7 @@ class InstanceSignals:
             sent_per_s / serving,
             replicas=serving,
             hung_ranks=len(self.out_ranks),
+            in_flight=self.local_in_flight,
         )
 
     def engine_load(

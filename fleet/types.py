@@ -97,6 +97,9 @@ class InstanceState:
     (a request joins one engine's batch, behind one engine's queue)."""
     hung_ranks: int = 0
     """Its data-parallel ranks judged hung among working ones (left out of the figures above)."""
+    in_flight: int = 0
+    """Requests this router sent the server (all its engines) that have not ended: its own part
+    of the load, beside its own departures (flow control's fair share of a wait)."""
 
     @property
     def load(self) -> float:

@@ -15,8 +15,8 @@ waited the bound. The rules, top to bottom (docs/routing.md, "Flow control"):
    burst the fleet can absorb a request held on a doubt is lost by the holding.
 2. `release-due`: a held request that has waited its fair share goes first when some pool has
    room for it (as in rule 3), oldest first. Its fair share is the fleet's mean time in system
-   (Little's law: the requests in it, held ones included, over the rate they finish): what a
-   request waits on average when nobody passes anyone. Holding lets fresh requests pass the
+   (Little's law: this router's requests in it, held ones included, over the rate they leave):
+   what a request waits on average when nobody passes anyone. Holding lets fresh requests pass the
    lost ones; without this, in a closed loop (each client sends again only once answered) a
    fresh request takes every freed slot and the oldest wait out the bound: the tail.
 3. `release-room`: else the newest held request goes that has room on some pool for it and for a
@@ -128,19 +128,21 @@ class FlowControl:
 
 
 def fair_wait_s(snapshot: Snapshot, held: int) -> float | None:
-    """The fleet's mean time in system (Little's law): the requests in it (running and queued on
-    every engine whose figures are read, an ejected or lagging one's included: they finish there
-    too, and `held` in the proxy) over the rate they leave (`PoolState.finished_per_s`); None
-    before any pool's rate is measured (SLO targets and half a minute of finished requests) or
-    while nothing finishes."""
+    """The fleet's mean time in system as this router sees it (Little's law): its requests in
+    the fleet (`InstanceState.in_flight`, on every instance, an ejected one's included: they end
+    there too) and `held` in the proxy, over the rate its requests leave the pools
+    (`PoolState.finished_per_s`). Both are this router's own: several proxies in front of the
+    same servers each see their part of the load and of the departures (the servers' figures
+    over one proxy's departures made each replica's share N times too long). None before any
+    pool's rate is measured (SLO targets and half a minute of finished requests) or while
+    nothing finishes."""
     rate, in_system, measured = 0.0, float(held), False
     for pool in snapshot.pools.values():
         if pool.finished_per_s is not None:
             rate += pool.finished_per_s
             measured = True
         for st in pool.instances:
-            if st.healthy or st.ejected or st.lagging:
-                in_system += (st.running + st.waiting) * st.replicas
+            in_system += st.in_flight
     return in_system / rate if measured and rate > 0 else None
 
 

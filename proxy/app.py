@@ -41,6 +41,7 @@ from proxy.relay import (
 from proxy.responses import Answer, HeadersFor
 from proxy.routing import Router
 from proxy.settings import Settings
+from proxy.telemetry.names import STORED_RESPONSES_PREFIX
 from proxy.upstream import UPSTREAM_ERRORS, Upstream
 
 log = logging.getLogger("specroute")
@@ -207,7 +208,7 @@ def error_response(
     return JSONResponse({"error": error_object(message, error_type_for(status), code)}, status, headers=headers)
 
 
-STORED_PREFIX = "/v1/responses/"
+STORED_PREFIX = STORED_RESPONSES_PREFIX
 """Stored responses' GET and cancel (proxy.responses)."""
 SERVED_PATHS = (
     "POST /v1/chat/completions, /v1/completions and /v1/responses (with GET /v1/responses/{id} and "

@@ -102,6 +102,8 @@ EJECTION_REASONS = (
 M_PREFIX_CREDITED = "specroute_prefix_credited_tokens"
 M_PREFIX_CACHED = "specroute_prefix_cached_tokens"
 M_UNKNOWN_PATH = "specroute_unknown_path_requests"
+STORED_RESPONSES_PREFIX = "/v1/responses/"
+"""Paths under it name a stored response by its id: logged as `{id}` (`service.loggable_path`)."""
 MAX_LOGGED_PATH_CHARS = 200
 """An unknown path's log line keeps this much of it (a client or a scanner chooses it)."""
 MAX_MODEL_CHARS = 256

@@ -67,7 +67,7 @@ class SpecrouteTelemetry(Telemetry):
                 {
                     "ts": round(time.time(), 3),
                     "request_id": request_id,
-                    "endpoint": f"{method} {path[: n.MAX_LOGGED_PATH_CHARS]}",
+                    "endpoint": f"{method} {loggable_path(path)}",
                     "status": status,
                     "outcome": "auth_refused",
                     "reason": reason,
@@ -105,7 +105,7 @@ class SpecrouteTelemetry(Telemetry):
                 {
                     "ts": round(time.time(), 3),
                     "request_id": request_id,
-                    "endpoint": f"{method} {path[: n.MAX_LOGGED_PATH_CHARS]}",
+                    "endpoint": f"{method} {loggable_path(path)}",
                     "status": 404,
                     "outcome": "unknown_url",
                 }
@@ -135,3 +135,13 @@ class SpecrouteTelemetry(Telemetry):
     async def stop(self) -> None:
         if self.tracing is not None:
             await self.tracing.stop()
+
+
+def loggable_path(path: str) -> str:
+    """A path as a log line may carry it: a stored response's id (which reads the conversation
+    back) as `{id}`, as the stored-response lines write it, and no more than
+    MAX_LOGGED_PATH_CHARS of the rest (the client chose it)."""
+    if path.startswith(n.STORED_RESPONSES_PREFIX):
+        rest = path[len(n.STORED_RESPONSES_PREFIX) :]
+        return n.STORED_RESPONSES_PREFIX + "{id}" + ("/cancel" if rest.endswith("/cancel") else "")
+    return path[: n.MAX_LOGGED_PATH_CHARS]

@@ -718,6 +718,13 @@ def test_a_request_refused_by_authentication_is_logged_and_counted() -> None:
         "reason": "invalid",
     }
     assert 'specroute_auth_refused_total{reason="invalid"} 1.0' in t.metrics.render().decode()
+    # A stored response's id reads the conversation back: logged as the stored-response lines
+    # write it (a review's finding: a key over its limit logged the id it asked for).
+    t.auth_refused("key_concurrency", "POST", "/v1/responses/resp_0123abcd/cancel", "req-8", 429)
+    t.unknown_path("GET", "/v1/responses/resp_0123abcd/other", "req-9")
+    lines = [json.loads(line) for line in stream.getvalue().decode().splitlines()]
+    assert [line["endpoint"] for line in lines[1:]] == ["POST /v1/responses/{id}/cancel", "GET /v1/responses/{id}"]
+    assert "resp_0123abcd" not in stream.getvalue().decode()
 
 
 def test_requests_whose_spans_were_dropped_are_counted_from_zero() -> None:

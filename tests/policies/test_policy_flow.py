@@ -104,9 +104,20 @@ def test_a_request_lost_only_at_the_margin_is_held_while_a_pool_is_measured_miss
 
 
 def measured(snap: Snapshot, spec_per_s: float | None, base_per_s: float | None) -> Snapshot:
-    """`snap` with each pool's requests finished per second as the fleet model measures them."""
+    """`snap` with each pool's requests finished per second as the fleet model measures them,
+    and every request on its instances this router's own (`in_flight`)."""
     rates = {"spec": spec_per_s, "base": base_per_s}
-    return replace(snap, pools={k: replace(v, finished_per_s=rates[k]) for k, v in snap.pools.items()})
+    return replace(
+        snap,
+        pools={
+            k: replace(
+                v,
+                finished_per_s=rates[k],
+                instances=tuple(replace(i, in_flight=int(i.running + i.waiting)) for i in v.instances),
+            )
+            for k, v in snap.pools.items()
+        },
+    )
 
 
 def test_the_fair_wait_is_the_fleets_mean_time_in_system_held_requests_included() -> None:
@@ -116,15 +127,18 @@ def test_the_fair_wait_is_the_fleets_mean_time_in_system_held_requests_included(
     # A pool not measured yet (nothing of it finished) still counts what runs on it.
     assert fair_wait_s(measured(snap, 2.0, None), held=32) == pytest.approx(300 / 2.0)
     assert fair_wait_s(measured(snap, 0.0, 0.0), held=32) is None  # nothing finishes: no share to give
-    # Every engine of a data-parallel server counts (its state is one engine's), and an ejected
-    # instance's requests too (they finish there); a server down (figures not read) does not.
-    base = snap.pools["base"]
+    # This router's own requests and departures, not the servers' figures (a review's finding:
+    # with two proxies in front of the same servers, each one's share came out twice too long).
+    # An ejected instance's requests count (they end there); so does every engine of a
+    # data-parallel server (its figures are one engine's, its in-flight count the server's).
+    base = measured(snap, 2.0, 6.0).pools["base"]
     (one,) = base.instances
-    dp = replace(base, instances=(replace(one, running=50, replicas=4),))
-    ejected = replace(base, instances=(one, replace(one, url="http://b2", healthy=False, ejected=True)))
-    down = replace(base, instances=(one, replace(one, url="http://b3", healthy=False)))
-    for pool, in_base in ((dp, 200), (ejected, 400), (down, 200)):
-        fleet = measured(replace(snap, pools={**snap.pools, "base": pool}), 2.0, 6.0)
+    others = replace(one, running=400, waiting=100)  # another proxy's load beside ours
+    dp = replace(one, running=50, replicas=4)
+    ejected = replace(one, url="http://b2", healthy=False, ejected=True)
+    for instances, in_base in (((others,), 200), ((dp,), 200), ((one, ejected), 400)):
+        fleet = measured(snap, 2.0, 6.0)
+        fleet = replace(fleet, pools={**fleet.pools, "base": replace(base, instances=instances)})
         assert fair_wait_s(fleet, held=0) == pytest.approx((68 + in_base) / 8.0)
 
 

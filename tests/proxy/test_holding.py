@@ -174,8 +174,15 @@ def test_those_held_past_their_fair_share_go_first_oldest_first_then_the_newest(
                 break
         else:
             raise AssertionError("no queue leaves room for the small requests only")
-        in_system = 48 + 256 + 2 * waiting + 4
-        pools = {name: replace(pool, finished_per_s=in_system / 30 / 2) for name, pool in busy.pools.items()}
+        in_system = 48 + 256 + 2 * waiting + 4  # every request on the fleet ours, and 4 held
+        pools = {
+            name: replace(
+                pool,
+                finished_per_s=in_system / 30 / 2,
+                instances=tuple(replace(i, in_flight=int(i.running + i.waiting)) for i in pool.instances),
+            )
+            for name, pool in busy.pools.items()
+        }
         fleet.now = replace(busy, pools=pools)
         assert fair_wait_s(fleet.now, 4) == pytest.approx(30.0)
         await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
