@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from proxy import openapi
-from proxy.auth import Access, AuthRefused, KeyLimits, without_authorization
+from proxy.auth import KEY_SCOPE, Access, AuthRefused, KeyLimits, without_authorization
 from proxy.connection import CLOSE_EXTENSION
 from proxy.errors import ProxyError, error_object, error_type_for
 from proxy.hooks import Telemetry
@@ -81,8 +81,11 @@ class SpecrouteApp:
                 await self.refuse(scope, send, checked)
                 return
             if self.access.enabled:
-                # The client's key stops here: never forwarded, logged or traced.
+                # The client's key stops here: never forwarded, logged or traced. Its digest
+                # scopes the client's session names (`proxy.routing.session_key`).
                 scope["headers"] = without_authorization(scope["headers"])
+                if checked is not None:
+                    scope[KEY_SCOPE] = checked
             if scope["path"] in COMPLETION_PATHS or scope["path"].startswith(STORED_PREFIX):
                 # Stored responses' GET and cancel count against a key's limit as completions do.
                 handler = self.completions if scope["path"] in COMPLETION_PATHS else self.api

@@ -36,6 +36,9 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/openapi.json"})
 """Probes stay open: an orchestrator has no key."""
 METRICS_PATH = "/metrics"
 STATE_PATH = "/v1/specroute/state"
+KEY_SCOPE = "specroute.key"
+"""The ASGI scope entry holding the digest of the key a request was admitted with (its session
+names are scoped by it)."""
 POOL_HEADER = b"x-specroute-pool"
 ROUTED_PATHS = frozenset(DIALECTS)
 """The paths a request is routed on, where x-specroute-pool pins a pool."""

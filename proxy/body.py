@@ -186,6 +186,9 @@ class Given:
     responses: bool = False
     """A Responses API body (`input`, `instructions`): read as the chat body it amounts to
     (`Parsed.payload`)."""
+    owner: bytes | None = None
+    """The client's API key as the proxy knows it (a digest; None without keys): its session
+    names are its own (`session_key`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,7 +237,7 @@ def read(body: bytes, max_items: int, max_values: int, given: Given = Given()) -
     features = features_of(payload, given.request_class, given.workload, given.hash_key)
     if blocks.stream_tokens:  # the blocks' unit, for the credit (`Features.stream_tokens`)
         features = replace(features, stream_tokens=blocks.stream_tokens)
-    return Parsed(payload, features, blocks, session_of(payload, given.session), forward)
+    return Parsed(payload, features, blocks, session_of(payload, given.session, given.owner), forward)
 
 
 def read_hashed(body: bytes, max_items: int, max_values: int, given: Given = Given()) -> Parsed:

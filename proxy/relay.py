@@ -23,6 +23,7 @@ from fleet.model import NO_MATCH, PrefixMatch
 from fleet.types import Decision, PoolName
 from proxy import body as request_body
 from proxy import scan
+from proxy.auth import KEY_SCOPE
 from proxy.backends.base import RANK_HEADER
 from proxy.connection import ABORT_EXTENSION
 from proxy.errors import ProxyError, normalise_upstream_error
@@ -521,6 +522,7 @@ class CompletionHandler:
                 router.prefix_blocks(),
                 router.hash_key,
                 responses=exchange.dialect is scan.RESPONSES,
+                owner=scope.get(KEY_SCOPE),
             )
             parsed = await self.bodies.parse(body, given)
             payload, features = parsed.payload, parsed.features

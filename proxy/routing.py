@@ -137,15 +137,21 @@ def _read_token(headers: Mapping[str, str], header: str, limit: int, show_value:
     return key
 
 
-def session_key(name: str) -> str:
-    """What the fleet model keeps of a session name: a truncated SHA-256 of it, never the name."""
-    return hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:SESSION_KEY_CHARS]
+def session_key(name: str, owner: bytes | None = None) -> str:
+    """What the fleet model keeps of a session name: a truncated SHA-256 of it, never the name.
+    `owner`: the client's API key as the proxy knows it (a digest), so that one key's session
+    names are its own: a client with another key naming the same `user` cannot move them."""
+    digest = hashlib.sha256(name.encode("utf-8", "surrogatepass"))
+    if owner:
+        digest.update(b"\x00" + owner)
+    return digest.hexdigest()[:SESSION_KEY_CHARS]
 
 
-def session_of(body: Mapping[str, Any], named: str | None = None) -> str | None:
+def session_of(body: Mapping[str, Any], named: str | None = None, owner: bytes | None = None) -> str | None:
     """The request's session key: the x-specroute-session header's name (`named`, an explicit
     routing intent) wins, then the body's `prompt_cache_key`, then its `user`, each when a
-    non-empty string; None when nothing names one. Only a hash of the name is returned."""
+    non-empty string; None when nothing names one. Only a hash of the name (and of its
+    `owner`'s key, with keys on) is returned."""
     if named is None:
         for field in SESSION_FIELDS:
             value = body.get(field)
@@ -154,7 +160,7 @@ def session_of(body: Mapping[str, Any], named: str | None = None) -> str | None:
                 break
         else:
             return None
-    return session_key(named)
+    return session_key(named, owner)
 
 
 def running_task() -> Task[Any] | None:

@@ -495,3 +495,18 @@ def test_a_keys_file_saved_with_a_byte_order_mark_keeps_its_first_key(tmp_path: 
     assert ring.role_of("sk-first-key")[0] is Role.CLIENT
     assert ring.role_of("sk-second-key")[0] is Role.CLIENT
     assert any("2 lines left out" in r.getMessage() for r in caplog.records)
+
+
+def test_with_keys_a_session_name_belongs_to_the_key_that_named_it(keyed: RunningProxy) -> None:
+    """A review's finding: `user="alice"` from two keys was one session, so a client with
+    another key could move the pointer of a conversation it did not own."""
+    state = bearer("sk-operator")
+
+    def sessions() -> int:
+        return httpx.get(keyed.url + "/v1/specroute/state", headers=state, timeout=5).json()["prefix"]["sessions"]
+
+    chat = {**CHAT, "user": "alice"}
+    for key in ("sk-good-1", "sk-good-1", "sk-good-2"):
+        answer = httpx.post(keyed.url + "/v1/chat/completions", json=chat, headers=bearer(key), timeout=30)
+        assert answer.status_code == 200
+    assert sessions() == 2  # the first key's "alice" once, the second key's its own
