@@ -300,7 +300,9 @@ class Twin:
             prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
             response_id = prefix + (http.headers.get("x-request-id") or uuid.uuid4().hex)
         if request.stream:
-            return self.sse(self._stream(kind, request, run.calls, response_id), run.abort)
+            # SGLang answers a stream's status with its first chunk (it awaits the generator's
+            # first item, after queueing and prefill: serving_chat.py's "kick-start"); vLLM at once.
+            return self.sse(self._stream(kind, request, run.calls, response_id), run.abort, at_once=self.options.vllm)
         return await self._complete(kind, request, run, response_id, http.receive)
 
     async def show_faults(self) -> None:
@@ -364,12 +366,15 @@ class Twin:
             loop.submit(call.req)
         return Generation(rid, calls, loop)
 
-    def sse(self, chunks: AsyncIterator[bytes], abort: Callable[[], None], headers: Headers = ()) -> SseResponse:
-        """A stream of `chunks`, sick as the faults say; a client that leaves calls `abort`."""
+    def sse(
+        self, chunks: AsyncIterator[bytes], abort: Callable[[], None], headers: Headers = (), at_once: bool = True
+    ) -> SseResponse:
+        """A stream of `chunks`, sick as the faults say; a client that leaves calls `abort`.
+        `at_once`: the status and headers go before the first chunk is ready, else with it."""
         faults = self.faults
         if faults.hang_after_chunks is not None or faults.drop_after_chunks is not None:
             chunks = sick_stream(chunks, faults)
-        return SseResponse(chunks, on_disconnect=abort, headers=headers)
+        return SseResponse(chunks, on_disconnect=abort, headers=headers, at_once=at_once)
 
     async def collect(self, run: Generation, receive: Receive) -> list[list[str]] | None:
         """Every choice's pieces once all are finished; None (and the engine requests aborted)
@@ -769,12 +774,23 @@ async def wait_disconnect(receive: Receive) -> None:
 class SseResponse:
     """An SSE stream that notices the client leaving even while no chunk is due (e.g. queued)."""
 
-    def __init__(self, chunks: AsyncIterator[bytes], on_disconnect: Callable[[], object], headers: Headers = ()):
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        on_disconnect: Callable[[], object],
+        headers: Headers = (),
+        at_once: bool = True,
+    ):
         self.chunks = chunks
         self.on_disconnect = on_disconnect
         self.headers = list(headers)
+        self.at_once = at_once
+        """The status and headers go at once (vLLM), else with the first chunk (SGLang's chat
+        and completions: a queued request's client sees nothing until its prefill is done)."""
+        self.started = False
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _start(self, send: Send) -> None:
+        self.started = True
         await send(
             {
                 "type": "http.response.start",
@@ -783,6 +799,10 @@ class SseResponse:
                 "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), *self.headers],
             }
         )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.at_once:
+            await self._start(send)
         gone = asyncio.ensure_future(wait_disconnect(receive))
         writer = asyncio.ensure_future(self._write(send))
         try:
@@ -801,7 +821,11 @@ class SseResponse:
     async def _write(self, send: Send) -> None:
         try:
             async for chunk in self.chunks:
+                if not self.started:
+                    await self._start(send)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if not self.started:
+                await self._start(send)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             await self.chunks.aclose()  # type: ignore[attr-defined]

@@ -429,19 +429,20 @@ async def _cap_scenario(t):
     streams = [await aclient.chat.completions.create(**body) for _ in range(48)]
     try:
         await until(lambda: loads(t)["num_running_reqs"] == 48, "48 running")
-        last = await aclient.chat.completions.create(**body)
-        streams.append(last)
+        # SGLang answers a stream's status with its first chunk: the queued 49th's client has
+        # no response yet, not even its headers (serving_chat.py awaits the first chunk).
+        opening = asyncio.ensure_future(aclient.chat.completions.create(**body))
         await until(lambda: (loads(t)["num_running_reqs"], loads(t)["num_waiting_reqs"]) == (48, 1), "49th waiting")
         await until(
             lambda: (metric(t, "sglang:num_running_reqs"), metric(t, "sglang:num_queue_reqs")) == (48, 1),
             "metrics showing the queue",
         )
-        # The 49th has produced nothing yet; one of the first 48 leaves: the 49th takes its slot.
-        first_of_last = asyncio.ensure_future(last.__anext__())
-        await asyncio.sleep(0)
-        assert not first_of_last.done()
+        assert not opening.done()
+        # One of the first 48 leaves: the 49th takes its slot, and its response begins.
         await streams[0].close()
-        chunk = await asyncio.wait_for(first_of_last, DEADLINE_S)
+        last = await asyncio.wait_for(opening, DEADLINE_S)
+        streams.append(last)
+        chunk = await asyncio.wait_for(last.__anext__(), DEADLINE_S)
         assert chunk.choices[0].delta.role == "assistant"  # the opening comes with the first token
         await until(lambda: metric(t, "sglang:num_aborted_requests_total") == 1, "the abort counted")
         await until(lambda: (loads(t)["num_running_reqs"], loads(t)["num_waiting_reqs"]) == (48, 0), "slot reused")
@@ -549,10 +550,10 @@ def test_a_wedged_twin_takes_requests_and_answers_its_polls_but_sends_nothing_un
     with httpx.Client(base_url=spec.url, timeout=httpx.Timeout(10, read=1.0)) as http:
         try:
             assert http.post("/specroute/twin/faults", json={"wedged": True}).json()["wedged"] is True
-            with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                assert response.status_code == 200  # taken: the headers go out at once, as SGLang's
-                with pytest.raises(httpx.ReadTimeout):
-                    response.read()  # no token while wedged (the twin runs 20x: a token takes ms)
+            # Taken, but no status while wedged: SGLang answers a stream's status with its first
+            # chunk (the twin runs 20x: a token takes ms).
+            with pytest.raises(httpx.ReadTimeout), http.stream("POST", "/v1/chat/completions", json=body):
+                pass
             assert loads(spec) == before  # the load snapshot is not republished
             assert http.get("/health").status_code == 200 and metric(spec, "sglang:num_running_reqs") is not None
         finally:
@@ -667,12 +668,13 @@ def test_a_data_parallel_twin_deals_requests_to_its_ranks_and_one_rank_can_hang(
                     texts = (line for line in busy.iter_lines() if '"content":"' in line and '"content":""' not in line)
                     assert next(texts)  # rank 0 streams (each read bounded by the 1 s timeout)
                     frozen = http.get("/v1/loads?dp_rank=1").json()["loads"][0]
-                    with http.stream(
-                        "POST", "/v1/chat/completions", json=stream, headers={"x-data-parallel-rank": "1"}
-                    ) as hung:
-                        assert hung.status_code == 200
-                        with pytest.raises(httpx.ReadTimeout):
-                            hung.read()  # no token from the wedged rank
+                    # No token from the wedged rank, so no status either (SGLang answers a
+                    # stream's status with its first chunk).
+                    with (
+                        pytest.raises(httpx.ReadTimeout),
+                        http.stream("POST", "/v1/chat/completions", json=stream, headers={"x-data-parallel-rank": "1"}),
+                    ):
+                        pass
                     assert http.get("/health_generate").status_code == 200  # rank 0's output counts
                     assert http.get("/v1/loads?dp_rank=1").json()["loads"][0]["timestamp"] == frozen["timestamp"]
                     moving = http.get("/v1/loads?dp_rank=0").json()["loads"][0]["timestamp"]
