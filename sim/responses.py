@@ -298,7 +298,8 @@ class Responses:
         messages = chat_messages(request.instructions, history)
         max_new_tokens = None
         if request.max_output_tokens is not None:
-            max_new_tokens = request.max_output_tokens - HEADROOM_TOKENS
+            # vLLM's to_sampling_params takes max_output_tokens as it is (no headroom).
+            max_new_tokens = request.max_output_tokens - (0 if self.twin.options.vllm else HEADROOM_TOKENS)
             if max_new_tokens < 0:
                 raise ResponsesError(f"max_new_tokens must be at least 0, got {max_new_tokens}.")
         chat = ChatCompletionRequest.model_validate(

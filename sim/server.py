@@ -1058,6 +1058,9 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
         Route("/get_model_info", guarded(model_info), methods=["GET"]),
         Route("/metrics", guarded(metrics), methods=["GET"]),
         Route("/abort_request", guarded(abort_request), methods=["POST"]),
+        # SGLang after 0.5.15: readiness (its tokenizer manager's), and SageMaker's ping.
+        Route("/ready", guarded(health), methods=["GET"]),
+        Route("/ping", guarded(health), methods=["GET", "POST"]),
         Route("/specroute/twin/alpha", guarded(set_alpha), methods=["POST"]),
         Route("/", guarded(root), methods=["GET"]),
     ]

@@ -688,3 +688,10 @@ def test_a_data_parallel_twin_deals_requests_to_its_ranks_and_one_rank_can_hang(
             assert (
                 http.post("/v1/chat/completions", json=body, headers={"x-data-parallel-rank": "1"}).status_code == 200
             )
+
+
+def test_readiness_and_ping_answer_as_sglangs(spec):
+    """SGLang after 0.5.15 serves GET /ready (its tokenizer manager's readiness) and /ping
+    (SageMaker's); the twin reported 0.5.23 and answered both 404 (a fidelity review)."""
+    for path in ("/ready", "/ping"):
+        assert httpx.get(spec.url + path, timeout=5).status_code == 200, path

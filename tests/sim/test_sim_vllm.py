@@ -347,3 +347,11 @@ def test_a_data_parallel_vllm_twin_balances_by_load_and_labels_each_engine_and_o
                     http.post("/specroute/twin/faults", json={})
             done = http.post("/v1/chat/completions", json=short, headers={"x-data-parallel-rank": "1"})
             assert done.status_code == 200
+
+
+def test_a_responses_max_output_tokens_is_taken_whole(vllm_twin):
+    """A review's finding: the vLLM twin kept SGLang's two tokens of headroom; vLLM's
+    ResponsesRequest.to_sampling_params takes max_output_tokens as it is."""
+    body = {"model": MODEL, "input": "Talk.", "max_output_tokens": 6}
+    answer = httpx.post(vllm_twin.base_url + "/responses", json=body, timeout=30).json()
+    assert answer["status"] == "incomplete" and answer["usage"]["output_tokens"] == 6
