@@ -402,9 +402,12 @@ class Twin:
         calls = run.calls
         pieces = await self.collect(run, receive)
         reqs = [call.req for call in calls]
-        if pieces is None or any(req.finish_reason == "abort" for req in reqs):
+        if pieces is None:  # the client left
             run.abort()
             raise TwinError("The request was aborted.", status=400)
+        # A request aborted by `/abort_request` is answered as any other, its finish reason
+        # `abort`: SGLang's `_handle_abort_finish_reason` raises only for an abort that carries
+        # a status (400, 500, 503), and `FINISH_ABORT`'s is None.
         choices = [
             call.shape.render(kind, got, call.req.finish_reason, call.req.matched_stop, stream=False)
             for call, got in zip(calls, pieces)
@@ -522,20 +525,10 @@ class Twin:
             call = calls[index]
             req = call.req
             if done and req.finish_reason == "abort":
+                # Aborted (`/abort_request`): its choices all end, each with finish reason
+                # `abort`, on the normal chunk path, as SGLang's (no error event).
                 for other in reqs:
                     self.abort(other.rid)
-                yield sse(
-                    {
-                        "error": {
-                            "message": "The request was aborted.",
-                            "type": "BadRequestError",
-                            "param": None,
-                            "code": 400,
-                        }
-                    }
-                )
-                yield b"data: [DONE]\n\n"
-                return
             if vllm_opening:
                 vllm_opening = False
                 for c in calls:

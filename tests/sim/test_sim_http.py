@@ -1,6 +1,7 @@
 """The twin through its HTTP API, with the real openai SDK, against real twin subprocesses."""
 
 import asyncio
+import concurrent.futures
 import json
 import re
 import statistics
@@ -695,3 +696,25 @@ def test_readiness_and_ping_answer_as_sglangs(spec):
     (SageMaker's); the twin reported 0.5.23 and answered both 404 (a fidelity review)."""
     for path in ("/ready", "/ping"):
         assert httpx.get(spec.url + path, timeout=5).status_code == 200, path
+
+
+def test_an_abort_request_ends_the_answer_with_finish_reason_abort(base):
+    """A fidelity review's finding: the twin ended an aborted request with a 400 or an error
+    event; SGLang's FINISH_ABORT carries no status, so `_handle_abort_finish_reason` lets it
+    through and the answer ends as any other, its finish reason `abort`."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20000, "ignore_eos": True}
+    with httpx.Client(base_url=base.url, timeout=30) as http:
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+            assert http.post("/abort_request", json={"rid": first["id"]}).status_code == 200
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "[DONE]" and not any('"error"' in event for event in rest)
+        reasons = [c["finish_reason"] for e in rest[:-1] for c in json.loads(e)["choices"] if c.get("finish_reason")]
+        assert reasons == ["abort"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(http.post, "/v1/chat/completions", json={**body, "rid": "to-abort"})
+            wait_for(lambda: loads(base)["num_running_reqs"] >= 1, "the request running")
+            assert http.post("/abort_request", json={"rid": "to-abort"}).status_code == 200
+            done = answer.result(timeout=30)
+        assert done.status_code == 200 and done.json()["choices"][0]["finish_reason"] == "abort"
