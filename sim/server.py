@@ -453,11 +453,15 @@ class Twin:
 
     async def _drain(self, calls: list[Call], pieces: list[list[str]]) -> None:
         remaining = len(calls)
+        aborted = False
         while remaining:
             index, text, _, done = await calls[0].queue.get()
             req = calls[index].req
-            if done and req.finish_reason == "abort":
-                return
+            if done and req.finish_reason == "abort" and not aborted:
+                # One choice aborted (`/abort_request`): every choice ends, as the stream's do.
+                aborted = True
+                for call in calls:
+                    self.abort(call.req.rid)
             pieces[index] += calls[index].shape.feed(text, done, req.finish_reason)
             remaining -= done
 
@@ -820,6 +824,12 @@ class SseResponse:
             if not self.started:
                 await self._start(send)
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except DroppedOnPurpose:
+            # The drop fault cuts the connection; an ASGI app can do that only once its response
+            # has started (else the server answers a 500 for it), so the status goes first.
+            if not self.started:
+                await self._start(send)
+            raise
         finally:
             await self.chunks.aclose()  # type: ignore[attr-defined]
 

@@ -718,3 +718,28 @@ def test_an_abort_request_ends_the_answer_with_finish_reason_abort(base):
             assert http.post("/abort_request", json={"rid": "to-abort"}).status_code == 200
             done = answer.result(timeout=30)
         assert done.status_code == 200 and done.json()["choices"][0]["finish_reason"] == "abort"
+        # n = 2, one choice aborted: both end (a review found the other cut off unfinished, its
+        # finish reason null, and left running on its engine).
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(http.post, "/v1/chat/completions", json={**body, "rid": "pair", "n": 2})
+            wait_for(lambda: loads(base)["num_running_reqs"] >= 2, "both choices running")
+            assert http.post("/abort_request", json={"rid": "pair-0"}).status_code == 200
+            done = answer.result(timeout=30)
+        assert [c["finish_reason"] for c in done.json()["choices"]] == ["abort", "abort"]
+        wait_for(lambda: loads(base)["num_running_reqs"] == 0, "no choice left running")
+
+
+def test_the_drop_fault_before_any_chunk_cuts_the_connection_not_a_500(spec):
+    """A review's finding: with the status sent only with the first chunk, a stream dropped
+    before it was answered 500 in plain text, a server error where the fault promises a cut."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    try:
+        assert (
+            httpx.post(spec.url + "/specroute/twin/faults", json={"drop_after_chunks": 0}, timeout=5).status_code == 200
+        )
+        with httpx.stream("POST", spec.url + "/v1/chat/completions", json=body, timeout=10) as response:
+            assert response.status_code == 200
+            with pytest.raises(httpx.RemoteProtocolError):
+                response.read()
+    finally:
+        httpx.post(spec.url + "/specroute/twin/faults", json={}, timeout=5)
