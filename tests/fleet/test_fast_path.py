@@ -65,6 +65,7 @@ def test_an_instance_state_is_its_signals_read_one_by_one():
             waiting_tokens=signals.waiting_tokens(),
             prompt_tokens_per_s=signals.prompt_tokens_sent.per_s(later),
             dispatches_per_s=signals.sent.per_s(later),
+            in_flight=signals.local_in_flight,
         )
 
 
