@@ -5,7 +5,9 @@ Each finished request whose time to first token (as the proxy saw it) and time p
 the pool's first finished request while that is shorter, and nothing before `min_window_s` of it)
 the rate is their number per second and the share is their part of every request finished. The
 state endpoint shows both per pool (docs/routing.md, "What is learned"): under overload the pool
-that holds what the fleet cannot serve in time is the one whose share falls.
+that holds what the fleet cannot serve in time is the one whose share falls. Beside them, every
+request that left the pool however it ended (`left`, `finished_rate`): flow control's fair share
+of a wait divides by it.
 """
 
 from __future__ import annotations
@@ -76,9 +78,7 @@ class SloAttainment:
         if self._left_since is None:
             self._left_since = now
         self._left.append(now)
-        cutoff = now - self.horizon_s
-        while self._left and self._left[0] <= cutoff:
-            self._left.popleft()
+        self._expire(now)
 
     def finished_rate(self, now: float) -> float | None:
         """Requests that left the pool per second over the horizon, however they ended (flow
@@ -88,9 +88,7 @@ class SloAttainment:
         window = min(now - self._left_since, self.horizon_s)
         if window < self.min_window_s:
             return None
-        cutoff = now - self.horizon_s
-        while self._left and self._left[0] <= cutoff:
-            self._left.popleft()
+        self._expire(now)
         return len(self._left) / window
 
     def share(self, now: float) -> float | None:
@@ -113,3 +111,5 @@ class SloAttainment:
             self._met.popleft()
         while self._finished and self._finished[0] <= cutoff:
             self._finished.popleft()
+        while self._left and self._left[0] <= cutoff:
+            self._left.popleft()

@@ -24,9 +24,8 @@ each). A completion's string prompt is its text; a list of token ids is 4 bytes 
 
 Request fields outside the prompt that change what a server computes for it, and so what its
 cache holds under it (`CACHE_FIELDS`: the model, which may name a LoRA adapter or another model
-of the same server; the chat template's arguments, e.g. enable_thinking; the reasoning effort;
-whether the generation prompt is added or the last message continued), are a header the chain
-starts from: the running hash takes their digest before the first block, so requests differing
+of the same server; SGLang's `lora_path`; the chat template's arguments, e.g. enable_thinking;
+the reasoning effort), are a header the chain starts from: the running hash takes their digest before the first block, so requests differing
 there share no block, while the stream (and block i's place in the twin's tokens) is unchanged.
 A request without any of them has the same hashes as before the header existed. The header
 costs one JSON dump and one digest of those fields per request, whatever the prompt's length.

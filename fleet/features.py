@@ -40,13 +40,14 @@ TOOLS_OVERHEAD_TOKENS = 1
 """The marker ahead of the tool definitions (fleet/blocks.py's 4 bytes, the twin's one id)."""
 
 
-def tools_text(tools: Any) -> str:
-    """The tool definitions as the text counted for them: their JSON, keys sorted (what
-    fleet/blocks.py hashes; a chat template renders about as much)."""
+def json_text(value: Any) -> str:
+    """Tool definitions, or a message's other fields, as the text counted for them: their JSON,
+    keys sorted (the bytes fleet/blocks.py's `_json` hashes; a chat template renders about as
+    much)."""
     try:
-        return orjson.dumps(tools, option=orjson.OPT_SORT_KEYS).decode("utf-8")
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode("utf-8")
     except TypeError:  # orjson.JSONEncodeError: not JSON-shaped (a value parsed elsewhere)
-        return repr(tools)
+        return repr(value)
 
 
 def message_fields_text(message: Mapping[str, Any]) -> str | None:
@@ -58,7 +59,7 @@ def message_fields_text(message: Mapping[str, Any]) -> str | None:
     prefix was scaled down with it (`fleet.model.credit_scale`)."""
     if len(message) <= ("role" in message) + ("content" in message):
         return None
-    return tools_text({k: v for k, v in message.items() if k != "role" and k != "content"})
+    return json_text({k: v for k, v in message.items() if k != "role" and k != "content"})
 
 
 def count_prompt_tokens(body: Mapping[str, Any]) -> int:
@@ -70,7 +71,7 @@ def count_prompt_tokens(body: Mapping[str, Any]) -> int:
         total = 0
         tools = body.get("tools")
         if tools:
-            total += TOOLS_OVERHEAD_TOKENS + count_text_tokens(tools_text(tools))
+            total += TOOLS_OVERHEAD_TOKENS + count_text_tokens(json_text(tools))
         for message in messages:
             if isinstance(message, Mapping):
                 total += MESSAGE_OVERHEAD_TOKENS + _content_tokens(message.get("content"))

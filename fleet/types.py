@@ -137,8 +137,8 @@ class PoolState:
     """The share of its requests finished within the SLO targets over the last minute, measured
     (fleet/attainment.py); None without targets or before half a minute of finished requests."""
     finished_per_s: float | None = None
-    """Its requests finished per second over the last minute, within the targets or not (fleet/
-    attainment.py); None without targets or before half a minute of finished requests."""
+    """This router's requests that left it per second over the last minute, however they ended
+    (fleet/attainment.py `finished_rate`); None without targets or before half a minute of them."""
     load_held: bool = False
     """The proxy holds the requests that would push this pool past its SLO targets (flow
     control): its load stays near them, so what its requests get past their predicted TPOT is

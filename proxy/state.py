@@ -172,8 +172,9 @@ def fleet_state(
             # their part of all it finished (null: no targets, or under 30 s of them).
             "slo_met_per_s": _rounded(fleet.pools[name].attainment.rate(now)),
             "slo_met_share": _rounded(fleet.pools[name].attainment.share(now)),
-            # Every request it finished in the last minute, per second (flow control's fair share
-            # of a wait is the fleet's requests over this rate; null as above).
+            # This proxy's requests that left it per second over the last minute, however they
+            # ended (flow control's fair share of a wait: its requests in the fleet over the
+            # pools' sum of this; null as above).
             "finished_per_s": _rounded(pool.finished_per_s),
             "stale": pool.stale,
             "age_s": _age(pool.age_s),

@@ -10,7 +10,7 @@ the same rule, so `len(prompt_token_ids(body)) == count_prompt_tokens(body)` alw
   `<|end_header_id|>`, the content's ids (each text part of a content list in turn), the ids of
   its other fields' JSON text (tool calls: `fleet.features.message_fields_text`), `<|eot_id|>`;
 - a chat's tool definitions, first: `TOOLS_ID`, then the ids of their JSON text
-  (`fleet.features.tools_text`);
+  (`fleet.features.json_text`);
 - completions: the ids of a string prompt, or the prompt itself when it is a list of token ids.
 
 Two requests whose messages share a prefix therefore share their leading ids, and thus the
@@ -23,7 +23,7 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from fleet.features import CHARS_PER_TOKEN, message_fields_text, tools_text
+from fleet.features import CHARS_PER_TOKEN, json_text, message_fields_text
 
 TEXT_VOCAB = 128_000  # ids below Llama-3's special tokens
 START_HEADER_ID = 128006
@@ -67,7 +67,7 @@ def prompt_token_ids(body: Mapping[str, Any]) -> list[int] | None:
         ids: list[int] = []
         tools = body.get("tools")
         if tools:
-            ids += [TOOLS_ID, *text_token_ids(tools_text(tools))]
+            ids += [TOOLS_ID, *text_token_ids(json_text(tools))]
         for message in messages:
             if isinstance(message, Mapping):
                 ids += message_token_ids(message)

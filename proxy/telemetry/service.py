@@ -62,17 +62,7 @@ class SpecrouteTelemetry(Telemetry):
 
     def auth_refused(self, reason: str, method: str, path: str, request_id: str, status: int) -> None:
         self.metrics.auth_refused.labels(reason).inc()
-        if self.request_log is not None:  # never the key, nor the query string
-            self.request_log.write(
-                {
-                    "ts": round(time.time(), 3),
-                    "request_id": request_id,
-                    "endpoint": f"{method} {loggable_path(path)}",
-                    "status": status,
-                    "outcome": "auth_refused",
-                    "reason": reason,
-                }
-            )
+        self._path_line(method, path, request_id, status, "auth_refused", reason=reason)  # never the key
 
     def stored_response(
         self, operation: str, request_id: str, status: int, instance: str | None, duration_s: float
@@ -100,16 +90,20 @@ class SpecrouteTelemetry(Telemetry):
 
     def unknown_path(self, method: str, path: str, request_id: str) -> None:
         self.metrics.unknown_path.inc()
-        if self.request_log is not None:  # the path only: never its query string
-            self.request_log.write(
-                {
-                    "ts": round(time.time(), 3),
-                    "request_id": request_id,
-                    "endpoint": f"{method} {loggable_path(path)}",
-                    "status": 404,
-                    "outcome": "unknown_url",
-                }
-            )
+        self._path_line(method, path, request_id, 404, "unknown_url")
+
+    def _path_line(self, method: str, path: str, request_id: str, status: int, outcome: str, **extra: str) -> None:
+        """The log line of a request answered before routing: its path as `loggable_path` has
+        it, never its query string."""
+        if self.request_log is not None:
+            line = {
+                "ts": round(time.time(), 3),
+                "request_id": request_id,
+                "endpoint": f"{method} {loggable_path(path)}",
+                "status": status,
+                "outcome": outcome,
+            }
+            self.request_log.write(line | extra)
 
     def hold_released(self, rule: str, held_s: float) -> None:
         self.metrics.released(rule, held_s)

@@ -63,6 +63,16 @@ def request(tokens: int) -> Features:
     return Features(prompt_tokens=tokens, max_tokens=64)
 
 
+def room_for_small_only(q: HoldQueue, small: int) -> tuple[Snapshot, int]:
+    """A fleet whose queue (`waiting` past each cap) leaves room for a `small` prompt and none
+    for a 20,000-token one, and that queue's length."""
+    for waiting in range(1, 200):
+        busy = snapshot(48 + waiting, 256 + waiting, COST)
+        if q.flow.room(request(small), busy) and not q.flow.room(request(20_000), busy):
+            return busy, waiting
+    raise AssertionError(f"no queue leaves room for a {small}-token prompt only")
+
+
 def test_a_held_request_that_does_not_fit_does_not_stop_an_older_one_that_does() -> None:
     """A probe's finding: the newest alone was judged, and one whose prompt could never get its
     first token within the room's share of the target kept everyone held until the bound."""
@@ -81,14 +91,7 @@ def test_a_held_request_that_does_not_fit_does_not_stop_an_older_one_that_does()
         await asyncio.sleep(0)
         big = asyncio.create_task(q.wait(request(20_000)))
         await until(lambda: len(q.held) == 2)
-        # A fleet with a queue where the small one has room and the big one (newer) has not.
-        for waiting in range(1, 200):
-            busy = snapshot(48 + waiting, 256 + waiting, COST)
-            if q.flow.room(request(100), busy) and not q.flow.room(request(20_000), busy):
-                break
-        else:
-            raise AssertionError("no queue leaves room for the small request only")
-        fleet.now = busy
+        fleet.now, _ = room_for_small_only(q, 100)  # the big one (newer) has none
         await asyncio.wait_for(small, WAIT_S)
         assert [h.features.prompt_tokens for h in q.held] == [20_000]
         big.cancel()
@@ -168,12 +171,7 @@ def test_those_held_past_their_fair_share_go_first_oldest_first_then_the_newest(
             entry.since = now - waited
         # A queue where the small ones have room and the big one has not, finishing at a rate
         # that makes the fair share 30 s.
-        for waiting in range(1, 200):
-            busy = snapshot(48 + waiting, 256 + waiting, COST)
-            if q.flow.room(request(300), busy) and not q.flow.room(request(20_000), busy):
-                break
-        else:
-            raise AssertionError("no queue leaves room for the small requests only")
+        busy, waiting = room_for_small_only(q, 300)
         in_system = 48 + 256 + 2 * waiting + 4  # every request on the fleet ours, and 4 held
         pools = {
             name: replace(
