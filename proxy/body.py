@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 import orjson
@@ -234,9 +234,8 @@ def read(body: bytes, max_items: int, max_values: int, given: Given = Given()) -
     if given.responses:  # its own fields kept; routing, spans and content read the chat ones
         payload = {**payload, **responses_as_chat(payload)}
     blocks = PromptBlocks.of(payload, given.block_tokens, given.max_blocks)
-    features = features_of(payload, given.request_class, given.workload, given.hash_key)
-    if blocks.stream_tokens:  # the blocks' unit, for the credit (`Features.stream_tokens`)
-        features = replace(features, stream_tokens=blocks.stream_tokens)
+    # The blocks' unit, for the credit (`Features.stream_tokens`).
+    features = features_of(payload, given.request_class, given.workload, given.hash_key, blocks.stream_tokens)
     return Parsed(payload, features, blocks, session_of(payload, given.session, given.owner), forward)
 
 

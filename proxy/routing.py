@@ -76,12 +76,16 @@ class RoutingInputError(ValueError):
 
 
 def features_of(
-    body: Mapping[str, Any], request_class: str | None, workload: str | None = None, hash_key: bytes = b""
+    body: Mapping[str, Any],
+    request_class: str | None,
+    workload: str | None = None,
+    hash_key: bytes = b"",
+    stream_tokens: int = 0,
 ) -> Features:
     """What the policy may know about a request: sizes and flags, never the text itself.
     `workload`: the client's key (x-specroute-workload), else one is derived from the body
     (fleet.features.workload_key: what it asks for and a hash of its system prompt, keyed with
-    `hash_key`)."""
+    `hash_key`). `stream_tokens`: its prompt's length in the prefix blocks' unit."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     request_class = request_class or default_request_class(body)
     return Features(
@@ -91,6 +95,7 @@ def features_of(
         request_class="batch" if request_class == "batch" else "latency",
         ignore_eos=body.get("ignore_eos") is True,
         workload=workload if workload is not None else workload_key(body, hash_key),
+        stream_tokens=stream_tokens,
     )
 
 
