@@ -275,7 +275,8 @@ def management_api(app: SpecrouteApp) -> FastAPI:
         """A stored response, from the server that holds it (proxy/responses.py)."""
         request_id, headers_for = client_headers(app, request)
         began = time.perf_counter()
-        answer = await app.completions.responses.get(response_id, headers_for, request_id, request.url.query)
+        client = request.scope.get(KEY_SCOPE)
+        answer = await app.completions.responses.get(response_id, headers_for, request_id, client, request.url.query)
         return answered(app, "get", answer, request_id, began)
 
     @api.post("/v1/responses/{response_id}/cancel")
@@ -298,7 +299,8 @@ def management_api(app: SpecrouteApp) -> FastAPI:
             return Response(status_code=499)
         request_id, headers_for = client_headers(app, request)
         began = time.perf_counter()
-        answer = await app.completions.responses.cancel(response_id, headers_for, request_id, b"", request.url.query)
+        client = request.scope.get(KEY_SCOPE)
+        answer = await app.completions.responses.cancel(response_id, headers_for, request_id, client, request.url.query)
         return answered(app, "cancel", answer, request_id, began)
 
     @api.api_route("/v1/models", methods=READ_METHODS)

@@ -22,7 +22,7 @@ import aiohttp
 from fleet.model import NO_MATCH, PrefixMatch
 from fleet.types import Decision, PoolName
 from proxy import body as request_body
-from proxy import scan
+from proxy import response_ids, scan
 from proxy.auth import KEY_SCOPE
 from proxy.backends.base import RANK_HEADER
 from proxy.connection import ABORT_EXTENSION
@@ -529,6 +529,8 @@ class CompletionHandler:
             if parsed.body is not None:  # null members dropped: "not set" to OpenAI, a 400 to SGLang
                 body = parsed.body
                 exchange.body_bytes = len(body)
+            if exchange.dialect is scan.RESPONSES:
+                body = self.response_id_of(exchange, payload, body, scope.get(KEY_SCOPE))
             exchange.prompt_tokens = features.prompt_tokens
             exchange.asked_stream = features.stream
             exchange.request_class = features.request_class
@@ -552,7 +554,7 @@ class CompletionHandler:
             exchange.match = router.cached(parsed.blocks, features, parsed.session)
             features = router.with_credit(features, exchange.match)
             if exchange.dialect is scan.RESPONSES:
-                await self.find_owner(exchange, payload, headers)
+                await self.find_owner(exchange, payload, headers, scope.get(KEY_SCOPE))
             held: Held | None = None
             if (
                 router.holding is not None
@@ -651,14 +653,48 @@ class CompletionHandler:
                 events=exchange.events if exchange.streaming else None,
             )
 
-    async def find_owner(self, exchange: Exchange, payload: dict[str, Any], headers: dict[str, str]) -> None:
-        """A Responses request: whether its server stores it (`store`, true unless said), and the
-        server holding the response it continues, if any is found (else it goes where routing
-        sends it, whose server answers for the id it does not know)."""
-        # An id the client chose (SGLang's `request_id`) is not noted: it could name another
-        # client's response, and the follow-ups naming it would then go to this server.
-        exchange.keeps_id = payload.get("store") is not False and "request_id" not in payload
+    def response_id_of(self, exchange: Exchange, payload: dict[str, Any], body: bytes, client: bytes | None) -> bytes:
+        """A Responses request's body as it goes upstream. With proxy keys on (`client`: the
+        digest of the client's key) the proxy chooses the id of the response the server stores,
+        one bound to the client's key (proxy/response_ids.py); an id the client chose (SGLang's
+        and vLLM's `request_id`) must be one of its own. Whether the server stores the response
+        (`store`, true unless said) and its id is noted (`keeps_id`)."""
+        chosen = payload.get("request_id")
+        stored = payload.get("store") is not False
+        if client is None:
+            # An id the client chose is not noted: it could name another client's response, and
+            # the follow-ups naming it would then go to this server.
+            exchange.keeps_id = stored and chosen is None
+            return body
+        if chosen is not None:
+            if not isinstance(chosen, str) or not response_ids.belongs(chosen, client):
+                raise ProxyError(
+                    400,
+                    "with proxy keys on the proxy chooses the ids of stored responses; leave out 'request_id'",
+                    param="request_id",
+                    code="request_id_not_allowed",
+                )
+            exchange.keeps_id = stored
+            return body
+        exchange.keeps_id = stored
+        if not stored:
+            return body
+        return scan.with_first_member(body, b'"request_id":"' + response_ids.minted(client).encode() + b'"')
+
+    async def find_owner(
+        self, exchange: Exchange, payload: dict[str, Any], headers: dict[str, str], client: bytes | None
+    ) -> None:
+        """A Responses request: the server holding the response it continues, if any is found
+        (else it goes where routing sends it, whose server answers for the id it does not know).
+        With proxy keys on, a response of another key's is not found, and no server is asked."""
         previous = payload.get("previous_response_id")
+        if isinstance(previous, str) and previous and not response_ids.belongs(previous, client):
+            raise ProxyError(
+                404,
+                f"Previous response with id '{previous[:64]}' not found.",
+                param="previous_response_id",
+                code="response_not_found",
+            )
         if isinstance(previous, str) and previous:
             headers_for = self.headers_for(headers, exchange.request_id, exchange.client)
             began = perf_counter()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import cachetools
 
-from proxy import scan
+from proxy import response_ids, scan
 from proxy.errors import error_body, normalise_upstream_error
 from proxy.hooks import Telemetry
 from proxy.pools import Instance
@@ -129,9 +129,12 @@ class ResponseOwners:
             return Answer(200, b"", JSON, known)
         return await self.ask_all(response_id, headers_for, request_id, with_body=False)
 
-    async def get(self, response_id: str, headers_for: HeadersFor, request_id: str, query: str = "") -> Answer:
-        """`GET /v1/responses/{id}` of the server holding it (every server asked on a miss)."""
-        if RESPONSE_ID.fullmatch(response_id) is None:
+    async def get(
+        self, response_id: str, headers_for: HeadersFor, request_id: str, client: bytes | None, query: str = ""
+    ) -> Answer:
+        """`GET /v1/responses/{id}` of the server holding it (every server asked on a miss), for
+        the client whose key's digest is `client` (another key's response is not found)."""
+        if RESPONSE_ID.fullmatch(response_id) is None or not response_ids.belongs(response_id, client):
             return not_found(response_id)
         path = f"/v1/responses/{response_id}" + (f"?{query}" if query else "")
         known = self.known(response_id)
@@ -143,10 +146,10 @@ class ResponseOwners:
         return await self.ask_all(response_id, headers_for, request_id, path=path)
 
     async def cancel(
-        self, response_id: str, headers_for: HeadersFor, request_id: str, body: bytes, query: str = ""
+        self, response_id: str, headers_for: HeadersFor, request_id: str, client: bytes | None, query: str = ""
     ) -> Answer:
-        """`POST /v1/responses/{id}/cancel` on the server holding it."""
-        if RESPONSE_ID.fullmatch(response_id) is None:
+        """`POST /v1/responses/{id}/cancel` on the server holding it, for its owner (as `get`)."""
+        if RESPONSE_ID.fullmatch(response_id) is None or not response_ids.belongs(response_id, client):
             return not_found(response_id)
         known = self.known(response_id)
         if known is None:
@@ -155,7 +158,7 @@ class ResponseOwners:
                 return found
             known = found.instance
         path = f"/v1/responses/{response_id}/cancel" + (f"?{query}" if query else "")
-        return await self.send(known, "POST", path, headers_for(known), request_id, body)
+        return await self.send(known, "POST", path, headers_for(known), request_id, b"")
 
     async def ask_all(
         self,

@@ -163,7 +163,7 @@ def summarise(tail: bytes) -> Summary:
 
 
 # Asked of the upstream for a stream whose client did not say (`with_usage_requested`).
-USAGE_REQUESTED = b'"stream_options":{"include_usage":true},'
+USAGE_REQUESTED = b'"stream_options":{"include_usage":true}'
 _EVENT_SPLIT = re.compile(b"|".join(b"(?<=" + re.escape(end) + b")" for end in EVENT_ENDS))
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
@@ -172,9 +172,16 @@ _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
 def with_usage_requested(body: bytes) -> bytes:
     """A JSON object's body asking for a stream's usage chunk (`stream_options.include_usage`),
     for a body that names no `stream_options` (the caller checked) and has a key already (a
-    stream's has `stream`): the member goes first, so nothing else is re-encoded."""
+    stream's has `stream`)."""
+    return with_first_member(body, USAGE_REQUESTED)
+
+
+def with_first_member(body: bytes, member: bytes) -> bytes:
+    """A JSON object's body with `member` (`"name":value`) put first, so nothing else is
+    re-encoded; for a body that does not have it already (the caller checked)."""
     opening = body.index(b"{") + 1
-    return body[:opening] + USAGE_REQUESTED + body[opening:]
+    empty = body[opening:].lstrip(b" \t\r\n").startswith(b"}")
+    return body[:opening] + member + (b"" if empty else b",") + body[opening:]
 
 
 def without_usage_events(chunk: bytes) -> bytes:

@@ -325,3 +325,57 @@ def test_a_flood_of_lookups_queued_in_the_proxy_does_not_mark_their_server_down(
     statuses, down = asyncio.run(flood())
     assert statuses.count(404) >= 8 and 503 in statuses and set(statuses) <= {404, 503}, statuses
     assert down == {}
+
+
+def test_with_keys_a_stored_response_is_its_key_s_alone(fleet: list[RunningTwin]) -> None:
+    """With proxy keys on, the proxy chooses each stored response's id, bound to the key that
+    made it: another key cannot read, cancel or continue it (told it does not exist, no server
+    asked), through this replica or another one that never saw it made."""
+    from proxy.auth import digest
+    from proxy.response_ids import minted
+
+    urls = {"spec_urls": [fleet[0].url, fleet[1].url], "base_urls": [fleet[2].url], "api_keys": "sk-alice, sk-bob"}
+    with running_proxy(**urls) as proxy, running_proxy(**urls) as replica:
+        alice = openai.OpenAI(base_url=proxy.base_url, api_key="sk-alice", max_retries=0)
+        made = alice.responses.create(model=MODEL, input="My secret plan.", max_output_tokens=8)
+        assert re.fullmatch(r"resp_[0-9a-f]{40}", made.id)
+        streamed = list(alice.responses.create(model=MODEL, input="Another.", max_output_tokens=8, stream=True))
+        assert streamed[-1].response.id.startswith("resp_")  # type: ignore[union-attr]
+        asked = "specroute_stored_response_upstream_requests_total"
+        for front in (proxy, replica):
+            bob = openai.OpenAI(base_url=front.base_url, api_key="sk-bob", max_retries=0)
+            before = metric(front, asked)
+            with pytest.raises(openai.NotFoundError):
+                bob.responses.retrieve(made.id)
+            with pytest.raises(openai.NotFoundError):
+                bob.responses.cancel(made.id)
+            with pytest.raises(openai.NotFoundError, match="not found") as refused:
+                bob.responses.create(model=MODEL, input="Go on.", previous_response_id=made.id, max_output_tokens=8)
+            assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
+            assert metric(front, asked) == before  # no server was asked about another key's id
+            mine = openai.OpenAI(base_url=front.base_url, api_key="sk-alice", max_retries=0)
+            assert mine.responses.retrieve(made.id).output_text == made.output_text
+            follow = mine.responses.create(
+                model=MODEL, input="Go on.", previous_response_id=made.id, max_output_tokens=8
+            )
+            assert follow.previous_response_id == made.id and mine.responses.retrieve(follow.id).id == follow.id
+        # An id a client chooses must be one of its own: another's would let it make, then read,
+        # the response that key's follow-ups expect.
+        raw = httpx.post(
+            f"{proxy.url}/v1/responses",
+            headers={"authorization": "Bearer sk-bob"},
+            json={"model": MODEL, "input": "Hi", "max_output_tokens": 8, "request_id": "resp_" + "2" * 40},
+            timeout=10,
+        )
+        assert raw.status_code == 400 and raw.json()["error"]["code"] == "request_id_not_allowed"
+        own = minted(digest("sk-bob"))
+        chosen = openai.OpenAI(base_url=proxy.base_url, api_key="sk-bob", max_retries=0)
+        assert (
+            chosen.responses.create(model=MODEL, input="Hi", max_output_tokens=8, extra_body={"request_id": own}).id
+            == own
+        )
+        assert chosen.responses.retrieve(own).id == own
+        # Not stored: no id chosen for it, none to find.
+        unstored = alice.responses.create(model=MODEL, input="Forget this.", store=False, max_output_tokens=8)
+        with pytest.raises(openai.NotFoundError):
+            alice.responses.retrieve(unstored.id)
