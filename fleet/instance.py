@@ -140,6 +140,10 @@ class InstanceSignals:
     """What its responses reported of its prefix cache."""
     prefill_counters: CounterDelta = field(default_factory=CounterDelta)
     """Its cumulative prefill tokens and busy microseconds, differenced between readings."""
+    outage_mark: int | None = None
+    """The prefix index's insert sequence number when it turned unhealthy with its prefill
+    counters read (None: it did not, or a reading since settled it): whether it restarted is
+    told by its next reading, and what the index put there up to the mark goes only then."""
     prefill_ms_per_token: float | None = None
     """Its measured prefill time per uncached prompt token, under whatever load it had: busy
     time over tokens, weighted by tokens over about PREFILL_MEMORY_TOKENS (None: not reported)."""

@@ -225,9 +225,11 @@ class FleetModel:
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:
             busy_us_total = reading.prefill_busy_us_total / signals.time_scale
             if signals.prefill_counters.goes_back(reading.prefill_tokens_total, busy_us_total):
-                # Counters started again: the server restarted between two polls that both
-                # reached it (no lost poll told `set_health`), and its prefix cache is empty.
-                self._forget_cache(url)
+                # Counters started again: the server restarted (between two polls, or during an
+                # outage `set_health` was told of), and its prefix cache is empty; what was sent
+                # there since it was back from an outage is held.
+                self._forget_cache(url, signals.outage_mark)
+            signals.outage_mark = None
             work = signals.on_prefill_counters(reading.prefill_tokens_total, busy_us_total)
             if work is not None:
                 signals.prefilled.add(reading.at, work[0])
@@ -257,17 +259,24 @@ class FleetModel:
         self.instances[url].polled = False
 
     def set_health(self, url: str, healthy: bool) -> None:
-        """Reachable or not; an instance turning unreachable may be restarting, which empties its
-        prefix cache: the index and the sessions forget it."""
+        """Reachable or not. An instance turning unreachable may be restarting, which empties its
+        prefix cache. With its prefill counters read, its next reading tells (they start again
+        after a restart: `on_reading`), so a failed connection or a few lost polls of a busy
+        server keep what its cache holds; without them, the index and the sessions forget it."""
         signals = self.instances[url]
         if signals.healthy and not healthy:
-            self._forget_cache(url)
+            if signals.prefill_counters.seen:
+                if signals.outage_mark is None:
+                    signals.outage_mark = self.prefix.seq
+            else:
+                self._forget_cache(url)
         signals.healthy = healthy
 
-    def _forget_cache(self, url: str) -> None:
+    def _forget_cache(self, url: str, through: int | None = None) -> None:
         """The instance's prefix cache is gone (it restarted, or may be restarting): the index
-        forgets its blocks and trust, and no session credits it or returns there."""
-        self.prefix.forget(url)
+        forgets its blocks (those put there by inserts up to `through` only, when given: the
+        server was back since) and its trust, and no session credits it or returns there."""
+        self.prefix.forget(url, through)
         self.sessions.forget_instance(url)
         # Its counters start again too: a reading after it is back is not compared with one
         # from before, which would read as a second restart and forget what it cached since.

@@ -23,8 +23,9 @@ server answered (its response's first byte: it prefilled the prompt), `withdraw`
 the request or the request ended before its first byte (a block goes once every insert that
 claimed it is withdrawn, and stays once any is settled).
 
-Corrections: `forget(instance)` when a server restarted (a lost poll, or its prefill counters
-going back) or turned unhealthy (its cache is gone);
+Corrections: `forget(instance)` when a server restarted (its prefill counters going back; after
+an outage only the blocks put there before it, `through`) or turned unhealthy with no counters
+to tell a restart by (its cache may be gone);
 `observe_hit(instance, predicted, reported)` when a server reports the cached tokens of a
 request the index predicted a hit for: a per-instance trust factor (a moving mean of
 reported / predicted, at most 1) scales the blocks `match` credits it, and returns towards 1
@@ -180,13 +181,32 @@ class PrefixIndex:
             if lru.pop(h, None) is not None:
                 self._size -= 1
 
-    def forget(self, instance: str) -> None:
-        """Everything about `instance`'s cache: it restarted, or is down (its capacity stays)."""
+    @property
+    def seq(self) -> int:
+        """The sequence number of the latest insert (`forget`'s `through`)."""
+        return self._seq
+
+    def forget(self, instance: str, through: int | None = None) -> None:
+        """Everything about `instance`'s cache: it restarted, or is down (its capacity stays).
+        With `through`, only the blocks no insert after that sequence number touched: the
+        server restarted before them (an insert sets its blocks' number and moves them last, so
+        numbers never fall along the instance's order)."""
         lru = self._lru.get(instance)
-        if lru is not None:
+        claims = self._claims.get(instance)
+        if lru is not None and through is None:
             self._size -= len(lru)
             lru.clear()
-        self._claims.pop(instance, None)
+        elif lru is not None and through is not None:
+            while lru:
+                oldest, seq = next(iter(lru.items()))
+                if seq > through:
+                    break
+                lru.popitem(last=False)
+                self._size -= 1
+                if claims:
+                    claims.pop(oldest, None)
+        if through is None:
+            self._claims.pop(instance, None)
         self._trust.pop(instance, None)
 
     def remove(self, instance: str) -> None:

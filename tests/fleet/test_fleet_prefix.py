@@ -294,14 +294,42 @@ def test_a_turn_carrying_a_large_tool_call_keeps_its_cached_prefixs_credit():
     assert match.credit["s0"] >= 0.95 * tokens  # the first turn, all but framing (2,762 before)
 
 
+def counters(at: float, tokens: float) -> Reading:
+    return Reading(at=at, running=0, waiting=0, prefill_tokens_total=tokens, prefill_busy_us_total=tokens * 10)
+
+
 def test_a_server_back_from_an_outage_is_forgotten_once_not_again_at_its_first_reading():
     """A review's finding: the outage forgot it, but the counters kept their reading from
     before; the first reading after it was back read as a restart and wiped what it had cached
     in between."""
     model = fleet()
-    model.on_reading("s0", Reading(at=1.0, running=0, waiting=0, prefill_tokens_total=1e6, prefill_busy_us_total=1e7))
+    model.on_answered(model.on_dispatch("s0", 0.5, 1536, blocks=OTHER))  # cached before it restarted
+    model.on_reading("s0", counters(1.0, 1e6))
     model.set_health("s0", False)  # polls lost: it may be restarting
     model.set_health("s0", True)
     model.on_answered(model.on_dispatch("s0", 2.0, 4096, blocks=CONVERSATION))  # served since
-    model.on_reading("s0", Reading(at=3.0, running=0, waiting=0, prefill_tokens_total=10, prefill_busy_us_total=100))
-    assert model.prefix.blocks("s0") == 8
+    model.on_reading("s0", counters(3.0, 10))
+    assert model.prefix.blocks("s0") == 8 and model.cached(OTHER, 1536, 3.0) is NO_MATCH
+
+
+def test_an_outage_without_a_restart_keeps_what_a_server_with_counters_cached():
+    """A failed connection, or a few polls lost while it was busy, is no restart: its prefill
+    counters, read before and after, say so (they went on), and its cache is credited still. A
+    server whose counters are not read is forgotten at once (nothing would tell a restart)."""
+    model = fleet()
+    for url in ("s0", "s1"):
+        model.on_answered(model.on_dispatch(url, 0.5, 4096, blocks=CONVERSATION, session=f"chat-{url}"))
+    model.on_reading("s0", counters(1.0, 1e6))
+    for url in ("s0", "s1"):
+        model.set_health(url, False)
+        model.set_health(url, True)
+    assert model.cached(CONVERSATION, 4096, 2.0, session="chat-s1").credit.get("s1") is None
+    model.on_reading("s0", counters(2.5, 1e6 + 4096))
+    assert model.cached(NEXT_TURN, 5200, 3.0).credit == {"s0": 8 * BLOCK}
+    assert model.cached(CONVERSATION, 4096, 3.0, session="chat-s0").credit == {"s0": 4095}
+    # Down again, and back restarted: its counters start again, and what it held is forgotten.
+    model.set_health("s0", False)
+    model.on_reading("s0", counters(4.0, 20))
+    model.set_health("s0", True)
+    assert model.cached(NEXT_TURN, 5200, 4.5) is NO_MATCH
+    assert model.cached(CONVERSATION, 4096, 4.5, session="chat-s0") is NO_MATCH
