@@ -72,7 +72,7 @@ class _SettingsHead(BaseSettings):
     # Access (proxy/auth.py): who may use the proxy
     api_keys: SecretStr | None = Field(
         None,
-        description="Comma-separated client keys; when any key is set, completions and models need 'Authorization: Bearer <key>'.",
+        description="Comma-separated client keys; when any key is set, completions and models need 'Authorization: Bearer <key>', and a stored response is its key's alone.",
     )
     api_keys_file: str | None = Field(
         None, description="File of client keys, one a line ('#' comments); reread when it changes or on SIGHUP."
@@ -120,7 +120,7 @@ class _SettingsHead(BaseSettings):
     )
     profile: str | None = Field(
         None,
-        description="Step-time profile seeding the cost model: a built-in name (h200-llama8b, h200-llama8b-sglang, kimi-linear, kimi-linear-vllm, kimi-moe, kimi-moe-vllm) or a JSON path.",
+        description="Step-time profile seeding the cost model: a built-in name in any case (h200-llama8b, h200-llama8b-sglang, kimi-linear, kimi-linear-vllm, kimi-moe, kimi-moe-vllm) or a JSON path.",
     )
     costmodel_half_life_s: float = Field(
         COSTMODEL_HALF_LIFE_S,
@@ -226,13 +226,13 @@ class Settings(_SettingsWithPolicies):
     max_body_bytes: int = Field(16 * 1024 * 1024, gt=0, description="Largest request body accepted (413 above).")
     max_json_items: int = Field(
         100_000,
-        ge=1,
-        description="Most JSON objects and arrays a request body may hold (400 above): bounds the work of parsing it.",
+        ge=16,
+        description="Most JSON objects and arrays a request body may hold (400 above; at least 16): bounds the work of parsing it.",
     )
     max_json_values: int = Field(
         250_000,
-        ge=1,
-        description="Most JSON array elements and object members a request body may hold (400 above): counted outside strings, they bound the work of parsing it (a prompt of token ids needs one per token).",
+        ge=16,
+        description="Most JSON array elements and object members a request body may hold (400 above; at least 16): counted outside strings, they bound the work of parsing it (a prompt of token ids needs one per token).",
     )
     forwarded_headers: Literal["replace", "append"] = Field(
         "replace",
@@ -330,7 +330,7 @@ class Settings(_SettingsWithPolicies):
     otlp_endpoint: str | None = Field(
         None,
         validation_alias=AliasChoices("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"),
-        description="Where traces go (the SDK reads it; here it only switches tracing on).",
+        description="Where traces go, an http:// or https:// URL (host:port is taken for grpc; the SDK reads it; here it only switches tracing on).",
     )
     otlp_protocol: str = Field(
         "http/protobuf",
@@ -461,6 +461,19 @@ class Settings(_SettingsWithPolicies):
             raise ValueError(f"must be one of {', '.join(levels)}")
         return value.lower()
 
+    @model_validator(mode="after")
+    def _check_otlp_endpoint(self) -> Settings:
+        # The SDK's HTTP exporter takes an endpoint without a scheme and then fails every export,
+        # logged once a batch: the proxy looked traced and no span left it. (Its gRPC exporter
+        # takes `host:port`.)
+        endpoint = self.otlp_endpoint
+        if endpoint and self.otlp_protocol == "http/protobuf" and not re.match(r"https?://[^/?#\s]+", endpoint):
+            raise ValueError(
+                f"the OTLP endpoint {endpoint!r} (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT)"
+                " is not an http:// or https:// URL (e.g. http://localhost:4318)"
+            )
+        return self
+
     @field_validator("otlp_protocol")
     @classmethod
     def _check_otlp_protocol(cls, value: str) -> str:
@@ -531,7 +544,10 @@ class Settings(_SettingsWithPolicies):
     def _check_profile(cls, value: str | None) -> str | None:
         if value:
             from fleet.costmodel import seed_from_profile
+            from fleet.profile import builtin_names
 
+            if not value.endswith(".json"):  # a built-in name, in any case (as policy names)
+                value = {name.casefold(): name for name in builtin_names()}.get(value.casefold(), value)
             seed_from_profile(value)  # raises ValueError naming the built-in profiles
         return value or None
 

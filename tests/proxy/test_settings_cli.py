@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -51,6 +52,10 @@ def run(args: list[str], env: dict[str, str], cwd: Path) -> subprocess.Completed
         ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_BASE_API_KEY": "clé-secret"}, "SPECROUTE_BASE_API_KEY"),
         ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_SPEC_API_KEY": "a\nb-secret"}, "SPECROUTE_SPEC_API_KEY"),
         ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_SPEC_API_KEY": " "}, "SPECROUTE_SPEC_API_KEY"),
+        # The SDK's HTTP exporter failed every export to it, and the proxy looked traced:
+        ({"SPECROUTE_BASE_URLS": "http://a:1", "OTEL_EXPORTER_OTLP_ENDPOINT": "jaeger:4318"}, "OTEL_EXPORTER_OTLP"),
+        # A limit that refuses every chat:
+        ({"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_MAX_JSON_ITEMS": "1"}, "SPECROUTE_MAX_JSON_ITEMS"),
     ],
 )
 def test_a_wrong_setting_stops_serve_with_one_line_naming_it(
@@ -436,3 +441,17 @@ def test_the_cost_models_lull_is_a_setting_inf_the_wall_clock(tmp_path: Path) ->
     for cost in (served, wall):
         cost.observe("base", 4, 10.0, now=0.0)
     assert served.clock(600.0) == served.half_life_s and wall.clock(600.0) == 600.0
+
+
+def test_names_read_in_any_case_and_a_grpc_endpoint_without_a_scheme(tmp_path: Path) -> None:
+    """A built-in profile named in capitals is the built-in (policy names are read so too); the
+    SDK's gRPC exporter takes `host:port`, so only an HTTP endpoint needs its scheme."""
+    env = {
+        "SPECROUTE_BASE_URLS": "http://127.0.0.1:1",
+        "SPECROUTE_PROFILE": "Kimi-MoE",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "jaeger:4317",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+    }
+    result = run(["config"], env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^SPECROUTE_PROFILE +kimi-moe$", result.stdout, re.M), result.stdout
