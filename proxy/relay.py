@@ -186,6 +186,7 @@ class Exchange:
         "dialect",
         "owner",
         "keeps_id",
+        "ids_for",
         "body_bytes",
         "culprit",
         "servers_tried",
@@ -252,6 +253,10 @@ class Exchange:
         only one it can go to."""
         self.keeps_id = False
         """A Responses request its server stores (`store` not false): its id's server is noted."""
+        self.ids_for: bytes | None = None
+        """The digest of the key whose ids each attempt gives the response it asks a server to
+        store (`request_id`): one of its own (proxy/response_ids.py), new for each attempt, so
+        that a failed attempt a server stored never shares its id with the one answered."""
         self.body_bytes = 0
         """Its body's size (a Responses answer echoes parts of it after its usage)."""
         self.culprit = Culprit()
@@ -530,7 +535,7 @@ class CompletionHandler:
                 body = parsed.body
                 exchange.body_bytes = len(body)
             if exchange.dialect is scan.RESPONSES:
-                body = self.response_id_of(exchange, payload, body, scope.get(KEY_SCOPE))
+                self.check_response_id(exchange, payload, scope.get(KEY_SCOPE))
             exchange.prompt_tokens = features.prompt_tokens
             exchange.asked_stream = features.stream
             exchange.request_class = features.request_class
@@ -653,19 +658,19 @@ class CompletionHandler:
                 events=exchange.events if exchange.streaming else None,
             )
 
-    def response_id_of(self, exchange: Exchange, payload: dict[str, Any], body: bytes, client: bytes | None) -> bytes:
-        """A Responses request's body as it goes upstream. With proxy keys on (`client`: the
-        digest of the client's key) the proxy chooses the id of the response the server stores,
-        one bound to the client's key (proxy/response_ids.py); an id the client chose (SGLang's
-        and vLLM's `request_id`) must be one of its own. Whether the server stores the response
-        (`store`, true unless said) and its id is noted (`keeps_id`)."""
+    def check_response_id(self, exchange: Exchange, payload: dict[str, Any], client: bytes | None) -> None:
+        """A Responses request: whether its server stores the response (`store`, true unless
+        said) and its id is noted (`keeps_id`). With proxy keys on (`client`: the digest of the
+        client's key) the proxy chooses the id of the response a server stores, one bound to the
+        client's key (`ids_for`, proxy/response_ids.py); an id the client chose (SGLang's and
+        vLLM's `request_id`) must be one of its own."""
         chosen = payload.get("request_id")
         stored = payload.get("store") is not False
         if client is None:
             # An id the client chose is not noted: it could name another client's response, and
             # the follow-ups naming it would then go to this server.
             exchange.keeps_id = stored and chosen is None
-            return body
+            return
         if chosen is not None:
             if not isinstance(chosen, str) or not response_ids.belongs(chosen, client):
                 raise ProxyError(
@@ -675,11 +680,10 @@ class CompletionHandler:
                     code="request_id_not_allowed",
                 )
             exchange.keeps_id = stored
-            return body
+            return
         exchange.keeps_id = stored
-        if not stored:
-            return body
-        return scan.with_first_member(body, b'"request_id":"' + response_ids.minted(client).encode() + b'"')
+        if stored:
+            exchange.ids_for = client  # each attempt's body gets one (`attempt`)
 
     async def find_owner(
         self, exchange: Exchange, payload: dict[str, Any], headers: dict[str, str], client: bytes | None
@@ -912,6 +916,10 @@ class CompletionHandler:
         exchange.hide_usage = with_usage is not None
         if with_usage is not None:
             body = with_usage
+        if exchange.ids_for is not None:
+            body = scan.with_first_member(
+                body, b'"request_id":"' + response_ids.minted(exchange.ids_for).encode() + b'"'
+            )
         out = outgoing_headers(
             headers, instance, exchange.request_id, exchange.client, self.settings.forwarded_headers == "append"
         )

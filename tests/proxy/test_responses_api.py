@@ -5,6 +5,7 @@ failover before the first token, an in-band error after it."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator
 
@@ -379,3 +380,31 @@ def test_with_keys_a_stored_response_is_its_key_s_alone(fleet: list[RunningTwin]
         unstored = alice.responses.create(model=MODEL, input="Forget this.", store=False, max_output_tokens=8)
         with pytest.raises(openai.NotFoundError):
             alice.responses.retrieve(unstored.id)
+
+
+def test_with_keys_each_attempt_asks_for_an_id_of_its_own() -> None:
+    """A failed attempt a server stored anyway must not share its id with the one answered: the
+    follow-ups naming it would be refused as held by two servers."""
+    from proxy_faults import FaultServer
+
+    from proxy.auth import digest
+    from proxy.response_ids import belongs
+
+    with (
+        FaultServer("status:503") as bad,
+        FaultServer("echo") as good,
+        running_proxy(spec_urls=[bad.url, good.url], policy="spec", api_keys="sk-alice") as proxy,
+    ):
+        for n in range(4):  # the first pick rotates: some go to the failing server first
+            answer = httpx.post(
+                f"{proxy.url}/v1/responses",
+                headers={"authorization": "Bearer sk-alice"},
+                json={"model": MODEL, "input": f"Hi {n}", "max_output_tokens": 8},
+                timeout=10,
+            )
+            assert answer.status_code == 200
+        sent = [
+            json.loads(r.body)["request_id"] for server in (bad, good) for r in server.requests if r.method == "POST"
+        ]
+        assert len(bad.requests) >= 1 and len(sent) == len(set(sent)) >= 5
+        assert all(belongs(sent_id, digest("sk-alice")) for sent_id in sent)
