@@ -45,3 +45,20 @@ class PolicyParams(BaseModel):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def one_pool_left(snapshot: Snapshot) -> Decision | None:
+    """Where a request goes when a pool cannot take it, else None: a pool with no healthy
+    instance gets nothing (`spec-down`, `base-down`; `none-healthy` when neither has one, and
+    base is named), and a fleet of one pool sends everything there (`spec-only`, `base-only`:
+    the other pool has no instance at all, which is no outage)."""
+    spec, base = snapshot.pool("spec"), snapshot.pool("base")
+    spec_up = spec is not None and spec.available
+    base_up = base is not None and base.available
+    if not spec_up:
+        if spec is None and base_up:
+            return Decision(pool="base", reason="base-only")
+        return Decision(pool="base", reason="spec-down" if base_up else "none-healthy")
+    if not base_up:
+        return Decision(pool="spec", reason="spec-only" if base is None else "base-down")
+    return None

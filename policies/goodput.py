@@ -33,8 +33,8 @@ bench.routing`, seeds 0-2 pooled unless stated), with the commit that recorded t
 
 Each rule, its reason tokens, and what it earned:
 
- 1. `pool-down` (`spec-down`, `base-down`, `none-healthy`): no figure recorded; every policy has
-    this guard.
+ 1. `pool-down` (`spec-down`, `base-down`, `none-healthy`, `spec-only`, `base-only`): no figure
+    recorded; every policy has this guard.
  2. `stale` (`stale`): no figure recorded; issue 4 asked for conservative routing on a stale
     reading.
  3. `throughput` (`throughput-spec`, `throughput-base`; batch class): no figure recorded; issue
@@ -98,6 +98,7 @@ from dataclasses import dataclass
 
 from fleet.acceptance import accept_length
 from fleet.types import Decision, Features, InstanceState, PoolName, PoolState, Snapshot, StepCost
+from policies.base import one_pool_left
 from policies.goodput_params import GoodputParams
 from policies.registry import register
 
@@ -444,15 +445,9 @@ class Goodput:
 
     def pool_down(self, snapshot: Snapshot) -> Decision | None:
         """`pool-down`: a pool with no healthy instance gets nothing (`spec-down`, `base-down`;
-        `none-healthy` when neither has one, and base is named)."""
-        spec, base = snapshot.pool("spec"), snapshot.pool("base")
-        spec_up = spec is not None and spec.available
-        base_up = base is not None and base.available
-        if not spec_up:
-            return Decision(pool="base", reason="spec-down" if base_up else "none-healthy")
-        if not base_up:
-            return Decision(pool="spec", reason="base-down")
-        return None
+        `none-healthy` when neither has one, and base is named; `base-only`, `spec-only` when
+        the other pool has no instance at all: a fleet of one pool, nothing down)."""
+        return one_pool_left(snapshot)
 
     def stale(self, snapshot: Snapshot) -> Decision | None:
         """`stale`: a spec reading older than SPECROUTE_STALE_MS is not trusted; base degrades
@@ -782,5 +777,7 @@ register(
         ("spec-down", "base"),
         ("base-down", "spec"),
         ("none-healthy", "base"),
+        ("base-only", "base"),
+        ("spec-only", "spec"),
     ),
 )(Goodput)

@@ -13,7 +13,7 @@ from pydantic import Field
 
 from fleet.acceptance import accept_length
 from fleet.types import Decision, Features, PoolName, Snapshot
-from policies.base import PolicyParams
+from policies.base import PolicyParams, one_pool_left
 from policies.registry import register
 
 
@@ -24,7 +24,9 @@ class ThresholdParams(PolicyParams):
     exit: float = Field(40, gt=0, description="spec load at which traffic leaves for base.")
 
     def problems(self) -> list[str]:
-        return ["{enter} must not exceed {exit}"] if self.enter > self.exit else []
+        return (
+            [f"{{enter}} ({self.enter:g}) must not exceed {{exit}} ({self.exit:g})"] if self.enter > self.exit else []
+        )
 
 
 @register(
@@ -36,6 +38,9 @@ class ThresholdParams(PolicyParams):
         ("stale", "base"),
         ("spec-down", "base"),
         ("base-down", "spec"),
+        ("none-healthy", "base"),
+        ("base-only", "base"),
+        ("spec-only", "spec"),
     ),
 )
 class Threshold:
@@ -62,11 +67,11 @@ class Threshold:
         return min(self.enter * scale, exit_at), exit_at
 
     def decide(self, features: Features, snapshot: Snapshot) -> Decision:
-        spec, base = snapshot.pool("spec"), snapshot.pool("base")
-        if spec is None or not spec.available:
-            return Decision(pool="base", reason="spec-down")
-        if base is None or not base.available:
-            return Decision(pool="spec", reason="base-down")
+        unavailable = one_pool_left(snapshot)
+        if unavailable is not None:
+            return unavailable
+        spec = snapshot.pool("spec")
+        assert spec is not None  # one_pool_left answered otherwise
         joined = spec.least_loaded()
         assert joined is not None
         enter, exit_at = self.thresholds(spec.alpha, spec.num_draft_tokens, joined.max_running)

@@ -120,6 +120,7 @@ def describe() -> dict[str, Any]:
     }
     prompt = {"type": ["string", "array"]}
     simple = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
+    error = {"description": "An OpenAI-shaped error", "content": {"application/json": {"schema": ERROR}}}
     return {
         "openapi": "3.1.0",
         "info": {
@@ -141,6 +142,13 @@ def describe() -> dict[str, Any]:
                 "post", "Cancel a background response on the server running it", simple
             ),
             "/v1/models": {"get": {"summary": "The pools' models", "responses": {"200": simple}}},
+            "/v1/models/{model_id}": {
+                "get": {
+                    "summary": "One of the pools' models (its id may hold slashes: specroute/twin)",
+                    "parameters": [{"name": "model_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                    "responses": {"200": simple, "404": error},
+                }
+            },
             "/health": {"get": {"summary": "Liveness", "responses": {"200": simple}}},
             "/ready": {"get": {"summary": "Readiness", "responses": {"200": simple, "503": simple}}},
         },

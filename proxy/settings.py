@@ -704,6 +704,7 @@ def variable_name(field: str) -> str:
 
 def describe(exc: ValidationError) -> str:
     lines = []
+    across = False
     for error in exc.errors():
         location = error.get("loc") or ()
         message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
@@ -724,5 +725,6 @@ def describe(exc: ValidationError) -> str:
                 name = ENV_PREFIX + name.upper()
             lines.append(f"{name}: {message}")
         else:
-            lines.append(message)
-    return "invalid setting " + "; ".join(lines)
+            lines.append(message)  # a check across settings, naming them itself
+            across = True
+    return ("invalid settings: " if across else "invalid setting ") + "; ".join(lines)

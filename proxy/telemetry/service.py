@@ -11,6 +11,7 @@ from fastapi import Response
 
 from policies import registry
 from proxy.hooks import Telemetry
+from proxy.settings import without_password
 from proxy.telemetry import names as n
 from proxy.telemetry.logs import RequestLog
 from proxy.telemetry.metrics import Metrics
@@ -43,6 +44,10 @@ class SpecrouteTelemetry(Telemetry):
             tracing.shutdown()
             tracing = None
         self.tracing = tracing
+        self.trace_endpoint = (
+            without_password(settings.otlp_endpoint) if settings.otlp_endpoint else "the SDK's default"
+        )
+        """Where traces go, as the start-up line names it (a password in it masked)."""
         self.metrics = Metrics(
             {"spec": settings.spec_urls, "base": settings.base_urls},
             settings.policy,
@@ -124,7 +129,7 @@ class SpecrouteTelemetry(Telemetry):
     async def start(self) -> None:
         if self.tracing is not None:
             self.tracing.start()
-            log.info("exporting traces over OTLP %s", self.tracing.protocol)
+            log.info("exporting traces over OTLP %s to %s", self.tracing.protocol, self.trace_endpoint)
 
     async def stop(self) -> None:
         if self.tracing is not None:

@@ -14,6 +14,7 @@ from fleet.costmodel import StepCostModel, seed_from_profile
 from fleet.native import running_compiled
 from fleet.types import Decision, Features, InstanceState, PoolState, Snapshot
 from policies.goodput import Goodput, GoodputParams
+from policies.threshold import Threshold
 
 RULES = (
     "pool-down",
@@ -103,8 +104,14 @@ def _reason(decision: Decision) -> tuple[str, str]:
 def test_pool_down(cost):
     policy = Goodput()
     assert _reason(policy.decide(SHORT, snapshot(0, 0, cost, healthy=False))) == ("base", "spec-down")
+    # A fleet of one pool: nothing is down (the single-pool demo read "base-down" on every request).
     no_spec = Snapshot(pools={"base": pool("base", 0, 256)}, cost=cost)
-    assert _reason(policy.decide(SHORT, no_spec)) == ("base", "spec-down")
+    assert _reason(policy.decide(SHORT, no_spec)) == ("base", "base-only")
+    no_base = Snapshot(pools={"spec": pool("spec", 0)}, cost=cost)
+    assert _reason(policy.decide(SHORT, no_base)) == ("spec", "spec-only")
+    assert _reason(Threshold().decide(SHORT, no_base)) == ("spec", "spec-only")
+    no_base_down = Snapshot(pools={"spec": pool("spec", 0, healthy=False)}, cost=cost)
+    assert _reason(policy.decide(SHORT, no_base_down)) == ("base", "none-healthy")
     base_down = Snapshot(pools={"spec": pool("spec", 0), "base": pool("base", 0, 256, healthy=False)}, cost=cost)
     assert _reason(policy.decide(SHORT, base_down)) == ("spec", "base-down")
     both_down = Snapshot(pools={"spec": pool("spec", 0, healthy=False), "base": pool("base", 0, healthy=False)})

@@ -17,7 +17,7 @@ def test_registry_names_and_errors():
         registry.create("nope")
     with pytest.raises(ValueError, match="bad parameters"):
         registry.create("goodput", {"no_such_knob": 1})
-    with pytest.raises(ValueError, match="enter must not exceed exit"):
+    with pytest.raises(ValueError, match=r"enter \(50\) must not exceed exit \(10\)"):
         registry.create("threshold", {"enter": 50, "exit": 10})
 
 

@@ -76,7 +76,7 @@ def test_settings_reach_the_policy_the_registry_builds(monkeypatch: pytest.Monke
         ({"goodput_output_tokens": 0}, "SPECROUTE_GOODPUT_OUTPUT_TOKENS: Input should be greater than or equal to 1"),
         ({"threshold_enter": 0}, "SPECROUTE_THRESHOLD_ENTER: Input should be greater than 0"),
         ({"goodput_slo_tpot_ms": "nan"}, "SPECROUTE_GOODPUT_SLO_TPOT_MS: Input should be a finite number"),
-        ({"threshold_enter": 50}, "SPECROUTE_THRESHOLD_ENTER must not exceed SPECROUTE_THRESHOLD_EXIT"),
+        ({"threshold_enter": 50}, r"SPECROUTE_THRESHOLD_ENTER \(50\) must not exceed SPECROUTE_THRESHOLD_EXIT \(40\)"),
     ],
 )
 def test_a_bad_parameter_stops_the_settings_naming_its_variable(overrides: dict, message: str) -> None:
@@ -90,7 +90,7 @@ def test_a_bad_parameter_stops_the_settings_naming_its_variable(overrides: dict,
         ("goodput", {"no_such_knob": 1}, "no_such_knob: Extra inputs are not permitted"),
         ("goodput", {"default_alpha": 1.5}, "default_alpha: Input should be less than 1"),
         ("goodput", {"slo_ttft_s": float("inf")}, "slo_ttft_s: Input should be a finite number"),
-        ("threshold", {"enter": 50, "exit": 10}, "enter must not exceed exit"),
+        ("threshold", {"enter": 50, "exit": 10}, r"enter \(50\) must not exceed exit \(10\)"),
         ("threshold", {"enter": -1}, "enter: Input should be greater than 0"),
         ("round-robin", {"enter": 1}, "takes none"),
         ("threshold", GoodputParams(), "GoodputParams, not ThresholdParams"),

@@ -27,7 +27,13 @@ def proxy(twin_pair) -> Iterator[RunningProxy]:
 def test_every_operation_answers_as_described(proxy: RunningProxy) -> None:
     schema = schemathesis.openapi.from_url(proxy.url + "/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/models"}
+    assert {op.path for op in operations} >= {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/models",
+        "/v1/models/{model_id}",
+    }
     for operation in operations:
 
         @given(case=operation.as_strategy())

@@ -455,3 +455,12 @@ def test_names_read_in_any_case_and_a_grpc_endpoint_without_a_scheme(tmp_path: P
     result = run(["config"], env, tmp_path)
     assert result.returncode == 0, result.stderr
     assert re.search(r"^SPECROUTE_PROFILE +kimi-moe$", result.stdout, re.M), result.stdout
+
+
+def test_a_check_across_settings_reads_as_one(tmp_path: Path) -> None:
+    env = {"SPECROUTE_BASE_URLS": "http://a:1", "SPECROUTE_STALE_MS": "50"}
+    result = run(["config"], env, tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "specroute: invalid settings: SPECROUTE_STALE_MS (50) must be at least twice SPECROUTE_POLL_INTERVAL_MS (100)"
+    )
