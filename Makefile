@@ -5,6 +5,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
 NATIVE := build/native/manifest.json
 
@@ -14,20 +15,28 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test,bench]'
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+# What the demo needs (the proxy, the twins, the openai SDK for the README's example, mypyc for
+# `make native`): the test extra's validators and schemas are hundreds of MB more.
+$(DEMO_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[demo]'
+	touch $(DEMO_STAMP)
 
 install: $(STAMP)
 
 # The decision path compiled with mypyc (less than half the time per decision; fleet/native.py
 # runs it only while every source of fleet/ and policies/ is as compiled, else the sources).
 # Needs a C compiler and Python's headers; deploy/native.py says so first when they lack.
-$(NATIVE): $(STAMP) $(wildcard fleet/*.py policies/*.py) deploy/native.py
+$(NATIVE): $(DEMO_STAMP) $(wildcard fleet/*.py policies/*.py) deploy/native.py
 	$(BIN)/python deploy/native.py
 
 native: $(NATIVE)
 
 # The demo: a spec twin, a base twin and the proxy on 127.0.0.1:8000 (compiled when it can be).
-run: $(STAMP)
+run: $(DEMO_STAMP)
 	$(MAKE) native || echo "make native failed: the proxy runs the decision path from source"
 	$(BIN)/specroute demo
 
