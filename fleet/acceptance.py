@@ -115,10 +115,9 @@ class CounterDelta:
         last = self._last
         return last is not None and (tokens_total < last[0] or verify_total < last[1])
 
-    @property
-    def seen(self) -> bool:
-        """Whether a sample was taken (since the start or the last reset)."""
-        return self._last is not None
+    def first_total(self) -> float | None:
+        """The first counter's last sample (None before one, or since a reset)."""
+        return self._last[0] if self._last is not None else None
 
     def add(self, tokens_total: float, verify_total: float) -> tuple[float, float] | None:
         """(tokens, verify steps) since the previous sample, or None on the first or a reset."""

@@ -60,6 +60,11 @@ PREFILL_CHUNK_TOKENS = 8192
 COUNTERS_SILENT_HALF_LIVES = 4.0
 """Acceptance half-lives after its last counter reading during which an instance's counters speak
 for it (FleetModel._counts_acceptance): by then that reading weighs 1/16 of what it did."""
+RESTART_EVIDENCE_TOKENS = 1_000_000.0
+"""Prefill tokens a server's counters must have counted for an outage not to forget its cache:
+restarted, it counts from 0, and before its next reading (one poll after it answers again: about
+a second) it cannot prefill as many, even for other proxies. Fewer (a young server), a restart
+could climb past them unseen."""
 DEFAULT_POOLS: Mapping[str, int] = {"spec": 3, "base": 0}
 """Pool name -> tokens drafted per verify step (0: a plain pool)."""
 
@@ -222,6 +227,9 @@ class FleetModel:
             signals.max_running, signals.cap_reported = reading.max_running, True
         if signals.separate_ranks and reading.ranks:
             self.set_replicas(signals, reading.ranks)  # its ranks as it lists them now (a restart may change them)
+        if signals.outage_mark is not None and reading.prefill_tokens_total is None:
+            self._forget_cache(url, signals.outage_mark)  # back without its counters: nothing tells
+            signals.outage_mark = None
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:
             busy_us_total = reading.prefill_busy_us_total / signals.time_scale
             if signals.prefill_counters.goes_back(reading.prefill_tokens_total, busy_us_total):
@@ -260,12 +268,14 @@ class FleetModel:
 
     def set_health(self, url: str, healthy: bool) -> None:
         """Reachable or not. An instance turning unreachable may be restarting, which empties its
-        prefix cache. With its prefill counters read, its next reading tells (they start again
-        after a restart: `on_reading`), so a failed connection or a few lost polls of a busy
-        server keep what its cache holds; without them, the index and the sessions forget it."""
+        prefix cache. With its prefill counters read, and past RESTART_EVIDENCE_TOKENS (a restart
+        cannot climb back past them before its next reading), that reading tells (they start
+        again after a restart: `on_reading`), so a failed connection or a few lost polls of a busy
+        server keep what its cache holds; else the index and the sessions forget it."""
         signals = self.instances[url]
         if signals.healthy and not healthy:
-            if signals.prefill_counters.seen:
+            counted = signals.prefill_counters.first_total()
+            if counted is not None and counted >= RESTART_EVIDENCE_TOKENS:
                 if signals.outage_mark is None:
                     signals.outage_mark = self.prefix.seq
             else:

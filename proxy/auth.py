@@ -307,6 +307,7 @@ def warn_if_open(settings: Settings, access: Access) -> None:
             ("metrics_access", settings.metrics_access != "open"),
             ("key_max_concurrency", settings.key_max_concurrency > 0),
             ("pool_pin", settings.pool_pin == "operators"),
+            ("response_id_secret", settings.response_id_secret is not None),
         )
         if applies and field in settings.model_fields_set
     ]

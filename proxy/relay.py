@@ -22,7 +22,7 @@ import aiohttp
 from fleet.model import NO_MATCH, PrefixMatch
 from fleet.types import Decision, PoolName
 from proxy import body as request_body
-from proxy import response_ids, scan
+from proxy import scan
 from proxy.auth import KEY_SCOPE
 from proxy.backends.base import RANK_HEADER
 from proxy.connection import ABORT_EXTENSION
@@ -30,6 +30,7 @@ from proxy.errors import ProxyError, normalise_upstream_error
 from proxy.holding import Held
 from proxy.hooks import RequestHooks, Telemetry
 from proxy.pools import STREAM_OPTIONS_RECHECK_S, Instance, other_pool
+from proxy.response_ids import PREFIX, ResponseIds
 from proxy.responses import HeadersFor, ResponseOwners
 from proxy.routing import (
     HUNG_RANK,
@@ -468,7 +469,9 @@ class CompletionHandler:
         self.bodies = request_body.BodyReader(
             settings.max_json_items, settings.max_json_values, keep_content=settings.trace_content
         )
-        self.responses = ResponseOwners(router, upstream, self.clients_keys_upstream, telemetry)
+        secret = settings.response_id_secret
+        ids = ResponseIds(secret.get_secret_value().encode() if secret is not None else b"")
+        self.responses = ResponseOwners(router, upstream, self.clients_keys_upstream, telemetry, ids)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers, undecodable = request_headers(scope)
@@ -536,6 +539,8 @@ class CompletionHandler:
                 exchange.body_bytes = len(body)
             if exchange.dialect is scan.RESPONSES:
                 self.check_response_id(exchange, payload, scope.get(KEY_SCOPE))
+            else:
+                self.check_rid(payload, scope.get(KEY_SCOPE))
             exchange.prompt_tokens = features.prompt_tokens
             exchange.asked_stream = features.stream
             exchange.request_class = features.request_class
@@ -672,7 +677,7 @@ class CompletionHandler:
             exchange.keeps_id = stored and chosen is None
             return
         if chosen is not None:
-            if not isinstance(chosen, str) or not response_ids.belongs(chosen, client):
+            if not isinstance(chosen, str) or not self.responses.ids.belongs(chosen, client):
                 raise ProxyError(
                     400,
                     "with proxy keys on the proxy chooses the ids of stored responses; leave out 'request_id'",
@@ -685,6 +690,24 @@ class CompletionHandler:
         if stored:
             exchange.ids_for = client  # each attempt's body gets one (`attempt`)
 
+    def check_rid(self, payload: dict[str, Any], client: bytes | None) -> None:
+        """With proxy keys on, SGLang's `rid` (a chat or completion's engine request id, which a
+        stored response's id also is) may not name another key's response: SGLang refuses a rid
+        running already, which told a client whether another's response was running."""
+        rid = payload.get("rid")
+        if client is None or rid is None:
+            return
+        named = rid if isinstance(rid, list) else [rid]
+        if any(
+            isinstance(r, str) and r.startswith(PREFIX) and not self.responses.ids.belongs(r, client) for r in named
+        ):
+            raise ProxyError(
+                400,
+                "with proxy keys on, 'rid' may not name a stored response of another key",
+                param="rid",
+                code="request_id_not_allowed",
+            )
+
     async def find_owner(
         self, exchange: Exchange, payload: dict[str, Any], headers: dict[str, str], client: bytes | None
     ) -> None:
@@ -692,7 +715,7 @@ class CompletionHandler:
         (else it goes where routing sends it, whose server answers for the id it does not know).
         With proxy keys on, a response of another key's is not found, and no server is asked."""
         previous = payload.get("previous_response_id")
-        if isinstance(previous, str) and previous and not response_ids.belongs(previous, client):
+        if isinstance(previous, str) and previous and not self.responses.ids.belongs(previous, client):
             raise ProxyError(
                 404,
                 f"Previous response with id '{previous[:64]}' not found.",
@@ -918,7 +941,7 @@ class CompletionHandler:
             body = with_usage
         if exchange.ids_for is not None:
             body = scan.with_first_member(
-                body, b'"request_id":"' + response_ids.minted(exchange.ids_for).encode() + b'"'
+                body, b'"request_id":"' + self.responses.ids.minted(exchange.ids_for).encode() + b'"'
             )
         out = outgoing_headers(
             headers, instance, exchange.request_id, exchange.client, self.settings.forwarded_headers == "append"

@@ -4,10 +4,12 @@ can read, cancel or continue only its own.
 SGLang and vLLM take a Responses request's `request_id` as the id of the response it stores, and
 keep no owner: whoever knows an id may use it. With keys on, the proxy chooses the id itself:
 `resp_`, NONCE_HEX random hex digits, then TAG_HEX hex digits of an HMAC of the nonce keyed by
-the digest of the client's key. Any replica that knows the key checks an id without state (a
+the client's key (its digest, itself put through an HMAC keyed by SPECROUTE_RESPONSE_ID_SECRET
+when that is set). Any replica that knows the key and the secret checks an id without state (a
 response made through another replica, or before a restart, is still its maker's), and a client
-with another key cannot make or guess a tag that checks. Without keys every id is everyone's,
-as on the servers themselves.
+with another key cannot make or guess a tag that checks. Without the secret, an id tests guesses
+at its client's key offline (an HMAC of SHA-256 is fast): keys must then be long and random.
+Without keys every id is everyone's, as on the servers themselves.
 """
 
 from __future__ import annotations
@@ -25,25 +27,30 @@ CONTEXT = b"specroute stored response\x00"
 """Keeps this HMAC apart from any other use of the same key digest."""
 
 
-def tag(owner: bytes, nonce: str) -> str:
-    return hmac.new(owner, CONTEXT + nonce.encode("ascii"), hashlib.sha256).hexdigest()[:TAG_HEX]
+class ResponseIds:
+    """Mints and checks the ids of stored responses for the clients' keys (their digests)."""
 
+    def __init__(self, secret: bytes = b"") -> None:
+        self.secret = secret
 
-def minted(owner: bytes) -> str:
-    """A new response id belonging to `owner` (the digest of a client's key)."""
-    nonce = secrets.token_hex(NONCE_HEX // 2)
-    return PREFIX + nonce + tag(owner, nonce)
+    def tag(self, owner: bytes, nonce: str) -> str:
+        key = hmac.new(self.secret, owner, hashlib.sha256).digest() if self.secret else owner
+        return hmac.new(key, CONTEXT + nonce.encode("ascii"), hashlib.sha256).hexdigest()[:TAG_HEX]
 
+    def minted(self, owner: bytes) -> str:
+        """A new response id belonging to `owner` (the digest of a client's key)."""
+        nonce = secrets.token_hex(NONCE_HEX // 2)
+        return PREFIX + nonce + self.tag(owner, nonce)
 
-def belongs(response_id: str, owner: bytes | None) -> bool:
-    """Whether the client whose key's digest is `owner` may use `response_id` (None: no keys,
-    every id is everyone's)."""
-    if owner is None:
-        return True
-    rest = response_id.removeprefix(PREFIX)
-    if len(rest) != NONCE_HEX + TAG_HEX or len(rest) == len(response_id):
-        return False
-    nonce, claimed = rest[:NONCE_HEX], rest[NONCE_HEX:]
-    if not nonce.isascii():
-        return False
-    return hmac.compare_digest(claimed.encode("ascii", "replace"), tag(owner, nonce).encode("ascii"))
+    def belongs(self, response_id: str, owner: bytes | None) -> bool:
+        """Whether the client whose key's digest is `owner` may use `response_id` (None: no
+        keys, every id is everyone's)."""
+        if owner is None:
+            return True
+        rest = response_id.removeprefix(PREFIX)
+        if len(rest) != NONCE_HEX + TAG_HEX or len(rest) == len(response_id):
+            return False
+        nonce, claimed = rest[:NONCE_HEX], rest[NONCE_HEX:]
+        if not nonce.isascii():
+            return False
+        return hmac.compare_digest(claimed.encode("ascii", "replace"), self.tag(owner, nonce).encode("ascii"))

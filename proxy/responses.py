@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 import cachetools
 
-from proxy import response_ids, scan
+from proxy import scan
 from proxy.errors import error_body, normalise_upstream_error
 from proxy.hooks import Telemetry
 from proxy.pools import Instance
+from proxy.response_ids import ResponseIds
 from proxy.routing import Router
 from proxy.upstream import UPSTREAM_ERRORS, Upstream, read_up_to
 
@@ -95,9 +96,16 @@ class ResponseOwners:
     """Which server holds each stored response, learned as they are created, asked on a miss."""
 
     def __init__(
-        self, router: Router, upstream: Upstream, clients_keys_upstream: bool, telemetry: Telemetry | None = None
+        self,
+        router: Router,
+        upstream: Upstream,
+        clients_keys_upstream: bool,
+        telemetry: Telemetry | None = None,
+        ids: ResponseIds | None = None,
     ) -> None:
         self.router = router
+        self.ids = ids or ResponseIds()
+        """The ids bound to clients' keys (with proxy keys on)."""
         self.upstream = upstream
         self.telemetry = telemetry or Telemetry()
         self.clients_keys_upstream = clients_keys_upstream
@@ -134,7 +142,7 @@ class ResponseOwners:
     ) -> Answer:
         """`GET /v1/responses/{id}` of the server holding it (every server asked on a miss), for
         the client whose key's digest is `client` (another key's response is not found)."""
-        if RESPONSE_ID.fullmatch(response_id) is None or not response_ids.belongs(response_id, client):
+        if RESPONSE_ID.fullmatch(response_id) is None or not self.ids.belongs(response_id, client):
             return not_found(response_id)
         path = f"/v1/responses/{response_id}" + (f"?{query}" if query else "")
         known = self.known(response_id)
@@ -149,7 +157,7 @@ class ResponseOwners:
         self, response_id: str, headers_for: HeadersFor, request_id: str, client: bytes | None, query: str = ""
     ) -> Answer:
         """`POST /v1/responses/{id}/cancel` on the server holding it, for its owner (as `get`)."""
-        if RESPONSE_ID.fullmatch(response_id) is None or not response_ids.belongs(response_id, client):
+        if RESPONSE_ID.fullmatch(response_id) is None or not self.ids.belongs(response_id, client):
             return not_found(response_id)
         known = self.known(response_id)
         if known is None:

@@ -81,6 +81,10 @@ class _SettingsHead(BaseSettings):
         None,
         description="Comma-separated operator keys: client keys that may also reach the operator endpoints and pin pools.",
     )
+    response_id_secret: SecretStr | None = Field(
+        None,
+        description="With keys on, a secret (at least 16 characters, the same on every replica) keying the HMAC that binds each stored response's id to its client's key; unset, an id checks guesses at its key offline, so keys must be long and random.",
+    )
     metrics_access: Literal["open", "keys", "operators"] = Field(
         "open", description="Who may read GET /metrics when keys are on: open, keys (any key) or operators."
     )
@@ -389,6 +393,16 @@ class Settings(_SettingsWithPolicies):
                 raise ValueError(f"{url!r} is not a valid URL (no host, or a space in it)")
         return [url.rstrip("/") for url in urls]
 
+    @field_validator("response_id_secret")
+    @classmethod
+    def _check_response_id_secret(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value().strip():
+            return None
+        secret = value.get_secret_value().strip()
+        if len(secret) < 16:
+            raise ValueError("must be at least 16 characters (e.g. openssl rand -hex 32)")
+        return SecretStr(secret)
+
     @field_validator("api_keys", "operator_api_keys")
     @classmethod
     def _check_keys(cls, value: SecretStr | None) -> SecretStr | None:
@@ -467,7 +481,11 @@ class Settings(_SettingsWithPolicies):
         # logged once a batch: the proxy looked traced and no span left it. (Its gRPC exporter
         # takes `host:port`.)
         endpoint = self.otlp_endpoint
-        if endpoint and self.otlp_protocol == "http/protobuf" and not re.match(r"https?://[^/?#\s]+", endpoint):
+        if (
+            endpoint
+            and self.otlp_protocol == "http/protobuf"
+            and not re.match(r"https?://[^/?#\s]+", endpoint, re.IGNORECASE)
+        ):
             raise ValueError(
                 f"the OTLP endpoint {endpoint!r} (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT)"
                 " is not an http:// or https:// URL (e.g. http://localhost:4318)"

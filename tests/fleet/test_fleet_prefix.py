@@ -333,3 +333,21 @@ def test_an_outage_without_a_restart_keeps_what_a_server_with_counters_cached():
     model.set_health("s0", True)
     assert model.cached(NEXT_TURN, 5200, 4.5) is NO_MATCH
     assert model.cached(CONVERSATION, 4096, 4.5, session="chat-s0") is NO_MATCH
+
+
+def test_an_outage_forgets_a_young_server_and_one_back_without_its_counters():
+    """A review's cases: a server that had counted few prefill tokens (a fresh one: 0) could,
+    restarted, count as many again before its next reading, so its restart would go unseen;
+    and a server back without its counters (another kind behind the URL) tells nothing."""
+    model = fleet()
+    model.on_answered(model.on_dispatch("s0", 0.5, 4096, blocks=CONVERSATION))
+    model.on_reading("s0", counters(0.2, 0))  # read before it prefilled anything
+    model.set_health("s0", False)
+    model.set_health("s0", True)
+    assert model.cached(NEXT_TURN, 5200, 1.0) is NO_MATCH
+    model.on_answered(model.on_dispatch("s1", 1.0, 4096, blocks=CONVERSATION))
+    model.on_reading("s1", counters(1.5, 2e6))
+    model.set_health("s1", False)
+    model.set_health("s1", True)
+    model.on_reading("s1", Reading(at=2.0, running=0, waiting=0))  # no counters
+    assert model.cached(NEXT_TURN, 5200, 2.5) is NO_MATCH

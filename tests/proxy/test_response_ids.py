@@ -6,19 +6,31 @@ from __future__ import annotations
 import orjson
 
 from proxy.auth import digest
-from proxy.response_ids import belongs, minted
+from proxy.response_ids import ResponseIds
 from proxy.scan import with_first_member
 
 
 def test_an_id_belongs_to_the_key_that_made_it_alone() -> None:
+    ids = ResponseIds()
     alice, bob = digest("sk-alice"), digest("sk-bob")
-    made = minted(alice)
-    assert made.startswith("resp_") and len(made) == 45 and made != minted(alice)
-    assert belongs(made, alice) and not belongs(made, bob)
-    assert belongs(made, None) and belongs("resp_anything", None)  # no keys: every id is everyone's
+    made = ids.minted(alice)
+    assert made.startswith("resp_") and len(made) == 45 and made != ids.minted(alice)
+    assert ids.belongs(made, alice) and not ids.belongs(made, bob)
+    assert ids.belongs(made, None) and ids.belongs("resp_anything", None)  # no keys: every id is everyone's
     forged = made[:-1] + ("0" if made[-1] != "0" else "1")
     for other in (forged, made.upper(), made + "0", made[:-1], "resp_" + "0" * 40, "x" * 45, "resp_" + "é" * 40):
-        assert not belongs(other, alice), other
+        assert not ids.belongs(other, alice), other
+
+
+def test_with_a_secret_an_id_says_nothing_of_its_key_alone() -> None:
+    """A review's finding: keyed by the key's digest alone, one id tests guesses at the key
+    offline. With the replicas' secret in the HMAC's key, the key alone checks nothing."""
+    alice = digest("sk-alice")
+    keyed, plain, other = ResponseIds(b"s" * 32), ResponseIds(), ResponseIds(b"t" * 32)
+    made = keyed.minted(alice)
+    assert keyed.belongs(made, alice) and ResponseIds(b"s" * 32).belongs(made, alice)  # another replica
+    assert not plain.belongs(made, alice) and not other.belongs(made, alice)
+    assert not keyed.belongs(plain.minted(alice), alice)
 
 
 def test_a_member_goes_first_in_any_object() -> None:

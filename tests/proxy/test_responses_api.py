@@ -333,9 +333,15 @@ def test_with_keys_a_stored_response_is_its_key_s_alone(fleet: list[RunningTwin]
     made it: another key cannot read, cancel or continue it (told it does not exist, no server
     asked), through this replica or another one that never saw it made."""
     from proxy.auth import digest
-    from proxy.response_ids import minted
+    from proxy.response_ids import ResponseIds
 
-    urls = {"spec_urls": [fleet[0].url, fleet[1].url], "base_urls": [fleet[2].url], "api_keys": "sk-alice, sk-bob"}
+    secret = "replicas-share-this-secret"
+    urls = {
+        "spec_urls": [fleet[0].url, fleet[1].url],
+        "base_urls": [fleet[2].url],
+        "api_keys": "sk-alice, sk-bob",
+        "response_id_secret": secret,
+    }
     with running_proxy(**urls) as proxy, running_proxy(**urls) as replica:
         alice = openai.OpenAI(base_url=proxy.base_url, api_key="sk-alice", max_retries=0)
         made = alice.responses.create(model=MODEL, input="My secret plan.", max_output_tokens=8)
@@ -369,13 +375,26 @@ def test_with_keys_a_stored_response_is_its_key_s_alone(fleet: list[RunningTwin]
             timeout=10,
         )
         assert raw.status_code == 400 and raw.json()["error"]["code"] == "request_id_not_allowed"
-        own = minted(digest("sk-bob"))
+        own = ResponseIds(secret.encode()).minted(digest("sk-bob"))
         chosen = openai.OpenAI(base_url=proxy.base_url, api_key="sk-bob", max_retries=0)
         assert (
             chosen.responses.create(model=MODEL, input="Hi", max_output_tokens=8, extra_body={"request_id": own}).id
             == own
         )
         assert chosen.responses.retrieve(own).id == own
+        # SGLang's `rid` of a chat is the engine's request id, which a stored response's is too: a
+        # duplicate is refused while it runs, which told another key whether it was running.
+        raw = httpx.post(
+            f"{proxy.url}/v1/chat/completions",
+            headers={"authorization": "Bearer sk-bob"},
+            json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "rid": made.id},
+            timeout=10,
+        )
+        assert raw.status_code == 400 and raw.json()["error"]["param"] == "rid"
+        mine = chosen.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, extra_body={"rid": "my-own-1"}
+        )
+        assert mine.choices
         # Not stored: no id chosen for it, none to find.
         unstored = alice.responses.create(model=MODEL, input="Forget this.", store=False, max_output_tokens=8)
         with pytest.raises(openai.NotFoundError):
@@ -388,7 +407,7 @@ def test_with_keys_each_attempt_asks_for_an_id_of_its_own() -> None:
     from proxy_faults import FaultServer
 
     from proxy.auth import digest
-    from proxy.response_ids import belongs
+    from proxy.response_ids import ResponseIds
 
     with (
         FaultServer("status:503") as bad,
@@ -407,4 +426,4 @@ def test_with_keys_each_attempt_asks_for_an_id_of_its_own() -> None:
             json.loads(r.body)["request_id"] for server in (bad, good) for r in server.requests if r.method == "POST"
         ]
         assert len(bad.requests) >= 1 and len(sent) == len(set(sent)) >= 5
-        assert all(belongs(sent_id, digest("sk-alice")) for sent_id in sent)
+        assert all(ResponseIds().belongs(sent_id, digest("sk-alice")) for sent_id in sent)
