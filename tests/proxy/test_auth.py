@@ -288,6 +288,7 @@ def test_sighup_rereads_the_keys_file_and_no_key_reaches_logs_traces_config_or_e
         "SPECROUTE_API_KEYS": "sk-inline-secret-1",
         "SPECROUTE_OPERATOR_API_KEYS": "sk-operator-secret-2",
         "SPECROUTE_SPEC_API_KEY": "sk-pool-secret-3",
+        "SPECROUTE_RESPONSE_ID_SECRET": "response-ids-secret-5",
     }
     with FaultServer("echo") as echo, RecordingOtlpSink() as sink:
         clean = {k: v for k, v in os.environ.items() if not k.startswith(("SPECROUTE_", "OTEL_"))}
@@ -372,7 +373,7 @@ def test_sighup_rereads_the_keys_file_and_no_key_reaches_logs_traces_config_or_e
         "traces": b"".join(sink.received).decode("latin-1"),
     }
     for where, text in everything.items():
-        for secret in ("secret-AAAA", "secret-BBBB", "secret-1", "secret-2", "secret-3", "secret-4"):
+        for secret in ("secret-AAAA", "secret-BBBB", "secret-1", "secret-2", "secret-3", "secret-4", "secret-5"):
             assert secret not in text, f"{secret} found in {where}"
 
 
