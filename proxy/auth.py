@@ -293,6 +293,12 @@ def is_loopback(host: str) -> bool:
 
 def warn_if_open(settings: Settings, access: Access) -> None:
     if access.enabled:
+        if settings.response_id_secret is None:
+            log.warning(
+                "SPECROUTE_RESPONSE_ID_SECRET is unset: a stored response's id is bound to its client's key"
+                " alone, and tests guesses at that key offline; set it (the same on every replica)"
+                " unless every key is long and random"
+            )
         return
     if not is_loopback(settings.host):
         log.warning(

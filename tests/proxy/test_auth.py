@@ -399,6 +399,18 @@ def test_start_up_warns_once_when_open_beyond_loopback(host: str, keys: str | No
     assert len([r for r in caplog.records if "SPECROUTE_API_KEYS" in r.getMessage()]) == (1 if warned else 0)
 
 
+@pytest.mark.parametrize("secret", [None, "a-secret-of-24-characters"])
+def test_keys_without_the_response_id_secret_are_warned_about(secret: str | None, caplog) -> None:
+    from proxy.auth import Access, warn_if_open
+    from proxy.settings import load_settings
+
+    settings = load_settings(api_keys="sk-a", response_id_secret=secret, base_urls=["http://127.0.0.1:9"])
+    with caplog.at_level("WARNING", logger="specroute"):
+        warn_if_open(settings, Access.from_settings(settings))
+    said = [r for r in caplog.records if "SPECROUTE_RESPONSE_ID_SECRET" in r.getMessage()]
+    assert len(said) == (1 if secret is None else 0)
+
+
 def test_a_key_may_hold_at_most_its_share_of_open_requests() -> None:
     # Streams that stay open until their clients leave (2 chunks, then silence): a twin's
     # stream, fast and small enough for the socket buffers, could end before the third request
