@@ -33,8 +33,10 @@ import csv
 import json
 import os
 import random
+import re
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -282,7 +284,9 @@ class Options:
     window_steps: int = WINDOW_STEPS
     api_key: str | None = None
     name: str | None = None
-    seed: int = 0
+    seed: int | None = None
+    """The prompts' random source (None: new each run: a server that served a run's prompts
+    holds them in its prefix cache, and a second run would time its prefill as nearly free)."""
     quiet: bool = False
     time_scale: float | None = None
     """A twin's --time-scale when it does not say it in /server_info (a vLLM twin has none)."""
@@ -316,8 +320,12 @@ class Profiler:
         shown = public_url(url)
         models = await self._get(url, "/v1/models")
         if models.status_code != 200:
-            raise ProfileError(f"{shown}/v1/models answered {models.status_code}")
-        model = str(models.json()["data"][0]["id"])
+            hint = " (a key: --api-key-file)" if models.status_code in (401, 403) else ""
+            raise ProfileError(f"{shown}/v1/models answered {models.status_code}{hint}")
+        try:
+            model = str(models.json()["data"][0]["id"])
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ProfileError(f"{shown}/v1/models answered no list of models: is it an LLM server's URL?") from None
         backend: Backend | None = None
         reported_cap: int | None = None
         listed_ranks = 0
@@ -354,10 +362,14 @@ class Profiler:
         )
         if reported_cap is not None:
             server.cap = max(reported_cap // server.ranks, 1)  # /v1/loads sums its ranks' caps
+        scale_said = False
         if backend.info_path:
             info = await self._get(url, backend.info_path)
-            if info.status_code == 200:
-                doc = info.json()
+            try:
+                doc = info.json() if info.status_code == 200 else None
+            except ValueError:
+                doc = None
+            if isinstance(doc, dict):
                 facts = server_info_facts(doc)
                 server.speculative = facts["speculative"]
                 server.num_steps = facts["num_draft_tokens"]
@@ -368,10 +380,11 @@ class Profiler:
                 server.cap_reported = server.cap_reported or bool(facts["max_running_requests"] or effective)
                 server.context_length = doc.get("context_length")
                 if doc.get("twin"):  # the twin says how much faster than its physics it runs
+                    scale_said = True
                     server.time_scale = float(doc.get("time_scale") or 1.0)
                     server.twin_profile = doc.get("profile")
-        if self.options.time_scale:
-            server.time_scale = self.options.time_scale
+        if self.options.time_scale and not scale_said:
+            server.time_scale = self.options.time_scale  # a twin that says its own scale is taken at its word
         return server
 
     async def load(self, server: Server) -> tuple[float, float]:
@@ -407,7 +420,9 @@ class Profiler:
     # ---- requests -----------------------------------------------------------------------
 
     def prompt(self, tokens: int) -> list[int]:
-        # Random token ids: no two prompts share a prefix, so no prefix cache shortens a prefill.
+        # Random token ids, new each run (`Options.seed`): no two prompts share a prefix, so no
+        # prefix cache shortens a prefill, a repeated run's included (a review measured a second
+        # run's prefill 70x too fast when every run sent the same prompts).
         return [self.rng.randrange(1000, 30000) for _ in range(tokens)]
 
     async def stream(self, server: Server, prompt_tokens: int, max_tokens: int) -> Trace:
@@ -422,6 +437,14 @@ class Profiler:
         }
         if server.kind == "sglang" and server.speculative:
             body["return_spec_tokens_details"] = True
+        try:
+            return await self._stream(server, body)
+        except httpx.HTTPError as exc:  # the server went away, or cut the stream
+            raise ProfileError(f"{server.shown}/v1/completions: {type(exc).__name__}: {exc}") from None
+        except ValueError:  # json: an event that is no JSON
+            raise ProfileError(f"{server.shown}/v1/completions answered a stream that is not an OpenAI one") from None
+
+    async def _stream(self, server: Server, body: dict[str, Any]) -> Trace:
         trace = Trace(time.perf_counter())
         seen = 0
         headers = {RANK_HEADER: "0"} if server.ranks > 1 else None
@@ -475,6 +498,11 @@ class Profiler:
         lengths = [
             n for n in self.options.prefill_lengths if not server.context_length or n < server.context_length - 8
         ]
+        dropped = [n for n in self.options.prefill_lengths if n not in lengths]
+        if dropped:
+            result.notes.append(
+                f"prefill lengths {', '.join(map(str, dropped))} left out: past its context length {server.context_length}"
+            )
         await self.wait_idle(server, "before")
         await self.stream(server, 16, 1)  # warm the connection
         for n in lengths:
@@ -650,6 +678,13 @@ class Profiler:
 
     async def measure(self, server: Server, deadline: float) -> ServerResult:
         result = ServerResult(server)
+        if self.options.force:
+            running, waiting = await self.load(server)
+            if running + waiting > 0:
+                result.notes.append(
+                    f"measured with --force while {running:g} other requests ran and {waiting:g} waited:"
+                    " its batches were larger than their sizes say"
+                )
         prefill_deadline = time.monotonic() + 0.2 * (deadline - time.monotonic())
         await self.measure_prefill(server, result, prefill_deadline)
         await self.measure_decode(server, result, deadline)
@@ -717,10 +752,12 @@ def build_profile(
                 f"{shown}: batches {left} left out (chunks came in bursts: this client or "
                 f"the server was busy), steps past batch {largest} extrapolated: measure again on a quieter machine"
             )
+    for server_result in results:
+        notes += [f"{server_result.server.role} {server_result.server.shown}: {note}" for note in server_result.notes]
     if base is None:
         notes.append("no base server measured: the base side is derived from the spec side's fit, not measured")
     if spec is None:
-        notes.append("no spec server measured: the spec side is the base step's formula at k+1 tokens, not measured")
+        notes.append("no spec server measured: the spec side is the base step's fit at k+1 tokens, not measured")
 
     # Prefill: the base server's, with the spec server's ratio as spec_prefill_factor.
     base_fit = base.prefill_fit() if base else None
@@ -774,6 +811,12 @@ def build_profile(
         for r, t in ((base, 1), (spec, k + 1)):
             for measured in r.batches if r else []:
                 rows.append(["target", measured.batch, t, context, round(measured.step_ms, 4)])
+        # A side not measured is the measured side's fit, as the affine kind derives it (a table
+        # of one side alone repeats it for the other: a base-only table made speculation free).
+        if spec is None and base is not None:
+            rows += [["target", b.batch, k + 1, context, round(affine_spec(b.batch), 4)] for b in base.batches]
+        if base is None and spec is not None:
+            rows += [["target", b.batch, 1, context, round(fixed + per_token * b.batch, 4)] for b in spec.batches]
         # The spec step is measured whole: its draft steps are inside the T=k+1 rows.
         for batch in sorted({m.batch for r in (spec, base) if r for m in r.batches}):
             rows.append(["draft", batch, 1, context, 0.0])
@@ -900,10 +943,31 @@ def cannot_write(out: Path) -> str | None:
         return exc.strerror or str(exc)
     if not out.parent.is_dir():
         return f"{out.parent} is not a folder"
-    targets = [out.parent] + [p for p in (out, out.with_name(out.stem + "-step-ms.csv")) if p.exists()]
-    for target in targets:
-        if not os.access(target, os.W_OK):
+    for target in (out, out.with_name(out.stem + "-step-ms.csv")):
+        if target.is_dir():
+            return f"{target} is a folder"
+        if target.exists() and not os.access(target, os.W_OK):
             return f"{target} is not writable"
+    try:  # a real file: permissions say nothing of /proc, /sys or a read-only mount for root
+        with tempfile.NamedTemporaryFile(dir=out.parent, prefix=".specroute-profile-"):
+            pass
+    except OSError as exc:
+        return f"{out.parent} is not writable ({exc.strerror or type(exc).__name__})"
+    return None
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` is no server's base URL (None: it is one)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        return str(exc)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "not an http:// or https:// URL with a host"
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        return "a base URL has no query or fragment"
+    del port
     return None
 
 
@@ -912,6 +976,12 @@ def run(options: Options) -> int:
     if options.out.suffix != ".json":
         print("specroute profile: --out must name a .json file", file=sys.stderr)
         return 2
+    for url in options.urls:
+        problem = url_problem(url)
+        if problem is not None:
+            shown = re.split(r"[?#]", re.sub(r"//[^/@]*@", "//", url))[0]  # no credentials, no query
+            print(f"specroute profile: --url {shown!r}: {problem}", file=sys.stderr)
+            return 2
     unwritable = cannot_write(options.out)
     if unwritable is not None:  # said now, not after minutes of measuring
         print(f"specroute profile: cannot write {options.out}: {unwritable}", file=sys.stderr)

@@ -25,6 +25,7 @@ from proxy.profiler import (
     AFFINE_TOLERANCE,
     BatchResult,
     Options,
+    ProfileError,
     Profiler,
     Server,
     ServerResult,
@@ -366,3 +367,83 @@ def test_a_data_parallel_server_is_measured_one_engine_at_a_time(tmp_path: Path,
     assert set(errors) >= {1, 8} and max(abs(e) for e in errors.values()) <= 0.05, errors
     block = json.loads(out.read_text())["measured"]["servers"][0]
     assert block["max_running_requests"] == 256 and block["data_parallel_ranks"]["ranks"] == 2
+
+
+def test_a_table_of_one_side_derives_the_other_from_its_fit(tmp_path: Path) -> None:
+    """A review's probe: a base server alone, measured as a table, repeated its steps for the spec
+    side, so the router saw speculation as free (spec's step 19 ms at batch 8 where the twin's is
+    37). The side not measured is the measured one's fit, as the affine kind derives it."""
+    from datetime import UTC, datetime
+
+    moe = load_profile("kimi-moe")
+    base = _result("base", {b: moe.base_step_ms(b, 1024) for b in BATCHES})
+    doc, rows = build_profile([base], "base-only", datetime.now(UTC), 10.0, 240.0)
+    assert rows is not None and doc["step"]["kind"] == "table"
+    profile = write_profile(doc, rows, tmp_path / "base-only.json")
+    fixed, per_token = fit_line([float(b) for b in BATCHES], [moe.base_step_ms(b, 1024) for b in BATCHES])
+    for b in BATCHES:
+        assert profile.base_step_ms(b, 1024) == pytest.approx(moe.base_step_ms(b, 1024), rel=1e-4)
+        assert profile.spec_step_ms(b, 3, 1024) == pytest.approx(fixed + per_token * 4 * b, rel=1e-3)
+        assert profile.spec_step_ms(b, 3, 1024) > profile.base_step_ms(b, 1024)
+    assert any("no spec server measured" in note for note in doc["measured"]["notes"])
+
+
+def test_each_run_sends_prompts_of_its_own() -> None:
+    """A review's probe: every run sent the same "random" prompts (seed 0), so a second run against
+    the same server timed its prefill from the prefix cache: 0.00035 ms a token against 0.0256."""
+    runs = [Profiler(Options(urls=[], out=Path("p.json"))) for _ in range(2)]
+    try:
+        assert runs[0].prompt(64) != runs[1].prompt(64)
+        seeded = [Profiler(Options(urls=[], out=Path("p.json"), seed=5)) for _ in range(2)]
+        assert seeded[0].prompt(64) == seeded[1].prompt(64)  # asked for, the same ones
+    finally:
+        for profiler in runs + seeded:
+            asyncio.run(profiler.close())
+
+
+@pytest.mark.parametrize(
+    ("url", "said"),
+    [
+        ("http://h:99999", "Port out of range"),
+        ("http://user:secret@[::1", "Invalid IPv6 URL"),
+        ("http://127.0.0.1:30000?token=secret", "no query"),
+        ("localhost:30000", "not an http:// or https:// URL"),
+    ],
+)
+def test_a_url_that_is_no_base_url_is_one_line(url: str, said: str, tmp_path: Path, capsys) -> None:
+    """A review's probe: each was a traceback (the query one after asking /v1/models?token=X/...)."""
+    assert main(["profile", "--url", url, "--out", str(tmp_path / "p.json"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and said in err and "secret" not in err
+
+
+def test_a_server_that_is_no_llm_server_or_goes_away_is_one_line(tmp_path: Path, capsys) -> None:
+    """A review's probe: a static page answering /v1/models, and a server killed mid-stream, each
+    ended the run in a traceback."""
+    from proxy_faults import FaultServer
+
+    with FaultServer("drop", probe="/get_load") as gone:
+        server = Server(gone.url, gone.url, "sglang", SGLang("/v1/loads"), "m", False, 0, 48)
+        profiler = Profiler(Options(urls=[gone.url], out=tmp_path / "p.json"))
+
+        async def one() -> None:
+            try:
+                await profiler.stream(server, 16, 1)
+            finally:
+                await profiler.close()
+
+        with pytest.raises(ProfileError, match="/v1/completions: RemoteProtocolError"):
+            asyncio.run(one())
+    with FaultServer("echo", probe="/v1/models", load_text="<html>a web UI</html>") as page:
+        assert main(["profile", "--url", page.url, "--out", str(tmp_path / "p.json"), "--quiet"]) == 1
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "no list of models" in err
+
+
+def test_an_out_path_that_is_a_folder_or_unwritable_is_said_before_measuring(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "p.json"
+    folder.mkdir()
+    assert main(["profile", "--url", "http://127.0.0.1:1", "--out", str(folder), "--quiet"]) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert main(["profile", "--url", "http://127.0.0.1:1", "--out", "/proc/p.json", "--quiet"]) == 2
+    assert "not writable" in capsys.readouterr().err
