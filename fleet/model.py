@@ -227,7 +227,9 @@ class FleetModel:
             signals.max_running, signals.cap_reported = reading.max_running, True
         if signals.separate_ranks and reading.ranks:
             self.set_replicas(signals, reading.ranks)  # its ranks as it lists them now (a restart may change them)
-        if signals.outage_mark is not None and reading.prefill_tokens_total is None:
+        if signals.outage_mark is not None and (
+            reading.prefill_tokens_total is None or reading.prefill_busy_us_total is None
+        ):
             self._forget_cache(url, signals.outage_mark)  # back without its counters: nothing tells
             signals.outage_mark = None
         if reading.prefill_tokens_total is not None and reading.prefill_busy_us_total is not None:

@@ -89,9 +89,7 @@ class BusyError(ProfileError):
 def public_url(url: str) -> str:
     """The URL without credentials (user:password@) or query, as the profile records it."""
     parts = urlsplit(url)
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
+    host = parts.netloc.rpartition("@")[2]  # as written: an IPv6 address keeps its brackets
     return urlunsplit((parts.scheme, host, parts.path.rstrip("/"), "", ""))
 
 
@@ -465,6 +463,8 @@ class Profiler:
                         if payload == b"[DONE]":
                             continue
                         doc = json.loads(payload)
+                        if not isinstance(doc, dict):
+                            raise ValueError("an event that is no JSON object")
                         if "error" in doc:
                             raise ProfileError(f"{server.shown} stream error: {str(doc['error'])[:300]}")
                         usage = doc.get("usage") or {}
@@ -743,6 +743,9 @@ def build_profile(
         raise ProfileError("no decode step was measured")
     k = spec.server.num_steps if spec else 3
     notes: list[str] = []
+    if k < 1:  # a spec server whose /server_info named no draft steps
+        k = 3
+        notes.append("the spec server said no draft steps per verify step: 3 assumed (SGLang's default)")
     for server_result in results:
         if server_result.unreliable:  # the profile then rests on smaller batches: more than a progress line
             largest = max((b.batch for b in server_result.batches), default=0)
@@ -811,12 +814,25 @@ def build_profile(
         for r, t in ((base, 1), (spec, k + 1)):
             for measured in r.batches if r else []:
                 rows.append(["target", measured.batch, t, context, round(measured.step_ms, 4)])
-        # A side not measured is the measured side's fit, as the affine kind derives it (a table
-        # of one side alone repeats it for the other: a base-only table made speculation free).
+
+        # A side not measured is the measured step scaled by the ratio of the two sides' lines at
+        # that batch, as the affine kind derives them: the measured curve's shape is kept, and
+        # the spec step stays above the base step (a table of one side used to repeat it for the
+        # other: a base-only table made speculation free; the line alone, off a curve, put base
+        # above spec at small batches).
+        def base_line(b: float) -> float:
+            return fixed + per_token * b
+
         if spec is None and base is not None:
-            rows += [["target", b.batch, k + 1, context, round(affine_spec(b.batch), 4)] for b in base.batches]
+            rows += [
+                ["target", b.batch, k + 1, context, round(b.step_ms * affine_spec(b.batch) / base_line(b.batch), 4)]
+                for b in base.batches
+            ]
         if base is None and spec is not None:
-            rows += [["target", b.batch, 1, context, round(fixed + per_token * b.batch, 4)] for b in spec.batches]
+            rows += [
+                ["target", b.batch, 1, context, round(b.step_ms * base_line(b.batch) / affine_spec(b.batch), 4)]
+                for b in spec.batches
+            ]
         # The spec step is measured whole: its draft steps are inside the T=k+1 rows.
         for batch in sorted({m.batch for r in (spec, base) if r for m in r.batches}):
             rows.append(["draft", batch, 1, context, 0.0])

@@ -30,7 +30,7 @@ from proxy.errors import ProxyError, normalise_upstream_error
 from proxy.holding import Held
 from proxy.hooks import RequestHooks, Telemetry
 from proxy.pools import STREAM_OPTIONS_RECHECK_S, Instance, other_pool
-from proxy.response_ids import PREFIX, ResponseIds
+from proxy.response_ids import ResponseIds
 from proxy.responses import HeadersFor, ResponseOwners
 from proxy.routing import (
     HUNG_RANK,
@@ -698,9 +698,8 @@ class CompletionHandler:
         if client is None or rid is None:
             return
         named = rid if isinstance(rid, list) else [rid]
-        if any(
-            isinstance(r, str) and r.startswith(PREFIX) and not self.responses.ids.belongs(r, client) for r in named
-        ):
+        ids = self.responses.ids
+        if any(isinstance(r, str) and ids.shaped(r) and not ids.belongs(r, client) for r in named):
             raise ProxyError(
                 400,
                 "with proxy keys on, 'rid' may not name a stored response of another key",

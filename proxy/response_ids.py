@@ -23,6 +23,7 @@ NONCE_HEX = 24
 """96 random bits: no two responses share an id."""
 TAG_HEX = 16
 """64 bits of the HMAC: a client guessing another key's tag needs about 2^63 tries."""
+HEX = frozenset("0123456789abcdef")
 CONTEXT = b"specroute stored response\x00"
 """Keeps this HMAC apart from any other use of the same key digest."""
 
@@ -41,6 +42,12 @@ class ResponseIds:
         """A new response id belonging to `owner` (the digest of a client's key)."""
         nonce = secrets.token_hex(NONCE_HEX // 2)
         return PREFIX + nonce + self.tag(owner, nonce)
+
+    @staticmethod
+    def shaped(response_id: str) -> bool:
+        """Whether `response_id` has the shape of one the proxy mints (any key's)."""
+        rest = response_id.removeprefix(PREFIX)
+        return len(rest) == NONCE_HEX + TAG_HEX != len(response_id) and all(c in HEX for c in rest)
 
     def belongs(self, response_id: str, owner: bytes | None) -> bool:
         """Whether the client whose key's digest is `owner` may use `response_id` (None: no

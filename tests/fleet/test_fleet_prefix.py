@@ -351,3 +351,10 @@ def test_an_outage_forgets_a_young_server_and_one_back_without_its_counters():
     model.set_health("s1", True)
     model.on_reading("s1", Reading(at=2.0, running=0, waiting=0))  # no counters
     assert model.cached(NEXT_TURN, 5200, 2.5) is NO_MATCH
+    # Back with one counter of the two (a review's case): nothing tells a restart either.
+    model.on_answered(model.on_dispatch("b0", 3.0, 4096, blocks=CONVERSATION))
+    model.on_reading("b0", counters(3.5, 2e6))
+    model.set_health("b0", False)
+    model.set_health("b0", True)
+    model.on_reading("b0", Reading(at=4.0, running=0, waiting=0, prefill_tokens_total=10))
+    assert model.cached(NEXT_TURN, 5200, 4.5) is NO_MATCH

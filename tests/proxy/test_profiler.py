@@ -196,6 +196,7 @@ def test_vllm_base_twin_with_its_time_scale(tmp_path: Path, preset: str, capsys:
 
 def test_public_url_drops_credentials_and_query() -> None:
     assert public_url("http://user:secret@gpu-a:30001/?key=x") == "http://gpu-a:30001"
+    assert public_url("http://u:p@[::1]:30001/") == "http://[::1]:30001"  # brackets kept
     assert public_url("https://gpu-b/sglang/") == "https://gpu-b/sglang"
 
 
@@ -369,10 +370,11 @@ def test_a_data_parallel_server_is_measured_one_engine_at_a_time(tmp_path: Path,
     assert block["max_running_requests"] == 256 and block["data_parallel_ranks"]["ranks"] == 2
 
 
-def test_a_table_of_one_side_derives_the_other_from_its_fit(tmp_path: Path) -> None:
+def test_a_table_of_one_side_derives_the_other_from_the_lines(tmp_path: Path) -> None:
     """A review's probe: a base server alone, measured as a table, repeated its steps for the spec
     side, so the router saw speculation as free (spec's step 19 ms at batch 8 where the twin's is
-    37). The side not measured is the measured one's fit, as the affine kind derives it."""
+    37). The side not measured is the measured one scaled by the two sides' lines, as the affine
+    kind derives them."""
     from datetime import UTC, datetime
 
     moe = load_profile("kimi-moe")
@@ -383,9 +385,25 @@ def test_a_table_of_one_side_derives_the_other_from_its_fit(tmp_path: Path) -> N
     fixed, per_token = fit_line([float(b) for b in BATCHES], [moe.base_step_ms(b, 1024) for b in BATCHES])
     for b in BATCHES:
         assert profile.base_step_ms(b, 1024) == pytest.approx(moe.base_step_ms(b, 1024), rel=1e-4)
-        assert profile.spec_step_ms(b, 3, 1024) == pytest.approx(fixed + per_token * 4 * b, rel=1e-3)
+        measured = moe.base_step_ms(b, 1024)  # scaled by the lines' ratio: the curve's shape kept
+        derived = measured * (fixed + per_token * 4 * b) / (fixed + per_token * b)
+        assert profile.spec_step_ms(b, 3, 1024) == pytest.approx(derived, rel=1e-3)
         assert profile.spec_step_ms(b, 3, 1024) > profile.base_step_ms(b, 1024)
     assert any("no spec server measured" in note for note in doc["measured"]["notes"])
+    # The other way: a spec server alone. Off the curve, a line put base above spec at small
+    # batches (22.1 ms against spec's 21.0 at batch 1 on kimi-moe): the router would have seen
+    # speculation as cheaper than plain decoding.
+    spec = _result("spec", {b: moe.spec_step_ms(b, 3, 1024) for b in BATCHES})
+    doc, rows = build_profile([spec], "spec-only", datetime.now(UTC), 10.0, 240.0)
+    assert rows is not None
+    profile = write_profile(doc, rows, tmp_path / "spec-only.json")
+    for b in BATCHES:
+        assert profile.base_step_ms(b, 1024) < profile.spec_step_ms(b, 3, 1024), b
+    # A spec server that names no draft steps: 3 assumed, said (the table divided by zero).
+    spec.server.num_steps = 0
+    doc, rows = build_profile([spec], "no-k", datetime.now(UTC), 10.0, 240.0)
+    assert write_profile(doc, rows, tmp_path / "no-k.json").name == "no-k"
+    assert any("3 assumed" in note for note in doc["measured"]["notes"])
 
 
 def test_each_run_sends_prompts_of_its_own() -> None:

@@ -391,10 +391,11 @@ def test_with_keys_a_stored_response_is_its_key_s_alone(fleet: list[RunningTwin]
             timeout=10,
         )
         assert raw.status_code == 400 and raw.json()["error"]["param"] == "rid"
-        mine = chosen.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, extra_body={"rid": "my-own-1"}
-        )
-        assert mine.choices
+        for rid in ("my-own-1", "resp_myapp_42"):  # rids no key's response has: the client's own business
+            mine = chosen.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, extra_body={"rid": rid}
+            )
+            assert mine.choices
         # Not stored: no id chosen for it, none to find.
         unstored = alice.responses.create(model=MODEL, input="Forget this.", store=False, max_output_tokens=8)
         with pytest.raises(openai.NotFoundError):
