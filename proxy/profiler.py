@@ -33,7 +33,6 @@ import csv
 import json
 import os
 import random
-import re
 import statistics
 import sys
 import tempfile
@@ -54,7 +53,7 @@ from proxy.backends.base import RANK_HEADER
 from proxy.backends.prometheus import parse_prometheus
 from proxy.backends.sglang import server_info_facts
 from proxy.backends.vllm import VLLM_DEFAULT_MAX_NUM_SEQS
-from proxy.settings import SettingsError
+from proxy.settings import SettingsError, server_url_problem
 
 DEFAULT_BUDGET_S = 240.0
 DEFAULT_CONTEXT = 1024
@@ -747,6 +746,7 @@ def build_profile(
         k = 3
         notes.append("the spec server said no draft steps per verify step: 3 assumed (SGLang's default)")
     for server_result in results:
+        notes += [f"{server_result.server.role} {server_result.server.shown}: {note}" for note in server_result.notes]
         if server_result.unreliable:  # the profile then rests on smaller batches: more than a progress line
             largest = max((b.batch for b in server_result.batches), default=0)
             left = ", ".join(str(b) for b in [u.batch for u in server_result.unreliable] + server_result.skipped)
@@ -755,8 +755,6 @@ def build_profile(
                 f"{shown}: batches {left} left out (chunks came in bursts: this client or "
                 f"the server was busy), steps past batch {largest} extrapolated: measure again on a quieter machine"
             )
-    for server_result in results:
-        notes += [f"{server_result.server.role} {server_result.server.shown}: {note}" for note in server_result.notes]
     if base is None:
         notes.append("no base server measured: the base side is derived from the spec side's fit, not measured")
     if spec is None:
@@ -972,31 +970,15 @@ def cannot_write(out: Path) -> str | None:
     return None
 
 
-def url_problem(url: str) -> str | None:
-    """Why `url` is no server's base URL (None: it is one)."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        return str(exc)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return "not an http:// or https:// URL with a host"
-    if parts.query or parts.fragment or "?" in url or "#" in url:
-        return "a base URL has no query or fragment"
-    del port
-    return None
-
-
 def run(options: Options) -> int:
     """`specroute profile`: 0 written, 3 a server busy (no --force), 1 another failure."""
     if options.out.suffix != ".json":
         print("specroute profile: --out must name a .json file", file=sys.stderr)
         return 2
     for url in options.urls:
-        problem = url_problem(url)
+        problem = server_url_problem(url)
         if problem is not None:
-            shown = re.split(r"[?#]", re.sub(r"//[^/@]*@", "//", url))[0]  # no credentials, no query
-            print(f"specroute profile: --url {shown!r}: {problem}", file=sys.stderr)
+            print(f"specroute profile: --url {problem}", file=sys.stderr)
             return 2
     unwritable = cannot_write(options.out)
     if unwritable is not None:  # said now, not after minutes of measuring

@@ -676,18 +676,15 @@ class CompletionHandler:
             # the follow-ups naming it would then go to this server.
             exchange.keeps_id = stored and chosen is None
             return
-        if chosen is not None:
-            if not isinstance(chosen, str) or not self.responses.ids.belongs(chosen, client):
-                raise ProxyError(
-                    400,
-                    "with proxy keys on the proxy chooses the ids of stored responses; leave out 'request_id'",
-                    param="request_id",
-                    code="request_id_not_allowed",
-                )
-            exchange.keeps_id = stored
-            return
+        if chosen is not None and not (isinstance(chosen, str) and self.responses.ids.belongs(chosen, client)):
+            raise ProxyError(
+                400,
+                "with proxy keys on the proxy chooses the ids of stored responses; leave out 'request_id'",
+                param="request_id",
+                code="request_id_not_allowed",
+            )
         exchange.keeps_id = stored
-        if stored:
+        if stored and chosen is None:
             exchange.ids_for = client  # each attempt's body gets one (`attempt`)
 
     def check_rid(self, payload: dict[str, Any], client: bytes | None) -> None:
@@ -714,14 +711,14 @@ class CompletionHandler:
         (else it goes where routing sends it, whose server answers for the id it does not know).
         With proxy keys on, a response of another key's is not found, and no server is asked."""
         previous = payload.get("previous_response_id")
-        if isinstance(previous, str) and previous and not self.responses.ids.belongs(previous, client):
-            raise ProxyError(
-                404,
-                f"Previous response with id '{previous[:64]}' not found.",
-                param="previous_response_id",
-                code="response_not_found",
-            )
         if isinstance(previous, str) and previous:
+            if not self.responses.ids.belongs(previous, client):
+                raise ProxyError(
+                    404,
+                    f"Previous response with id '{previous[:64]}' not found.",
+                    param="previous_response_id",
+                    code="response_not_found",
+                )
             headers_for = self.headers_for(headers, exchange.request_id, exchange.client)
             began = perf_counter()
             found = await self.responses.owner(previous, headers_for, exchange.request_id)

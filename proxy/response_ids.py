@@ -54,10 +54,7 @@ class ResponseIds:
         keys, every id is everyone's)."""
         if owner is None:
             return True
-        rest = response_id.removeprefix(PREFIX)
-        if len(rest) != NONCE_HEX + TAG_HEX or len(rest) == len(response_id):
+        if not self.shaped(response_id):
             return False
-        nonce, claimed = rest[:NONCE_HEX], rest[NONCE_HEX:]
-        if not nonce.isascii():
-            return False
-        return hmac.compare_digest(claimed.encode("ascii", "replace"), self.tag(owner, nonce).encode("ascii"))
+        nonce, claimed = response_id[len(PREFIX) : -TAG_HEX], response_id[-TAG_HEX:]
+        return hmac.compare_digest(claimed, self.tag(owner, nonce))

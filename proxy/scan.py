@@ -167,6 +167,7 @@ USAGE_REQUESTED = b'"stream_options":{"include_usage":true}'
 _EVENT_SPLIT = re.compile(b"|".join(b"(?<=" + re.escape(end) + b")" for end in EVENT_ENDS))
 _EMPTY_CHOICES = re.compile(rb'"choices"\s*:\s*\[\s*\]')
 _USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+_EMPTY_REST = re.compile(rb"[ \t\r\n]*\}")
 
 
 def with_usage_requested(body: bytes) -> bytes:
@@ -180,7 +181,7 @@ def with_first_member(body: bytes, member: bytes) -> bytes:
     """A JSON object's body with `member` (`"name":value`) put first, so nothing else is
     re-encoded; for a body that does not have it already (the caller checked)."""
     opening = body.index(b"{") + 1
-    empty = body[opening:].lstrip(b" \t\r\n").startswith(b"}")
+    empty = _EMPTY_REST.match(body, opening) is not None  # read in place: the body may be MBs
     return body[:opening] + member + (b"" if empty else b",") + body[opening:]
 
 

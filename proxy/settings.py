@@ -371,26 +371,9 @@ class Settings(_SettingsWithPolicies):
     @classmethod
     def _check_urls(cls, urls: list[str]) -> list[str]:
         for url in urls:
-            if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
-                raise ValueError(f"{url!r} is not an http:// or https:// URL")
-            try:
-                parsed = URL(url)
-            except ValueError as exc:
-                raise ValueError(f"{url!r} is not a valid URL ({exc})") from None
-            if parsed.user is not None or parsed.password is not None:
-                # The URL shows in x-specroute-backend, /v1/specroute/state, logs and traces.
-                shown = str(parsed.with_user(None))
-                raise ValueError(
-                    f"{shown!r} carries credentials; set SPECROUTE_SPEC_API_KEY/SPECROUTE_BASE_API_KEY instead"
-                )
-            if parsed.query_string or parsed.fragment or "?" in url or "#" in url:
-                raise ValueError(f"{url!r} has a query or fragment; give the server's base URL")
-            if parsed.path.rstrip("/").endswith("/v1"):
-                # The OpenAI SDKs' base_url style: every path the proxy asks for (/v1/..., and
-                # SGLang's /get_load, /metrics) would 404 behind it, and the server look idle.
-                raise ValueError(f"{url!r} ends in /v1; give the server's root (the proxy adds /v1/... itself)")
-            if not parsed.host or any(c.isspace() for c in url):
-                raise ValueError(f"{url!r} is not a valid URL (no host, or a space in it)")
+            problem = server_url_problem(url)
+            if problem is not None:
+                raise ValueError(problem)
         return [url.rstrip("/") for url in urls]
 
     @field_validator("response_id_secret")
@@ -694,6 +677,31 @@ def inline_keys(value: SecretStr | None) -> list[str]:
     if value is None:
         return []
     return [part.strip() for part in value.get_secret_value().split(",") if part.strip()]
+
+
+def server_url_problem(url: str) -> str | None:
+    """Why `url` is no LLM server's base URL (None: it is one); the reason shows the URL without
+    credentials or query, which may hold secrets. For the pools' URLs and `specroute profile`."""
+    shown = repr(re.split(r"[?#]", re.sub(r"//[^/@]*@", "//", url, count=1))[0])
+    if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+        return f"{shown} is not an http:// or https:// URL"
+    try:
+        parsed = URL(url)
+        parsed.port  # noqa: B018  # a port out of range is refused only when read
+    except ValueError as exc:
+        return f"{shown} is not a valid URL ({exc})"
+    if parsed.user is not None or parsed.password is not None:
+        # The URL shows in x-specroute-backend, /v1/specroute/state, logs, traces and profiles.
+        return f"{shown} carries credentials; give the servers' key apart (SPECROUTE_SPEC_API_KEY / SPECROUTE_BASE_API_KEY, or specroute profile's --api-key-file)"
+    if parsed.query_string or parsed.fragment or "?" in url or "#" in url:
+        return f"{shown} has a query or fragment; give the server's base URL"
+    if parsed.path.rstrip("/").endswith("/v1"):
+        # The OpenAI SDKs' base_url style: every path the proxy asks for (/v1/..., and SGLang's
+        # /get_load, /metrics) would 404 behind it, and the server look idle.
+        return f"{shown} ends in /v1; give the server's root (the proxy adds /v1/... itself)"
+    if not parsed.host or any(c.isspace() for c in url):
+        return f"{shown} is not a valid URL (no host, or a space in it)"
+    return None
 
 
 def without_password(url: str) -> str:

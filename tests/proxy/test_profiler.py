@@ -424,12 +424,15 @@ def test_each_run_sends_prompts_of_its_own() -> None:
     [
         ("http://h:99999", "Port out of range"),
         ("http://user:secret@[::1", "Invalid IPv6 URL"),
-        ("http://127.0.0.1:30000?token=secret", "no query"),
+        ("http://127.0.0.1:30000?token=secret", "has a query"),
         ("localhost:30000", "not an http:// or https:// URL"),
+        ("http://user:secret@gpu-a:30000", "carries credentials"),
+        ("http://gpu-a:30000/v1", "ends in /v1"),
     ],
 )
 def test_a_url_that_is_no_base_url_is_one_line(url: str, said: str, tmp_path: Path, capsys) -> None:
-    """A review's probe: each was a traceback (the query one after asking /v1/models?token=X/...)."""
+    """A review's probe: each was a traceback (the query one after asking /v1/models?token=X/...).
+    The check is the one the pools' URLs get (`proxy.settings.server_url_problem`)."""
     assert main(["profile", "--url", url, "--out", str(tmp_path / "p.json"), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and said in err and "secret" not in err
