@@ -174,7 +174,8 @@ class Progress:
             return
         done = min(self.elapsed() / self.budget_s, 1.0)
         bar = "#" * round(done * 20)
-        print(f"[{bar:<20}] {self.elapsed():5.0f}/{self.budget_s:.0f} s  {message}", file=self.out, flush=True)
+        budget = f"{self.budget_s:.0f}" if self.budget_s >= 10 else f"{self.budget_s:.1f}"
+        print(f"[{bar:<20}] {self.elapsed():5.0f}/{budget} s  {message}", file=self.out, flush=True)
 
 
 @dataclass
@@ -1001,6 +1002,9 @@ def run(options: Options) -> int:
     except OSError as exc:  # the file became unwritable while measuring (a full disk, say)
         print(f"specroute profile: cannot write {options.out}: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # asyncio.run has cancelled the streams, which closes them on the servers
+        print(f"specroute profile: interrupted after {progress.elapsed():.0f} s; nothing written", file=sys.stderr)
+        return 130
     measured = doc["measured"]
     progress.line(
         f"wrote {options.out} ({measured['step_kind']}; residuals {measured['profile_residual_pct']}) "

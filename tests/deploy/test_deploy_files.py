@@ -273,6 +273,18 @@ def test_kustomization_renders_every_manifest(kubeconform: Kubeconform) -> None:
     assert done.returncode == 0, done.stdout
 
 
+def test_kustomization_names_every_image_the_manifests_run() -> None:
+    """The `images:` stanza is where an operator sets registry and tags: it must name each image
+    the manifests run, with the tag they pin, or an edit there silently misses a container."""
+    stanza = {i["name"]: i["newTag"] for i in yaml.safe_load((K8S / "kustomization.yaml").read_text())["images"]}
+    running = set()
+    for document in k8s_documents().values():
+        pod = document.get("spec", {}).get("template", {}).get("spec", {})
+        for container in pod.get("containers", []) + pod.get("initContainers", []):
+            running.add(tuple(container["image"].rsplit(":", 1)))
+    assert running == set(stanza.items())
+
+
 def test_proxy_shutdown_fits_in_the_grace_period() -> None:
     documents = k8s_documents()
     pod = documents[("Deployment", "specroute")]["spec"]["template"]["spec"]

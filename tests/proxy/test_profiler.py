@@ -10,7 +10,11 @@ leaves such a batch out itself, see test_burst_detection). The Kimi presets run 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -27,6 +31,7 @@ from proxy.profiler import (
     Options,
     ProfileError,
     Profiler,
+    Progress,
     Server,
     ServerResult,
     above_the_line,
@@ -468,3 +473,29 @@ def test_an_out_path_that_is_a_folder_or_unwritable_is_said_before_measuring(tmp
     assert "is a folder" in capsys.readouterr().err
     assert main(["profile", "--url", "http://127.0.0.1:1", "--out", "/proc/p.json", "--quiet"]) == 2
     assert "not writable" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_says_so_writes_nothing_and_frees_the_servers_streams(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    with twin("base", "kimi-linear", time_scale=4.0) as base:
+        argv = [sys.executable, "-m", "proxy.cli", "profile", "--url", base.url, "--out", str(out)]
+        proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+        try:
+            running = base.url + "/v1/loads"
+            wait_for(lambda: httpx.get(running).json()["loads"][0]["num_running_reqs"] > 0, "the profiler's streams")
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+        assert proc.returncode == 130
+        assert "interrupted after" in err and "nothing written" in err and "Traceback" not in err
+        assert not out.exists()
+        wait_for(lambda: httpx.get(running).json()["loads"][0]["num_running_reqs"] == 0, "the streams closed")
+
+
+def test_progress_shows_a_short_budget_as_it_is() -> None:
+    shown = io.StringIO()
+    Progress(0.5, out=shown).line("x")
+    Progress(240, out=shown).line("y")
+    assert "/0.5 s  x" in shown.getvalue() and "/240 s  y" in shown.getvalue()
