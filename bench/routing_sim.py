@@ -222,6 +222,9 @@ class VirtualRouter:
     _polls: int = 0
     _steps: int = 0
     _next_look: float = 0.0
+    _looking_at: float | None = None
+    """The time of the look under way: the proxy's queue, having let one go, judges again at
+    once (proxy/holding.py), so a look lets go as many as have room, one after another."""
     """When flow control next looks for room (a poll interval after it last found none)."""
     _next_poll: float = 0.0
     _views: Sequence[EngineView] = ()
@@ -353,9 +356,10 @@ class VirtualRouter:
         position = 0 if self.flow.expired(now - held[0].time) else None
         rule = "release-bound"
         if position is None:
-            if now < self._next_look:
-                return None  # the proxy's queue looks at the fleet once a poll interval
-            self._next_look = now + self.poll_interval_s
+            if now != self._looking_at:
+                if now < self._next_look:
+                    return None  # the proxy's queue looks at the fleet once a poll interval
+                self._next_look, self._looking_at = now + self.poll_interval_s, now
             snapshot = self.fleet.snapshot(now, None)
             for i, judged_by in self.flow.judging_order([now - a.time for a in held], snapshot):
                 features, _, _ = self.features(held[i], now)
@@ -365,6 +369,7 @@ class VirtualRouter:
                     position, rule = i, judged_by
                     break
             if position is None:
+                self._looking_at = None  # nothing had room: the next look is a poll interval on
                 return None
         arrival = held[position]
         features, blocks, match = self.features(arrival, now)
