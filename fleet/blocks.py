@@ -75,13 +75,15 @@ _TOOLS = b"\xfd\xfd\xfd\xfd"  # the request's tool definitions
 _IDS = b"\xfe\xfe\xfe\xfe"  # a completion prompt given as token ids
 _PAD = (b"", b"\xff\xff\xff", b"\xff\xff", b"\xff")  # by length % 4
 _TEXT_VOCAB = 128_000  # the twin's role ids: crc32(role) % 128000 (sim/tokens.py)
-CACHE_FIELDS = ("model", "lora_path", "chat_template_kwargs", "reasoning_effort")
-"""Request fields besides the prompt that change the tokens or the weights a server caches the
-prompt's KV under: folded into the chain's header (`prompt_header`). The model names the weights
-(vLLM serves a LoRA adapter under its own name; SGLang takes `lora_path`); template arguments and
-a reasoning effort may be rendered ahead of the messages. Not `add_generation_prompt` nor
-`continue_final_message`: they change only the prompt's end, after every block the two requests
-share."""
+CACHE_FIELDS = ("model", "lora_path", "chat_template_kwargs", "reasoning_effort", "cache_salt", "extra_key")
+"""Request fields besides the prompt that change the tokens, the weights or the namespace a
+server caches the prompt's KV under: folded into the chain's header (`prompt_header`). The model
+names the weights (vLLM serves a LoRA adapter under its own name; SGLang takes `lora_path`);
+template arguments and a reasoning effort may be rendered ahead of the messages; `cache_salt`
+(SGLang and vLLM) and `extra_key` (SGLang) keep a prompt's cache apart from the same prompt sent
+without them (the proxy salts each client key's requests, proxy/cache_salt.py). Not
+`add_generation_prompt` nor `continue_final_message`: they change only the prompt's end, after
+every block the two requests share."""
 
 
 def _text(text: str, out: list[bytes]) -> None:

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from proxy import openapi
-from proxy.auth import KEY_SCOPE, Access, AuthRefused, KeyLimits, without_authorization
+from proxy.auth import KEY_SCOPE, Access, AuthRefused, KeyLimits, Role, without_authorization
 from proxy.connection import CLOSE_EXTENSION
 from proxy.errors import ProxyError, error_object, error_type_for
 from proxy.hooks import Telemetry
@@ -41,6 +41,7 @@ from proxy.relay import (
 from proxy.responses import Answer, HeadersFor
 from proxy.routing import Router
 from proxy.settings import Settings
+from proxy.state import public_decisions
 from proxy.telemetry.names import STORED_RESPONSES_PREFIX
 from proxy.upstream import UPSTREAM_ERRORS, Upstream
 
@@ -265,10 +266,14 @@ def management_api(app: SpecrouteApp) -> FastAPI:
         return JSONResponse(state, 200 if state["ready"] else 503)
 
     @api.api_route("/v1/specroute/state", methods=READ_METHODS)
-    async def routing_state() -> dict[str, Any]:
+    async def routing_state(request: Request) -> dict[str, Any]:
         """The router's live view: snapshot, acceptance, cost estimates, recent decisions, and
-        the process's own resources (what a leak would show)."""
-        return {**app.router.state(), "process": process_state()}
+        the process's own resources (what a leak would show). With keys on, only an operator
+        reads the decisions' per-request fields (`proxy.state.PUBLIC_DECISION_FIELDS`)."""
+        state = {**app.router.state(), "process": process_state()}
+        if app.access.enabled and app.access.keys.role_of_digest(request.scope.get(KEY_SCOPE)) is not Role.OPERATOR:
+            state["decisions"] = public_decisions(state["decisions"])
+        return state
 
     @api.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str, request: Request) -> Response:

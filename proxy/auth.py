@@ -154,13 +154,19 @@ class KeyRing:
 
     def role_of(self, key: str) -> tuple[Role, bytes]:
         """The key's role (NONE if unknown) and its hash, which names it from here on."""
-        self._refresh()
         presented = digest(key)
+        return self.role_of_digest(presented), presented
+
+    def role_of_digest(self, presented: bytes | None) -> Role:
+        """The role of the key whose hash is `presented` (NONE if unknown or None)."""
+        if presented is None:
+            return Role.NONE
+        self._refresh()
         role = Role.NONE
         for known, known_role in self.keys:  # every key compared: the time says nothing of which
             if hmac.compare_digest(presented, known):
                 role = known_role
-        return role, presented
+        return role
 
 
 def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> tuple[str | None, bool]:
@@ -295,9 +301,9 @@ def warn_if_open(settings: Settings, access: Access) -> None:
     if access.enabled:
         if settings.response_id_secret is None:
             log.warning(
-                "SPECROUTE_RESPONSE_ID_SECRET is unset: a stored response's id is bound to its client's key"
-                " alone, and tests guesses at that key offline; set it (the same on every replica)"
-                " unless every key is long and random"
+                "SPECROUTE_RESPONSE_ID_SECRET is unset: a stored response's id and a key's cache salt are"
+                " bound to its client's key alone, and test guesses at that key offline; set it (the same"
+                " on every replica) unless every key is long and random"
             )
         return
     if not is_loopback(settings.host):
@@ -314,6 +320,7 @@ def warn_if_open(settings: Settings, access: Access) -> None:
             ("key_max_concurrency", settings.key_max_concurrency > 0),
             ("pool_pin", settings.pool_pin == "operators"),
             ("response_id_secret", settings.response_id_secret is not None),
+            ("cache_scope", settings.cache_scope != "key"),
         )
         if applies and field in settings.model_fields_set
     ]

@@ -41,8 +41,10 @@ import orjson
 from fleet.blocks import BLOCK_TOKENS, PromptBlocks
 from fleet.features import responses_as_chat
 from fleet.types import Features
+from proxy.cache_salt import salted
 from proxy.errors import ProxyError
 from proxy.routing import features_of, session_of
+from proxy.scan import with_first_member
 
 log = logging.getLogger("specroute")
 T = TypeVar("T")
@@ -127,6 +129,26 @@ def without_null_members(payload: dict[str, Any], body: bytes) -> tuple[dict[str
     return {name: value for name, value in payload.items() if name not in unset}, forward
 
 
+def with_key_salt(payload: dict[str, Any], body: bytes, salt: str) -> tuple[dict[str, Any], bytes]:
+    """The payload and the body to forward with `cache_salt` set to the key's `salt`, or to it
+    combined with the client's own (proxy/cache_salt.py). A body without the member gets it put
+    first (nothing re-encoded); one naming it (a null too: the last of two members wins) is
+    parsed again with the standard library and serialised with the salt in its place, as
+    `without_null_members` does."""
+    own = payload.get("cache_salt")
+    if own is not None and not isinstance(own, str):
+        got = type(own).__name__
+        raise ProxyError(400, f"'cache_salt' must be a string, not {got}", param="cache_salt", code="invalid_type")
+    combined = salted(salt, own)
+    if "cache_salt" not in payload:
+        forward = with_first_member(body, b'"cache_salt":"' + combined.encode("ascii") + b'"')
+    else:
+        exact = json.loads(body)
+        exact["cache_salt"] = combined
+        forward = json.dumps(exact, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    return {**payload, "cache_salt": combined}, forward
+
+
 NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 AS_SQUARE = bytes.maketrans(b"{}", b"[]")
 
@@ -189,6 +211,9 @@ class Given:
     owner: bytes | None = None
     """The client's API key as the proxy knows it (a digest; None without keys): its session
     names are its own (`session_key`)."""
+    cache_salt: str | None = None
+    """The client key's cache salt (proxy/cache_salt.py; None: the body's own, if any, goes as
+    sent): set on the forwarded body, and so in the header its blocks are keyed by."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +256,8 @@ def read(body: bytes, max_items: int, max_values: int, given: Given = Given()) -
         )
     check_fields(payload)
     payload, forward = without_null_members(payload, body)
+    if given.cache_salt is not None:
+        payload, forward = with_key_salt(payload, forward if forward is not None else body, given.cache_salt)
     if given.responses:  # its own fields kept; routing, spans and content read the chat ones
         payload = {**payload, **responses_as_chat(payload)}
     blocks = PromptBlocks.of(payload, given.block_tokens, given.max_blocks)

@@ -25,6 +25,7 @@ from proxy import body as request_body
 from proxy import scan
 from proxy.auth import KEY_SCOPE
 from proxy.backends.base import RANK_HEADER
+from proxy.cache_salt import key_salt
 from proxy.connection import ABORT_EXTENSION
 from proxy.errors import ProxyError, normalise_upstream_error
 from proxy.holding import Held
@@ -470,8 +471,17 @@ class CompletionHandler:
             settings.max_json_items, settings.max_json_values, keep_content=settings.trace_content
         )
         secret = settings.response_id_secret
-        ids = ResponseIds(secret.get_secret_value().encode() if secret is not None else b"")
-        self.responses = ResponseOwners(router, upstream, self.clients_keys_upstream, telemetry, ids)
+        self.secret = secret.get_secret_value().encode() if secret is not None else b""
+        self.responses = ResponseOwners(
+            router, upstream, self.clients_keys_upstream, telemetry, ResponseIds(self.secret)
+        )
+
+    def cache_salt(self, owner: bytes | None) -> str | None:
+        """The salt a client key's completions are sent with (proxy/cache_salt.py): None without
+        keys, or with SPECROUTE_CACHE_SCOPE=shared."""
+        if owner is None or self.settings.cache_scope != "key":
+            return None
+        return key_salt(owner, self.secret)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers, undecodable = request_headers(scope)
@@ -531,6 +541,7 @@ class CompletionHandler:
                 router.hash_key,
                 responses=exchange.dialect is scan.RESPONSES,
                 owner=scope.get(KEY_SCOPE),
+                cache_salt=self.cache_salt(scope.get(KEY_SCOPE)),
             )
             parsed = await self.bodies.parse(body, given)
             payload, features = parsed.payload, parsed.features

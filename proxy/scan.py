@@ -38,14 +38,22 @@ _NO_CACHED_DETAILS = re.compile(rb'"prompt_tokens_details"\s*:\s*null')
 # one per choice with the first token's), and SGLang's closing one per choice with an empty delta
 # and the finish reason, after the last token's. Neither is a token nor a step gap. The prefixes
 # as SGLang's versions write them: msgspec leaving None out ({} to close), pydantic writing it
-# (role, then content), and a StreamDelta writing reasoning_content first.
+# (role, then content), and a StreamDelta writing reasoning_content first, always (SGLang 0.5's
+# sse_utils: its closing delta is {"reasoning_content":null}).
 TEXTLESS = (
     b'"delta":{"role":"assistant","content":""',
     b'"delta":{}',
     b'"delta":{"role":null,"content":null',
     b'"delta":{"reasoning_content":null,"role":"assistant","content":""',
     b'"delta":{"reasoning_content":null,"role":null,"content":null',
+    b'"delta":{"reasoning_content":null}',
 )
+TOOL_CALL_DELTAS = (
+    b'"delta":{"role":null,"content":null,"tool_calls":[',
+    b'"delta":{"role":null,"content":null,"reasoning_content":null,"tool_calls":[',
+)
+"""Pydantic's deltas (SGLang's tool-call chunks) that open as a TEXTLESS one does but carry a
+call's tokens: counted back."""
 
 
 def line_starts(chunk: bytes, prefix: bytes) -> int:
@@ -67,9 +75,12 @@ def content_events(chunk: bytes) -> int:
     if events and (NO_CHOICES in chunk or NO_CHOICES_SPACED in chunk):
         events = max(events - chunk.count(NO_CHOICES) - chunk.count(NO_CHOICES_SPACED), 0)
     # Every TEXTLESS prefix has "r" or "}" after the brace; a text delta as msgspec writes it
-    # ("delta":{"content":...) has neither, so most chunks pass with two scans, not five.
+    # without reasoning ("delta":{"content":...) has neither, so such chunks pass with two scans.
     if events and (b'"delta":{"r' in chunk or b'"delta":{}' in chunk):
-        events = max(events - sum(chunk.count(prefix) for prefix in TEXTLESS), 0)
+        textless = sum(chunk.count(prefix) for prefix in TEXTLESS)
+        if textless and b'"tool_calls":[' in chunk:
+            textless -= sum(chunk.count(prefix) for prefix in TOOL_CALL_DELTAS)
+        events = max(events - textless, 0)
     return events
 
 
@@ -143,7 +154,8 @@ class Summary:
     """Prompt tokens the server found in its prefix cache (usage.prompt_tokens_details.cached_tokens),
     when it reports them."""
     cached_details_null: bool = False
-    """The usage said prompt_tokens_details: null (SGLang's answer for a miss when it reports)."""
+    """The usage said prompt_tokens_details: null, or had none (SGLang's answer for a miss when it
+    reports: a completions stream's usage chunk is dumped without its null fields)."""
 
 
 def summarise(tail: bytes) -> Summary:
@@ -158,7 +170,8 @@ def summarise(tail: bytes) -> Summary:
         finish_reasons=tuple(reason.decode() for reason in _FINISH_REASON.findall(tail)),
         spec_verify_ct=int(verify[-1]) if verify else None,
         cached_tokens=int(cached[-1]) if cached else None,
-        cached_details_null=not cached and _NO_CACHED_DETAILS.search(tail) is not None,
+        cached_details_null=not cached
+        and (_NO_CACHED_DETAILS.search(tail) is not None or (bool(prompt) and b'"prompt_tokens_details"' not in tail)),
     )
 
 

@@ -83,7 +83,11 @@ class _SettingsHead(BaseSettings):
     )
     response_id_secret: SecretStr | None = Field(
         None,
-        description="With keys on, a secret (at least 16 characters, the same on every replica) keying the HMAC that binds each stored response's id to its client's key; unset, an id checks guesses at its key offline, so keys must be long and random.",
+        description="With keys on, a secret (at least 16 characters, the same on every replica) keying the HMACs that bind each stored response's id and each key's cache salt to its client's key; unset, an id or a salt checks guesses at its key offline, so keys must be long and random.",
+    )
+    cache_scope: Literal["key", "shared"] = Field(
+        "key",
+        description="With keys on, whose cached prompts a request may reuse: key (its key's own: each forwarded completion gets the key's cache_salt, so no client learns from the servers' prefix caches what another sent) or shared (every client's: more cache hits across keys, for clients that trust each other).",
     )
     metrics_access: Literal["open", "keys", "operators"] = Field(
         "open", description="Who may read GET /metrics when keys are on: open, keys (any key) or operators."

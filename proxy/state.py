@@ -62,6 +62,18 @@ class DecisionLog:
         return explained, entry
 
 
+PUBLIC_DECISION_FIELDS = ("at", "ts", "pool", "reason", "class", "refused", "held")
+"""What a reader of the state endpoint who is not an operator (SPECROUTE_STATE_ACCESS=keys or open,
+with keys on) sees of each recent decision: the routing mix, not the requests. A request's id,
+prompt size, workload key (a keyed hash of its system prompt: a reader who can also send
+requests confirms a guessed prompt by comparing its own request's key), cached credit, instance
+and scores (predictions that grow with the prompt) are another client's business."""
+
+
+def public_decisions(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{name: entry[name] for name in PUBLIC_DECISION_FIELDS if name in entry} for entry in decisions]
+
+
 def dispatched(entry: dict[str, Any], url: str, cached_tokens: int) -> None:
     """A decision's request was sent to `url`, credited with `cached_tokens` there."""
     entry["instance"] = url

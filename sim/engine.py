@@ -317,13 +317,18 @@ class Engine:
         req.workload = workload
         return req
 
-    def page_key(self, token_ids: list[int]) -> tuple:
+    def page_key(self, token_ids: list[int], namespace: str | None = None) -> tuple:
         """Token ids as the cache's pages: the ids themselves with page size 1, else tuples of
-        `page_size` ids (a partial last page is not cached)."""
+        `page_size` ids (a partial last page is not cached). Under a `namespace` (a request's
+        cache salt, `sim.protocol.cache_namespace`) each page is paired with it: no page matches
+        another namespace's, or the shared cache's."""
         p = self.config.page_size
-        if p == 1:
-            return tuple(token_ids)
-        return tuple(tuple(token_ids[i : i + p]) for i in range(0, len(token_ids) - p + 1, p))
+        pages: tuple = (
+            tuple(token_ids)
+            if p == 1
+            else tuple(tuple(token_ids[i : i + p]) for i in range(0, len(token_ids) - p + 1, p))
+        )
+        return pages if namespace is None else tuple((namespace, page) for page in pages)
 
     def block_key(self, blocks: tuple, block_tokens: int) -> tuple:
         """Block ids of `block_tokens` tokens each (e.g. Mooncake's 512-token hash_ids) as pages:

@@ -7,6 +7,7 @@ ignore unknown fields; a missing or ill-typed field is a 400 with SGLang's flat 
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -73,9 +74,18 @@ class _Common(BaseModel):
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
     seed: int | None = None
     ignore_eos: bool = False
     rid: str | None = None
+    cache_salt: str | list[str] | None = None
+    """SGLang's and vLLM's: the prompt's cache is kept apart from other salts' (`cache_namespace`)."""
+    extra_key: str | list[str] | None = None
+    """SGLang's, joined to the salt (vLLM has none: ignored there)."""
     return_spec_tokens_details: bool = False
     response_format: ResponseFormat | None = None
 
@@ -106,6 +116,25 @@ class CompletionRequest(_Common):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_tokens
+
+
+def cache_namespace(request: _Common, vllm: bool = False) -> str | None:
+    """What the request's cached prompt is kept under besides its tokens: SGLang joins
+    `cache_salt` and `extra_key` (each a string when set) into one key its radix tree keeps
+    apart; vLLM hashes `cache_salt` into the first block's hash. None: the shared cache."""
+    parts = (
+        (("cache_salt", request.cache_salt),)
+        if vllm
+        else (("cache_salt", request.cache_salt), ("extra_key", request.extra_key))
+    )
+    joined = ""
+    for name, value in parts:
+        if value is None or value == "":
+            continue
+        if not isinstance(value, str):
+            raise TwinError(f"Value of {name} must be a string, got {type(value).__name__}.")
+        joined += value
+    return joined or None
 
 
 MAX_N = 128
@@ -156,10 +185,23 @@ def check_sampling(request: ChatCompletionRequest | CompletionRequest, vllm: boo
         raise TwinError("max_tokens must be positive", err_type="Bad Request")
     if n is not None and n < 0:
         raise TwinError(f"max_new_tokens must be at least 0, got {n}.")
-    if request.temperature is not None and request.temperature < 0:
-        raise TwinError(f"temperature must be non-negative, got {request.temperature}.")
+    if request.temperature is not None and (not math.isfinite(request.temperature) or request.temperature < 0):
+        raise TwinError(f"temperature must be a non-negative finite number, got {request.temperature}.")
     if request.top_p is not None and not 0 < request.top_p <= 1:
         raise TwinError(f"top_p must be in (0, 1], got {request.top_p}.")
+    if vllm:
+        return
+    # The rest of SamplingParams.verify (sampling/sampling_params.py), as SGLang 0.5.23 words it.
+    if request.min_p is not None and not 0.0 <= request.min_p <= 1.0:
+        raise TwinError(f"min_p must be in [0, 1], got {request.min_p}.")
+    if request.top_k is not None and request.top_k != -1 and request.top_k < 1:
+        raise TwinError(f"top_k must be -1 (disable) or at least 1, got {request.top_k}.")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(request, name)
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise TwinError(f"{name} must be in [-2, 2], got {value}.")
+    if request.repetition_penalty is not None and not 0.0 < request.repetition_penalty <= 2.0:
+        raise TwinError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {request.repetition_penalty}.")
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound
@@ -271,6 +313,7 @@ def usage(
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": details,
         "reasoning_tokens": 0,
+        "completion_tokens_details": None,  # SGLang's UsageInfo: set only with reasoning tokens
     }
 
 

@@ -98,6 +98,8 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None
     stop: str | list[str] | None = None
     request_id: str = Field(default_factory=lambda: f"resp_{uuid.uuid4().hex}")
+    cache_salt: str | None = None
+    extra_key: str | None = None
 
 
 class ResponseStore:
@@ -311,6 +313,8 @@ class Responses:
                 "top_p": request.top_p,
                 "stop": request.stop,
                 "max_completion_tokens": max_new_tokens,
+                "cache_salt": request.cache_salt,
+                "extra_key": request.extra_key,
             }
         )
         twin = self.twin

@@ -39,6 +39,7 @@ from sim.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     TwinError,
+    cache_namespace,
     object_name,
     parse_request,
     stop_strings,
@@ -335,7 +336,8 @@ class Twin:
         rank = self.rank_for(headers)
         engine, loop = self.engines[rank], loops[rank]
         ids = prompt_token_ids(prompt_body) if engine.cache is not None else None
-        cache_key = engine.page_key(ids) if ids is not None and len(ids) == prompt_tokens else None
+        namespace = cache_namespace(request, self.options.vllm)
+        cache_key = engine.page_key(ids, namespace) if ids is not None and len(ids) == prompt_tokens else None
         # n > 1: one engine request per choice, as SGLang runs n sequences.
         rids = [rid] if request.n == 1 else [f"{rid}-{i}" for i in range(request.n)]
         for r in rids:
@@ -374,12 +376,38 @@ class Twin:
         faults = self.faults
         if faults.hang_after_chunks is not None or faults.drop_after_chunks is not None:
             chunks = sick_stream(chunks, faults)
-        return SseResponse(chunks, on_disconnect=abort, headers=headers, at_once=at_once)
+        began = time.monotonic()
+        return SseResponse(
+            chunks,
+            on_disconnect=lambda streaming: self.abort_as_sglang_does(abort, began, streaming),
+            headers=headers,
+            at_once=at_once,
+        )
+
+    def abort_as_sglang_does(self, abort: Callable[[], None], began: float, streaming: bool) -> None:
+        """Abort a request whose client left when SGLang would (vLLM: at once). SGLang's stream,
+        once started, is aborted by the response's background task after a 2 s sleep
+        (tokenizer_manager.create_abort_task); a request with nothing sent yet (not streamed, or
+        a stream still queued or in prefill) when its wait for output next times out and finds
+        the client gone (SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s; its waits restart at each
+        output, and such a request has none). Meanwhile it keeps its place in the queue or its
+        slot. Seconds of the real server: the twin's wall seconds times the time scale."""
+        if self.options.vllm:
+            abort()
+            return
+        scale = self.options.time_scale
+        if streaming:
+            delay = ABORT_AFTER_STREAM_S / scale
+        else:
+            period = STATE_WAIT_TIMEOUT_S / scale
+            delay = period - (time.monotonic() - began) % period
+        asyncio.get_running_loop().call_later(delay, abort)
 
     async def collect(self, run: Generation, receive: Receive) -> list[list[str]] | None:
         """Every choice's pieces once all are finished; None (and the engine requests aborted)
         when the client left first."""
         pieces: list[list[str]] = [[] for _ in run.calls]
+        began = time.monotonic()
         finished = asyncio.ensure_future(self._drain(run.calls, pieces))
         gone = asyncio.ensure_future(wait_disconnect(receive))
         try:
@@ -387,7 +415,7 @@ class Twin:
         finally:
             gone.cancel()
             if not finished.done():
-                run.abort()
+                self.abort_as_sglang_does(run.abort, began, streaming=False)
                 finished.cancel()
         return pieces if finished.done() and not finished.cancelled() else None
 
@@ -402,8 +430,7 @@ class Twin:
         calls = run.calls
         pieces = await self.collect(run, receive)
         reqs = [call.req for call in calls]
-        if pieces is None:  # the client left
-            run.abort()
+        if pieces is None:  # the client left (its engine requests are aborted as SGLang would, `collect`)
             raise TwinError("The request was aborted.", status=400)
         # A request aborted by `/abort_request` is answered as any other, its finish reason
         # `abort`: SGLang's `_handle_abort_finish_reason` raises only for an abort that carries
@@ -497,17 +524,30 @@ class Twin:
         # (should_include_usage); SGLang for continuous_usage_stats alone
         continuous = bool(opts and opts.continuous_usage_stats and (opts.include_usage or not self.options.vllm))
 
+        # SGLang writes a chat stream's chunks with msgspec (sse_utils.build_sse_content): the
+        # delta always has `reasoning_content` first (null: declared without a default so that the
+        # OpenAI SDK's `delta.reasoning_content` never raises), its other None fields and a None
+        # usage are left out. Its tool-call chunks are pydantic's (every delta field, usage null).
+        # Completions chunks are pydantic's too; vLLM writes usage null on every chunk.
+        msgspec_chat = kind == "chat" and not self.options.vllm
+
         def event(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            return sse(
-                {
-                    "id": rid,
-                    "object": obj,
-                    "created": created,
-                    "model": request.model,
-                    "choices": choices,
-                    "usage": usage,
-                }
-            )
+            chunk: dict[str, Any] = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": request.model,
+                "choices": choices,
+            }
+            if msgspec_chat:
+                for choice in choices:
+                    choice["delta"] = sglang_delta(choice["delta"])
+                pydantic = any("tool_calls" in choice["delta"] for choice in choices)
+                if usage is not None or pydantic:
+                    chunk["usage"] = usage
+            else:
+                chunk["usage"] = usage
+            return sse(chunk)
 
         # A chat stream opens with the role alone when the engine's first output (the first token,
         # after prefill) comes: nothing of the body goes out while a request waits. vLLM sends one
@@ -574,7 +614,11 @@ class Twin:
                 }
             )
         if include_usage:
-            yield event([], self._usage(reqs))
+            final = self._usage(reqs)
+            if kind != "chat" and not self.options.vllm:
+                # SGLang's completions usage chunk is dumped with exclude_none: no null details
+                final = {name: value for name, value in final.items() if value is not None}
+            yield event([], final)
         yield b"data: [DONE]\n\n"
 
     # ---- other endpoints ------------------------------------------------------------------
@@ -739,7 +783,7 @@ def check_context(prompt_tokens: int, max_new_tokens: int | None, context_length
         raise TwinError(
             f"The input ({prompt_tokens} tokens) is longer than the model's context length ({context_length} tokens)."
         )
-    if max_new_tokens is not None and max_new_tokens + prompt_tokens >= context_length:
+    if max_new_tokens is not None and max_new_tokens + prompt_tokens > context_length:
         raise TwinError(
             f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
             f"You requested a total of {max_new_tokens + prompt_tokens} tokens: {prompt_tokens} tokens from the "
@@ -750,6 +794,15 @@ def check_context(prompt_tokens: int, max_new_tokens: int | None, context_length
 
 def iso_timestamp(epoch_s: float) -> str:
     return datetime.datetime.fromtimestamp(epoch_s, tz=datetime.UTC).isoformat()
+
+
+def sglang_delta(delta: dict[str, Any]) -> dict[str, Any]:
+    """A chat stream delta as SGLang writes it: msgspec's StreamDelta (`reasoning_content` first,
+    always; role and content only when set), or, carrying tool calls, pydantic's DeltaMessage
+    (role, content and reasoning_content, null when unset, then the calls)."""
+    if "tool_calls" in delta:
+        return {"role": None, "content": None, "reasoning_content": None} | delta
+    return {"reasoning_content": None} | delta
 
 
 def role_opening(index: int) -> dict[str, Any]:
@@ -774,7 +827,7 @@ class SseResponse:
     def __init__(
         self,
         chunks: AsyncIterator[bytes],
-        on_disconnect: Callable[[], object],
+        on_disconnect: Callable[[bool], object],
         headers: Headers = (),
         at_once: bool = True,
     ):
@@ -806,12 +859,12 @@ class SseResponse:
             await asyncio.wait({gone, writer}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             if not writer.done():
-                self.on_disconnect()  # the client left first: free the slot now
+                self.on_disconnect(self.started)  # the client left first: the engine request goes
                 writer.cancel()
             gone.cancel()
             outcome, _ = await asyncio.gather(writer, gone, return_exceptions=True)
         if isinstance(outcome, Exception):
-            self.on_disconnect()
+            self.on_disconnect(self.started)
             if not isinstance(outcome, OSError):  # OSError: the client went away mid-write
                 log.error("stream failed", exc_info=outcome)
 
@@ -833,6 +886,12 @@ class SseResponse:
         finally:
             await self.chunks.aclose()  # type: ignore[attr-defined]
 
+
+ABORT_AFTER_STREAM_S = 2.0
+"""SGLang's create_abort_task: a started stream whose client left is aborted after this sleep."""
+STATE_WAIT_TIMEOUT_S = 4.0
+"""SGLang's SGLANG_REQUEST_STATE_WAIT_TIMEOUT: how often a request with no output yet checks
+that its client is still there."""
 
 Reply = Response | SseResponse
 """What a route returns: a Starlette response, or the ASGI stream above (Starlette calls either)."""

@@ -301,12 +301,9 @@ class ChoiceShape:
             body["delta"] = delta
         else:
             calls = [self._tool_call(text)] if self.tool_name is not None else None
-            body["message"] = {
-                "role": "assistant",
-                "content": None if calls else text,
-                "reasoning_content": None,
-                "tool_calls": calls,
-            }
+            body["message"] = {"role": "assistant", "content": None if calls else text, "reasoning_content": None}
+            if calls is not None:  # SGLang's ChatMessage leaves out a None tool_calls
+                body["message"]["tool_calls"] = calls
         body["logprobs"] = self.logprobs.render(pieces) if self.logprobs is not None else None
         body["finish_reason"] = self.finish_reason(finish_reason)
         body["matched_stop"] = matched_stop

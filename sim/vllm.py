@@ -135,8 +135,9 @@ def as_vllm_choice(choice: dict[str, Any]) -> dict[str, Any]:
 
 
 def as_vllm_usage(usage: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's UsageInfo has no top-level `reasoning_tokens` (SGLang's has)."""
+    """vLLM's UsageInfo has no top-level `reasoning_tokens` nor `completion_tokens_details` (SGLang's has)."""
     usage.pop("reasoning_tokens", None)
+    usage.pop("completion_tokens_details", None)
     return usage
 
 

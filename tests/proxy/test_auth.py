@@ -21,6 +21,8 @@ import pytest
 from proxy_faults import FaultServer
 from proxy_harness import RunningProxy, running_proxy, wait_for
 
+from sim.testing import TwinSpec, twins
+
 MESSAGES = [{"role": "user", "content": "Say hi."}]
 CHAT = {"model": "m", "messages": MESSAGES, "max_tokens": 2}
 
@@ -523,3 +525,67 @@ def test_with_keys_a_session_name_belongs_to_the_key_that_named_it(keyed: Runnin
         answer = httpx.post(keyed.url + "/v1/chat/completions", json=chat, headers=bearer(key), timeout=30)
         assert answer.status_code == 200
     assert sessions() == 2  # the first key's "alice" once, the second key's its own
+
+
+def cached_tokens(proxy: RunningProxy, key: str, **extra) -> int:
+    body = {**CHAT, "messages": [{"role": "user", "content": SECRET_PROMPT}], "max_tokens": 1, **extra}
+    answer = httpx.post(proxy.url + "/v1/chat/completions", json=body, headers=bearer(key), timeout=30)
+    assert answer.status_code == 200, answer.text
+    return (answer.json()["usage"]["prompt_tokens_details"] or {"cached_tokens": 0})["cached_tokens"]
+
+
+SECRET_PROMPT = "CONFIDENTIAL contract 7731 " + "lorem ipsum dolor " * 400
+
+
+def test_with_keys_a_prompt_is_cached_for_its_own_key_alone() -> None:
+    """A review's probe: Bob sending Alice's secret prompt was routed to the instance holding it
+    and told by `cached_tokens` that it had been sent (six times in six). Each key's completions
+    now go with its own cache_salt (SGLang and vLLM keep salted caches apart); the proxy's
+    prefix index keys blocks by it too."""
+    args = ("--enable-cache-report", "--output-len", "fixed:1")
+    with twins(TwinSpec("spec", seed=1, args=args), TwinSpec("base", seed=2, args=args)) as (spec, base):
+        keys = {"spec_urls": [spec.url], "base_urls": [base.url], "api_keys": "sk-alice-1,sk-bob-2"}
+        with running_proxy(**keys, operator_api_keys="sk-operator") as proxy:
+            assert cached_tokens(proxy, "sk-alice-1") <= 1
+            assert cached_tokens(proxy, "sk-alice-1") > 1000  # her own cache: the salt is the same each time
+            assert cached_tokens(proxy, "sk-bob-2") <= 1
+            log = httpx.get(proxy.url + "/v1/specroute/state", headers=bearer("sk-operator"), timeout=5).json()
+            assert log["decisions"][-1]["cached"] == {}  # nor did routing credit Bob with Alice's cache
+            assert cached_tokens(proxy, "sk-bob-2", cache_salt="mine") <= 1  # a salt of his own: apart again
+            assert cached_tokens(proxy, "sk-bob-2", cache_salt="mine") > 1000
+            assert cached_tokens(proxy, "sk-bob-2", cache_salt=None) > 1000  # null: his key's salt
+            wrong = httpx.post(
+                proxy.url + "/v1/chat/completions", json={**CHAT, "cache_salt": 7}, headers=bearer("sk-bob-2")
+            )
+            assert wrong.status_code == 400 and error_of(wrong)["param"] == "cache_salt"
+        with running_proxy(**keys, cache_scope="shared") as proxy:  # clients that trust each other
+            assert cached_tokens(proxy, "sk-alice-1") <= 1  # unsalted: not the salted runs' cache
+            assert cached_tokens(proxy, "sk-bob-2") > 1000
+
+
+def test_only_an_operator_reads_the_decisions_per_request_fields(twin_pair) -> None:
+    """A review's probe: with SPECROUTE_STATE_ACCESS=keys, any client read every request's id,
+    prompt size and workload key, the keyed hash of its system prompt, and confirmed a guessed
+    prompt by sending it and comparing its own request's key."""
+    spec, base = twin_pair
+    system = {"role": "system", "content": "You are AcmeBank's fraud assistant. Escalation code 7731."}
+    chat = {**CHAT, "messages": [system, *MESSAGES]}
+    with running_proxy(
+        spec_urls=[spec.url],
+        base_urls=[base.url],
+        api_keys="sk-alice-1,sk-bob-2",
+        operator_api_keys="sk-operator",
+        state_access="keys",
+    ) as proxy:
+        sent = httpx.post(proxy.url + "/v1/chat/completions", json=chat, headers=bearer("sk-alice-1"), timeout=30)
+        assert sent.status_code == 200
+
+        def decisions(key: str) -> list[dict]:
+            state = httpx.get(proxy.url + "/v1/specroute/state", headers=bearer(key), timeout=5)
+            assert state.status_code == 200
+            return state.json()["decisions"]
+
+        (full,) = decisions("sk-operator")
+        assert full["request_id"] == sent.headers["x-request-id"] and full["workload"] and full["prompt_tokens"]
+        (public,) = decisions("sk-bob-2")
+        assert public == {name: full[name] for name in ("at", "ts", "pool", "reason", "class")}

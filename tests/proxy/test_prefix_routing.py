@@ -140,6 +140,11 @@ def test_cached_tokens_are_read_from_a_json_body_and_a_stream_tail():
     assert null.cached_tokens is None and null.cached_details_null  # SGLang's miss (or no report)
     assert not summarise(body).cached_details_null and not summarise(b'{"usage":{}}').cached_details_null
     assert summarise(b'{"meta_info":{"cached_tokens":5},"usage":{"prompt_tokens":9}}').cached_tokens is None
+    # SGLang's completions stream ends with a usage chunk dumped with exclude_none: a miss has no
+    # prompt_tokens_details at all, which reads as the null one does (a miss where the server is
+    # seen to report, fleet.model.reported_cached).
+    completions = b'data: {"choices":[],"usage":{"prompt_tokens":9,"total_tokens":11,"completion_tokens":2}}\n\n'
+    assert summarise(completions).cached_details_null and summarise(completions).cached_tokens is None
     # A completion's text that spells the field is escaped JSON: never taken for it.
     text = b'{"choices":[{"text":"\\"prompt_tokens_details\\":{\\"cached_tokens\\":77}"}]}'
     assert summarise(text).cached_tokens is None

@@ -307,3 +307,33 @@ def test_a_model_name_only_sglang_accepts_gets_vllms_404_through_the_proxy(proxy
         )
     assert "does not exist" in missing.value.message
     wait_for(lambda: proxy.in_flight() == 0, what="in-flight released")
+
+
+def test_sglang_05_chunks_count_their_tokens_and_no_more() -> None:
+    """SGLang 0.5.23's chat chunks, as its own sse_utils.build_sse_content (msgspec) and its
+    tool-call path (pydantic) write them: the opening and the closing carry no token, a text or
+    a tool call's arguments one step each. The closing's {"reasoning_content":null} counted as a
+    step read every spec stream one verify step long (20 tokens in 8 steps as 2.22 a step)."""
+    from proxy.scan import content_events
+
+    def chunk(delta: bytes, finish: bytes = b"null", tail: bytes = b"") -> bytes:
+        return (
+            b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":[{"index":0,'
+            b'"delta":'
+            + delta
+            + b',"logprobs":null,"finish_reason":'
+            + finish
+            + b',"matched_stop":null}]'
+            + tail
+            + b"}\n\n"
+        )
+
+    opening = chunk(b'{"reasoning_content":null,"role":"assistant","content":""}')
+    text = chunk(b'{"reasoning_content":null,"content":"hello"}')
+    closing = chunk(b'{"reasoning_content":null}', b'"stop"')
+    call = chunk(
+        b'{"role":null,"content":null,"reasoning_content":null,"tool_calls":[{"index":0,"function":{"arguments":"{"}}]}',
+        tail=b',"usage":null',
+    )
+    assert [content_events(c) for c in (opening, text, closing, call)] == [0, 1, 0, 1]
+    assert content_events(opening + text + call + text + closing + b"data: [DONE]\n\n") == 3

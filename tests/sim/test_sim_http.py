@@ -454,25 +454,51 @@ async def _cap_scenario(t):
     await until(lambda: loads(t)["num_running_reqs"] == 0, "all slots free after disconnects")
 
 
-def test_a_non_streaming_client_that_leaves_frees_its_slot():
+def test_a_client_that_leaves_keeps_its_slot_as_long_as_on_sglang():
+    """SGLang aborts a started stream whose client left 2 s later (create_abort_task's sleep), and
+    a request with nothing sent yet at its next 4 s check for the client
+    (SGLANG_REQUEST_STATE_WAIT_TIMEOUT): until then the request keeps its slot."""
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 30000, "ignore_eos": True}
     with twin("spec", "kimi-linear", time_scale=1) as t:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(
-                t.url + "/v1/chat/completions",
-                timeout=httpx.Timeout(10, read=1.0),
-                json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 30000, "ignore_eos": True},
-            )
+            httpx.post(t.url + "/v1/chat/completions", timeout=httpx.Timeout(10, read=1.0), json=body)
+        left = time.monotonic()
+        assert loads(t)["num_running_reqs"] == 1  # still decoding for its gone client
         wait_for(lambda: metric(t, "sglang:num_aborted_requests_total") == 1, "the abort")
+        assert time.monotonic() - left > 2.5  # at 4 s from its start, not at once (1 s)
         wait_for(lambda: loads(t)["num_running_reqs"] == 0, "the slot freed")
         assert json.loads(httpx.get(t.url + "/v1/loads").text)["loads"][0]["num_waiting_reqs"] == 0
+        with httpx.stream("POST", t.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=10) as r:
+            next(r.iter_lines())  # started
+        left = time.monotonic()
+        wait_for(lambda: metric(t, "sglang:num_aborted_requests_total") == 2, "the stream's abort")
+        assert time.monotonic() - left > 1.5
 
 
 @pytest.mark.parametrize(
     "body,fragment",
     [
         ({"messages": [{"role": "robot", "content": "x"}]}, "role"),
-        ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature must be non-negative"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "temperature": -1},
+            "temperature must be a non-negative finite",
+        ),
         ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p must be in (0, 1]"),
+        # the rest of SGLang 0.5.23's SamplingParams.verify
+        ({"messages": [{"role": "user", "content": "x"}], "top_k": 0}, "top_k must be -1 (disable) or at least 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "min_p": 1.5}, "min_p must be in [0, 1]"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "frequency_penalty": 3},
+            "frequency_penalty must be in [-2, 2]",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "presence_penalty": -2.5},
+            "presence_penalty must be in [-2, 2]",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0},
+            "repetition_penalty must be in (0, 2]",
+        ),
     ],
 )
 def test_sampling_and_message_validation(spec, body, fragment):
@@ -743,3 +769,30 @@ def test_the_drop_fault_before_any_chunk_cuts_the_connection_not_a_500(spec):
                 response.read()
     finally:
         httpx.post(spec.url + "/specroute/twin/faults", json={}, timeout=5)
+
+
+def test_stream_chunks_have_sglang_05s_fields(spec):
+    """SGLang 0.5.23 writes chat chunks with msgspec (sse_utils: reasoning_content always, a None
+    usage left out) and a completions stream's usage chunk without its null fields."""
+
+    def events(path: str, body: dict) -> list[dict]:
+        body = {**body, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+        r = httpx.post(spec.url + path, json=body, timeout=30)
+        return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+    chat = events("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    *content, usage = chat
+    assert all(next(iter(c["choices"][0]["delta"])) == "reasoning_content" for c in content)
+    assert all("usage" not in c for c in content) and usage["usage"]["completion_tokens_details"] is None
+    *_, usage = events("/v1/completions", {"prompt": "x"})
+    assert usage["choices"] == [] and None not in usage["usage"].values()
+    assert "prompt_tokens_details" not in usage["usage"]
+
+
+def test_a_request_filling_the_context_exactly_is_served(spec):
+    """SGLang refuses a prompt plus max_tokens past the context (tokenizer_manager: `>`), not one
+    that fills it."""
+    context = httpx.get(spec.url + "/server_info", timeout=5).json()["context_length"]
+    body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": context - 5, "ignore_eos": False}
+    assert httpx.post(spec.url + "/v1/completions", json={**body, "max_tokens": context - 4}).status_code == 400
+    assert httpx.post(spec.url + "/v1/completions", json=body, timeout=60).status_code == 200

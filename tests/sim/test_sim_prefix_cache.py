@@ -117,6 +117,29 @@ def test_cached_tokens_equal_the_shared_prefix_streamed_and_not(cached):
     assert twice["usage"]["prompt_tokens"] == len(ids_b)
 
 
+def cached_tokens(t, body) -> int:
+    response = httpx.post(t.url + "/v1/chat/completions", json=body, timeout=60)
+    response.raise_for_status()
+    return (response.json()["usage"]["prompt_tokens_details"] or {"cached_tokens": 0})["cached_tokens"]
+
+
+def test_a_cache_salt_keeps_a_prompt_apart_from_other_salts_and_the_shared_cache(cached):
+    """SGLang keys its radix tree by `cache_salt` and `extra_key` joined (vLLM by `cache_salt`):
+    a prompt reuses only what its own salt's requests left (a few tokens of the chat template's
+    opening are what another test's unsalted prompts left)."""
+    messages = [{"role": "user", "content": long_text(2000, "salted")}]
+    tokens = count_prompt_tokens({"messages": messages})
+    assert cached_tokens(cached, body_of(messages, cache_salt="alice")) < 10
+    assert cached_tokens(cached, body_of(messages, cache_salt="alice")) == tokens - 1
+    assert cached_tokens(cached, body_of(messages, cache_salt="bob")) < 10
+    assert cached_tokens(cached, body_of(messages)) < 10  # unsalted: the shared cache
+    assert cached_tokens(cached, body_of(messages)) == tokens - 1
+    # joined: the salt "ali" with the key "ce" is the salt "alice"
+    assert cached_tokens(cached, body_of(messages, cache_salt="ali", extra_key="ce")) == tokens - 1
+    refused = httpx.post(cached.url + "/v1/chat/completions", json=body_of(messages, cache_salt=["a"]), timeout=60)
+    assert refused.status_code == 400 and "cache_salt" in refused.json()["message"]
+
+
 def test_loads_count_waiting_uncached_tokens():
     args = ("--max-running-requests", "1", "--enable-metrics", "--load-snapshot-publish-interval", "1")
     with twin("base", "kimi-linear", time_scale=SCALE, seed=4, args=args) as t:

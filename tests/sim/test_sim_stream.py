@@ -43,11 +43,13 @@ def test_a_stream_whose_steps_all_queued_sends_every_token_and_one_finish():
     chunks = [json.loads(e) for e in events[:-1]]
     events = [c for c in chunks if c["choices"]]
     opening, *content, closing = events  # SGLang's: the role alone, the text, the finish reason
-    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    # SGLang's StreamDelta writes reasoning_content always, first (sse_utils.py)
+    assert opening["choices"][0]["delta"] == {"reasoning_content": None, "role": "assistant", "content": ""}
     text = "".join(c["choices"][0]["delta"]["content"] for c in content)
     assert len(text.split()) == 40 == chunks[-1]["usage"]["completion_tokens"]
     assert [c["choices"][0]["finish_reason"] for c in content] == [None] * len(content)
-    assert closing["choices"][0]["delta"] == {} and closing["choices"][0]["finish_reason"] == "stop"
+    assert closing["choices"][0]["delta"] == {"reasoning_content": None}
+    assert closing["choices"][0]["finish_reason"] == "stop"
     # Cumulative usage grows chunk by chunk, not jumping to the end.
     counts = [c["usage"]["completion_tokens"] for c in content]
     assert counts == sorted(counts) and counts[0] == 1 and counts[-1] == 40
