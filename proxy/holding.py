@@ -11,7 +11,8 @@ at the fleet at every poll interval and lets go:
   prompt) does not stop a newer one behind it. No more than MAX_SCAN of each are judged.
 One at a time: the next is judged once the last was dispatched (or ended), so that the fleet
 model counts it first.
-When the proxy starts draining, every held request goes (`release-drain`).
+When the proxy starts draining, every held request goes (`release-drain`), and nothing is held
+from then on (requests still arrive during SPECROUTE_DRAIN_DELAY_S).
 A request let go is routed afresh from the fleet as it is then.
 """
 
@@ -68,14 +69,17 @@ class HoldQueue:
         self.held: list[Held] = []
         """Oldest first."""
         self._task: asyncio.Task[None] | None = None
+        self.closed = False
+        """Set by `release_all`: the proxy is draining, and holds nothing more."""
 
     @property
     def max_hold_s(self) -> float:
         return self.flow.max_hold_s
 
     def holds(self, features: Features, snapshot: Snapshot) -> bool:
-        """Whether a new request is lost on both pools (`hold-lost`)."""
-        return self.flow.holds(features, snapshot)
+        """Whether a new request is lost on both pools (`hold-lost`); never once draining: it
+        would wait past the drain's end for nothing (a review's probe)."""
+        return not self.closed and self.flow.holds(features, snapshot)
 
     async def wait(self, features: Features) -> tuple[Held, str]:
         """Hold a request until it is let go: the entry (its caller calls `land` once it has
@@ -85,6 +89,7 @@ class HoldQueue:
         self.held.append(entry)
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="specroute-hold-queue")
+            self._task.add_done_callback(self._ended)
         try:
             rule = await entry.released
         except BaseException:
@@ -93,6 +98,19 @@ class HoldQueue:
             entry.land()  # let go but cancelled before it could be dispatched, too
             raise
         return entry, rule
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """The queue's task ended: said if by a bug, and started again while requests are held
+        (else they would wait for the next request held, or the drain)."""
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is None:
+            return
+        log.error("flow control's queue failed; it starts again", exc_info=error)
+        if self.held:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="specroute-hold-queue")
+            self._task.add_done_callback(self._ended)
 
     def fair_wait_s(self) -> float | None:
         """Held past this, a request is judged first (`release-due`); None until measured."""
@@ -147,7 +165,8 @@ class HoldQueue:
         return None
 
     def release_all(self, rule: str) -> None:
-        """Let every held request go now (`release-drain` when the proxy stops)."""
+        """Let every held request go now (`release-drain` when the proxy stops), and hold no more."""
+        self.closed = True
         now = monotonic()
         for entry in list(self.held):
             self._let_go(entry, rule, now)

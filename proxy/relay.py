@@ -585,7 +585,12 @@ class CompletionHandler:
             ):
                 # Lost on both pools: it waits here, not in a server's queue (flow control).
                 watcher = asyncio.get_running_loop().create_task(watch_disconnect(receive, task, exchange))
-                held, rule = await router.holding.wait(features)
+                holding_since = monotonic()
+                try:
+                    held, rule = await router.holding.wait(features)
+                except BaseException:  # its client left (or the drain cut it): it waited, the proxy did not work
+                    exchange.waited_s += monotonic() - holding_since
+                    raise
                 exchange.held = held
                 snapshot = router.snapshot(features.workload)
                 exchange.match = router.cached(parsed.blocks, features, parsed.session)
@@ -810,7 +815,9 @@ class CompletionHandler:
         pool: PoolName = exchange.decision.pool
         prefer = exchange.decision.instance
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.settings.total_timeout_s
+        # End to end: a request's time held counts (SPECROUTE_HOLD_MAX_S is below the total).
+        held_s = monotonic() - exchange.held.since if exchange.held is not None else 0.0
+        deadline = loop.time() + self.settings.total_timeout_s - held_s
         tried: list[Instance] = []
         failure: ProxyError | None = None
         number = 0

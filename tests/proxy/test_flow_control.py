@@ -126,6 +126,13 @@ def test_a_request_whose_client_leaves_while_held_never_reaches_a_server(one_slo
         wait_for(lambda: not holding.held, what="the departed request gone from the queue")
         wait_for(lambda: proxy.in_flight() == 0, what="the fillers done")
         assert dispatched(proxy) == 2  # the two fillers only
+        # Its time held was waiting, not the proxy's work (a review saw 1.5 s of "overhead"): the
+        # three requests' overhead together is milliseconds.
+        metrics = httpx.get(proxy.url + "/metrics", timeout=5).text
+        overhead = float(
+            next(line.split()[-1] for line in metrics.splitlines() if line.startswith("specroute_overhead_seconds_sum"))
+        )
+        assert overhead < 0.2
 
 
 def test_a_stopping_proxy_lets_its_held_requests_go_to_be_served_within_the_drain(one_slot_twins) -> None:
