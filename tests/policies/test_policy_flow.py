@@ -163,3 +163,13 @@ def test_held_requests_past_their_fair_share_are_judged_first_oldest_first_then_
     order = f.judging_order(many, snap)
     assert [i for i, rule in order if rule == "release-due"] == list(range(MAX_SCAN))
     assert [i for i, rule in order if rule == "release-room"] == list(range(99, 99 - MAX_SCAN, -1))
+
+
+def test_the_due_allowance_fills_at_the_rate_requests_leave_up_to_one_looks_worth() -> None:
+    from policies.flow import due_allowance
+
+    snap = measured(snapshot(48, 200, COST), 2.0, 6.0)  # 8 requests leave a second
+    assert due_allowance(0.0, snap, 0.05, 0.1) == pytest.approx(0.4)
+    assert due_allowance(0.0, snap, 10.0, 0.1) == pytest.approx(1.0)  # at least one, not a pile
+    assert due_allowance(0.0, snap, 10.0, 0.5) == pytest.approx(4.0)  # a look's worth
+    assert due_allowance(0.0, snapshot(48, 200, COST), 10.0, 0.1) == 0.0  # nothing measured leaving

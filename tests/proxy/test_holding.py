@@ -285,3 +285,50 @@ def test_a_request_let_go_that_never_lands_holds_the_queue_only_for_a_bounded_ti
             holding.LANDING_TIMEOUT_S = saved
 
     asyncio.run(scenario())
+
+
+def test_those_past_their_fair_share_go_at_the_rate_requests_leave_and_nobody_passes_them() -> None:
+    """One in for one out: every due request the fleet seemed to have room for went at one look,
+    each judged before a server showed the last one's effect, and under lasting overload the
+    plain pool filled past its targets (the 3B fleet at Poisson 110 %: 0.72x the oracle split
+    on the virtual clock, 1.0x paced)."""
+
+    async def scenario() -> tuple[list[tuple[int, str]], list[float]]:
+        fleet, released = Fleet(), []
+        q = queue(fleet, 600.0, released)
+        order: list[tuple[int, str]] = []
+        at: list[float] = []
+
+        async def client(tokens: int) -> None:
+            held, rule = await q.wait(request(tokens))
+            order.append((tokens, rule))
+            at.append(asyncio.get_running_loop().time())
+            held.land()
+
+        tasks = []
+        for tokens in (100, 200, 300, 400):
+            tasks.append(asyncio.create_task(client(tokens)))
+            await asyncio.sleep(0)
+        await until(lambda: len(q.held) == 4)
+        now = q.held[-1].since
+        for entry, waited in zip(q.held, (300.0, 290.0, 280.0, 1.0)):
+            entry.since = now - waited
+        busy, _ = room_for_small_only(q, 400)
+        rate = 5.0  # requests leaving the fleet per second: one due request every 0.2 s
+        pools = {
+            name: replace(
+                pool,
+                finished_per_s=rate / 2,
+                instances=tuple(replace(i, in_flight=int(i.running + i.waiting)) for i in pool.instances),
+            )
+            for name, pool in busy.pools.items()
+        }
+        fleet.now = replace(busy, pools=pools)
+        assert 1.0 < fair_wait_s(fleet.now, 4) < 280.0
+        await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S)
+        await q.stop()
+        return order, at
+
+    order, at = asyncio.run(scenario())
+    assert order == [(100, "release-due"), (200, "release-due"), (300, "release-due"), (400, "release-room")]
+    assert at[2] - at[0] >= 2 / 5.0 * 0.9  # two more allowances, at 5 a second
