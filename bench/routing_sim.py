@@ -32,7 +32,7 @@ from fleet.types import Decision, Features, PoolName, Snapshot
 from policies import registry
 from policies.admission import Admission
 from policies.base import Policy
-from policies.flow import FlowControl, due_allowance
+from policies.flow import FlowControl, due_allowance, left_total
 from policies.goodput import Goodput
 from policies.goodput_params import GoodputParams
 from proxy.backends import sglang
@@ -222,9 +222,11 @@ class VirtualRouter:
     _polls: int = 0
     _steps: int = 0
     _next_look: float = 0.0
-    _due_allowance: float = 1.0
-    """`release-due`'s allowance (policies.flow.due_allowance), as of `_allowance_at`."""
-    _allowance_at: float = 0.0
+    _due_left: int = 1
+    """What `release-due` may still let go (policies.flow.due_allowance)."""
+    _left_seen: int | None = None
+    """The fleet's departures counted at the last look's start."""
+    _look_started: float | None = None
     _looking_at: float | None = None
     """The time of the look under way: the proxy's queue, having let one go, judges again at
     once (proxy/holding.py), so a look lets go as many as have room, one after another."""
@@ -364,10 +366,12 @@ class VirtualRouter:
                     return None  # the proxy's queue looks at the fleet once a poll interval
                 self._next_look, self._looking_at = now + self.poll_interval_s, now
             snapshot = self.fleet.snapshot(now, None)
-            self._due_allowance = due_allowance(
-                self._due_allowance, snapshot, now - self._allowance_at, self.poll_interval_s
-            )
-            self._allowance_at = now
+            if self._look_started != now:  # a new look: as many as left since the last
+                left = left_total(snapshot)
+                self._due_left = due_allowance(
+                    self._due_left, left - (left if self._left_seen is None else self._left_seen), snapshot
+                )
+                self._left_seen, self._look_started = left, now
             waits = [now - a.time for a in held]
             for i, judged_by in self.flow.judging_order(waits, snapshot):
                 features, _, _ = self.features(held[i], now)
@@ -375,9 +379,9 @@ class VirtualRouter:
                     features, self.fleet.snapshot(now, features.workload) if features.workload else snapshot
                 ):
                     if judged_by == "release-due":
-                        if self._due_allowance < 1.0:
+                        if self._due_left < 1:
                             break  # it goes first, once as many have left the fleet
-                        self._due_allowance -= 1.0
+                        self._due_left -= 1
                     position, rule = i, judged_by
                     break
             if position is None:

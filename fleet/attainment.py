@@ -41,6 +41,8 @@ class SloAttainment:
         self._finished: deque[float] = deque()
         """Finish times of every request measured (its first token seen) within the horizon, oldest first."""
         self._left_since: float | None = None
+        self.left_total = 0
+        """Requests that ever left the pool (`left`): flow control's departures since a look."""
         self._left: deque[float] = deque()
         """When each request left its server within the horizon (answered, failed or its client
         gone), oldest first: `finished_rate`."""
@@ -77,6 +79,7 @@ class SloAttainment:
             return
         if self._left_since is None:
             self._left_since = now
+        self.left_total += 1
         self._left.append(now)
         self._expire(now)
 

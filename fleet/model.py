@@ -710,6 +710,7 @@ class FleetModel:
                 tpot_bias=pool.outcomes.bias(now),
                 slo_share=pool.attainment.share(now),
                 finished_per_s=pool.attainment.finished_rate(now),
+                left_total=pool.attainment.left_total,
                 load_held=self.load_held,
             )
         return Snapshot(

@@ -139,6 +139,9 @@ class PoolState:
     finished_per_s: float | None = None
     """This router's requests that left it per second over the last minute, however they ended
     (fleet/attainment.py `finished_rate`); None without targets or before half a minute of them."""
+    left_total: int = 0
+    """This router's requests that ever left it, however they ended (with SLO targets): flow
+    control lets go as many requests past their fair share as left since its last look."""
     load_held: bool = False
     """The proxy holds the requests that would push this pool past its SLO targets (flow
     control): its load stays near them, so what its requests get past their predicted TPOT is

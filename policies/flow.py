@@ -14,8 +14,8 @@ waited the bound. The rules, top to bottom (docs/routing.md, "Flow control"):
    SLO over the last minute under MISSING_SHARE): the margin is the prediction's doubt, and in a
    burst the fleet can absorb a request held on a doubt is lost by the holding.
 2. `release-due`: a held request that has waited its fair share goes first when some pool has
-   room for it (as in rule 3), oldest first, at the rate requests leave the fleet: one in for one
-   out (`due_allowance`), and nobody passes it meanwhile. Its fair share is the fleet's mean time in system (Little's law: this
+   room for it (as in rule 3), oldest first, one for each request that left the fleet, one in for
+   one out (`due_allowance`), and nobody passes it meanwhile. Its fair share is the fleet's mean time in system (Little's law: this
    router's requests in it, held ones included, over the rate they leave): what a request waits
    on average when nobody passes anyone. Holding lets fresh requests pass the lost ones; without
    this, in a closed loop (each client sends again only once answered) a fresh request takes
@@ -121,8 +121,8 @@ class FlowControl:
         """Which held requests (`waits`: each one's seconds held, oldest first) are judged for room,
         in order, each with the rule that lets it go: those past their fair share, oldest first
         (`release-due`), then the newest (`release-room`); at most MAX_SCAN of each. The first
-        with room goes, but a due one only while `due_allowance` is at least 1: else nobody goes
-        this look, as nobody passes a request past its fair share."""
+        with room goes, but a due one only while the look's `due_allowance` lasts: else nobody
+        goes this look, as nobody passes a request past its fair share."""
         fair = fair_wait_s(snapshot, len(waits))
         due = [] if fair is None else [i for i in range(min(len(waits), MAX_SCAN)) if waits[i] >= fair]
         newest = [i for i in range(len(waits) - 1, max(len(waits) - MAX_SCAN, 0) - 1, -1) if i not in due]
@@ -152,17 +152,20 @@ def fair_wait_s(snapshot: Snapshot, held: int) -> float | None:
     return in_system / rate if measured and rate > 0 else None
 
 
-def finished_per_s(snapshot: Snapshot) -> float:
-    """The rate this router's requests leave the fleet (every pool's, as measured; 0 before)."""
-    return sum(pool.finished_per_s or 0.0 for pool in snapshot.pools.values())
+def left_total(snapshot: Snapshot) -> int:
+    """This router's requests that ever left the fleet (every pool's count)."""
+    return sum(pool.left_total for pool in snapshot.pools.values())
 
 
-def due_allowance(allowance: float, snapshot: Snapshot, elapsed_s: float, interval_s: float) -> float:
-    """`release-due`'s allowance (requests it may let go; one goes while it is at least 1) after
-    `elapsed_s` more seconds: it fills at the rate requests leave the fleet, one in for one out,
-    up to what leaves in one look (`interval_s`; at least 1)."""
-    rate = finished_per_s(snapshot)
-    return min(allowance + rate * elapsed_s, max(1.0, rate * interval_s))
+def due_allowance(allowance: int, left: int, snapshot: Snapshot) -> int:
+    """How many held requests past their fair share may go (`release-due`) once `left` more of
+    this router's requests left the fleet: one in for one out, kept at most one look's worth
+    (what left since the last look, at least one), and at least one on a fleet with none of
+    ours in it (nothing would leave to let one in)."""
+    allowance = min(allowance + left, max(1, left))
+    if allowance < 1 and not any(st.in_flight for pool in snapshot.pools.values() for st in pool.instances):
+        return 1
+    return allowance
 
 
 def missing_targets(snapshot: Snapshot) -> bool:

@@ -5,7 +5,7 @@ at the fleet at every poll interval and lets go:
 - every request that has waited SPECROUTE_HOLD_MAX_S (`release-bound`), at once, wherever
   routing then sends it (or admission refuses it);
 - else the oldest that has waited its fair share (the fleet's mean time in system) and has
-  room on some pool (`release-due`), at the rate requests leave the fleet;
+  room on some pool (`release-due`), one for each request that left the fleet;
 - else the newest with room on some pool (`release-room`): newest first, the one most likely
   still in time, while the older ones wait out the overload; one that does not fit (a long
   prompt) does not stop a newer one behind it. No more than MAX_SCAN of each are judged.
@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from time import monotonic
 
 from fleet.types import Features, Snapshot
-from policies.flow import FlowControl, due_allowance, fair_wait_s
+from policies.flow import FlowControl, due_allowance, fair_wait_s, left_total
 
 log = logging.getLogger("specroute")
 
@@ -71,9 +72,12 @@ class HoldQueue:
         self._task: asyncio.Task[None] | None = None
         self.closed = False
         """Set by `release_all`: the proxy is draining, and holds nothing more."""
-        self.due_allowance = 1.0
-        """`release-due`'s allowance (policies.flow.due_allowance), as of `allowance_at`."""
-        self.allowance_at = monotonic()
+        self.due_left = 1
+        """What `release-due` may still let go (policies.flow.due_allowance)."""
+        self.look_at = -math.inf
+        """When the look under way began: one lasts a poll interval."""
+        self.left_seen: int | None = None
+        """The fleet's departures counted at the last look's start."""
 
     @property
     def max_hold_s(self) -> float:
@@ -157,10 +161,12 @@ class HoldQueue:
         """The held request to let go now and its rule (`release-due`, else `release-room`)."""
         snapshots: dict[str | None, Snapshot] = {None: self.snapshot(None)}
         waits = [now - entry.since for entry in self.held]
-        self.due_allowance = due_allowance(
-            self.due_allowance, snapshots[None], now - self.allowance_at, self.interval_s
-        )
-        self.allowance_at = now
+        if now - self.look_at >= self.interval_s:  # a new look: as many as left since the last
+            left = left_total(snapshots[None])
+            self.due_left = due_allowance(
+                self.due_left, left - (left if self.left_seen is None else self.left_seen), snapshots[None]
+            )
+            self.left_seen, self.look_at = left, now
         for i, rule in self.flow.judging_order(waits, snapshots[None]):
             entry = self.held[i]
             workload = entry.features.workload
@@ -169,9 +175,9 @@ class HoldQueue:
                 snapshot = snapshots[workload] = self.snapshot(workload)
             if self.flow.room(entry.features, snapshot):
                 if rule == "release-due":
-                    if self.due_allowance < 1.0:
+                    if self.due_left < 1:
                         return None  # it goes first, once as many have left the fleet
-                    self.due_allowance -= 1.0
+                    self.due_left -= 1
                 return entry, rule
         return None
 

@@ -165,11 +165,18 @@ def test_held_requests_past_their_fair_share_are_judged_first_oldest_first_then_
     assert [i for i, rule in order if rule == "release-room"] == list(range(99, 99 - MAX_SCAN, -1))
 
 
-def test_the_due_allowance_fills_at_the_rate_requests_leave_up_to_one_looks_worth() -> None:
+def test_the_due_allowance_is_one_for_each_request_that_left_up_to_one_looks_worth() -> None:
     from policies.flow import due_allowance
 
-    snap = measured(snapshot(48, 200, COST), 2.0, 6.0)  # 8 requests leave a second
-    assert due_allowance(0.0, snap, 0.05, 0.1) == pytest.approx(0.4)
-    assert due_allowance(0.0, snap, 10.0, 0.1) == pytest.approx(1.0)  # at least one, not a pile
-    assert due_allowance(0.0, snap, 10.0, 0.5) == pytest.approx(4.0)  # a look's worth
-    assert due_allowance(0.0, snapshot(48, 200, COST), 10.0, 0.1) == 0.0  # nothing measured leaving
+    busy = snapshot(48, 200, COST)
+    busy = replace(
+        busy,
+        pools={
+            name: replace(pool, instances=tuple(replace(i, in_flight=3) for i in pool.instances))
+            for name, pool in busy.pools.items()
+        },
+    )
+    assert due_allowance(0, 3, busy) == 3
+    assert due_allowance(2, 3, busy) == 3  # a look's worth, not a pile
+    assert due_allowance(1, 0, busy) == 1 and due_allowance(0, 0, busy) == 0
+    assert due_allowance(0, 0, snapshot(48, 200, COST)) == 1  # none of ours in the fleet: one goes
