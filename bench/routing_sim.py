@@ -222,15 +222,14 @@ class VirtualRouter:
     _polls: int = 0
     _steps: int = 0
     _next_look: float = 0.0
-    _due_left: int = 1
-    """What `release-due` may still let go (policies.flow.due_allowance)."""
-    _left_seen: int | None = None
-    """The fleet's departures counted at the last look's start."""
-    _look_started: float | None = None
+    """When flow control next looks for room (a poll interval after it last found none)."""
     _looking_at: float | None = None
     """The time of the look under way: the proxy's queue, having let one go, judges again at
     once (proxy/holding.py), so a look lets go as many as have room, one after another."""
-    """When flow control next looks for room (a poll interval after it last found none)."""
+    _due_left: int = 1
+    """What `release-due` may still let go (policies.flow.due_allowance)."""
+    _left_seen: int | None = None
+    """The fleet's departures counted when the last look began."""
     _next_poll: float = 0.0
     _views: Sequence[EngineView] = ()
     _engines: Sequence[Engine] = ()
@@ -361,17 +360,17 @@ class VirtualRouter:
         position = 0 if self.flow.expired(now - held[0].time) else None
         rule = "release-bound"
         if position is None:
-            if now != self._looking_at:
-                if now < self._next_look:
-                    return None  # the proxy's queue looks at the fleet once a poll interval
-                self._next_look, self._looking_at = now + self.poll_interval_s, now
+            new_look = now != self._looking_at
+            if new_look and now < self._next_look:
+                return None  # the proxy's queue looks at the fleet once a poll interval
             snapshot = self.fleet.snapshot(now, None)
-            if self._look_started != now:  # a new look: as many as left since the last
-                left = left_total(snapshot)
+            if new_look:
+                self._next_look, self._looking_at = now + self.poll_interval_s, now
+                left = left_total(snapshot)  # as many due ones as left since the last look
                 self._due_left = due_allowance(
                     self._due_left, left - (left if self._left_seen is None else self._left_seen), snapshot
                 )
-                self._left_seen, self._look_started = left, now
+                self._left_seen = left
             waits = [now - a.time for a in held]
             for i, judged_by in self.flow.judging_order(waits, snapshot):
                 features, _, _ = self.features(held[i], now)

@@ -15,14 +15,14 @@ waited the bound. The rules, top to bottom (docs/routing.md, "Flow control"):
    burst the fleet can absorb a request held on a doubt is lost by the holding.
 2. `release-due`: a held request that has waited its fair share goes first when some pool has
    room for it (as in rule 3), oldest first, one for each request that left the fleet, one in for
-   one out (`due_allowance`), and nobody passes it meanwhile. Its fair share is the fleet's mean time in system (Little's law: this
-   router's requests in it, held ones included, over the rate they leave): what a request waits
-   on average when nobody passes anyone. Holding lets fresh requests pass the lost ones; without
+   one out (`due_allowance`), and nobody passes it meanwhile. Its fair share is the fleet's mean
+   time in system (Little's law: this router's requests in it, held ones included, over the rate
+   they leave): what a request waits on average when nobody passes anyone. Holding lets fresh requests pass the lost ones; without
    this, in a closed loop (each client sends again only once answered) a fresh request takes
    every freed slot and the oldest wait out the bound: the tail. Unpaced, every due request the
    fleet seemed to have room for went at one look, each judged before the server showed the
    last one's effect, and under lasting overload the plain pool filled past its targets (the 3B
-   fleet at Poisson 110 %: 0.72x the oracle split, against 1.0x paced).
+   fleet at Poisson 110 %: 0.72x the oracle split on the virtual clock, 0.89x paced).
 3. `release-room`: else the newest held request goes that has room on some pool for it and for a
    fresh request after it: its predicted first token (at about its 90th percentile) no later
    than on an idle instance plus ROOM_SHARE of what the TTFT target leaves beyond that, its time
