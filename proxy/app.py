@@ -133,7 +133,13 @@ class SpecrouteApp:
             if reloads_on_sighup:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             # Each stops even if the one before failed (logged), the upstream session last.
-            for stop in (self.completions.bodies.close, self.router.stop, self.telemetry.stop, self.upstream.stop):
+            for stop in (
+                self.completions.bodies.close,
+                self.completions.aborts.close,
+                self.router.stop,
+                self.telemetry.stop,
+                self.upstream.stop,
+            ):
                 try:
                     await stop()
                 except Exception:

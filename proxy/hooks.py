@@ -127,6 +127,10 @@ class Telemetry:
     def stored_response_asked(self) -> None:
         """The proxy sent a server one request about a stored response."""
 
+    def upstream_abort(self, pool: str, outcome: str) -> None:
+        """An abandoned attempt's abort (proxy/aborts.py) ended: `outcome` is sent, refused,
+        failed or dropped."""
+
     def unknown_path(self, method: str, path: str, request_id: str) -> None:
         """A request to a path the proxy does not serve was answered 404 (`unknown_url`)."""
 

@@ -23,6 +23,7 @@ from fleet.model import NO_MATCH, PrefixMatch
 from fleet.types import Decision, PoolName
 from proxy import body as request_body
 from proxy import scan
+from proxy.aborts import MIN_RID_CHARS, Aborts, new_rid
 from proxy.auth import KEY_SCOPE
 from proxy.backends.base import RANK_HEADER
 from proxy.cache_salt import key_salt
@@ -189,6 +190,7 @@ class Exchange:
         "owner",
         "keeps_id",
         "ids_for",
+        "client_rid",
         "body_bytes",
         "culprit",
         "servers_tried",
@@ -235,8 +237,9 @@ class Exchange:
         """Whether the client asked for a stream: a JSON answer's headers come only once it is
         complete, so only a stream's first byte is held to the first-token timeout."""
         self.choices = 1
-        """Completions it asked for (`n`): with more than one, its usage counts all their tokens
-        against one decode time, so its TPOT teaches nothing."""
+        """Completions it asked for (`n`, times the prompts of a completions batch): with more than
+        one, its usage counts all their tokens against one decode time, so its TPOT teaches
+        nothing, and SGLang gives each its own engine request id."""
         self.with_usage: bytes | None = None
         """Its body asking for the stream's usage chunk, which the client did not (None: the client
         named `stream_options`, it is no stream, or SPECROUTE_STREAM_USAGE is off)."""
@@ -259,6 +262,9 @@ class Exchange:
         """The digest of the key whose ids each attempt gives the response it asks a server to
         store (`request_id`): one of its own (proxy/response_ids.py), new for each attempt, so
         that a failed attempt a server stored never shares its id with the one answered."""
+        self.client_rid: str | None = None
+        """The engine request id the client chose (SGLang's `rid`, a Responses `request_id`), at
+        least MIN_RID_CHARS long: an abandoned attempt is aborted by it (proxy/aborts.py)."""
         self.body_bytes = 0
         """Its body's size (a Responses answer echoes parts of it after its usage)."""
         self.culprit = Culprit()
@@ -456,6 +462,21 @@ async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], exchange: 
             return
 
 
+def checked_rid(rid: Any, field: str) -> str | None:
+    """A client's engine request id (`field`), refused when shorter than MIN_RID_CHARS: SGLang
+    aborts every request whose id begins with an aborted one's, its own abort of a gone client's
+    request included, so a short one ("a") ended other clients' requests when its client left."""
+    if isinstance(rid, str) and len(rid) < MIN_RID_CHARS:
+        raise ProxyError(
+            400,
+            f"'{field}' must be at least {MIN_RID_CHARS} characters (a uuid's hex digits): the server aborts every "
+            f"request whose id begins with an aborted one's",
+            param=field,
+            code="invalid_value",
+        )
+    return rid if isinstance(rid, str) else None
+
+
 class CompletionHandler:
     def __init__(self, settings: Settings, router: Router, upstream: Upstream, telemetry: Telemetry) -> None:
         self.settings = settings
@@ -475,6 +496,7 @@ class CompletionHandler:
         self.responses = ResponseOwners(
             router, upstream, self.clients_keys_upstream, telemetry, ResponseIds(self.secret)
         )
+        self.aborts = Aborts(upstream, telemetry.upstream_abort)
 
     def cache_salt(self, owner: bytes | None) -> str | None:
         """The salt a client key's completions are sent with (proxy/cache_salt.py): None without
@@ -551,7 +573,7 @@ class CompletionHandler:
             if exchange.dialect is scan.RESPONSES:
                 self.check_response_id(exchange, payload, scope.get(KEY_SCOPE))
             else:
-                self.check_rid(payload, scope.get(KEY_SCOPE))
+                self.check_rid(exchange, payload, scope.get(KEY_SCOPE))
             exchange.prompt_tokens = features.prompt_tokens
             exchange.asked_stream = features.stream
             exchange.request_class = features.request_class
@@ -561,6 +583,9 @@ class CompletionHandler:
             # An integral float (2.0) is taken as SGLang takes it (proxy/body.py lets it through).
             many = isinstance(choices, int | float) and not isinstance(choices, bool) and choices > 1
             exchange.choices = int(choices) if many and choices is not None else 1  # None: for mypy
+            prompt = payload.get("prompt")
+            if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
+                exchange.choices *= len(prompt)  # a completions batch: one engine request a prompt
             if (
                 self.settings.stream_usage
                 and exchange.dialect.stream_usage
@@ -687,6 +712,7 @@ class CompletionHandler:
         vLLM's `request_id`) must be one of its own."""
         chosen = payload.get("request_id")
         stored = payload.get("store") is not False
+        exchange.client_rid = checked_rid(chosen, "request_id")
         if client is None:
             # An id the client chose is not noted: it could name another client's response, and
             # the follow-ups naming it would then go to this server.
@@ -703,14 +729,19 @@ class CompletionHandler:
         if stored and chosen is None:
             exchange.ids_for = client  # each attempt's body gets one (`attempt`)
 
-    def check_rid(self, payload: dict[str, Any], client: bytes | None) -> None:
-        """With proxy keys on, SGLang's `rid` (a chat or completion's engine request id, which a
-        stored response's id also is) may not name another key's response: SGLang refuses a rid
-        running already, which told a client whether another's response was running."""
+    def check_rid(self, exchange: Exchange, payload: dict[str, Any], client: bytes | None) -> None:
+        """SGLang's `rid` (a chat or completion's engine request id) is at least MIN_RID_CHARS
+        long (`checked_rid`). With proxy keys on, it may not name another key's stored response
+        (which a stored response's id also is): SGLang refuses a rid running already, which told
+        a client whether another's response was running."""
         rid = payload.get("rid")
+        named = rid if isinstance(rid, list) else [rid]
+        for each in named:
+            checked_rid(each, "rid")
+        if isinstance(rid, str):
+            exchange.client_rid = rid
         if client is None or rid is None:
             return
-        named = rid if isinstance(rid, list) else [rid]
         ids = self.responses.ids
         if any(isinstance(r, str) and ids.shaped(r) and not ids.belongs(r, client) for r in named):
             raise ProxyError(
@@ -953,10 +984,21 @@ class CompletionHandler:
         exchange.hide_usage = with_usage is not None
         if with_usage is not None:
             body = with_usage
+        # The engine request id an abandoned attempt is aborted by on SGLang (proxy/aborts.py).
+        rid = exchange.client_rid
         if exchange.ids_for is not None:
-            body = scan.with_first_member(
-                body, b'"request_id":"' + self.responses.ids.minted(exchange.ids_for).encode() + b'"'
-            )
+            rid = self.responses.ids.minted(exchange.ids_for)
+            body = scan.with_first_member(body, b'"request_id":"' + rid.encode() + b'"')
+        elif (
+            rid is None
+            and exchange.choices == 1
+            and instance.kind == "sglang"
+            and exchange.dialect is not scan.RESPONSES
+        ):
+            rid = new_rid()  # SGLang makes its response's id of it: a uuid's hex, as its own
+            body = scan.with_first_member(body, b'"rid":"' + rid.encode() + b'"')
+        if instance.kind != "sglang" or exchange.choices != 1:
+            rid = None  # vLLM aborts a request whose connection closed at once; SGLang ids each of several
         out = outgoing_headers(
             headers, instance, exchange.request_id, exchange.client, self.settings.forwarded_headers == "append"
         )
@@ -987,8 +1029,13 @@ class CompletionHandler:
             exchange.held.land()  # counted by the fleet model now: the hold queue may judge again
         response: aiohttp.ClientResponse | None = None
         began = perf_counter()
+        reached = True
+        """Whether the request may be running on the server (no connection refused it)."""
+        answered = False
+        """Whether the server is done with it (it answered, an error or in full)."""
         try:
             if remaining_s <= 0:
+                reached = False
                 raise TimeoutError()
             # aiohttp's own total timer only fires inside its reads; this one also ends a relay
             # blocked on a client that stopped reading.
@@ -1032,6 +1079,10 @@ class CompletionHandler:
                 first = await response.content.readany()
                 if response.content_type == "text/event-stream":
                     first = await self.first_event(response, first, exchange.dialect.started)
+                    refusal = scan.leading_error_event(first) if exchange.dialect is scan.CHAT else None
+                    if refusal is not None:
+                        answered = True
+                        return self.refused_in_band(exchange, attempt, refusal)
                 if exchange.keeps_id and response.status == 200:
                     created = scan.response_id(first)
                     if created is not None:
@@ -1044,6 +1095,7 @@ class CompletionHandler:
         except UPSTREAM_ERRORS as exc:
             kind = classify(exc, attempt.started)
             if kind == CONNECT or isinstance(exc, ClosedThenGone):
+                reached = False
                 self.router.unreachable(instance)
             attempt.failed(kind)
             hooks.attempt_failed(error=kind, retryable=kind in RETRYABLE and not exchange.started)
@@ -1077,10 +1129,15 @@ class CompletionHandler:
                 exchange.waited_s += perf_counter() - began
             attempt.finished()  # no-op when the attempt already failed
             if response is not None:
+                answered = answered or response.status >= 300 or response.content.at_eof()
                 if response.content.at_eof():
                     response.release()  # fully read: the connection goes back to the pool
                 else:
                     response.close()  # unread bytes: drop the connection, which ends the upstream request
+            if rid is not None and reached and not answered:
+                # Abandoned (its client left, a timeout, a drain): SGLang would hold its slot until it
+                # next checks the connection.
+                self.aborts.abort(instance, rid, out.get("authorization"))
 
     async def first_event(
         self, response: aiohttp.ClientResponse, first: bytes, started: Callable[[bytes], bool]
@@ -1117,6 +1174,28 @@ class CompletionHandler:
             # From a marker's length before the new bytes: one split across reads is counted once.
             events += buffered[max(searched - 5, 0) :].count(b"\ndata:")
         return bytes(buffered)
+
+    def refused_in_band(self, exchange: Exchange, attempt: Attempt, event: bytes) -> ProxyError:
+        """A stream whose first event is an error (`event`, its JSON): SGLang's answer, its 200
+        sent, to a request its scheduler aborted with a status before any output (a full queue
+        or a queue wait past its timeout: 503; 400 for one it found invalid). Nothing reached the
+        client yet: it is answered as that status would have been, a 5xx tried on another server
+        (the request never ran there), a 4xx the client's as an HTTP error, not a 200 whose
+        stream the SDK raises on."""
+        status = scan.error_event_status(b"data: " + event) or 502
+        if status >= 500:
+            attempt.failed(f"status_{status}", refused=True)
+            exchange.hooks.attempt_failed(error=f"status_{status}", retryable=True)
+        else:
+            attempt.refused()
+            exchange.hooks.attempt_finished(status=status)
+        return ProxyError(
+            status,
+            "upstream error",
+            code=str(status),
+            retryable=status >= 500 or None,
+            payload=normalise_upstream_error(status, event, exchange.request_id),
+        )
 
     async def upstream_error(
         self, exchange: Exchange, response: aiohttp.ClientResponse, attempt: Attempt
@@ -1235,6 +1314,13 @@ class CompletionHandler:
         # 4 KB keeps the scan ~12 us (16 KB: ~54 us). Earlier choices' reasons of a long n>1 JSON
         # answer can fall outside it. A Responses answer ends with the whole response object.
         exchange.summary = dialect.summary_of(tail)
+        if exchange.summary.error_status is not None:
+            # The server ended it with an in-band error (SGLang: an abort with a status, a running
+            # request's timeout say): relayed as it came, but no success.
+            exchange.error_type = "upstream_error_event"
+            attempt.finished(exchange.summary)
+            hooks.attempt_failed(error="upstream_error_event", retryable=False)
+            return
         attempt.finished(exchange.summary, complete=True)
         hooks.attempt_finished(status=response.status)
 

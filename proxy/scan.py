@@ -156,6 +156,40 @@ class Summary:
     cached_details_null: bool = False
     """The usage said prompt_tokens_details: null, or had none (SGLang's answer for a miss when it
     reports: a completions stream's usage chunk is dumped without its null fields)."""
+    error_status: int | None = None
+    """The status of an in-band error event the stream ended with (`error_event_status`)."""
+
+
+# An SSE line opening an error event (a raw line break cannot be inside JSON: the model's text
+# cannot open one). SGLang writes it with json.dumps's spacing, the proxy's own compactly.
+_ERROR_EVENT = re.compile(rb'(?:\A|[\r\n])data: ?(\{"error": ?\{[^\r\n]*)')
+_ERROR_CODE = re.compile(rb'"code": ?(\d{3})\b')
+
+
+def error_event_status(events: bytes) -> int | None:
+    """The HTTP status of the first in-band error event among whole SSE events, None without one.
+    SGLang ends a stream so when its scheduler aborts the request with a status (a full queue
+    503, a timeout 503, a validation 400: serving_chat's `create_streaming_error_response`, then
+    [DONE]); a stream's first event when it is refused so, its 200 having gone with it. Its
+    `code` is the status (502 when it names none in 400-599)."""
+    found = _ERROR_EVENT.search(events)
+    if found is None:
+        return None
+    code = _ERROR_CODE.search(found.group(1))
+    status = int(code.group(1)) if code is not None else 0
+    return status if 400 <= status < 600 else 502
+
+
+def leading_error_event(first: bytes) -> bytes | None:
+    """The JSON of the error event a stream opens with (its first data event), None when its first
+    data event is anything else."""
+    found = _ERROR_EVENT.search(first)
+    if found is None:
+        return None
+    opening = found.start() + (0 if first[found.start() : found.start() + 1] == b"d" else 1)
+    if line_starts(first[:opening], EVENT):
+        return None  # a data event came before it
+    return found.group(1)
 
 
 def summarise(tail: bytes) -> Summary:
@@ -172,6 +206,7 @@ def summarise(tail: bytes) -> Summary:
         cached_tokens=int(cached[-1]) if cached else None,
         cached_details_null=not cached
         and (_NO_CACHED_DETAILS.search(tail) is not None or (bool(prompt) and b'"prompt_tokens_details"' not in tail)),
+        error_status=error_event_status(tail),
     )
 
 

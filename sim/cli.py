@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-running-requests", type=int, default=None, help="default 48 in spec mode (as SGLang), 256 in base mode"
     )
+    p.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="refuse a request arriving to a waiting queue this long (SGLang: a 503, in-band on a stream); default none",
+    )
     p.add_argument("--speculative-algorithm", default=None, help="accepted for SGLang compatibility (EAGLE3)")
     p.add_argument(
         "--speculative-num-steps",
@@ -178,6 +184,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         mode=args.mode,
         profile=profile,
         max_running_requests=args.max_running_requests,
+        max_queued_requests=args.max_queued_requests,
         num_steps=num_steps,
         mean_alpha=mean_alpha,
         alpha_concentration=args.alpha_concentration,

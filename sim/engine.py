@@ -48,6 +48,9 @@ class EngineConfig:
     mode: Mode
     profile: Profile
     max_running_requests: int | None = None
+    max_queued_requests: int | None = None
+    """SGLang's --max-queued-requests: a request arriving to a waiting queue this long is refused
+    (a 503 abort; None: no limit, SGLang's default)."""
     num_steps: int = 3
     """k: draft tokens per verify step (speculative_num_steps, topk 1)."""
     mean_alpha: float = 0.64
@@ -131,6 +134,8 @@ class Request:
         "cached_tokens",
         "cache_node",
         "cache_locked",
+        "abort_status",
+        "abort_message",
     )
 
     def __init__(
@@ -143,6 +148,10 @@ class Request:
         arrival: float,
         text: TextStream | None,
     ):
+        self.abort_status = 0
+        """An abort's HTTP status (0: none, as `/abort_request`'s and a gone client's): SGLang
+        answers an abort with one as an error."""
+        self.abort_message = ""
         self.rid = rid
         self.prompt_tokens = prompt_tokens
         self.max_new_tokens = max_new_tokens
@@ -343,6 +352,12 @@ class Engine:
 
     def add(self, req: Request) -> None:
         req.alpha = self._draw_alpha(req.workload) if self.config.speculative else 0.0
+        limit = self.config.max_queued_requests
+        if limit is not None and len(self.waiting) + 1 > limit:
+            # SGLang's scheduler refuses the newcomer (Scheduler._abort_on_queued_limit).
+            req.abort_status, req.abort_message = 503, "The request queue is full."
+            self._finish(req, "abort", req.arrival)
+            return
         self.waiting[req.rid] = req
 
     def abort(self, rid: str, now: float) -> bool:
@@ -382,6 +397,14 @@ class Engine:
         if mean <= 0.0:
             return 0.0
         return min(self.rng.betavariate(mean * c, (1.0 - mean) * c), 0.999)
+
+    def abort_prefixed(self, rid: str, now: float) -> int:
+        """SGLang's scheduler abort (`AbortReq`): every request whose rid begins with `rid`,
+        wherever it is; how many were aborted."""
+        named = [r for group in (self.waiting, self.in_prefill, self.running) for r in group if r.startswith(rid)]
+        if self.prefilling is not None and self.prefilling.rid.startswith(rid):
+            named.append(self.prefilling.rid)
+        return sum(self.abort(r, now) for r in dict.fromkeys(named))
 
     def has_request(self, rid: str) -> bool:
         return (

@@ -58,6 +58,9 @@ class EngineLoop:
     def abort(self, rid: str) -> bool:
         return self.engine.abort(rid, self.now())
 
+    def abort_prefixed(self, rid: str) -> int:
+        return self.engine.abort_prefixed(rid, self.now())
+
     def wedge(self, wedged: bool) -> None:
         """Stop stepping (True) or go on (False)."""
         if wedged:

@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 from opentelemetry.context import Context
@@ -157,18 +158,19 @@ class Call:
 
 
 class Generation:
-    """One HTTP request's engine requests, submitted: its choices' calls, and how to abort them."""
+    """One HTTP request's engine requests, submitted: its choices' calls, and how to abort them
+    (`abort_rid`: as the server aborts a request whose client left, `Twin.abort_request`)."""
 
-    __slots__ = ("rid", "calls", "loop")
+    __slots__ = ("rid", "calls", "abort_rid")
 
-    def __init__(self, rid: str, calls: list[Call], loop: EngineLoop):
+    def __init__(self, rid: str, calls: list[Call], abort_rid: Callable[[str], None]):
         self.rid = rid
         self.calls = calls
-        self.loop = loop
+        self.abort_rid = abort_rid
 
     def abort(self) -> None:
         for call in self.calls:
-            self.loop.abort(call.req.rid)
+            self.abort_rid(call.req.rid)
 
 
 class Twin:
@@ -261,6 +263,18 @@ class Twin:
     def abort(self, rid: str) -> None:
         for loop in self.loops:
             loop.abort(rid)
+
+    def abort_request(self, rid: str) -> None:
+        """Abort as the server does for `/abort_request` and a client that left. vLLM: the
+        request of that id. SGLang (TokenizerManager.abort_request): nothing unless a request of
+        exactly that rid is running (one tokenizer worker); then its scheduler aborts every
+        request whose rid begins with it (`req.rid.startswith(recv_req.rid)`), other clients'
+        included."""
+        if self.options.vllm:
+            self.abort(rid)
+        elif rid and any(engine.has_request(rid) for engine in self.engines):
+            for loop in self.loops:
+                loop.abort_prefixed(rid)
 
     def on_output(self) -> None:
         self.outputs += 1
@@ -366,7 +380,7 @@ class Twin:
             calls.append(call)
         for call in calls:
             loop.submit(call.req)
-        return Generation(rid, calls, loop)
+        return Generation(rid, calls, self.abort_request)
 
     def sse(
         self, chunks: AsyncIterator[bytes], abort: Callable[[], None], headers: Headers = (), at_once: bool = True
@@ -432,6 +446,11 @@ class Twin:
         reqs = [call.req for call in calls]
         if pieces is None:  # the client left (its engine requests are aborted as SGLang would, `collect`)
             raise TwinError("The request was aborted.", status=400)
+        refused = next((req for req in reqs if req.abort_status), None)
+        if refused is not None:
+            # An abort with a status (a full queue): `_handle_abort_finish_reason` raises it, and
+            # the handler answers it as `create_error_response(detail, str(status), status)`.
+            raise TwinError(refused.abort_message, status=refused.abort_status, err_type=str(refused.abort_status))
         # A request aborted by `/abort_request` is answered as any other, its finish reason
         # `abort`: SGLang's `_handle_abort_finish_reason` raises only for an abort that carries
         # a status (400, 500, 503), and `FINISH_ABORT`'s is None.
@@ -573,6 +592,12 @@ class Twin:
                 # `abort`, on the normal chunk path, as SGLang's (no error event).
                 for other in reqs:
                     self.abort(other.rid)
+                if req.abort_status:
+                    # An abort with a status (a full queue) is a system error to SGLang: an error
+                    # event instead, then only the usage and [DONE] (serving_chat's error_aborted).
+                    failed = TwinError(req.abort_message, req.abort_status, HTTPStatus(req.abort_status).name)
+                    yield b"data: " + json.dumps({"error": failed.body()}).encode() + b"\n\n"  # json.dumps's spacing
+                    break
             if vllm_opening:
                 vllm_opening = False
                 for c in calls:
@@ -596,13 +621,13 @@ class Twin:
                 usage = self._usage(reqs, emitted) if continuous else None
                 yield event([vllm.as_vllm_choice(choice) if self.options.vllm else choice], usage)
             remaining -= done
-        for index, reason, matched in finished:
+        for index, reason, matched in finished if remaining == 0 else ():  # none after an error event
             closing = calls[index].shape.render(kind, [], reason, matched, stream=True) | {
                 "delta": {},
                 "logprobs": None,
             }
             yield event([closing], self._usage(reqs, emitted) if continuous else None)
-        if self.config.speculative and request.return_spec_tokens_details:
+        if self.config.speculative and request.return_spec_tokens_details and remaining == 0:
             yield sse(
                 {
                     "id": rid,
@@ -1037,8 +1062,7 @@ def create_app(options: TwinOptions, config: EngineConfig) -> Starlette:
             rid = (await request.json())["rid"]
         except (ValueError, KeyError, TypeError):
             raise TwinError("abort_request needs a JSON body with a rid.", err_type="Bad Request") from None
-        for loop in twin.running_loops:
-            loop.abort(str(rid))
+        twin.abort_request(str(rid))
         return Response(status_code=200)
 
     async def set_alpha(request: HttpRequest) -> Response:

@@ -139,6 +139,17 @@ class Metrics:
             ["operation", "outcome"],
             registry=r,
         )
+        self.upstream_aborts = Counter(
+            n.M_UPSTREAM_ABORTS,
+            "Aborts the proxy sent SGLang servers for attempts it abandoned (client gone, timeout, "
+            "drain), by pool and outcome: sent, refused (an error answer), failed (no answer), dropped "
+            "(too many in flight).",
+            ["pool", "outcome"],
+            registry=r,
+        )
+        for pool in ("spec", "base"):
+            for outcome in n.UPSTREAM_ABORT_OUTCOMES:
+                self.upstream_aborts.labels(pool, outcome)
         self.stored_asked = Counter(
             n.M_STORED_ASKED,
             "Requests the proxy sent servers about stored responses (a miss asks every server).",

@@ -83,6 +83,8 @@ AUTH_REFUSED_REASONS = ("missing", "malformed", "invalid", "not_operator", "pin_
 """Every `reason` of proxy.auth's refusals: their series exist at 0 from the start."""
 M_STORED = "specroute_stored_response_requests"
 M_STORED_ASKED = "specroute_stored_response_upstream_requests"
+M_UPSTREAM_ABORTS = "specroute_upstream_aborts"
+UPSTREAM_ABORT_OUTCOMES = ("sent", "refused", "failed", "dropped")
 ATTEMPTED_OUTCOMES = ("ok", "client_error", "error", "client_disconnected")
 """The `outcome`s of a request that reached a pool (proxy.telemetry.request.outcome_of); not
 `refused`: the proxy's own 429s for load come before any attempt."""

@@ -93,6 +93,9 @@ class SpecrouteTelemetry(Telemetry):
     def stored_response_asked(self) -> None:
         self.metrics.stored_asked.inc()
 
+    def upstream_abort(self, pool: str, outcome: str) -> None:
+        self.metrics.upstream_aborts.labels(pool, outcome).inc()
+
     def unknown_path(self, method: str, path: str, request_id: str) -> None:
         self.metrics.unknown_path.inc()
         self._path_line(method, path, request_id, 404, "unknown_url")

@@ -8,6 +8,7 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
     with FaultServer("cutjson") as bad:          # 200 JSON, a few bytes of it, then the connection drops
     with FaultServer("cutmid:3") as bad:         # 200 SSE, 3 chunks and half of a 4th, then the connection drops
     with FaultServer("split:3") as bad:          # 200 SSE, 3 events, each split across two writes, then [DONE]
+    with FaultServer("errorevent:2") as bad:     # 200 SSE, 2 events, SGLang's in-band error event (a 503 abort), [DONE]
     with FaultServer("stall:2") as bad:          # 200 SSE, 2 chunks, then silence
     with FaultServer("hang") as bad:             # reads the request, never answers
     with FaultServer("flood") as bad:            # 200 SSE, chunks as fast as they are read, never ending
@@ -327,6 +328,14 @@ class FaultServer:
             await writer.drain()
             writer.transport.abort()
             return False
+        elif kind == "errorevent":  # serving_chat's create_streaming_error_response, json.dumps's spacing
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            for i in range(int(arg)):
+                writer.write(sse_chunk(i))
+                await writer.drain()
+            error = {"object": "error", "message": "Request running timeout reached.", "type": "SERVICE_UNAVAILABLE"}
+            event = b"data: " + json.dumps({"error": error | {"param": None, "code": 503}}).encode() + b"\n\n"
+            writer.write(http_chunk(event) + http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         elif kind in ("cut", "stall"):
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             for i in range(int(arg)):

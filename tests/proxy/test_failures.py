@@ -3,8 +3,10 @@ client disconnects that free the upstream slot, and OpenAI-shaped errors for bad
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
+import re
 import socket
 import threading
 from collections.abc import Iterator
@@ -332,11 +334,38 @@ def slow_proxy(slow_twin: RunningTwin) -> Iterator[RunningProxy]:
         yield proxy
 
 
+@pytest.fixture(scope="module")
+def patient_twin() -> Iterator[RunningTwin]:
+    """A twin at a twentieth of real time: SGLang's own abort of a gone client's request (2 s
+    after a started stream's last write, at its 4 s checks before) comes only after 40-80 s,
+    so a slot freed within seconds was freed by the proxy's `/abort_request`."""
+    with twin("base", time_scale=0.05, seed=3, args=("--output-len", "fixed:4096")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def patient_proxy(patient_twin: RunningTwin) -> Iterator[RunningProxy]:
+    with running_proxy(base_urls=[patient_twin.url], policy="base") as proxy:
+        yield proxy
+
+
+def aborts_sent(proxy: RunningProxy) -> float:
+    found = re.search(
+        rb'specroute_upstream_aborts_total\{outcome="sent",pool="base"\} (\S+)',
+        httpx.get(proxy.url + "/metrics").content,
+    )
+    assert found is not None
+    return float(found.group(1))
+
+
 @pytest.mark.parametrize("model", ["m", "x data: [DONE] y"])
-def test_client_disconnect_mid_stream_frees_the_upstream_slot(slow_twin, slow_proxy, model: str) -> None:
+def test_client_disconnect_mid_stream_frees_the_upstream_slot(patient_twin, patient_proxy, model: str) -> None:
     """Whatever the events' text reads: SGLang echoes any model name in every chunk, and a model
     may write "data: [DONE]" (a review saw such a stream taken as ended at its first chunk, its
-    client's leaving no longer cancelling it: 20,000 tokens made for no one)."""
+    client's leaving no longer cancelling it: 20,000 tokens made for no one). The proxy aborts
+    the request on SGLang at once rather than leave it to SGLang's next look (seconds later)."""
+    slow_twin, slow_proxy = patient_twin, patient_proxy
+    sent = aborts_sent(slow_proxy)
     with httpx.stream(
         "POST",
         slow_proxy.base_url + "/chat/completions",
@@ -347,11 +376,16 @@ def test_client_disconnect_mid_stream_frees_the_upstream_slot(slow_twin, slow_pr
         assert next(chunks).startswith(b"data: ")
         wait_for(lambda: twin_running(slow_twin) == 1, timeout=10, what="the twin to show the request")
     # Leaving the block closed the connection: the twin's slot must free long before 4,000 tokens.
-    wait_for(lambda: twin_running(slow_twin) == 0, timeout=5, what="the twin to drop the request")
+    wait_for(lambda: twin_running(slow_twin) == 0, timeout=10, what="the twin to drop the request")
     wait_for(lambda: slow_proxy.in_flight() == 0, timeout=5, what="in-flight released")
+    assert aborts_sent(slow_proxy) == sent + 1
 
 
-def test_client_disconnect_before_the_first_byte_frees_the_upstream_slot(slow_twin, slow_proxy) -> None:
+def test_client_disconnect_before_the_first_byte_frees_the_upstream_slot(patient_twin, patient_proxy) -> None:
+    """A JSON answer's headers come when it is done: its client leaving while it runs is seen by
+    SGLang only at its next 4 s check; the proxy aborts it at once."""
+    slow_twin, slow_proxy = patient_twin, patient_proxy
+    sent = aborts_sent(slow_proxy)
     body = b'{"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4000}'
     with socket.create_connection(("127.0.0.1", slow_proxy.port), timeout=10) as sock:
         sock.sendall(
@@ -359,8 +393,83 @@ def test_client_disconnect_before_the_first_byte_frees_the_upstream_slot(slow_tw
             b"content-length: %d\r\n\r\n%s" % (len(body), body)
         )
         wait_for(lambda: twin_running(slow_twin) == 1, timeout=10, what="the request to reach the twin")
-    wait_for(lambda: twin_running(slow_twin) == 0, timeout=5, what="the twin to drop the request")
+    wait_for(lambda: twin_running(slow_twin) == 0, timeout=10, what="the twin to drop the request")
     wait_for(lambda: slow_proxy.in_flight() == 0, timeout=5, what="in-flight released")
+    assert aborts_sent(slow_proxy) == sent + 1
+
+
+def test_a_client_rid_is_refused_short_and_aborted_by_when_long(patient_twin, patient_proxy) -> None:
+    """SGLang aborts every request whose rid begins with an aborted one's, its own abort of a gone
+    client's included: a client's rid "a" would end every other request whose id begins with
+    "a" when that client left. A short one is refused; one of a uuid's length is the request's,
+    its response's id, and what the proxy aborts it by."""
+    chat = {"model": "m", "messages": MESSAGES, "max_tokens": 4000}
+    for path, field in (("/chat/completions", "rid"), ("/completions", "rid"), ("/responses", "request_id")):
+        body = (
+            {"model": "m", "input": "Hi"}
+            if path == "/responses"
+            else chat | ({"prompt": "Hi"} if path == "/completions" else {})
+        )
+        refused = httpx.post(patient_proxy.base_url + path, json={**body, field: "a"}, timeout=30)
+        assert refused.status_code == 400, path
+        assert error_of(refused)["param"] == field and error_of(refused)["code"] == "invalid_value"
+    rid = "client-chosen-" + "7" * 24
+    sent = aborts_sent(patient_proxy)
+    with httpx.stream(
+        "POST", patient_proxy.base_url + "/chat/completions", timeout=30, json={**chat, "stream": True, "rid": rid}
+    ) as response:
+        chunks = response.iter_raw()
+        first = next(chunks)
+        assert json.loads(first.split(b"\n", 1)[0][len(b"data: ") :])["id"] == rid
+        wait_for(lambda: twin_running(patient_twin) == 1, timeout=10, what="the twin to show the request")
+    wait_for(lambda: twin_running(patient_twin) == 0, timeout=10, what="the twin to drop the request")
+    assert aborts_sent(patient_proxy) == sent + 1
+
+
+def test_a_stream_refused_in_band_gets_its_status_and_fails_over() -> None:
+    """SGLang answers a stream its scheduler refuses (--max-queued-requests: a full queue) with a
+    200 whose first event is an error (503), then [DONE]; the proxy holds a stream's headers
+    until its first event, so it answers the status instead (a 503 the SDK may retry), and
+    with another server tries that one: the request never ran."""
+    long = {"model": "m", "messages": MESSAGES, "max_tokens": 20000, "ignore_eos": True}
+    stream = {"model": "m", "messages": MESSAGES, "max_tokens": 8, "stream": True}
+    args = ("--max-running-requests", "1", "--max-queued-requests", "1")
+    with (
+        twin("base", time_scale=1.0, seed=5, args=args) as full,
+        twin("spec", time_scale=1.0, seed=6) as free,
+        httpx.Client(base_url=full.url, timeout=60) as direct,
+        concurrent.futures.ThreadPoolExecutor(2) as pool,
+    ):
+        held = [pool.submit(direct.post, "/v1/chat/completions", json={**long, "rid": f"held-{i}"}) for i in range(2)]
+        try:
+            wait_for(lambda: twin_running(full) == 2, timeout=10, what="one running, one queued")
+            with running_proxy(base_urls=[full.url], policy="base") as alone:
+                refused = httpx.post(alone.base_url + "/chat/completions", json=stream, timeout=30)
+                assert refused.status_code == 503
+                assert error_of(refused)["code"] == "503"
+            with running_proxy(base_urls=[full.url], spec_urls=[free.url], policy="base") as proxy:
+                served = httpx.post(proxy.base_url + "/chat/completions", json=stream, timeout=30)
+                assert served.status_code == 200
+                assert served.headers["x-specroute-reason"] == "static+failover"
+                assert served.text.rstrip().endswith("data: [DONE]") and '"error"' not in served.text
+        finally:
+            for i in range(2):
+                direct.post("/abort_request", json={"rid": f"held-{i}"})
+            for answer in held:
+                answer.result(timeout=30)
+
+
+def test_a_stream_ended_by_an_in_band_error_is_relayed_and_counted_an_error() -> None:
+    """An error event after the stream started (SGLang: a running request's timeout, 503) reaches
+    the client as it came, and the request counts as an error, not a success."""
+    with FaultServer("errorevent:2") as bad, running_proxy(base_urls=[bad.url], policy="base") as proxy:
+        sdk = openai.OpenAI(base_url=proxy.base_url, api_key="none", max_retries=0)
+        with pytest.raises(openai.APIError, match="Request running timeout reached"):
+            for _ in sdk.chat.completions.create(model="m", messages=MESSAGES, stream=True):
+                pass
+        metrics = httpx.get(proxy.url + "/metrics", timeout=5).text
+        assert re.search(r'specroute_requests_total\{outcome="error",policy="base",pool="base"\} 1\.0', metrics)
+        assert re.search(r'specroute_requests_total\{outcome="ok",policy="base",pool="base"\} 0\.0', metrics)
 
 
 def test_requests_still_running_when_the_drain_ends_are_told_so(slow_twin, capfd) -> None:

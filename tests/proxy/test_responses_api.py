@@ -391,7 +391,8 @@ def test_with_keys_a_stored_response_is_its_key_s_alone(fleet: list[RunningTwin]
             timeout=10,
         )
         assert raw.status_code == 400 and raw.json()["error"]["param"] == "rid"
-        for rid in ("my-own-1", "resp_myapp_42"):  # rids no key's response has: the client's own business
+        # Rids no key's response has, a uuid's length at least (proxy/aborts.py): the client's own business.
+        for rid in ("my-own-" + "1" * 32, "resp_myapp_" + "4" * 32):
             mine = chosen.chat.completions.create(
                 model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, extra_body={"rid": rid}
             )

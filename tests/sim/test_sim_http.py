@@ -755,6 +755,65 @@ def test_an_abort_request_ends_the_answer_with_finish_reason_abort(base):
         wait_for(lambda: loads(base)["num_running_reqs"] == 0, "no choice left running")
 
 
+def test_a_full_queue_refuses_a_stream_in_band_and_a_json_request_with_503():
+    """SGLang's --max-queued-requests: its scheduler aborts a newcomer to a full waiting queue with
+    a 503 status. A stream has its 200 by then (SGLang awaits the first output before answering,
+    and the abort is it): an error event, then [DONE]. A JSON request gets the 503."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20000, "ignore_eos": True}
+    args = ("--max-running-requests", "1", "--max-queued-requests", "1")
+    with twin("base", time_scale=1.0, args=args) as t, httpx.Client(base_url=t.url, timeout=30) as http:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            held = [pool.submit(http.post, "/v1/chat/completions", json={**body, "rid": f"held-{i}"}) for i in range(2)]
+            wait_for(
+                lambda: loads(t)["num_running_reqs"] == 1 and loads(t)["num_waiting_reqs"] == 1,
+                "one running, one queued",
+            )
+            with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as stream:
+                assert stream.status_code == 200
+                events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
+            refused = http.post("/v1/chat/completions", json=body)
+            for i in range(2):
+                http.post("/abort_request", json={"rid": f"held-{i}"})
+            for answer in held:
+                answer.result(timeout=30)
+    assert events[-1] == "[DONE]" and len(events) == 2
+    assert json.loads(events[0]) == {
+        "error": {
+            "object": "error",
+            "message": "The request queue is full.",
+            "type": "SERVICE_UNAVAILABLE",
+            "param": None,
+            "code": 503,
+        }
+    }
+    assert events[0].startswith('{"error": {"object": "error", ')  # json.dumps's spacing, as SGLang's
+    assert refused.status_code == 503
+    assert refused.json() == {
+        "object": "error",
+        "message": "The request queue is full.",
+        "type": "503",
+        "param": None,
+        "code": 503,
+    }
+
+
+def test_an_abort_ends_every_request_whose_rid_begins_with_it(base):
+    """SGLang's tokenizer manager sends an abort on only for a running rid, and its scheduler
+    then aborts every request whose rid begins with it (`req.rid.startswith(recv_req.rid)`):
+    a client's short rid, aborted when it leaves, takes other clients' requests with it."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20000, "ignore_eos": True}
+    with httpx.Client(base_url=base.url, timeout=30) as http, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        before = metric(base, "sglang:num_aborted_requests_total") or 0
+        answers = [pool.submit(http.post, "/v1/chat/completions", json={**body, "rid": rid}) for rid in ("ab", "abc9")]
+        wait_for(lambda: loads(base)["num_running_reqs"] >= 2, "both running")
+        assert http.post("/abort_request", json={"rid": "a"}).status_code == 200  # no request named "a"
+        assert (metric(base, "sglang:num_aborted_requests_total") or 0) == before
+        assert http.post("/abort_request", json={"rid": "ab"}).status_code == 200
+        done = [answer.result(timeout=30).json() for answer in answers]
+    assert [d["id"] for d in done] == ["ab", "abc9"]
+    assert [d["choices"][0]["finish_reason"] for d in done] == ["abort", "abort"]
+
+
 def test_the_drop_fault_before_any_chunk_cuts_the_connection_not_a_500(spec):
     """A review's finding: with the status sent only with the first chunk, a stream dropped
     before it was answered 500 in plain text, a server error where the fault promises a cut."""
