@@ -328,6 +328,24 @@ def test_proxy_reaches_every_pool_pod_by_dns() -> None:
         assert any(arg.startswith(flag.replace("jaeger:4317", "$(OTLP_TRACES_ENDPOINT)")) for arg in spec_args), flag
 
 
+def test_only_the_proxy_reaches_the_sglang_servers() -> None:
+    """SGLang serves /abort_request (abort_all), /flush_cache and weight updates without a key: the
+    NetworkPolicy admits to both pools' pods only the proxy's pods, on the servers' port."""
+    documents = k8s_documents()
+    policy = documents[("NetworkPolicy", "sglang-from-specroute")]["spec"]
+    selected = {value for rule in policy["podSelector"]["matchExpressions"] for value in rule["values"]}
+    assert policy["policyTypes"] == ["Ingress"]
+    for pool in ("sglang-spec", "sglang-base"):
+        pod = documents[("StatefulSet", pool)]["spec"]["template"]
+        assert pod["metadata"]["labels"]["app.kubernetes.io/name"] in selected
+        assert [p["name"] for p in pod["spec"]["containers"][0]["ports"]] == ["http"]
+    (rule,) = policy["ingress"]
+    (source,) = rule["from"]
+    proxy_labels = documents[("Deployment", "specroute")]["spec"]["template"]["metadata"]["labels"]
+    assert source["podSelector"]["matchLabels"].items() <= proxy_labels.items()
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+
+
 def interpolate(text: str, env: dict[str, str]) -> str:
     """Compose's `${NAME:-default}` substitution (the only form the proxy's ports use)."""
     return re.sub(r"\$\{([A-Z0-9_]+):-([^}]*)\}", lambda m: env.get(m.group(1)) or m.group(2), text)
