@@ -125,6 +125,16 @@ def test_real_stack_runs_eagle3_beside_a_throughput_server(compose: Compose) -> 
     assert "13133/status" in services["jaeger"]["healthcheck"]["test"][-1]
     # Published ports bind loopback unless BIND_ADDRESS says otherwise.
     assert {port["host_ip"] for s in services.values() for port in s.get("ports", [])} == {"127.0.0.1"}
+    # Exposing the proxy leaves the servers on loopback: SGLang serves /abort_request (abort_all)
+    # and /flush_cache to anyone who connects.
+    exposed = compose.config("docker-compose.yml", env={"BIND_ADDRESS": "0.0.0.0"})["services"]
+    addresses = {name: {port["host_ip"] for port in s.get("ports", [])} for name, s in exposed.items()}
+    assert addresses == {
+        "specroute": {"0.0.0.0"},
+        "sglang-spec": {"127.0.0.1"},
+        "sglang-base": {"127.0.0.1"},
+        "jaeger": {"127.0.0.1"},
+    }
 
 
 def test_twin_stack_is_the_same_stack_on_twins(compose: Compose) -> None:
