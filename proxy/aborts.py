@@ -10,9 +10,11 @@ carries an engine request id (`rid`) the proxy knows, and an abandoned one is ab
 
 SGLang's scheduler aborts every request whose rid *begins* with the one aborted, its own abort of
 a gone client's request included. A rid the proxy makes is a fresh uuid's 32 hex digits, the
-shape SGLang gives its own (and the response's id); one a client chose is accepted only from
-MIN_RID_CHARS characters (proxy/relay.py refuses a shorter one), so no abort, the proxy's or
-SGLang's, reaches a request of another client's.
+shape SGLang gives its own (and the response's id; `resp_` before it for a Responses request);
+one a client chose is accepted only from MIN_RID_CHARS characters (proxy/relay.py refuses a
+shorter one), so it begins no id the proxy or SGLang made unless it is that id. Two clients' own
+long ids can still begin one another ("...-request-1", "...-request-10"): clients that choose
+rids must make them unique, as SGLang asks.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ MIN_RID_CHARS = 32
 make, so it begins no other request's id unless it is that id."""
 ABORT_TIMEOUT_S = 5.0
 """An abort unanswered by then is given up: the server then frees the slot when it next looks."""
+ABORT_ERRORS: tuple[type[BaseException], ...] = (*UPSTREAM_ERRORS, RuntimeError)
+"""What ends an abort unsent: RuntimeError too, the upstream session being closed (stopping)."""
 CLOSE_WAIT_S = 1.0
 """How long stopping waits for the aborts in flight."""
 MAX_PENDING = 256
@@ -77,7 +81,7 @@ class Aborts:
                 instance.url + "/abort_request", data=body, headers=headers, timeout=timeout, allow_redirects=False
             ) as response:
                 status = response.status
-        except UPSTREAM_ERRORS as exc:
+        except ABORT_ERRORS as exc:
             log.debug("abort of an abandoned request on %s failed: %s", instance.name, type(exc).__name__)
             self.counted(instance.pool, "failed")
             return

@@ -191,6 +191,8 @@ class Exchange:
         "keeps_id",
         "ids_for",
         "client_rid",
+        "takes_rid",
+        "names_rid",
         "body_bytes",
         "culprit",
         "servers_tried",
@@ -265,6 +267,12 @@ class Exchange:
         self.client_rid: str | None = None
         """The engine request id the client chose (SGLang's `rid`, a Responses `request_id`), at
         least MIN_RID_CHARS long: an abandoned attempt is aborted by it (proxy/aborts.py)."""
+        self.takes_rid = False
+        """SGLang makes one engine request of it, named by its id field (one choice, one prompt):
+        an abandoned attempt can be aborted by that id."""
+        self.names_rid = False
+        """Its body has an id field (`rid`, a Responses `request_id`), even a null one: the proxy
+        adds none of its own (a second key would lose to the client's)."""
         self.body_bytes = 0
         """Its body's size (a Responses answer echoes parts of it after its usage)."""
         self.culprit = Culprit()
@@ -584,8 +592,12 @@ class CompletionHandler:
             many = isinstance(choices, int | float) and not isinstance(choices, bool) and choices > 1
             exchange.choices = int(choices) if many and choices is not None else 1  # None: for mypy
             prompt = payload.get("prompt")
-            if isinstance(prompt, list) and len(prompt) > 1 and not isinstance(prompt[0], int):
+            batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+            if batch and isinstance(prompt, list):  # (mypy)
                 exchange.choices *= len(prompt)  # a completions batch: one engine request a prompt
+            # SGLang ids a batch's requests (even one's) and n > 1's choices itself.
+            exchange.takes_rid = exchange.choices == 1 and not batch
+            exchange.names_rid = ("request_id" if exchange.dialect is scan.RESPONSES else "rid") in payload
             if (
                 self.settings.stream_usage
                 and exchange.dialect.stream_usage
@@ -718,7 +730,8 @@ class CompletionHandler:
             # the follow-ups naming it would then go to this server.
             exchange.keeps_id = stored and chosen is None
             return
-        if chosen is not None and not (isinstance(chosen, str) and self.responses.ids.belongs(chosen, client)):
+        named = "request_id" in payload  # a null one too: the proxy's id would be a second key, and lose
+        if named and not (isinstance(chosen, str) and self.responses.ids.belongs(chosen, client)):
             raise ProxyError(
                 400,
                 "with proxy keys on the proxy chooses the ids of stored responses; leave out 'request_id'",
@@ -726,7 +739,7 @@ class CompletionHandler:
                 code="request_id_not_allowed",
             )
         exchange.keeps_id = stored
-        if stored and chosen is None:
+        if stored and not named:
             exchange.ids_for = client  # each attempt's body gets one (`attempt`)
 
     def check_rid(self, exchange: Exchange, payload: dict[str, Any], client: bytes | None) -> None:
@@ -989,15 +1002,16 @@ class CompletionHandler:
         if exchange.ids_for is not None:
             rid = self.responses.ids.minted(exchange.ids_for)
             body = scan.with_first_member(body, b'"request_id":"' + rid.encode() + b'"')
-        elif (
-            rid is None
-            and exchange.choices == 1
-            and instance.kind == "sglang"
-            and exchange.dialect is not scan.RESPONSES
-        ):
-            rid = new_rid()  # SGLang makes its response's id of it: a uuid's hex, as its own
-            body = scan.with_first_member(body, b'"rid":"' + rid.encode() + b'"')
-        if instance.kind != "sglang" or exchange.choices != 1:
+        elif exchange.takes_rid and not exchange.names_rid and instance.kind == "sglang":
+            # SGLang makes its response's id of it, as of its own: a uuid's hex (`resp_` before it
+            # for a Responses request, its stored response's id).
+            if exchange.dialect is scan.RESPONSES:
+                rid = "resp_" + new_rid()
+                body = scan.with_first_member(body, b'"request_id":"' + rid.encode() + b'"')
+            else:
+                rid = new_rid()
+                body = scan.with_first_member(body, b'"rid":"' + rid.encode() + b'"')
+        if instance.kind != "sglang" or not exchange.takes_rid:
             rid = None  # vLLM aborts a request whose connection closed at once; SGLang ids each of several
         out = outgoing_headers(
             headers, instance, exchange.request_id, exchange.client, self.settings.forwarded_headers == "append"
@@ -1079,6 +1093,8 @@ class CompletionHandler:
                 first = await response.content.readany()
                 if response.content_type == "text/event-stream":
                     first = await self.first_event(response, first, exchange.dialect.started)
+                    if exchange.dialect is scan.CHAT and not scan.first_data_line_ended(first):
+                        first = await self.first_line_whole(response, first)
                     refusal = scan.leading_error_event(first) if exchange.dialect is scan.CHAT else None
                     if refusal is not None:
                         answered = True
@@ -1138,6 +1154,26 @@ class CompletionHandler:
                 # Abandoned (its client left, a timeout, a drain): SGLang would hold its slot until it
                 # next checks the connection.
                 self.aborts.abort(instance, rid, out.get("authorization"))
+
+    async def first_line_whole(self, response: aiohttp.ClientResponse, first: bytes) -> bytes:
+        """A chat stream's first bytes, read on until its first data line has ended (within the
+        first-token timeout): a refusal in its first event (`refused_in_band`) split across
+        reads is judged whole, not passed on as a 200 or read as a truncated status."""
+        buffered = bytearray(first)
+        deadline = perf_counter() + self.settings.first_token_timeout_s
+        while not scan.first_data_line_ended(bytes(buffered)):
+            left = deadline - perf_counter()
+            if left <= 0 or len(buffered) > MAX_EVENT_BYTES:
+                raise aiohttp.SocketTimeoutError("no whole first event within the first-token timeout")
+            try:
+                async with asyncio.timeout(left):
+                    more = await response.content.readany()
+            except TimeoutError:
+                raise aiohttp.SocketTimeoutError("no whole first event within the first-token timeout") from None
+            if not more:
+                break  # the stream ended: what came goes on as it is
+            buffered += more
+        return bytes(buffered)
 
     async def first_event(
         self, response: aiohttp.ClientResponse, first: bytes, started: Callable[[bytes], bool]

@@ -180,6 +180,16 @@ def error_event_status(events: bytes) -> int | None:
     return status if 400 <= status < 600 else 502
 
 
+def first_data_line_ended(buffered: bytes) -> bool:
+    """Whether a stream's first bytes hold its first data line whole (or no data line yet): an
+    error event split across reads is judged once it is whole (`leading_error_event`)."""
+    start = 0 if buffered.startswith(EVENT) else buffered.find(b"\n" + EVENT)
+    if start < 0:
+        return True
+    rest = buffered[start + 1 :]
+    return b"\n" in rest or b"\r" in rest
+
+
 def leading_error_event(first: bytes) -> bytes | None:
     """The JSON of the error event a stream opens with (its first data event), None when its first
     data event is anything else."""

@@ -9,6 +9,7 @@ as told, over a real socket on 127.0.0.1, and records what it was sent:
     with FaultServer("cutmid:3") as bad:         # 200 SSE, 3 chunks and half of a 4th, then the connection drops
     with FaultServer("split:3") as bad:          # 200 SSE, 3 events, each split across two writes, then [DONE]
     with FaultServer("errorevent:2") as bad:     # 200 SSE, 2 events, SGLang's in-band error event (a 503 abort), [DONE]
+    with FaultServer("refusal:8") as bad:        # 200 SSE opening with SGLang's 503 refusal event, its first 8 bytes in a write of their own, [DONE]
     with FaultServer("stall:2") as bad:          # 200 SSE, 2 chunks, then silence
     with FaultServer("hang") as bad:             # reads the request, never answers
     with FaultServer("flood") as bad:            # 200 SSE, chunks as fast as they are read, never ending
@@ -336,6 +337,15 @@ class FaultServer:
             error = {"object": "error", "message": "Request running timeout reached.", "type": "SERVICE_UNAVAILABLE"}
             event = b"data: " + json.dumps({"error": error | {"param": None, "code": 503}}).encode() + b"\n\n"
             writer.write(http_chunk(event) + http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        elif kind == "refusal":  # a full queue's refusal, SGLang's first event, split where told
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+            error = {"object": "error", "message": "The request queue is full.", "type": "SERVICE_UNAVAILABLE"}
+            event = b"data: " + json.dumps({"error": error | {"param": None, "code": 503}}).encode() + b"\n\n"
+            for part in (event[: int(arg)], event[int(arg) :]):
+                writer.write(http_chunk(part))
+                await writer.drain()
+                await asyncio.sleep(0.05)  # two reads for the proxy
+            writer.write(http_chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         elif kind in ("cut", "stall"):
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
             for i in range(int(arg)):

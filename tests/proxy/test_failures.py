@@ -426,6 +426,40 @@ def test_a_client_rid_is_refused_short_and_aborted_by_when_long(patient_twin, pa
     assert aborts_sent(patient_proxy) == sent + 1
 
 
+def test_the_proxy_names_an_sglang_request_only_where_sglang_runs_it_under_that_name() -> None:
+    """The rid the proxy adds (proxy/aborts.py) goes only where SGLang makes one engine request
+    named by it, and never beside an id field of the client's (a second key: the client's, last,
+    would win, and the abort would name nothing). SGLang names each request of a completions
+    batch (even of one prompt: `<rid>_0`) and each choice of n > 1 itself."""
+    with (
+        FaultServer("echo", probe="/get_load") as sglang,
+        running_proxy(base_urls=[sglang.url], policy="base") as proxy,
+    ):
+        wait_for(lambda: all(i.kind == "sglang" for i in proxy.app.router.instances()), what="the server learned")
+
+        def sent(path: str, body: dict) -> bytes:
+            assert httpx.post(proxy.base_url + path, json=body, timeout=10).status_code == 200
+            return sglang.requests[-1].body
+
+        chat = {"model": "m", "messages": MESSAGES, "max_tokens": 4}
+        assert re.match(rb'\{"rid":"[0-9a-f]{32}",', sent("/chat/completions", chat))
+        assert re.match(rb'\{"request_id":"resp_[0-9a-f]{32}",', sent("/responses", {"model": "m", "input": "Hi"}))
+        for path, body in (
+            ("/chat/completions", chat | {"rid": None}),
+            ("/chat/completions", chat | {"n": 2}),
+            ("/completions", {"model": "m", "prompt": ["Hi"], "max_tokens": 4}),
+            ("/completions", {"model": "m", "prompt": ["Hi", "Ho"], "max_tokens": 4}),
+            ("/responses", {"model": "m", "input": "Hi", "request_id": None}),
+        ):
+            forwarded = sent(path, body)
+            assert forwarded.count(b'"rid"') + forwarded.count(b'"request_id"') == int(
+                "rid" in body or "request_id" in body
+            ), body
+        assert re.match(
+            rb'\{"rid":"[0-9a-f]{32}",', sent("/completions", {"model": "m", "prompt": [1, 2], "max_tokens": 4})
+        )
+
+
 def test_a_stream_refused_in_band_gets_its_status_and_fails_over() -> None:
     """SGLang answers a stream its scheduler refuses (--max-queued-requests: a full queue) with a
     200 whose first event is an error (503), then [DONE]; the proxy holds a stream's headers
@@ -457,6 +491,18 @@ def test_a_stream_refused_in_band_gets_its_status_and_fails_over() -> None:
                 direct.post("/abort_request", json={"rid": f"held-{i}"})
             for answer in held:
                 answer.result(timeout=30)
+
+
+@pytest.mark.parametrize("split", [8, 20, 100])
+def test_a_refusal_split_across_reads_is_read_whole(split: int) -> None:
+    """A review's finding: the first event judged as far as the first read went, so a refusal
+    whose first bytes came alone reached the client as a 200 (8 bytes) or read as a 502 (its
+    code not yet there)."""
+    with FaultServer(f"refusal:{split}") as bad, running_proxy(base_urls=[bad.url], policy="base") as proxy:
+        answer = httpx.post(
+            proxy.base_url + "/chat/completions", json={"model": "m", "messages": MESSAGES, "stream": True}, timeout=10
+        )
+    assert answer.status_code == 503 and error_of(answer)["code"] == "503"
 
 
 def test_a_stream_ended_by_an_in_band_error_is_relayed_and_counted_an_error() -> None:
