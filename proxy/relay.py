@@ -470,6 +470,20 @@ async def watch_disconnect(receive: Receive, task: asyncio.Task[Any], exchange: 
             return
 
 
+async def read_before(response: aiohttp.ClientResponse, deadline: float, buffered: int, missing: str) -> bytes:
+    """The next read of a stream's opening, `buffered` bytes of it held so far, by `deadline` (a
+    perf_counter time: the first-token timeout's end) and within MAX_EVENT_BYTES; else a
+    first-token timeout, `missing` saying what did not come."""
+    left = deadline - perf_counter()
+    if left <= 0 or buffered > MAX_EVENT_BYTES:
+        raise aiohttp.SocketTimeoutError(f"{missing} within the first-token timeout")
+    try:
+        async with asyncio.timeout(left):
+            return await response.content.readany()
+    except TimeoutError:
+        raise aiohttp.SocketTimeoutError(f"{missing} within the first-token timeout") from None
+
+
 def checked_rid(rid: Any, field: str) -> str | None:
     """A client's engine request id (`field`), refused when shorter than MIN_RID_CHARS: SGLang
     aborts every request whose id begins with an aborted one's, its own abort of a gone client's
@@ -1162,14 +1176,7 @@ class CompletionHandler:
         buffered = bytearray(first)
         deadline = perf_counter() + self.settings.first_token_timeout_s
         while not scan.first_data_line_ended(bytes(buffered)):
-            left = deadline - perf_counter()
-            if left <= 0 or len(buffered) > MAX_EVENT_BYTES:
-                raise aiohttp.SocketTimeoutError("no whole first event within the first-token timeout")
-            try:
-                async with asyncio.timeout(left):
-                    more = await response.content.readany()
-            except TimeoutError:
-                raise aiohttp.SocketTimeoutError("no whole first event within the first-token timeout") from None
+            more = await read_before(response, deadline, len(buffered), "no whole first event")
             if not more:
                 break  # the stream ended: what came goes on as it is
             buffered += more
@@ -1198,14 +1205,7 @@ class CompletionHandler:
             if started(bytes(look)):
                 break
             searched = len(buffered)
-            left = deadline - perf_counter()
-            if left <= 0 or searched > MAX_EVENT_BYTES:
-                raise aiohttp.SocketTimeoutError("no data event within the first-token timeout")
-            try:
-                async with asyncio.timeout(left):
-                    first = await response.content.readany()
-            except TimeoutError:
-                raise aiohttp.SocketTimeoutError("no data event within the first-token timeout") from None
+            first = await read_before(response, deadline, searched, "no data event")
             buffered += first
             # From a marker's length before the new bytes: one split across reads is counted once.
             events += buffered[max(searched - 5, 0) :].count(b"\ndata:")
