@@ -1175,8 +1175,9 @@ class CompletionHandler:
         reads is judged whole, not passed on as a 200 or read as a truncated status."""
         buffered = bytearray(first)
         deadline = perf_counter() + self.settings.first_token_timeout_s
-        while not scan.first_data_line_ended(bytes(buffered)):
-            more = await read_before(response, deadline, len(buffered), "no whole first event")
+        while not scan.first_data_line_ended(bytes(buffered)) and len(buffered) <= MAX_EVENT_BYTES:
+            # (Past MAX_EVENT_BYTES the relay cuts the event off: `upstream_event_too_large`.)
+            more = await read_before(response, deadline, 0, "no whole first event")
             if not more:
                 break  # the stream ended: what came goes on as it is
             buffered += more
