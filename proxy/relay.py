@@ -1057,10 +1057,8 @@ class CompletionHandler:
             exchange.held.land()  # counted by the fleet model now: the hold queue may judge again
         response: aiohttp.ClientResponse | None = None
         began = perf_counter()
-        reached = True
-        """Whether the request may be running on the server (no connection refused it)."""
-        answered = False
-        """Whether the server is done with it (it answered, an error or in full)."""
+        reached = True  # the request may be running on the server (no connection refused it)
+        answered = False  # the server is done with it (it answered, an error or in full)
         try:
             if remaining_s <= 0:
                 reached = False
