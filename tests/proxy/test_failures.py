@@ -474,8 +474,11 @@ def test_a_stream_refused_in_band_gets_its_status_and_fails_over() -> None:
         httpx.Client(base_url=full.url, timeout=60) as direct,
         concurrent.futures.ThreadPoolExecutor(2) as pool,
     ):
-        held = [pool.submit(direct.post, "/v1/chat/completions", json={**long, "rid": f"held-{i}"}) for i in range(2)]
+        # One at a time: two arriving in one scheduler step would find the queue full between them.
+        held = [pool.submit(direct.post, "/v1/chat/completions", json={**long, "rid": "held-0"})]
         try:
+            wait_for(lambda: twin_running(full) == 1, timeout=10, what="one running")
+            held.append(pool.submit(direct.post, "/v1/chat/completions", json={**long, "rid": "held-1"}))
             wait_for(lambda: twin_running(full) == 2, timeout=10, what="one running, one queued")
             with running_proxy(base_urls=[full.url], policy="base") as alone:
                 refused = httpx.post(alone.base_url + "/chat/completions", json=stream, timeout=30)

@@ -763,11 +763,11 @@ def test_a_full_queue_refuses_a_stream_in_band_and_a_json_request_with_503():
     args = ("--max-running-requests", "1", "--max-queued-requests", "1")
     with twin("base", time_scale=1.0, args=args) as t, httpx.Client(base_url=t.url, timeout=30) as http:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            held = [pool.submit(http.post, "/v1/chat/completions", json={**body, "rid": f"held-{i}"}) for i in range(2)]
-            wait_for(
-                lambda: loads(t)["num_running_reqs"] == 1 and loads(t)["num_waiting_reqs"] == 1,
-                "one running, one queued",
-            )
+            # One at a time: two arriving in one scheduler step would find the queue full between them.
+            held = [pool.submit(http.post, "/v1/chat/completions", json={**body, "rid": "held-0"})]
+            wait_for(lambda: loads(t)["num_running_reqs"] == 1, "one running")
+            held.append(pool.submit(http.post, "/v1/chat/completions", json={**body, "rid": "held-1"}))
+            wait_for(lambda: loads(t)["num_waiting_reqs"] == 1, "one running, one queued")
             with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as stream:
                 assert stream.status_code == 200
                 events = [line[6:] for line in stream.iter_lines() if line.startswith("data: ")]
