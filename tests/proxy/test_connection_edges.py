@@ -4,9 +4,12 @@ hop-by-hop header RFC 9110 7.6.1 names stays on its hop both ways. Over real soc
 
 from __future__ import annotations
 
+import gc
 import json
 import socket
+import struct
 import time
+import weakref
 
 import httpx
 from proxy_faults import FaultServer
@@ -228,6 +231,25 @@ def test_a_response_on_a_connection_that_closes_does_not_also_offer_keep_alive()
             lines = head.lower().split(b"\r\n")
             said = [line for line in lines if line.startswith((b"connection:", b"keep-alive:"))]
             assert said == ([b"connection: close"] if closes else [b"keep-alive: timeout=5"]), (request, head)
+
+
+def test_a_connection_reset_while_idle_is_let_go_at_once() -> None:
+    # uvicorn cancels an idle connection's keep-alive timer only when it closes cleanly: one its
+    # client reset (a client gone mid-stream after the last chunk went out, the soak's leavers)
+    # stayed held by the timer, its protocol and last request with it, until the timeout.
+    with running_proxy(base_urls=["http://127.0.0.1:9"], **{**GUARDED, "keep_alive_timeout_s": 3600.0}) as proxy:
+        sock = connect(proxy)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        [(head, _)] = read_responses(sock, 1)
+        assert head.startswith(b"HTTP/1.1 200")
+        [protocol] = wait_for(lambda: list(proxy.server.server_state.connections), "the connection")
+        held = weakref.ref(protocol)
+        del protocol
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        sock.close()
+        wait_for(
+            lambda: gc.collect() >= 0 and held() is None, "the reset connection's protocol to be freed", timeout=WAIT_S
+        )
 
 
 def chunked(body: bytes) -> bytes:
