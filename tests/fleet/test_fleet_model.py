@@ -182,7 +182,7 @@ def test_a_queued_server_packs_its_prefill_into_chunks_and_the_counters_are_read
         tokens = busy_us = 0.0
         prompt = PREFILL_CHUNK_TOKENS // 4
         for i in range(200):
-            now = 0.1 * i
+            now = 0.2 * i
             model.on_reading(
                 "b",
                 Reading(
@@ -193,8 +193,8 @@ def test_a_queued_server_packs_its_prefill_into_chunks_and_the_counters_are_read
                     prefill_busy_us_total=busy_us if tokens else None,
                 ),
             )
-            for _ in range(4):
-                model.on_dispatch("b", now, prompt)
+            for j in range(4):  # further apart than a decode step (31 ms): each prefilled alone
+                model.on_dispatch("b", now + 0.04 * j, prompt)
             # What the server did with them by the next reading, exactly as the seed says.
             if waiting:  # one iteration of four prompts
                 busy_us += 1000 * seed.prefill_ms(PREFILL_CHUNK_TOKENS)
@@ -205,6 +205,33 @@ def test_a_queued_server_packs_its_prefill_into_chunks_and_the_counters_are_read
 
     assert learned(waiting=5) == pytest.approx(1.0, rel=0.02)
     assert learned(waiting=0) == pytest.approx(1.0, rel=0.02)
+
+
+def test_prompts_sent_together_to_a_server_with_no_queue_are_read_as_one_prefill_iteration() -> None:
+    """SGLang prefills together the prompts waiting when an iteration starts: a burst sent within
+    one decode step shares one. Read as one iteration per prompt, 18 prompts sent at once taught
+    spec's prefill at a seventh of the twin's (its routing test then sent chat to spec)."""
+    from fleet.costmodel import AffineSeed
+
+    seed = AffineSeed(c0=30.0)
+    model = FleetModel(seed=seed)
+    model.add_instance("b", "base", 64)
+    tokens = busy_us = 0.0
+    for i in range(100):
+        now = 0.2 * i
+        model.on_reading(
+            "b",
+            Reading(
+                now, running=4, waiting=0, prefill_tokens_total=tokens or None, prefill_busy_us_total=busy_us or None
+            ),
+        )
+        for _ in range(8):  # a burst, the same instant
+            model.on_dispatch("b", now, 64)
+        busy_us += 1000 * seed.prefill_ms(8 * 64)  # one iteration, as the seed says
+        tokens += 8 * 64
+    assert model.cost.evidence("base", 512, now, prefill=True) > 10
+    for size in (64, 512):
+        assert model.cost.prefill_ms("base", size, now) == pytest.approx(seed.prefill_ms(size), rel=0.05)
 
 
 def test_another_clients_prompts_in_the_counters_teach_no_prefill_and_break_nothing() -> None:
