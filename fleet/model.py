@@ -218,7 +218,6 @@ class FleetModel:
         if signals.reading is not None and reading.at < signals.reading.at:
             return  # an answer overtaken by a newer one
         queued = signals.reading is not None and signals.reading.waiting > 0
-        previous_at = signals.reading.at if signals.reading is not None else None
         signals.reading = reading
         signals.polled = True
         signals.unresponsive = False
@@ -244,10 +243,7 @@ class FleetModel:
             work = signals.on_prefill_counters(reading.prefill_tokens_total, busy_us_total)
             if work is not None:
                 signals.prefilled.add(reading.at, work[0])
-                per_iteration = (
-                    1.0 if previous_at is None else self._prompts_per_iteration(signals, previous_at, reading)
-                )
-                self._on_prefill_work(signals, reading.at, *work, queued=queued, per_iteration=per_iteration)
+                self._on_prefill_work(signals, reading.at, *work, queued=queued, running=reading.running)
         if reading.cache_tokens and reading.cache_tokens != signals.cache_tokens:
             signals.cache_tokens = reading.cache_tokens
             self.prefix.set_capacity(url, reading.cache_tokens)
@@ -636,18 +632,18 @@ class FleetModel:
         chunks = math.ceil(prompt / PREFILL_CHUNK_TOKENS)
         self.cost.observe_prefill(signals.pool, prompt / chunks, 1000 * ttft_s / chunks, now)
 
-    def _prompts_per_iteration(self, signals: InstanceSignals, previous_at: float, reading: Reading) -> float:
-        """Our prompts sent to the instance since its previous reading, per group of them sent
-        within one decode step of each other (at the batch it reports now): SGLang prefills
-        together the prompts waiting when an iteration starts, so each group is taken as one
-        iteration. 1 when fewer than two were sent."""
-        step_s = (
-            self.cost.decode_step_ms(signals.pool, max(int(reading.running), 1), self.cost.tokens_per_seq(signals.pool))
-            / 1000
-        )
-        times = [at for at in signals.recent_dispatches if previous_at <= at <= reading.at]
-        if len(times) < 2:
+    def _prompts_per_iteration(self, signals: InstanceSignals, now: float, running: float, prompts: float) -> float:
+        """The last `prompts` of ours sent to the instance by `now` (those its counters just
+        prefilled, some sent before its previous reading), per group of them sent within one
+        decode step of each other (at the batch it reports): SGLang prefills together the
+        prompts waiting when an iteration starts, so each group is taken as one iteration."""
+        count = min(math.ceil(prompts), len(signals.recent_dispatches))
+        if count < 2:
             return 1.0
+        step_s = (
+            self.cost.decode_step_ms(signals.pool, max(int(running), 1), self.cost.tokens_per_seq(signals.pool)) / 1000
+        )
+        times = [at for at in signals.recent_dispatches if at <= now][-count:]
         groups = 1 + sum(1 for earlier, later in zip(times, times[1:]) if later - earlier >= step_s)
         return len(times) / groups
 
@@ -659,7 +655,7 @@ class FleetModel:
         busy_us: float,
         *,
         queued: bool,
-        per_iteration: float = 1.0,
+        running: float = 0.0,
     ) -> None:
         """A server's prefill work since its previous reading (its counters' delta) as prefill
         evidence, whatever its load. The counters give tokens and busy time, not how many
@@ -677,8 +673,8 @@ class FleetModel:
         credit (after a restart, or another replica's turns), and each prompt's prefill is that
         share of ours (taken as ours, a review saw spec's prefill learned 3-20x too slow).
         With no queue, prompts sent within a step of each other share an iteration
-        (`per_iteration`, `_prompts_per_iteration`): taken one iteration each, 18 prompts sent at
-        once taught spec's prefill at a seventh of the twin's."""
+        (`_prompts_per_iteration`): taken one iteration each, 18 prompts sent at once taught
+        spec's prefill at a seventh of the twin's."""
         if busy_us <= 0:
             return
         if queued:
@@ -690,7 +686,11 @@ class FleetModel:
             ours = signals.prompt_tokens_sent.per_s(now)
             if tokens > 2 * ours * RATE_WINDOW_S:  # the rate's window holds what we sent lately
                 return
-            step = min(ours / per_s * signals.prefilled_share(now) * per_iteration, PREFILL_CHUNK_TOKENS)
+            per_prompt = ours / per_s * signals.prefilled_share(now)
+            if per_prompt <= 0:
+                return
+            together = self._prompts_per_iteration(signals, now, running, tokens / per_prompt)
+            step = min(per_prompt * together, PREFILL_CHUNK_TOKENS)
         if step < 1:
             return
         steps = tokens / step
