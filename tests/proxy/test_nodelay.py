@@ -74,9 +74,11 @@ def nodelay_of(port: int, expected: int = 1) -> int:
         return accepted_nodelay(client, expected)
 
 
-def serve_in_thread(make: Callable[[], Coroutine[None, None, None]]) -> None:
+def serve_in_thread(make: Callable[[], Coroutine[None, None, None]]) -> threading.Thread:
     # Daemon: these serve forever, as their `python -m` entry points do.
-    threading.Thread(target=lambda: uvloop.run(make()), daemon=True).start()
+    thread = threading.Thread(target=lambda: uvloop.run(make()), daemon=True)
+    thread.start()
+    return thread
 
 
 def listening(port: int) -> bool:
@@ -92,13 +94,25 @@ def bench_servers() -> dict[str, int]:
     from bench import first_token, otlp_sink, proxy_upstream
     from bench.proxy_bench import free_port
 
-    ports = {name: free_port() for name in ("proxy_upstream", "otlp_sink", "first_token", "first_token control")}
-    serve_in_thread(lambda: proxy_upstream.serve(ports["proxy_upstream"], 4))
-    serve_in_thread(lambda: otlp_sink.main(ports["otlp_sink"]))
-    serve_in_thread(lambda: first_token.serve_upstream(ports["first_token"], nodelay=True))
-    serve_in_thread(lambda: first_token.serve_upstream(ports["first_token control"], nodelay=False))
-    for name, port in ports.items():
-        wait_for(lambda: listening(port), f"bench.{name} to listen", timeout=10)
+    makers: dict[str, Callable[[int], Coroutine[None, None, None]]] = {
+        "proxy_upstream": lambda port: proxy_upstream.serve(port, 4),
+        "otlp_sink": otlp_sink.main,
+        "first_token": lambda port: first_token.serve_upstream(port, nodelay=True),
+        "first_token control": lambda port: first_token.serve_upstream(port, nodelay=False),
+    }
+    ports = {}
+    for name, make in makers.items():
+        # A free port can be taken before the server binds it (another process on the machine):
+        # its thread then dies, and the port answers for someone else's server. Tried anew then.
+        for _ in range(3):
+            port = free_port()
+            thread = serve_in_thread(lambda make=make, port=port: make(port))
+            wait_for(lambda: listening(port) or not thread.is_alive(), f"bench.{name} to listen", timeout=10)
+            if thread.is_alive():
+                ports[name] = port
+                break
+        else:
+            raise AssertionError(f"bench.{name} could not bind a free port")
     return ports
 
 
