@@ -243,7 +243,7 @@ class FleetModel:
             work = signals.on_prefill_counters(reading.prefill_tokens_total, busy_us_total)
             if work is not None:
                 signals.prefilled.add(reading.at, work[0])
-                self._on_prefill_work(signals, reading.at, *work, queued=queued, running=reading.running)
+                self._on_prefill_work(signals, reading.at, *work, queued=queued)
         if reading.cache_tokens and reading.cache_tokens != signals.cache_tokens:
             signals.cache_tokens = reading.cache_tokens
             self.prefix.set_capacity(url, reading.cache_tokens)
@@ -632,20 +632,25 @@ class FleetModel:
         chunks = math.ceil(prompt / PREFILL_CHUNK_TOKENS)
         self.cost.observe_prefill(signals.pool, prompt / chunks, 1000 * ttft_s / chunks, now)
 
-    def _prompts_per_iteration(self, signals: InstanceSignals, now: float, running: float, prompts: float) -> float:
-        """The last `prompts` of ours sent to the instance by `now` (those its counters just
-        prefilled, some sent before its previous reading), per group of them sent within one
-        decode step of each other (at the batch it reports): SGLang prefills together the
-        prompts waiting when an iteration starts, so each group is taken as one iteration."""
+    def _prompts_per_iteration(self, signals: InstanceSignals, now: float, prompts: float) -> float:
+        """How many of ours shared each prefill iteration among the last `prompts` sent to the
+        instance by `now` (those its counters just prefilled, some sent before its previous
+        reading). SGLang prefills together what waits when an iteration starts; iterations come
+        a decode step apart (at one engine's batch), at a phase we do not see, so two prompts
+        sent `gap` apart shared one with probability 1 - gap / step: the iterations expected
+        are 1 + the sum of min(gap / step, 1). Several data-parallel engines each prefill their
+        share. At least 1."""
         count = min(math.ceil(prompts), len(signals.recent_dispatches))
         if count < 2:
             return 1.0
-        step_s = (
-            self.cost.decode_step_ms(signals.pool, max(int(running), 1), self.cost.tokens_per_seq(signals.pool)) / 1000
-        )
+        running, _, _, engines, _ = signals.engine_load()
+        step_ms = self.cost.decode_step_ms(signals.pool, max(int(running), 1), self.cost.tokens_per_seq(signals.pool))
         times = [at for at in signals.recent_dispatches if at <= now][-count:]
-        groups = 1 + sum(1 for earlier, later in zip(times, times[1:]) if later - earlier >= step_s)
-        return len(times) / groups
+        if not times:
+            return 1.0
+        step_s = step_ms / 1000
+        groups = 1.0 + sum(min((later - earlier) / step_s, 1.0) for earlier, later in zip(times, times[1:]))
+        return max(len(times) / groups / engines, 1.0)
 
     def _on_prefill_work(
         self,
@@ -655,7 +660,6 @@ class FleetModel:
         busy_us: float,
         *,
         queued: bool,
-        running: float = 0.0,
     ) -> None:
         """A server's prefill work since its previous reading (its counters' delta) as prefill
         evidence, whatever its load. The counters give tokens and busy time, not how many
@@ -672,7 +676,7 @@ class FleetModel:
         we sent uncached (`prefilled_share`): the server had cached what the router did not
         credit (after a restart, or another replica's turns), and each prompt's prefill is that
         share of ours (taken as ours, a review saw spec's prefill learned 3-20x too slow).
-        With no queue, prompts sent within a step of each other share an iteration
+        With no queue, prompts sent less than a decode step apart may have shared an iteration
         (`_prompts_per_iteration`): taken one iteration each, 18 prompts sent at once taught
         spec's prefill at a seventh of the twin's."""
         if busy_us <= 0:
@@ -689,7 +693,7 @@ class FleetModel:
             per_prompt = ours / per_s * signals.prefilled_share(now)
             if per_prompt <= 0:
                 return
-            together = self._prompts_per_iteration(signals, now, running, tokens / per_prompt)
+            together = self._prompts_per_iteration(signals, now, tokens / per_prompt)
             step = min(per_prompt * together, PREFILL_CHUNK_TOKENS)
         if step < 1:
             return

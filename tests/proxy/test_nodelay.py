@@ -81,12 +81,32 @@ def serve_in_thread(make: Callable[[], Coroutine[None, None, None]]) -> threadin
     return thread
 
 
-def listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-        return True
-    except OSError:
-        return False
+def listening_here(port: int) -> bool:
+    """A socket of this process listens on `port` (not another process's, which a port taken
+    between free_port() and the bind would be)."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            copy = os.dup(int(fd))
+        except OSError:
+            continue
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:
+            os.close(copy)
+            continue
+        try:
+            if (
+                sock.family == socket.AF_INET
+                and sock.type == socket.SOCK_STREAM
+                and sock.getsockname()[1] == port
+                and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            ):
+                return True
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return False
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +127,7 @@ def bench_servers() -> dict[str, int]:
         for _ in range(3):
             port = free_port()
             thread = serve_in_thread(lambda make=make, port=port: make(port))
-            wait_for(lambda: listening(port) or not thread.is_alive(), f"bench.{name} to listen", timeout=10)
+            wait_for(lambda: listening_here(port) or not thread.is_alive(), f"bench.{name} to listen", timeout=10)
             if thread.is_alive():
                 ports[name] = port
                 break
