@@ -207,10 +207,14 @@ def test_a_queued_server_packs_its_prefill_into_chunks_and_the_counters_are_read
     assert learned(waiting=0) == pytest.approx(1.0, rel=0.02)
 
 
-def test_prompts_sent_together_to_a_server_with_no_queue_are_read_as_one_prefill_iteration() -> None:
+@pytest.mark.parametrize("sent_at", [0.0, 0.199])
+def test_prompts_sent_together_to_a_server_with_no_queue_are_read_as_one_prefill_iteration(sent_at: float) -> None:
     """SGLang prefills together the prompts waiting when an iteration starts: a burst sent within
     one decode step shares one. Read as one iteration per prompt, 18 prompts sent at once taught
-    spec's prefill at a seventh of the twin's (its routing test then sent chat to spec)."""
+    spec's prefill at a seventh of the twin's (its routing test then sent chat to spec). A burst
+    sent just before a reading (`sent_at` 0.199 s into the 0.2 s between two) is prefilled after
+    it, and the next reading's counters hold it: the workload test's burst straddled one so, and
+    17 cached tokens were read as 16 iterations of 0.2 ms."""
     from fleet.costmodel import AffineSeed
 
     seed = AffineSeed(c0=30.0)
@@ -225,38 +229,14 @@ def test_prompts_sent_together_to_a_server_with_no_queue_are_read_as_one_prefill
                 now, running=4, waiting=0, prefill_tokens_total=tokens or None, prefill_busy_us_total=busy_us or None
             ),
         )
-        for _ in range(8):  # a burst, the same instant
-            model.on_dispatch("b", now, 64)
-        busy_us += 1000 * seed.prefill_ms(8 * 64)  # one iteration, as the seed says
-        tokens += 8 * 64
-    assert model.cost.evidence("base", 512, now, prefill=True) > 10
-    for size in (64, 512):
-        assert model.cost.prefill_ms("base", size, now) == pytest.approx(seed.prefill_ms(size), rel=0.05)
-
-
-def test_a_burst_prefilled_after_the_reading_it_was_sent_before_is_one_iteration() -> None:
-    """The prompts a reading's counters prefilled may have been sent before the previous reading
-    (the workload routing test's burst straddled one, and 17 cached tokens were read as 16
-    iterations of 0.2 ms): the last ones sent, as many as the tokens hold, are grouped."""
-    from fleet.costmodel import AffineSeed
-
-    seed = AffineSeed(c0=30.0)
-    model = FleetModel(seed=seed)
-    model.add_instance("b", "base", 64)
-    tokens = busy_us = 0.0
-    for i in range(100):
-        now = 0.2 * i
-        model.on_reading(
-            "b",
-            Reading(
-                now, running=4, waiting=0, prefill_tokens_total=tokens or None, prefill_busy_us_total=busy_us or None
-            ),
-        )
-        for _ in range(8):  # just before the next reading; prefilled after it, seen at the one after
-            model.on_dispatch("b", now + 0.199, 64)
-        if i > 0:
-            busy_us += 1000 * seed.prefill_ms(8 * 64)
+        if i % 2 == 0:
+            for _ in range(8):  # a burst, the same instant, every other interval
+                model.on_dispatch("b", now + sent_at, 64)
+        # Prefilled by the next reading, or (sent late) by the one after, which saw none sent.
+        if i % 2 == (0 if sent_at == 0.0 else 1):
+            busy_us += 1000 * seed.prefill_ms(8 * 64)  # one iteration, as the seed says
             tokens += 8 * 64
+    assert model.cost.evidence("base", 512, now, prefill=True) > 10
     for size in (64, 512):
         assert model.cost.prefill_ms("base", size, now) == pytest.approx(seed.prefill_ms(size), rel=0.05)
 
