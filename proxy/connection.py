@@ -28,7 +28,9 @@ of any size is buffered whole. Here:
   SPECROUTE_MAX_HEADER_BYTES get 431 and close;
 - a chunked body's chunks, once past FREE_CHUNKS of them, must average SMALL_CHUNK_BYTES (else
   400 and close): the parser calls back per chunk, and 1 MB sent a byte a chunk cost the proxy
-  0.6-0.85 s of its event loop.
+  0.6-0.85 s of its event loop;
+- a connection its client resets is let go at once: uvicorn kept an idle one's keep-alive timer
+  (and with it the protocol and its last request) until the timeout.
 """
 
 from __future__ import annotations
