@@ -646,20 +646,12 @@ class FleetModel:
         running, _, _, engines, _ = signals.engine_load()
         step_ms = self.cost.decode_step_ms(signals.pool, max(int(running), 1), self.cost.tokens_per_seq(signals.pool))
         times = [at for at in signals.recent_dispatches if at <= now][-count:]
-        if not times:
-            return 1.0
         step_s = step_ms / 1000
         groups = 1.0 + sum(min((later - earlier) / step_s, 1.0) for earlier, later in zip(times, times[1:]))
         return max(len(times) / groups / engines, 1.0)
 
     def _on_prefill_work(
-        self,
-        signals: InstanceSignals,
-        now: float,
-        tokens: float,
-        busy_us: float,
-        *,
-        queued: bool,
+        self, signals: InstanceSignals, now: float, tokens: float, busy_us: float, *, queued: bool
     ) -> None:
         """A server's prefill work since its previous reading (its counters' delta) as prefill
         evidence, whatever its load. The counters give tokens and busy time, not how many

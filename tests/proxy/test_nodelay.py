@@ -13,6 +13,7 @@ import socket
 import threading
 from collections.abc import Callable, Coroutine
 from http.server import ThreadingHTTPServer
+from typing import TypeVar
 
 import pytest
 import uvloop
@@ -21,10 +22,37 @@ from proxy_harness import running_proxy
 
 from sim.testing import wait_for
 
+T = TypeVar("T")
+
 # How long a server may take from accepting a connection to setting its TCP_NODELAY: the option
 # is set after accept() (by the event loop, or by the handler), and a look in between reads the
 # kernel's default (one run of the full suite caught bench.first_token's upstream there).
 SETTLE_S = 2.0
+
+
+def own_tcp_socket(check: Callable[[socket.socket], T | None]) -> T | None:
+    """`check` of the first TCP socket of this process for which it is not None (a socket it
+    raises OSError for, e.g. not connected, is passed over); None if none."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            copy = os.dup(int(fd))
+        except OSError:  # closed meanwhile
+            continue
+        try:
+            sock = socket.socket(fileno=copy)
+        except OSError:  # not a socket: socket() leaves the copy open, so close it here
+            os.close(copy)
+            continue
+        try:
+            if sock.family == socket.AF_INET and sock.type == socket.SOCK_STREAM:
+                value = check(sock)
+                if value is not None:
+                    return value
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return None
 
 
 def accepted_nodelay(client: socket.socket, expected: int) -> int:
@@ -34,25 +62,14 @@ def accepted_nodelay(client: socket.socket, expected: int) -> int:
     found: list[int] = []
 
     def look() -> bool:
-        for fd in os.listdir("/proc/self/fd"):
-            try:
-                copy = os.dup(int(fd))
-            except OSError:  # closed meanwhile
-                continue
-            try:
-                sock = socket.socket(fileno=copy)
-            except OSError:  # not a socket: socket() leaves the copy open, so close it here
-                os.close(copy)
-                continue
-            try:
-                if sock.family == socket.AF_INET and sock.type == socket.SOCK_STREAM and sock.getpeername() == ours:
-                    found.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
-                    return True
-            except OSError:  # not connected
-                pass
-            finally:
-                sock.close()
-        return False
+        def nodelay(sock: socket.socket) -> int | None:
+            return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) if sock.getpeername() == ours else None
+
+        value = own_tcp_socket(nodelay)
+        if value is None:
+            return False
+        found.append(value)
+        return True
 
     wait_for(look, "the server to accept the connection", timeout=10)
 
@@ -84,29 +101,13 @@ def serve_in_thread(make: Callable[[], Coroutine[None, None, None]]) -> threadin
 def listening_here(port: int) -> bool:
     """A socket of this process listens on `port` (not another process's, which a port taken
     between free_port() and the bind would be)."""
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            copy = os.dup(int(fd))
-        except OSError:
-            continue
-        try:
-            sock = socket.socket(fileno=copy)
-        except OSError:
-            os.close(copy)
-            continue
-        try:
-            if (
-                sock.family == socket.AF_INET
-                and sock.type == socket.SOCK_STREAM
-                and sock.getsockname()[1] == port
-                and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
-            ):
-                return True
-        except OSError:
-            pass
-        finally:
-            sock.close()
-    return False
+
+    def listens(sock: socket.socket) -> bool | None:
+        if sock.getsockname()[1] == port and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return True
+        return None
+
+    return own_tcp_socket(listens) is not None
 
 
 @pytest.fixture(scope="module")
