@@ -248,9 +248,9 @@ def test_steady_traffic_to_a_server_with_no_queue_teaches_its_prefill(rate: floa
     """Poisson arrivals to a server that prefills, whenever it is free, every prompt waiting (one
     iteration, the seed's time for their tokens), else runs a decode step; read every 0.1 s with
     no queue. Learned 0.59-1.15x the truth from 0.15 to 4.9 arrivals a step (under where the
-    prefill iterations outlast the decode step, the last case). Read one iteration a prompt:
-    0.2-0.96x; grouped whole where each prompt came within a step of the one before: up to 1.7x
-    (32-token prompts, a 30 ms fixed cost); in groups spanning a step from their first: 0.69-1.72x."""
+    prefill iterations outlast the decode step, the third case). Read one iteration a prompt:
+    0.2-0.96x; grouped whole where each prompt came within a step of the one before: up to 2.2x
+    (the 32-token cases: a 30 ms fixed cost); in groups spanning a step from their first: 0.69-1.72x."""
     import bisect
     import random
 

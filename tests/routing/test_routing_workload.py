@@ -22,11 +22,11 @@ from sim.testing import TwinSpec, twins
 TIME_SCALE = 2.0
 BURST = 18
 """Long requests pinned to spec. With them decoding, a 300-token request is predicted 0.39-0.41 s
-on spec against 0.70-0.75 s on base for code (accept length 3.2), and 0.80-0.83 s on spec for
-chat (1.25) before what joining costs the burst (0.04-0.10 s more): chat's own time on spec is
+on spec against 0.69-0.75 s on base for code (accept length 3.2), and 0.80-0.83 s on spec for
+chat (1.25) before what joining costs the burst (0.10-0.17 s more): chat's own time on spec is
 the longer one. (At chat 0.3 its own times tied, 0.70 s each way, and the decision rested on that
-cost alone, which moves with the prefill time learned from a few noisy first tokens: 2 runs in
-10 sent chat to spec.) 5 runs each.
+cost alone, which moved with spec's prefill as learned then, a seventh of the twin's in most
+runs: 2 runs in 10 sent chat to spec.) 5 runs each.
 
 They are not streamed: 24 streams' chunks kept this test's own event loop (and the proxy's)
 busy on two cores, so the two asks came up to 5.7 s after the burst instead of 0.3 s, after much
